@@ -1,0 +1,98 @@
+"""`oomless` command line. Parses, loads the config once, dispatches; exit codes per INTERFACE.md.
+
+Each subcommand's work lives in the module that owns the concept; this file only wires them, and
+imports them lazily so `oomless config` and bad input answer fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from launcher.config import ConfigError, dump_config, load_config
+
+EXIT_OK, EXIT_USAGE, EXIT_NO_FIT, EXIT_OOM, EXIT_SIGNAL = 0, 2, 3, 75, 143
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+        print(f"oomless: {message}; see 'oomless --help'", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="oomless", description="Fine-tune HF causal LMs without out-of-memory.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def with_config(name: str, help_: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("config", help="job YAML file")
+        sp.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+        return sp
+
+    sp = with_config("estimate", "memory per strategy (no GPU needed)")
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--trace", action="store_true", help="also trace one real step (FakeTensor)")
+    sp = with_config("plan", "the plan oomless would run, and why")
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--emit", choices=["torchrun", "deepspeed", "accelerate", "sbatch"])
+    sp = with_config("train", "plan, launch, escalate on OOM")
+    sp.add_argument("--dry-run", action="store_true")
+    sp = with_config("submit", "write run_dir/submit.sbatch and sbatch it")
+    sp.add_argument("--dry-run", action="store_true")
+    with_config("config", "print the resolved config")
+    sp = sub.add_parser("export", help="checkpoint -> HF model dir")
+    sp.add_argument("checkpoint")
+    sp.add_argument("out_dir")
+    sp = sub.add_parser("report", help="plots of a run (loss curves, memory breakdown)")
+    sp.add_argument("run_dir")
+    return p
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "export":
+        from trainer.checkpoint import export_command
+
+        return export_command(args.checkpoint, args.out_dir)
+    if args.command == "report":
+        from launcher.report import report_command
+
+        return report_command(args.run_dir)
+    cfg = load_config(args.config, args.overrides)
+    if args.command == "config":
+        sys.stdout.write(dump_config(cfg))
+        return EXIT_OK
+    if args.command == "estimate":
+        from launcher.estimate_report import estimate_command
+
+        return estimate_command(cfg, as_json=args.json, trace=args.trace)
+    if args.command == "plan":
+        from launcher.plan_report import plan_command
+
+        return plan_command(cfg, as_json=args.json, emit=args.emit)
+    if args.command == "train":
+        from launcher.supervisor import train_command
+
+        return train_command(cfg, dry_run=args.dry_run)
+    if args.command == "submit":
+        from launcher.slurm import submit_command
+
+        return submit_command(cfg, dry_run=args.dry_run)
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ConfigError as err:
+        print(str(err), file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_SIGNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

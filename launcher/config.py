@@ -1,0 +1,472 @@
+"""The job config: one typed tree, strict keys, validated once at the boundary.
+
+pydantic v2 rather than dataclasses: it gives strict keys (`extra="forbid"`), typed coercion and
+range checks for free, and its error locations name the exact key, which is what the one-line
+error message needs. Everything else in oomless reads this tree and never re-validates.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+STRATEGIES = (
+    "single",
+    "ddp",
+    "fsdp",
+    "fsdp_offload",
+    "zero1",
+    "zero2",
+    "zero3",
+    "zero3_offload",
+    "zero3_offload_params",
+    "zero3_nvme",
+)
+Strategy = Literal[
+    "auto",
+    "single",
+    "ddp",
+    "fsdp",
+    "fsdp_offload",
+    "zero1",
+    "zero2",
+    "zero3",
+    "zero3_offload",
+    "zero3_offload_params",
+    "zero3_nvme",
+]
+AcLevel = Literal["none", "selective", "full"]
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """A bad config value. `str()` is the one line the user sees: key, problem, fix."""
+
+    def __init__(self, key: str, problem: str, fix: str):
+        self.key, self.problem, self.fix = key, problem, fix
+        super().__init__(f"config error: {key}: {problem}; {fix}")
+
+
+def parse_size(value: int | float | str) -> int:
+    """'80GiB' -> 85899345920. Bare numbers are bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 80GiB")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError("must be positive")
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"'{value}' is not a size; write it like 80GiB, 512GB or 24GiB")
+    size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError("must be positive")
+    return size
+
+
+def format_size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f}GiB"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name_or_path: str | None = None
+    config: dict[str, Any] | None = None
+    tokenizer: str | None = None
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
+    trust_remote_code: bool = False
+    revision: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.name_or_path is None) == (self.config is None):
+            raise ValueError(
+                "set exactly one of model.name_or_path (pretrained) or model.config (inline HF "
+                "config, random init)"
+            )
+        if self.config is not None and "model_type" not in self.config:
+            raise ValueError("model.config needs a model_type (e.g. llama, qwen2, mistral)")
+        return self
+
+
+class DataConfig(_Section):
+    path: str
+    format: Literal["text", "prompt_completion", "chat"] = "text"
+    seq_len: int = Field(2048, ge=8)
+    text_field: str = "text"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"
+    eval_path: str | None = None
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    pack: bool = True
+    on_bad_row: Literal["error", "skip"] = "error"
+    cache_dir: str | None = None
+    append_eos: bool = True
+
+
+class TrainConfig(_Section):
+    steps: int = Field(1000, ge=1)
+    global_batch_size: int = Field(64, ge=1)
+    micro_batch_size: int | Literal["auto"] = "auto"
+    lr: float = Field(2e-5, gt=0.0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0.0)
+    grad_clip: float = Field(1.0, ge=0.0)
+    seed: int = Field(0, ge=0)
+    eval_every: int = Field(0, ge=0)
+    eval_batches: int = Field(8, ge=1)
+    log_every: int = Field(1, ge=1)
+    deterministic: bool = False
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _positive_micro(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1 or auto")
+        return v
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError("both betas must be in [0, 1)")
+        return v
+
+
+class MemoryConfig(_Section):
+    activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
+    headroom: float = Field(0.10, ge=0.0, lt=0.9)
+
+
+class HardwareConfig(_Section):
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    nodes: int = Field(1, ge=1)
+    devices_per_node: int | None = Field(None, ge=1)
+    device_memory: int | None = None
+    host_memory: int | None = None
+
+    @field_validator("device_memory", "host_memory", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> int | None:
+        return None if v is None else parse_size(v)
+
+
+class InjectOomConfig(_Section):
+    step: int = Field(ge=0)
+    rank: int | None = Field(None, ge=0)
+    times: int = Field(1, ge=0)
+    where: Literal["forward", "backward", "optimizer"] = "backward"
+    strategies: list[str] | None = None
+
+    @field_validator("strategies")
+    @classmethod
+    def _known(cls, v: list[str] | None) -> list[str] | None:
+        for name in v or []:
+            if name not in STRATEGIES:
+                raise ValueError(f"unknown strategy '{name}'; use one of {', '.join(STRATEGIES)}")
+        return v
+
+
+class DebugConfig(_Section):
+    inject_oom: InjectOomConfig | None = None
+    crash_in_save: str | None = None
+
+
+class RunConfig(_Section):
+    dir: str = "runs/default"
+    checkpoint_every: int = Field(100, ge=0)
+    keep_checkpoints: int = Field(2, ge=1)
+    async_checkpoint: bool = False
+    resume: str = "auto"
+    save_final: bool = True
+
+
+class FsdpConfig(_Section):
+    reshard_after_forward: bool = True
+    hybrid: bool = False
+
+
+class DeepSpeedConfig(_Section):
+    nvme_path: str | None = None
+    overrides: dict[str, Any] = Field(default_factory=dict)
+
+
+class DistConfig(_Section):
+    timeout_s: int = Field(600, ge=1)
+    max_restarts: int = Field(0, ge=0)
+
+
+class EscalationConfig(_Section):
+    enabled: bool = True
+    max_attempts: int = Field(3, ge=0)
+
+
+class SlurmConfig(_Section):
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str = "24:00:00"
+    constraint: str | None = None
+    grace_s: int = Field(120, ge=10)
+    extra: list[str] = Field(default_factory=list)
+    setup: list[str] = Field(default_factory=list)
+
+
+class JobConfig(_Section):
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    strategy: Strategy = "auto"
+    hardware: HardwareConfig = Field(default_factory=HardwareConfig)
+    debug: DebugConfig = Field(default_factory=DebugConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+    fsdp: FsdpConfig = Field(default_factory=FsdpConfig)
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
+    dist: DistConfig = Field(default_factory=DistConfig)
+    escalation: EscalationConfig = Field(default_factory=EscalationConfig)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> JobConfig:
+        micro = self.train.micro_batch_size
+        if isinstance(micro, int) and self.train.global_batch_size % micro:
+            raise ValueError(
+                f"train.global_batch_size={self.train.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={micro}"
+            )
+        if self.strategy == "zero3_nvme" and not self.deepspeed.nvme_path:
+            raise ValueError("strategy zero3_nvme needs deepspeed.nvme_path (a local NVMe dir)")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# Keys whose value changes what is learned: a checkpoint refuses to resume when they differ.
+# Strategy, world size, micro-batch, checkpointing and run bookkeeping may change freely.
+_SEMANTIC_KEYS = ("model", "data", "precision")
+_SEMANTIC_TRAIN_KEYS = (
+    "global_batch_size",
+    "lr",
+    "min_lr_ratio",
+    "schedule",
+    "warmup_steps",
+    "weight_decay",
+    "betas",
+    "eps",
+    "grad_clip",
+    "seed",
+    "steps",
+)
+
+
+def semantic_hash(cfg: JobConfig) -> str:
+    """Hash of what determines the learned result (not where bytes live)."""
+    d = cfg.to_dict()
+    picked = {k: d[k] for k in _SEMANTIC_KEYS}
+    picked["train"] = {k: d["train"][k] for k in _SEMANTIC_TRAIN_KEYS}
+    blob = json.dumps(picked, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(
+                ".".join(parts[: i + 1]),
+                f"is a value, not a section, so '{dotted}' cannot be set",
+                "override the whole key instead",
+            )
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=value` overrides in order; values parse as YAML."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not p for p in key.split(".")):
+            raise ConfigError(
+                item, "is not a KEY=VALUE override", "write it like train.lr=1e-4 or strategy=fsdp"
+            )
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key.strip(), value)
+    return tree
+
+
+def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names valid at `loc` (for 'did you mean')."""
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        ann = field.annotation
+        candidates = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type)]
+        sub = next((a for a in candidates if issubclass(a, BaseModel)), None)
+        if sub is None:
+            return []
+        model = sub
+    return list(model.model_fields)
+
+
+def _explain(err: ValidationError) -> ConfigError:
+    first = err.errors(include_url=False)[0]
+    # pydantic puts union branch names such as 'int' or 'literal[...]' into loc; drop them.
+    names = [str(p) for p in first["loc"] if not str(p).startswith(("literal[", "function-"))]
+    names = [n for n in names if n not in ("int", "str", "float", "bool", "dict[str,any]")]
+    key = ".".join(names) or "config"
+    kind, msg = first["type"], first["msg"]
+    if kind == "extra_forbidden":
+        parent = tuple(names[:-1])
+        known = _known_keys(JobConfig, parent)
+        close = difflib.get_close_matches(names[-1], known, n=1)
+        hint = f"did you mean '{'.'.join([*parent, close[0]])}'?" if close else ""
+        valid = f"valid keys here: {', '.join(known)}" if known else "remove it"
+        return ConfigError(key, "unknown key", f"{hint} {valid}".strip())
+    if kind == "missing":
+        return ConfigError(key, "is required", f"add {key}: ... to the config")
+    if kind == "literal_error":
+        expected = first.get("ctx", {}).get("expected", "")
+        got = first.get("input")
+        close = difflib.get_close_matches(str(got), re.findall(r"'([^']+)'", expected), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        return ConfigError(key, f"'{got}' is not allowed", f"{hint}use one of {expected}")
+    if kind == "value_error":
+        text = msg.removeprefix("Value error, ")
+        return ConfigError(key, text, "fix the value in the config or with an override")
+    got = first.get("input")
+    shown = json.dumps(got, default=str) if not isinstance(got, dict) else "a mapping"
+    return ConfigError(key, f"{msg.lower()} (got {shown})", f"set {key} to a valid value")
+
+
+def build_config(tree: dict[str, Any]) -> JobConfig:
+    """Validate a raw tree; raises ConfigError with the one-line message."""
+    try:
+        cfg = JobConfig.model_validate(tree)
+    except ValidationError as err:
+        raise _explain(err) from None
+    _check_paths(cfg)
+    return cfg
+
+
+def _check_paths(cfg: JobConfig) -> None:
+    def looks_local(p: str) -> bool:
+        return p.startswith(("/", "./", "../", "~")) or Path(p).suffix != ""
+
+    for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
+        if value and looks_local(value) and not Path(value).expanduser().exists():
+            raise ConfigError(key, f"'{value}' does not exist", "point it at a data file or dir")
+    for key, value in (
+        ("model.name_or_path", cfg.model.name_or_path),
+        ("model.tokenizer", cfg.model.tokenizer),
+    ):
+        if value and value.startswith(("/", "./", "../", "~")):
+            if not Path(value).expanduser().exists():
+                raise ConfigError(key, f"'{value}' does not exist", "point it at a local dir")
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
+    """Read YAML (safe_load), apply overrides, validate. Relative paths resolve against the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(str(path), "config file not found", "pass the path of a YAML job file")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(str(path), f"is not valid YAML{where}", "fix the syntax") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(str(path), "top level must be a mapping", "start with model:, data:")
+    tree = apply_overrides(tree, overrides or [])
+    _resolve_relative(tree, path.parent)
+    return build_config(tree)
+
+
+def _resolve_relative(tree: dict[str, Any], base: Path) -> None:
+    """Paths in a job file are relative to the file (or the CWD when they exist there)."""
+    for section, key in (
+        ("data", "path"),
+        ("data", "eval_path"),
+        ("model", "name_or_path"),
+        ("model", "tokenizer"),
+    ):
+        value = (tree.get(section) or {}).get(key)
+        if not isinstance(value, str) or value.startswith(("/", "~")):
+            continue
+        if Path(value).exists():
+            tree[section][key] = str(Path(value).resolve())
+        elif (base / value).exists():
+            tree[section][key] = str((base / value).resolve())
+
+
+_SECRET_RE = re.compile(
+    r"^((hf|hub|auth|access|api)_)?token$|secret|password|api_?key", re.IGNORECASE
+)
+
+
+def redact(tree: Any) -> Any:
+    """Drop values of keys that look like secrets (never written to run dirs or logs)."""
+    if isinstance(tree, dict):
+        return {
+            k: ("<redacted>" if _SECRET_RE.search(str(k)) and v else redact(v))
+            for k, v in tree.items()
+        }
+    if isinstance(tree, list):
+        return [redact(v) for v in tree]
+    return tree
+
+
+def dump_config(cfg: JobConfig) -> str:
+    return yaml.safe_dump(redact(cfg.to_dict()), sort_keys=False)
+
+
+def write_config(cfg: JobConfig, run_dir: str | Path) -> Path:
+    out = Path(run_dir) / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".yaml.tmp")
+    tmp.write_text(dump_config(cfg))
+    tmp.replace(out)
+    return out

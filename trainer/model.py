@@ -1,0 +1,152 @@
+"""Building the model: HF config, seeded init or pretrained weights, activation checkpointing."""
+
+from __future__ import annotations
+
+import logging
+from functools import cached_property
+from typing import Any
+
+import torch
+from torch import nn
+
+from launcher.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def load_hf_config(model_cfg: ModelConfig) -> Any:
+    """The transformers config object, from the inline dict or the pretrained source."""
+    from transformers import AutoConfig, CONFIG_MAPPING
+
+    if model_cfg.config is not None:
+        params = dict(model_cfg.config)
+        config = CONFIG_MAPPING[params.pop("model_type")](**params)
+    else:
+        config = _from_hub_or_dir(
+            AutoConfig.from_pretrained,
+            model_cfg.name_or_path,
+            trust_remote_code=model_cfg.trust_remote_code,
+            revision=model_cfg.revision,
+        )
+    config._attn_implementation = model_cfg.attn_implementation
+    config.use_cache = False
+    return config
+
+
+def _from_hub_or_dir(loader: Any, name: str, **kwargs: Any) -> Any:
+    try:
+        return loader(name, **kwargs)
+    except OSError as err:
+        raise RuntimeError(
+            f"model.name_or_path: cannot load '{name}' ({str(err).splitlines()[0]}); "
+            "give a local directory, or run where the Hugging Face Hub is reachable"
+        ) from None
+
+
+class HFModelFactory:
+    """Implements `trainer.backends.ModelFactory` for HF causal LMs.
+
+    Random init is seeded and done on the CPU in fp32, so every backend and world size starts
+    from bit-identical weights.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, seed: int):
+        self.model_cfg = model_cfg
+        self.seed = seed
+        self.hf_config = load_hf_config(model_cfg)
+
+    def build(self, device: str | torch.device) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        device = torch.device(device)
+        if device.type == "meta":
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(
+                    self.hf_config,
+                    torch_dtype=torch.float32,
+                    trust_remote_code=self.model_cfg.trust_remote_code,
+                )
+        model = self._build_cpu()
+        return model.to(device)
+
+    def _build_cpu(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        if self.model_cfg.name_or_path is not None:
+            model = _from_hub_or_dir(
+                AutoModelForCausalLM.from_pretrained,
+                self.model_cfg.name_or_path,
+                config=self.hf_config,
+                torch_dtype=torch.float32,
+                trust_remote_code=self.model_cfg.trust_remote_code,
+                revision=self.model_cfg.revision,
+            )
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                model = AutoModelForCausalLM.from_config(
+                    self.hf_config,
+                    torch_dtype=torch.float32,
+                    trust_remote_code=self.model_cfg.trust_remote_code,
+                )
+        model.config.use_cache = False
+        return model
+
+    @cached_property
+    def _initial_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self._build_cpu().state_dict().items()}
+
+    def initial_state_dict(self) -> dict[str, torch.Tensor]:
+        return self._initial_state
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The repeated transformer blocks: the unit of checkpointing and sharding."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    best: nn.ModuleList | None = None
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        first = module[0]
+        if names and type(first).__name__ in names:
+            return module
+        inner = getattr(first, "_checkpoint_wrapped_module", None)
+        if inner is not None and type(inner).__name__ in names:
+            return module
+        if best is None or len(module) > len(best):
+            best = module
+    if best is None:
+        raise ValueError(f"{type(model).__name__}: no repeated decoder layers found")
+    return best
+
+
+def checkpointed_layer_indices(num_layers: int, level: str) -> list[int]:
+    """`full`: every layer; `selective`: every other layer (torchtitan's layer-level SAC)."""
+    if level == "full":
+        return list(range(num_layers))
+    if level == "selective":
+        return list(range(0, num_layers, 2))
+    return []
+
+
+def apply_activation_checkpointing(model: nn.Module, level: str) -> None:
+    """Wrap decoder layers in non-reentrant checkpointing, in place (before any sharding)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = decoder_layers(model)
+    for i in checkpointed_layer_indices(len(layers), level):
+        layers[i] = checkpoint_wrapper(layers[i])
+
+
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def canonical_name(name: str) -> str:
+    """Parameter name as in the plain HF model (wrappers' prefixes removed)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
