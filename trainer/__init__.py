@@ -1,0 +1,1 @@
+"""oomless training engine: one loop, pluggable backends (see DESIGN.md)."""
