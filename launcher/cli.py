@@ -7,10 +7,10 @@ imports them lazily so `oomless config` and bad input answer fast.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from launcher.config import ConfigError, dump_config, load_config
+from launcher.logs import setup_logging
 
 EXIT_OK, EXIT_USAGE, EXIT_NO_FIT, EXIT_OOM, EXIT_SIGNAL = 0, 2, 3, 75, 143
 
@@ -83,7 +83,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    setup_logging()
     args = _parser().parse_args(argv)
     try:
         return _dispatch(args)

@@ -1,0 +1,32 @@
+"""Logging for humans: rank 0 speaks, other ranks only warn; no torch import here."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+_NOISY = ("httpx", "urllib3", "filelock", "datasets", "torch.distributed", "DeepSpeed")
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.rank == 0 or record.levelno >= logging.WARNING
+
+
+def setup_logging(rank: int = 0, world_size: int = 1) -> None:
+    """(Re)configure the root logger: one stderr handler; ranks tagged when there are several."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    prefix = f"[rank{rank}] " if world_size > 1 else ""
+    handler.setFormatter(logging.Formatter(f"{prefix}%(message)s"))
+    handler.addFilter(_RankFilter(rank))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    for name in _NOISY:
+        logging.getLogger(name).setLevel(logging.WARNING)

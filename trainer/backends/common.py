@@ -1,0 +1,93 @@
+"""Free functions the backends share (no base class): optimizer, autocast, canonical state, memory."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+
+import torch
+from torch import nn
+
+from trainer.backends import OptimizerSpec
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_context(device: torch.device, precision: str) -> AbstractContextManager:
+    """16-bit compute over fp32 weights; fp32 precision runs without autocast."""
+    dtype = COMPUTE_DTYPES.get(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def build_adamw(
+    params: Iterable[nn.Parameter], optim: OptimizerSpec, device: torch.device
+) -> torch.optim.AdamW:
+    """AdamW, fused on CUDA (one kernel for all params), foreach on CPU."""
+    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(
+        list(params),
+        lr=optim.lr,
+        betas=optim.betas,
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        **fast,
+    )
+
+
+def canonical_optim_state(
+    optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """AdamW moments and step per canonical parameter name, fp32 on CPU (portable layout)."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, p in params.items():
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        out[name] = {
+            "exp_avg": _full(state["exp_avg"]).to("cpu", torch.float32, copy=True),
+            "exp_avg_sq": _full(state["exp_avg_sq"]).to("cpu", torch.float32, copy=True),
+            "step": torch.as_tensor(float(state["step"]), dtype=torch.float32),
+        }
+    return out
+
+
+def load_canonical_optim_state(
+    optimizer: torch.optim.Optimizer,
+    params: dict[str, torch.Tensor],
+    state: dict[str, dict[str, torch.Tensor]],
+) -> None:
+    fused = any(g.get("fused") for g in optimizer.param_groups)
+    for name, p in params.items():
+        if name not in state:
+            continue
+        s = state[name]
+        step_device = p.device if fused else "cpu"
+        optimizer.state[p] = {
+            "exp_avg": s["exp_avg"].to(p.device, p.dtype).reshape_as(p),
+            "exp_avg_sq": s["exp_avg_sq"].to(p.device, p.dtype).reshape_as(p),
+            "step": torch.as_tensor(float(s["step"]), dtype=torch.float32, device=step_device),
+        }
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def device_memory_stats(device: torch.device) -> dict[str, int]:
+    """Peak bytes since the last reset: allocator peak on CUDA; on CPU the process's peak RSS
+    (host memory, never reset: the kernel keeps only a lifetime maximum)."""
+    if device.type == "cuda":
+        return {
+            "peak_device_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        }
+    return {"peak_device_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def reset_device_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)

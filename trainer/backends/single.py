@@ -1,0 +1,107 @@
+"""`single`: the whole model, its gradients and AdamW state on one device.
+
+Mixed precision is the INTERFACE.md contract: fp32 master weights, grads and optimizer state;
+forward and loss under autocast in bf16/fp16; fp16 adds a dynamic gradient scaler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
+from trainer.backends.common import (
+    autocast_context,
+    build_adamw,
+    canonical_optim_state,
+    device_memory_stats,
+    load_canonical_optim_state,
+    reset_device_peak,
+)
+from trainer.model import apply_activation_checkpointing, canonical_name
+
+
+class SingleBackend:
+    def __init__(self, strategy: str, ctx: BackendContext):
+        self.name = strategy
+        self.ctx = ctx
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.precision == "fp16")
+
+    def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
+        model = factory.build(self.ctx.device)
+        apply_activation_checkpointing(model, self.ctx.activation_checkpointing)
+        model.train()
+        self.model = model
+        self.optimizer = build_adamw(model.parameters(), optim, self.ctx.device)
+        self.grad_clip = optim.grad_clip
+        return model
+
+    def compute_context(self) -> AbstractContextManager:
+        return autocast_context(self.ctx.device, self.ctx.precision)
+
+    def no_sync(self) -> AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def step(self) -> float:
+        assert self.model is not None and self.optimizer is not None
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def set_lr(self, lr: float) -> None:
+        assert self.optimizer is not None
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def drop_grads(self) -> None:
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _named_params(self) -> dict[str, nn.Parameter]:
+        assert self.model is not None
+        return {canonical_name(n): p for n, p in self.model.named_parameters()}
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.optimizer is not None
+        params = self._named_params()
+        return {
+            "model": {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in params.items()},
+            "optim": canonical_optim_state(self.optimizer, params),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.optimizer is not None
+        params = self._named_params()
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(state["model"][name])
+        load_canonical_optim_state(self.optimizer, params, state["optim"])
+        if state.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
+
+    def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
+        assert self.model is not None
+        return {
+            canonical_name(n): t.detach().to("cpu", copy=True)
+            for n, t in self.model.state_dict().items()
+        }
+
+    def memory_stats(self) -> dict[str, int]:
+        return device_memory_stats(self.ctx.device)
+
+    def reset_peak(self) -> None:
+        reset_device_peak(self.ctx.device)

@@ -1,0 +1,76 @@
+"""Process-group setup and the few collectives the engine needs; rank-aware logging.
+
+Every rank runs the same engine. Under torchrun the environment names the rank; run directly, the
+process is rank 0 of a world of 1 and no process group is created.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from launcher.config import JobConfig
+
+log = logging.getLogger(__name__)
+
+
+def env_rank() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from the torchrun environment; (0, 0, 1) outside it."""
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+    )
+
+
+def resolve_device(cfg: JobConfig, local_rank: int) -> torch.device:
+    kind = cfg.hardware.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: JobConfig, device: torch.device) -> None:
+    """Create the default process group once per process (idempotent; never torn down here).
+
+    NCCL for CUDA tensors, gloo for CPU ones; on CUDA both are registered so that collectives on
+    host tensors (offloaded states, flags) also work.
+    """
+    _, _, world_size = env_rank()
+    if world_size == 1 or dist.is_initialized():
+        return
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.dist.timeout_s))
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum a few scalars over all ranks in one collective (fp64 so token counts stay exact)."""
+    if not is_distributed():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_reduce_max(value: float, device: torch.device) -> float:
+    if not is_distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()

@@ -1,0 +1,82 @@
+"""Held-out evaluation: token-weighted loss and exact match per document, reduced over ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.dist import all_reduce_sum
+from trainer.loss import IGNORE_INDEX
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    compute_context: Callable[[], AbstractContextManager],
+    device: torch.device,
+) -> dict[str, float]:
+    """{'eval_loss', 'eval_exact_match'} over the given batches of every rank.
+
+    A document counts as an exact match when argmax predicts every one of its target tokens
+    under teacher forcing (for a prompt/completion task: the whole completion is right).
+    """
+    was_training = model.training
+    model.eval()
+    loss_sum = num_tokens = num_docs = num_correct = 0.0
+    try:
+        for batch in batches:
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            with compute_context():
+                logits = model(
+                    input_ids=batch["input_ids"], position_ids=batch.get("position_ids")
+                ).logits
+            logits = logits[:, :-1].float()
+            targets = batch["labels"][:, 1:]
+            loss_sum += float(
+                F.cross_entropy(
+                    logits.reshape(-1, logits.size(-1)),
+                    targets.reshape(-1),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
+            )
+            has_target = targets != IGNORE_INDEX
+            num_tokens += float(has_target.sum())
+            docs, correct = _exact_match_counts(
+                logits.argmax(-1) == targets, has_target, batch["doc_ids"][:, 1:]
+            )
+            num_docs += docs
+            num_correct += correct
+    finally:
+        model.train(was_training)
+    loss_sum, num_tokens, num_docs, num_correct = all_reduce_sum(
+        [loss_sum, num_tokens, num_docs, num_correct], device
+    )
+    return {
+        "eval_loss": loss_sum / max(num_tokens, 1.0),
+        "eval_exact_match": num_correct / max(num_docs, 1.0),
+    }
+
+
+def _exact_match_counts(
+    hit: torch.Tensor, has_target: torch.Tensor, doc_ids: torch.Tensor
+) -> tuple[float, float]:
+    """(documents with targets, documents whose targets are all hit) in a [m, L-1] batch."""
+    num_rows, _ = hit.shape
+    max_docs = int(doc_ids.max().item()) + 2 if doc_ids.numel() else 1
+    # One bucket per (row, document); padding (doc id -1) and non-targets fall out via the masks.
+    key = torch.arange(num_rows, device=hit.device)[:, None] * max_docs + doc_ids.clamp(min=-1) + 1
+    key = key[has_target]
+    misses = (~hit)[has_target].float()
+    num_buckets = num_rows * max_docs
+    targets_per_doc = torch.zeros(num_buckets, device=hit.device).index_add_(
+        0, key, torch.ones_like(misses)
+    )
+    misses_per_doc = torch.zeros(num_buckets, device=hit.device).index_add_(0, key, misses)
+    scored = targets_per_doc > 0
+    return float(scored.sum()), float((scored & (misses_per_doc == 0)).sum())

@@ -1,0 +1,61 @@
+"""metrics.jsonl (one object per optimizer step, INTERFACE.md) and the human progress line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class MetricsLog:
+    """Appends JSON lines on rank 0 and prints a progress line with an ETA."""
+
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool, log_every: int = 1):
+        self.path = run_dir / "metrics.jsonl"
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self.log_every = log_every
+        self._start = time.perf_counter()
+        self._first_step: int | None = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        step = record["step"]
+        if self._first_step is None:
+            self._first_step = step
+            self._start = time.perf_counter() - record.get("step_time_s", 0.0)
+        if step % self.log_every == 0 or step == self.total_steps or "eval_loss" in record:
+            log.info(self._progress_line(record))
+
+    def _progress_line(self, r: dict[str, Any]) -> str:
+        step = r["step"]
+        done = step - (self._first_step or step) + 1
+        elapsed = time.perf_counter() - self._start
+        eta_s = elapsed / done * (self.total_steps - step)
+        parts = [
+            f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}",
+            f"loss {r['loss']:.4f}",
+            f"lr {r['lr']:.2e}",
+            f"gnorm {r['grad_norm']:.3f}",
+            f"{r['tokens_per_s']:,.0f} tok/s",
+        ]
+        if "mfu" in r:
+            parts.append(f"mfu {r['mfu']:.1%}")
+        if "eval_loss" in r:
+            parts.append(f"eval_loss {r['eval_loss']:.4f}")
+        if "eval_exact_match" in r:
+            parts.append(f"eval_exact_match {r['eval_exact_match']:.1%}")
+        parts.append(f"eta {_hms(eta_s)}")
+        return " | ".join(parts)
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(max(0.0, seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
