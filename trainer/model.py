@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 def load_hf_config(model_cfg: ModelConfig) -> Any:
     """The transformers config object, from the inline dict or the pretrained source."""
-    from transformers import AutoConfig, CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     if model_cfg.config is not None:
         params = dict(model_cfg.config)

@@ -1,4 +1,4 @@
-"""Learning-rate schedule: linear warmup, then cosine, linear or constant down to lr x min_lr_ratio."""
+"""Learning-rate schedule: linear warmup, then cosine, linear or constant decay to a floor."""
 
 from __future__ import annotations
 

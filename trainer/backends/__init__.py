@@ -86,7 +86,7 @@ class Backend(Protocol):
         """Discard partial gradients of an abandoned step (OOM back-off)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Canonical state: {'model': {name: fp32}, 'optim': {name: {exp_avg, exp_avg_sq, step}}}."""
+        """Canonical: {'model': {name: fp32}, 'optim': {name: {exp_avg, exp_avg_sq, step}}}."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 

@@ -1,4 +1,4 @@
-"""Free functions the backends share (no base class): optimizer, autocast, canonical state, memory."""
+"""Free functions the backends share (no base class): optimizer, autocast, state, memory."""
 
 from __future__ import annotations
 
