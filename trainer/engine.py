@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from launcher.config import JobConfig
 from launcher.logs import setup_logging
-from trainer.backends import BackendContext, OptimizerSpec, build_backend
+from trainer.backends import Backend, BackendContext, OptimizerSpec, build_backend
+from trainer.checkpoint import (
+    load_checkpoint,
+    load_template,
+    resolve_resume,
+    restore_rng,
+    save_checkpoint,
+)
 from trainer.data import build_data, build_tokenizer
 from trainer.dist import (
     all_reduce_max,
@@ -30,6 +39,7 @@ from trainer.export import save_hf_model
 from trainer.metrics import MetricsLog
 from trainer.model import HFModelFactory, count_parameters
 from trainer.schedule import lr_at
+from trainer.signals import EXIT_SIGNAL, StopSignals
 from trainer.step import train_step
 
 log = logging.getLogger(__name__)
@@ -78,10 +88,16 @@ def run_training(cfg: JobConfig) -> int:
         ctx.activation_checkpointing,
     )
 
+    start_step = 0
+    resume_from = resolve_resume(cfg)
+    if resume_from is not None:
+        start_step = _resume(resume_from, backend, cfg, rank)
     metrics = MetricsLog(run_dir, cfg.train.steps, enabled=rank == 0, log_every=cfg.train.log_every)
     if rank == 0:
-        metrics.path.unlink(missing_ok=True)
-    for step in range(cfg.train.steps):
+        metrics.truncate_after(start_step)
+    stop = StopSignals()
+
+    for step in range(start_step, cfg.train.steps):
         backend.reset_peak()
         lr = lr_at(cfg.train, step)
         backend.set_lr(lr)
@@ -117,6 +133,14 @@ def run_training(cfg: JobConfig) -> int:
             )
         metrics.write(record)
 
+        stopping = stop.agreed(device)
+        last = step + 1 == cfg.train.steps
+        if stopping or (_due(step + 1, cfg.run.checkpoint_every, cfg.train.steps) and not last):
+            _checkpoint(run_dir, step + 1, backend, ctx, tokenizer)
+        if stopping:
+            log.warning("stopped by %s after step %d; checkpoint written", stop.name, step + 1)
+            return EXIT_SIGNAL
+
     if cfg.run.save_final:
         weights = backend.full_model_state_dict()
         if rank == 0:
@@ -131,6 +155,48 @@ def run_training(cfg: JobConfig) -> int:
             log.info("saved the trained model to %s", out)
         barrier()
     return 0
+
+
+def _resume(path: Path, backend: Backend, cfg: JobConfig, rank: int) -> int:
+    """Load a checkpoint of any strategy and world size into this backend; returns its step."""
+    state = load_checkpoint(path, load_template(backend.state_dict()), cfg)
+    backend_state = state["backend"]
+    backend_state["scaler"] = state.get("scaler") or {}
+    backend.load_state_dict(backend_state)
+    restore_rng(path, rank)
+    log.info(
+        "resumed from %s (step %d, written by %s on %d ranks)",
+        path,
+        state["step"],
+        state.get("strategy"),
+        state.get("world_size"),
+    )
+    return int(state["step"])
+
+
+def _checkpoint(
+    run_dir: Path, step: int, backend: Backend, ctx: BackendContext, tokenizer: Any
+) -> None:
+    cfg = ctx.cfg
+    start = time.perf_counter()
+    backend_state = backend.state_dict()
+    trainer_state = {
+        "strategy": cfg.strategy,
+        "world_size": ctx.world_size,
+        "micro_batch_size": ctx.micro_batch_size,
+        "scaler": backend_state.get("scaler") or {},
+    }
+    path = save_checkpoint(
+        run_dir,
+        step,
+        backend_state,
+        trainer_state,
+        cfg,
+        tokenizer,
+        ctx.rank,
+        cfg.run.keep_checkpoints,
+    )
+    log.info("checkpoint %s written in %.1f s", path, time.perf_counter() - start)
 
 
 def _optimizer_spec(cfg: JobConfig) -> OptimizerSpec:

@@ -28,7 +28,7 @@ def save_hf_model(
     shutil.rmtree(tmp, ignore_errors=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            hf_config, torch_dtype=torch.float32, trust_remote_code=trust_remote_code
+            hf_config, dtype=torch.float32, trust_remote_code=trust_remote_code
         )
     model.load_state_dict(state_dict, strict=False, assign=True)
     model.tie_weights()

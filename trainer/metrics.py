@@ -22,6 +22,17 @@ class MetricsLog:
         self._start = time.perf_counter()
         self._first_step: int | None = None
 
+    def truncate_after(self, step: int) -> None:
+        """Keep the lines of steps <= `step` (a resumed run rewrites what came after)."""
+        if not self.path.exists():
+            return
+        kept = [
+            line
+            for line in self.path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line)["step"] <= step
+        ]
+        self.path.write_text("".join(kept))
+
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return

@@ -63,7 +63,7 @@ class HFModelFactory:
             with torch.device("meta"):
                 return AutoModelForCausalLM.from_config(
                     self.hf_config,
-                    torch_dtype=torch.float32,
+                    dtype=torch.float32,
                     trust_remote_code=self.model_cfg.trust_remote_code,
                 )
         model = self._build_cpu()
@@ -77,7 +77,7 @@ class HFModelFactory:
                 AutoModelForCausalLM.from_pretrained,
                 self.model_cfg.name_or_path,
                 config=self.hf_config,
-                torch_dtype=torch.float32,
+                dtype=torch.float32,
                 trust_remote_code=self.model_cfg.trust_remote_code,
                 revision=self.model_cfg.revision,
             )
@@ -86,7 +86,7 @@ class HFModelFactory:
                 torch.manual_seed(self.seed)
                 model = AutoModelForCausalLM.from_config(
                     self.hf_config,
-                    torch_dtype=torch.float32,
+                    dtype=torch.float32,
                     trust_remote_code=self.model_cfg.trust_remote_code,
                 )
         model.config.use_cache = False

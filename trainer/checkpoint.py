@@ -1,0 +1,361 @@
+"""Checkpoints: sharded, atomic, portable between strategies and world sizes; HF export.
+
+Layout of `run.dir/checkpoints/step_N/`:
+  .metadata, *.distcp       torch.distributed.checkpoint of the canonical state, keyed by
+                            parameter name: `model/NAME` (fp32 master weights) and
+                            `optim/NAME/{exp_avg,exp_avg_sq,step}`; every rank writes its own
+                            shard (sharded tensors stay sharded)
+  rng/rank_R.safetensors    every rank's RNG states
+  trainer_state.json        step, plan, config hash, grad-scaler state; written last: a directory
+                            without it was cut off mid-write and is never loaded
+  config.yaml, tokenizer/   what `oomless export` needs to write an HF model directory
+`checkpoints/latest` names the newest complete checkpoint and is updated after the rename.
+
+Loading never unpickles arbitrary objects: tensors come back with `weights_only=True` and DCP's
+pickled metadata is read with an unpickler that admits only DCP's metadata classes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from safetensors.torch import load_file, save_file
+
+from launcher.config import ConfigError, JobConfig, ModelConfig, semantic_hash, write_config
+from trainer.dist import barrier, is_distributed
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Canonical state <-> flat DCP dict
+
+
+def flatten_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    flat: dict[str, torch.Tensor] = {}
+    for name, tensor in state["model"].items():
+        flat[f"model/{name}"] = tensor
+    for name, moments in state["optim"].items():
+        for key, tensor in moments.items():
+            flat[f"optim/{name}/{key}"] = torch.as_tensor(tensor)
+    return flat
+
+
+def unflatten_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": {}, "optim": {}}
+    for key, tensor in flat.items():
+        kind, rest = key.split("/", 1)
+        if kind == "model":
+            state["model"][rest] = tensor
+        else:
+            name, moment = rest.rsplit("/", 1)
+            state["optim"].setdefault(name, {})[moment] = tensor
+    return state
+
+
+def load_template(state: dict[str, Any]) -> dict[str, Any]:
+    """The backend's own state with optimizer entries for every parameter, for DCP to fill.
+
+    Before the first optimizer step AdamW has no state; zeros of the parameter's own layout
+    (sharded or not) give DCP the shapes to load into.
+    """
+    optim = dict(state["optim"])
+    for name, param in state["model"].items():
+        if name not in optim:
+            optim[name] = {
+                "exp_avg": torch.zeros_like(param),
+                "exp_avg_sq": torch.zeros_like(param),
+                "step": torch.zeros((), dtype=torch.float32),
+            }
+    return {"model": state["model"], "optim": optim}
+
+
+# ---------------------------------------------------------------------------------------------
+# Safe metadata reading
+
+
+# What DCP's .metadata pickle may name: its own metadata classes plus a few plain value types.
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata",)
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("collections", "OrderedDict"),
+    *(
+        ("torch", str(dtype).removeprefix("torch."))
+        for dtype in (
+            torch.float32,
+            torch.float16,
+            torch.bfloat16,
+            torch.float64,
+            torch.int64,
+            torch.int32,
+            torch.int16,
+            torch.int8,
+            torch.uint8,
+            torch.bool,
+        )
+    ),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}: refused")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's reader with a restricted unpickler for `.metadata` (the tensors use weights_only)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = Path(self.path) / ".metadata"
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding checkpoints
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / STATE_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def find_latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint; incomplete ones are reported and skipped."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return None
+    candidates = sorted(
+        (p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")),
+        key=lambda p: _step_of(p),
+        reverse=True,
+    )
+    for path in candidates:
+        if is_complete(path):
+            return path
+        log.warning("checkpoint %s is incomplete (cut off mid-write): skipped", path)
+    return None
+
+
+def _step_of(path: Path) -> int:
+    digits = path.name.removeprefix("step_").split(".")[0]
+    return int(digits) if digits.isdigit() else -1
+
+
+def resolve_resume(cfg: JobConfig) -> Path | None:
+    """The checkpoint to resume from, per `run.resume` (auto | never | PATH)."""
+    if cfg.run.resume == "never":
+        return None
+    if cfg.run.resume == "auto":
+        return find_latest(Path(cfg.run.dir))
+    path = Path(cfg.run.resume).expanduser()
+    if not is_complete(path):
+        raise ConfigError(
+            "run.resume", f"'{path}' is not a complete checkpoint", "give a checkpoints/step_N dir"
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Save and load
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    backend_state: dict[str, Any],
+    trainer_state: dict[str, Any],
+    cfg: JobConfig,
+    tokenizer: Any,
+    rank: int,
+    keep: int,
+) -> Path:
+    """Write checkpoints/step_N atomically; every rank calls this (it is a collective)."""
+    root = checkpoints_dir(run_dir)
+    final = root / f"step_{step}"
+    tmp = root / f"step_{step}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        (tmp / "rng").mkdir()
+    barrier()
+    dcp.save(
+        flatten_state(backend_state),
+        storage_writer=dcp.FileSystemWriter(str(tmp)),
+        no_dist=not is_distributed(),
+    )
+    save_file(rng_state(), str(tmp / "rng" / f"rank_{rank}.safetensors"))
+    _maybe_crash(cfg, "after_shards")
+    barrier()
+    if rank == 0:
+        write_config(cfg, tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "tokenizer")
+        state = dict(trainer_state, step=step, config_hash=semantic_hash(cfg))
+        _write_json_durably(tmp / STATE_FILE, state)
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync_dir(root)
+        _write_latest(root, final.name)
+        _prune(root, keep)
+    barrier()
+    return final
+
+
+def load_checkpoint(path: Path, template: dict[str, Any], cfg: JobConfig) -> dict[str, Any]:
+    """Fill the backend's template from a checkpoint; returns the trainer state.
+
+    Refuses a checkpoint whose training semantics (model, data, optimizer, schedule, batch,
+    precision, seed) differ from the config's; strategy, world size and micro-batch may change.
+    """
+    state = json.loads((path / STATE_FILE).read_text())
+    if state["config_hash"] != semantic_hash(cfg):
+        raise ConfigError(
+            "run.resume",
+            f"checkpoint {path} was written by a run with different training settings",
+            "resume with the original model/data/train/precision keys, or set run.resume=never "
+            "(or a new run.dir)",
+        )
+    flat = flatten_state(template)
+    dcp.load(flat, storage_reader=SafeFileSystemReader(str(path)), no_dist=not is_distributed())
+    state["backend"] = unflatten_state(flat)
+    return state
+
+
+def restore_rng(path: Path, rank: int) -> None:
+    """Restore this rank's RNG (a rank with no saved state, after a world-size change, reseeds)."""
+    f = path / "rng" / f"rank_{rank}.safetensors"
+    if not f.is_file():
+        return
+    states = load_file(str(f))
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _maybe_crash(cfg: JobConfig, where: str) -> None:
+    """Fault injection for tests (debug.crash_in_save): die mid-write like a killed job."""
+    if cfg.debug.crash_in_save == where:
+        log.error("debug.crash_in_save=%s: exiting mid-checkpoint", where)
+        os._exit(9)
+
+
+def _write_json_durably(path: Path, obj: dict[str, Any]) -> None:
+    with path.open("w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in root.rglob("*"):
+        if p.is_file():
+            with p.open("rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / "latest.tmp"
+    tmp.write_text(name + "\n")
+    with tmp.open("rb") as f:
+        os.fsync(f.fileno())
+    tmp.replace(root / "latest")
+
+
+def _prune(root: Path, keep: int) -> None:
+    complete = sorted(
+        (p for p in root.iterdir() if p.is_dir() and is_complete(p)), key=_step_of, reverse=True
+    )
+    for old in complete[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob("step_*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+
+
+def export_command(checkpoint: str, out_dir: str) -> int:
+    """`oomless export CHECKPOINT OUT`: an HF model directory from any strategy's checkpoint."""
+    from trainer.export import save_hf_model
+    from trainer.model import load_hf_config
+
+    path = Path(checkpoint)
+    if path.is_dir() and (path / "checkpoints").is_dir():
+        path = find_latest(path) or path
+    if not is_complete(path):
+        raise ConfigError(
+            "CHECKPOINT", f"'{checkpoint}' is not a complete checkpoint", "give checkpoints/step_N"
+        )
+    model_cfg = ModelConfig.model_validate(
+        yaml.safe_load((path / "config.yaml").read_text())["model"]
+    )
+    weights = read_full_weights(path)
+    tokenizer = None
+    if (path / "tokenizer").is_dir():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
+    out = save_hf_model(
+        load_hf_config(model_cfg), weights, out_dir, tokenizer, model_cfg.trust_remote_code
+    )
+    print(f"wrote {out} ({len(weights)} tensors) from {path}")
+    return 0
+
+
+def read_full_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Full fp32 model weights from a checkpoint, in one process (no process group)."""
+    reader = SafeFileSystemReader(str(path))
+    metadata = reader.read_metadata()
+    flat = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model/")
+    }
+    dcp.load(flat, storage_reader=SafeFileSystemReader(str(path)), no_dist=not is_distributed())
+    return {key.removeprefix("model/"): t for key, t in flat.items()}
