@@ -9,8 +9,10 @@ update does not depend on how the batch is split into ranks and micro-batches.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from trainer.checkpoint import (
 from trainer.data import build_data, build_tokenizer
 from trainer.dist import (
     all_reduce_max,
+    all_reduce_sum,
     barrier,
     env_rank,
     init_distributed,
@@ -38,6 +41,14 @@ from trainer.evaluate import evaluate
 from trainer.export import save_hf_model
 from trainer.metrics import MetricsLog
 from trainer.model import HFModelFactory, count_parameters
+from trainer.oom import (
+    EXIT_OOM,
+    FaultInjector,
+    StepAborted,
+    free_memory,
+    memory_summary,
+    write_oom_report,
+)
 from trainer.schedule import lr_at
 from trainer.signals import EXIT_SIGNAL, StopSignals
 from trainer.step import train_step
@@ -97,14 +108,19 @@ def run_training(cfg: JobConfig) -> int:
         metrics.truncate_after(start_step)
     stop = StopSignals()
 
+    faults = FaultInjector(cfg.debug.inject_oom, cfg.strategy, rank)
+    split = BatchSplit(cfg.train.global_batch_size // world_size, micro)
     for step in range(start_step, cfg.train.steps):
         backend.reset_peak()
         lr = lr_at(cfg.train, step)
         backend.set_lr(lr)
-        batches = data.train.micro_batches(
-            step, rank, world_size, micro, cfg.train.global_batch_size
-        )
-        result = train_step(model, backend, batches, device)
+        faults.step = step
+        try:
+            result = _step_with_backoff(model, backend, data, split, step, ctx, faults)
+        except OutOfMemoryGaveUp as err:
+            _report_oom(run_dir, err, step, split, backend, ctx)
+            return EXIT_OOM
+        micro, grad_accum = split.micro_batch_size, split.grad_accum
         record = {
             "step": step + 1,
             "loss": result.loss,
@@ -122,15 +138,7 @@ def run_training(cfg: JobConfig) -> int:
             "grad_accum": grad_accum,
         }
         if _due(step + 1, cfg.train.eval_every, cfg.train.steps) and data.eval is not None:
-            batches_iter = data.eval.batches(micro, rank, world_size)
-            record.update(
-                evaluate(
-                    model,
-                    itertools.islice(batches_iter, cfg.train.eval_batches),
-                    backend.compute_context,
-                    device,
-                )
-            )
+            record.update(_evaluate_with_backoff(model, backend, data.eval, split, ctx))
         metrics.write(record)
 
         stopping = stop.agreed(device)
@@ -155,6 +163,146 @@ def run_training(cfg: JobConfig) -> int:
             log.info("saved the trained model to %s", out)
         barrier()
     return 0
+
+
+@dataclass
+class BatchSplit:
+    """How this rank's share of the global batch is cut: micro-batch x accumulation.
+
+    The OOM back-off changes the cut, never the share: what is learned stays the same.
+    """
+
+    per_rank: int
+    micro_batch_size: int
+    eval_batch_size: int = 0
+
+    def __post_init__(self) -> None:
+        self.eval_batch_size = self.eval_batch_size or self.micro_batch_size
+
+    @property
+    def grad_accum(self) -> int:
+        return self.per_rank // self.micro_batch_size
+
+
+class OutOfMemoryGaveUp(Exception):
+    def __init__(self, aborted: StepAborted, num_backoffs: int):
+        super().__init__(str(aborted))
+        self.aborted = aborted
+        self.num_backoffs = num_backoffs
+
+
+def _halved(size: int, per_rank: int) -> int | None:
+    """The largest divisor of per_rank at most half of size (None at 1)."""
+    for candidate in range(size // 2, 0, -1):
+        if per_rank % candidate == 0:
+            return candidate
+    return None
+
+
+def _step_with_backoff(
+    model: torch.nn.Module,
+    backend: Backend,
+    data: Any,
+    split: BatchSplit,
+    step: int,
+    ctx: BackendContext,
+    faults: FaultInjector,
+):
+    """Run the step; on an OOM on any rank, all ranks halve the micro-batch and redo it."""
+    num_backoffs = 0
+    while True:
+        batches = data.train.micro_batches(
+            step, ctx.rank, ctx.world_size, split.micro_batch_size, ctx.cfg.train.global_batch_size
+        )
+        try:
+            return train_step(model, backend, batches, ctx.device, faults)
+        except StepAborted as err:
+            del batches
+            backend.drop_grads()
+            free_memory(ctx.device)
+            smaller = _halved(split.micro_batch_size, split.per_rank)
+            if smaller is None:
+                raise OutOfMemoryGaveUp(err, num_backoffs) from None
+            num_backoffs += 1
+            log.warning(
+                "step %d: out of memory in %s; retrying with micro-batch %d x accumulation %d "
+                "(was %d x %d); the global batch is unchanged",
+                step + 1,
+                err.phase,
+                smaller,
+                split.per_rank // smaller,
+                split.micro_batch_size,
+                split.grad_accum,
+            )
+            split.micro_batch_size = smaller
+            backend.set_micro_batch(smaller, split.grad_accum)
+
+
+def _evaluate_with_backoff(
+    model: torch.nn.Module, backend: Backend, eval_set: Any, split: BatchSplit, ctx: BackendContext
+) -> dict[str, float]:
+    """Evaluate; an OOM halves the eval batch and starts the evaluation over."""
+    while True:
+        batches = eval_set.batches(split.eval_batch_size, ctx.rank, ctx.world_size)
+        try:
+            return evaluate(
+                model,
+                itertools.islice(batches, ctx.cfg.train.eval_batches),
+                backend.compute_context,
+                ctx.device,
+            )
+        except StepAborted:
+            free_memory(ctx.device)
+            if split.eval_batch_size == 1:
+                raise
+            split.eval_batch_size //= 2
+            log.warning("eval: out of memory; eval batch halved to %d", split.eval_batch_size)
+
+
+def _report_oom(
+    run_dir: Path,
+    err: OutOfMemoryGaveUp,
+    step: int,
+    split: BatchSplit,
+    backend: Backend,
+    ctx: BackendContext,
+) -> None:
+    """oom-report.json for the supervisor, which re-plans one rung up from it."""
+    failing = all_reduce_sum(
+        [
+            1.0 if (r == ctx.rank and err.aborted.local_error) else 0.0
+            for r in range(ctx.world_size)
+        ],
+        ctx.device,
+    )
+    measured = int(all_reduce_max(backend.memory_stats()["peak_device_bytes"], ctx.device))
+    if ctx.rank != 0:
+        return
+    plan_path = run_dir / "plan.json"
+    estimate = json.loads(plan_path.read_text()).get("estimate", {}) if plan_path.exists() else {}
+    report = {
+        "step": step + 1,
+        "phase": err.aborted.phase,
+        "strategy": ctx.cfg.strategy,
+        "world_size": ctx.world_size,
+        "micro_batch_size": split.micro_batch_size,
+        "activation_checkpointing": ctx.activation_checkpointing,
+        "num_backoffs": err.num_backoffs,
+        "ranks": [r for r, v in enumerate(failing) if v > 0],
+        "error": str(err.aborted.local_error or err.aborted),
+        "estimated_peak_bytes": estimate.get("device", {}).get("peak_tensor_bytes"),
+        "measured_peak_bytes": measured,
+        "memory": memory_summary(ctx.device),
+    }
+    path = write_oom_report(run_dir, report)
+    log.error(
+        "out of memory at step %d on %s even at micro-batch %d: wrote %s (exit %d)",
+        step + 1,
+        ctx.cfg.strategy,
+        split.micro_batch_size,
+        path,
+        EXIT_OOM,
+    )
 
 
 def _resume(path: Path, backend: Backend, cfg: JobConfig, rank: int) -> int:

@@ -11,6 +11,7 @@ from torch import nn
 
 from trainer.dist import all_reduce_sum
 from trainer.loss import IGNORE_INDEX
+from trainer.oom import agree, is_oom
 
 
 @torch.no_grad()
@@ -31,10 +32,18 @@ def evaluate(
     try:
         for batch in batches:
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            with compute_context():
-                logits = model(
-                    input_ids=batch["input_ids"], position_ids=batch.get("position_ids")
-                ).logits
+            logits, failed = None, None
+            try:
+                with compute_context():
+                    logits = model(
+                        input_ids=batch["input_ids"], position_ids=batch.get("position_ids")
+                    ).logits
+            except Exception as err:
+                if not is_oom(err):
+                    raise
+                err.__traceback__ = None
+                failed = err
+            agree(failed, "eval", device)
             logits = logits[:, :-1].float()
             targets = batch["labels"][:, 1:]
             loss_sum += float(

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
 from trainer.backends import Backend
 from trainer.dist import all_reduce_sum
 from trainer.loss import IGNORE_INDEX, compute_loss
+from trainer.oom import NO_FAULTS, FaultInjector, agree, is_oom
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -26,8 +31,13 @@ def train_step(
     backend: Backend,
     batches: list[dict[str, torch.Tensor]],
     device: torch.device,
+    faults: FaultInjector = NO_FAULTS,
 ) -> StepResult:
-    """One optimizer step over this rank's micro-batches; the loss is reduced over all ranks."""
+    """One optimizer step over this rank's micro-batches; the loss is reduced over all ranks.
+
+    Raises StepAborted on every rank together when any rank ran out of memory; the caller drops
+    the partial gradients and retries the step with smaller micro-batches.
+    """
     start = time.perf_counter()
     local_targets = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches)
     local_tokens = sum(int((b["doc_ids"] >= 0).sum()) for b in batches)
@@ -38,11 +48,13 @@ def train_step(
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         last = i == len(batches) - 1
         with backend.no_sync() if not last else contextlib.nullcontext():
-            with backend.compute_context():
-                micro_loss_sum, _ = compute_loss(model, batch)
-            backend.backward(micro_loss_sum / denominator)
+            micro_loss_sum = _guarded("forward", device, _forward, model, backend, batch, faults)
+            # The injection point sits before backward's collectives, so every rank agrees first.
+            _guarded("backward", device, faults.at, "backward")
+            _guarded("backward", device, backend.backward, micro_loss_sum / denominator)
         loss_sum += micro_loss_sum.detach()
-    grad_norm = backend.step()
+        del micro_loss_sum
+    grad_norm = _guarded("optimizer", device, _optimizer_step, backend, faults)
     (total_loss,) = all_reduce_sum([float(loss_sum)], device)
     return StepResult(
         loss=total_loss / denominator,
@@ -50,3 +62,30 @@ def train_step(
         num_tokens=int(global_tokens),
         step_time_s=time.perf_counter() - start,
     )
+
+
+def _forward(model, backend: Backend, batch, faults: FaultInjector) -> torch.Tensor:
+    faults.at("forward")
+    with backend.compute_context():
+        loss_sum, _ = compute_loss(model, batch)
+    return loss_sum
+
+
+def _optimizer_step(backend: Backend, faults: FaultInjector) -> float:
+    faults.at("optimizer")
+    return backend.step()
+
+
+def _guarded(phase: str, device: torch.device, fn: Callable[..., T], *args: Any) -> T:
+    """Run fn; an OOM on any rank becomes StepAborted on every rank (one scalar collective)."""
+    failed: BaseException | None = None
+    result: Any = None
+    try:
+        result = fn(*args)
+    except Exception as err:
+        if not is_oom(err):
+            raise
+        err.__traceback__ = None  # the traceback pins the activations we want freed
+        failed = err
+    agree(failed, phase, device)
+    return result

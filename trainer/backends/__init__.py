@@ -82,6 +82,9 @@ class Backend(Protocol):
 
     def set_lr(self, lr: float) -> None: ...
 
+    def set_micro_batch(self, micro_batch_size: int, grad_accum: int) -> None:
+        """The OOM back-off re-cut this rank's batch (global batch unchanged) before a retry."""
+
     def drop_grads(self) -> None:
         """Discard partial gradients of an abandoned step (OOM back-off)."""
 

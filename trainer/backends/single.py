@@ -66,6 +66,9 @@ class SingleBackend:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+    def set_micro_batch(self, micro_batch_size: int, grad_accum: int) -> None:
+        pass  # the loss is already normalised by global tokens: nothing depends on the cut
+
     def drop_grads(self) -> None:
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
