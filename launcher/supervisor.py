@@ -1,11 +1,16 @@
-"""`oomless train`: plan, write the run dir, launch (in process or under torchrun).
+"""`oomless train`: plan, write the run dir, launch, and climb the ladder on out-of-memory.
 
 The supervisor is the only place that decides how processes start; the engine runs the same way
-on every rank whatever started it.
+on every rank whatever started it. When a launch exits 75 (out of memory after the in-process
+back-off), the supervisor reads `oom-report.json`, scales the estimate by what was measured so it
+does not pick a rung that will OOM again, re-plans without the failed rung, and relaunches with
+`run.resume: auto`: the new rung continues from the newest checkpoint (or from step 0), and the
+global batch, optimizer, schedule and precision stay as configured.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -17,46 +22,111 @@ from launcher.config import JobConfig, write_config
 
 log = logging.getLogger(__name__)
 
+EXIT_OOM = 75
+
 
 def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": _abs(cfg.run.dir)})})
-    resolved, plan_json = resolve_plan(cfg)
-    run_dir = Path(resolved.run.dir)
-    world_size = resolved.hardware.nodes * (resolved.hardware.devices_per_node or 1)
-    spawn = world_size > 1 and not _under_launcher()
-    config_path = run_dir / "config.yaml"
-    argv, env = _launch_command(resolved, config_path) if spawn else ([], {})
-    plan_json["command"] = argv or [sys.executable, "-m", "trainer", str(config_path)]
-    if dry_run:
-        print(json.dumps(plan_json, indent=2))
-        print(" ".join(plan_json["command"]))
-        return 0
-    write_config(resolved, run_dir)
-    _write_json(run_dir / "plan.json", plan_json)
+    run_dir = Path(cfg.run.dir)
+    failed: list[str] = []
+    memory_scale = 1.0
+    attempt = 0
+    while True:
+        resolved, plan_json = resolve_plan(cfg, exclude=failed, memory_scale=memory_scale)
+        argv, env, spawn = launch_spec(resolved, run_dir / "config.yaml")
+        plan_json["command"] = argv
+        if dry_run:
+            print(json.dumps(plan_json, indent=2))
+            print(" ".join(argv))
+            return 0
+        write_config(resolved, run_dir)
+        _write_json(run_dir / "plan.json", plan_json)
+        rc = _run(resolved, argv, env, spawn)
+        if rc != EXIT_OOM or not cfg.escalation.enabled:
+            return rc
+        attempt += 1
+        if attempt > cfg.escalation.max_attempts:
+            log.error("out of memory; escalation.max_attempts=%d reached", attempt - 1)
+            return rc
+        report = _read_json(run_dir / "oom-report.json")
+        failed.append(resolved.strategy)
+        memory_scale = max(memory_scale, _measured_over_estimated(report))
+        try:
+            next_cfg, _ = resolve_plan(cfg, exclude=failed, memory_scale=memory_scale)
+        except Exception as err:  # NoFitError or a config error: nothing higher fits
+            log.error("out of memory on %s and no higher rung fits: %s", resolved.strategy, err)
+            return rc
+        record = {
+            "step": report.get("step"),
+            "from": resolved.strategy,
+            "to": next_cfg.strategy,
+            "reason": f"out of memory in {report.get('phase', '?')} at micro-batch "
+            f"{report.get('micro_batch_size')}",
+            "estimated_peak_bytes": report.get("estimated_peak_bytes"),
+            "measured_peak_bytes": report.get("measured_peak_bytes"),
+        }
+        with (run_dir / "escalations.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        log.warning(
+            "escalating %s -> %s after out of memory at step %s; resuming from the newest "
+            "checkpoint",
+            record["from"],
+            record["to"],
+            record["step"],
+        )
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
+
+
+def resolve_plan(
+    cfg: JobConfig, exclude: list[str] | None = None, memory_scale: float = 1.0
+) -> tuple[JobConfig, dict[str, Any]]:
+    """The resolved config (every `auto` made concrete) and the plan JSON for plan.json."""
+    from launcher.hardware import detect_hardware
+    from launcher.plan import apply_plan, make_plan
+
+    hw = detect_hardware(cfg.hardware)
+    plan = make_plan(cfg, hw, exclude=exclude or (), memory_scale=memory_scale)
+    return apply_plan(cfg, plan, hw), plan.to_json(hw, cfg.memory.headroom, command=[])
+
+
+def launch_spec(cfg: JobConfig, config_path: Path) -> tuple[list[str], dict[str, str], bool]:
+    """(argv, env, spawn): torchrun for several processes, else this process runs the engine."""
+    world_size = cfg.hardware.nodes * (cfg.hardware.devices_per_node or 1)
+    if world_size > 1 and not _under_launcher():
+        from launcher.launch import build_torchrun_command
+
+        argv, env = build_torchrun_command(cfg, config_path)
+        return argv, env, True
+    return [sys.executable, "-m", "trainer", str(config_path)], {}, False
+
+
+def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> int:
     if not spawn:
         from trainer.engine import run_training
 
-        return run_training(resolved)
+        try:
+            return run_training(cfg)
+        finally:
+            _release_device_memory()
     from launcher.launch import run_command
 
     log.info("launching: %s", " ".join(argv))
     return run_command(argv, env)
 
 
-def resolve_plan(cfg: JobConfig) -> tuple[JobConfig, dict[str, Any]]:
-    """The resolved config (every `auto` made concrete) and the plan JSON for plan.json."""
-    from launcher.hardware import detect_hardware
-    from launcher.plan import apply_plan, make_plan
-
-    hw = detect_hardware(cfg.hardware)
-    plan = make_plan(cfg, hw)
-    return apply_plan(cfg, plan, hw), plan.to_json(hw, cfg.memory.headroom, command=[])
+def _release_device_memory() -> None:
+    """After an in-process attempt, give its cached memory back before the next rung starts."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
-def _launch_command(cfg: JobConfig, config_path: Path) -> tuple[list[str], dict[str, str]]:
-    from launcher.launch import build_torchrun_command
-
-    return build_torchrun_command(cfg, config_path)
+def _measured_over_estimated(report: dict[str, Any]) -> float:
+    measured, estimated = report.get("measured_peak_bytes"), report.get("estimated_peak_bytes")
+    if not measured or not estimated:
+        return 1.0
+    return max(1.0, measured / estimated)
 
 
 def _under_launcher() -> bool:
@@ -66,6 +136,10 @@ def _under_launcher() -> bool:
 
 def _abs(path: str) -> str:
     return str(Path(path).expanduser().resolve())
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
