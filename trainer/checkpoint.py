@@ -23,6 +23,8 @@ import logging
 import os
 import pickle
 import shutil
+import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -211,21 +213,26 @@ def save_checkpoint(
         no_dist=not is_distributed(),
     )
     save_file(rng_state(), str(tmp / "rng" / f"rank_{rank}.safetensors"))
-    _maybe_crash(cfg, "after_shards")
+    _crash.reached(cfg, "shards and rng written")
     barrier()
     if rank == 0:
         write_config(cfg, tmp)
+        _crash.reached(cfg, "config written")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / "tokenizer")
+            _crash.reached(cfg, "tokenizer written")
+        _fsync_tree(tmp, lambda name: _crash.reached(cfg, f"fsync {name}"))
         state = dict(trainer_state, step=step, config_hash=semantic_hash(cfg))
         _write_json_durably(tmp / STATE_FILE, state)
-        _fsync_tree(tmp)
+        _crash.reached(cfg, "trainer state written")
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
+        _crash.reached(cfg, "renamed")
         _fsync_dir(root)
-        _write_latest(root, final.name)
+        _write_latest(root, final.name, lambda what: _crash.reached(cfg, what))
         _prune(root, keep)
+        _crash.reached(cfg, "pruned")
     barrier()
     return final
 
@@ -244,7 +251,18 @@ def load_checkpoint(path: Path, template: dict[str, Any], cfg: JobConfig) -> dic
             "resume with the original model/data/train/precision keys, or set run.resume=never "
             "(or a new run.dir)",
         )
+    stored = set(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
     flat = flatten_state(template)
+    missing = sorted(k for k in flat if k.startswith("model/") and k not in stored)
+    if missing:
+        raise ConfigError(
+            "run.resume",
+            f"checkpoint {path} has no {missing[0].removeprefix('model/')} ({len(missing)} "
+            "weights missing): it belongs to another model",
+            "resume with the model it was written for",
+        )
+    # Parameters that had no optimizer state when saved (never stepped) keep a fresh one.
+    flat = {k: v for k, v in flat.items() if k in stored}
     dcp.load(flat, storage_reader=SafeFileSystemReader(str(path)), no_dist=not is_distributed())
     state["backend"] = unflatten_state(flat)
     return state
@@ -268,11 +286,25 @@ def rng_state() -> dict[str, torch.Tensor]:
     return states
 
 
-def _maybe_crash(cfg: JobConfig, where: str) -> None:
-    """Fault injection for tests (debug.crash_in_save): die mid-write like a killed job."""
-    if cfg.debug.crash_in_save == where:
-        log.error("debug.crash_in_save=%s: exiting mid-checkpoint", where)
-        os._exit(9)
+class _CrashPoints:
+    """Fault injection for tests: `debug.crash_in_save: N` SIGKILLs this process at the N-th
+    point inside its saves, counted over the whole process (shards written, each fsync, the
+    trainer state, the rename, `latest`, pruning)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def reached(self, cfg: JobConfig, what: str) -> None:
+        target = cfg.debug.crash_in_save
+        if target is None:
+            return
+        self.count += 1
+        if str(self.count) == str(target):
+            log.error("debug.crash_in_save=%s: killed at %s", target, what)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+_crash = _CrashPoints()
 
 
 def _write_json_durably(path: Path, obj: dict[str, Any]) -> None:
@@ -282,11 +314,14 @@ def _write_json_durably(path: Path, obj: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_tree(root: Path) -> None:
-    for p in root.rglob("*"):
+def _fsync_tree(root: Path, after_each: Callable[[str], None]) -> None:
+    for p in sorted(root.rglob("*")):
         if p.is_file():
             with p.open("rb") as f:
                 os.fsync(f.fileno())
+            after_each(str(p.relative_to(root)))
+    for d in sorted(p for p in root.rglob("*") if p.is_dir()):
+        _fsync_dir(d)
     _fsync_dir(root)
 
 
@@ -298,12 +333,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_latest(root: Path, name: str) -> None:
+def _write_latest(root: Path, name: str, after_each: Callable[[str], None]) -> None:
     tmp = root / "latest.tmp"
     tmp.write_text(name + "\n")
+    after_each("latest.tmp written")
     with tmp.open("rb") as f:
         os.fsync(f.fileno())
     tmp.replace(root / "latest")
+    after_each("latest replaced")
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -311,6 +348,7 @@ def _prune(root: Path, keep: int) -> None:
         (p for p in root.iterdir() if p.is_dir() and is_complete(p)), key=_step_of, reverse=True
     )
     for old in complete[keep:]:
+        (old / STATE_FILE).unlink()  # incomplete first, so a cut-off prune is never loaded
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob("step_*.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
