@@ -106,6 +106,8 @@ def build_plain(precision: str, device: torch.device):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(**{k: v for k, v in MODEL.items() if k != "model_type"})
+    cfg.use_cache = False  # as the engine's model: no KV cache in training
+    cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).to(device)
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
