@@ -1,0 +1,104 @@
+"""`oomless report RUN_DIR`: pictures of a run — loss curves and where the memory goes.
+
+Writes `loss.png` (training loss per step, eval loss where measured) and, when the run has a
+plan, `memory.png` (the estimate's per-device breakdown beside the measured peak) into the run
+directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from launcher.config import ConfigError
+
+GIB = 1024**3
+_PARTS = ("params", "grads", "optimizer", "activations", "temporary", "runtime_overhead")
+
+
+def report_command(run_dir: str) -> int:
+    root = Path(run_dir)
+    metrics_path = root / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise ConfigError("RUN_DIR", f"'{root}' has no metrics.jsonl", "give a run directory")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    records = _read_jsonl(metrics_path)
+    written = [plot_loss(records, root / "loss.png")]
+    plan_path = root / "plan.json"
+    if plan_path.is_file():
+        written.append(plot_memory(json.loads(plan_path.read_text()), records, root / "memory.png"))
+    for path in written:
+        print(path)
+    return 0
+
+
+def plot_loss(records: list[dict[str, Any]], out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in records]
+    ax.plot(steps, [r["loss"] for r in records], label="train loss", linewidth=1.2)
+    evals = [r for r in records if "eval_loss" in r]
+    if evals:
+        ax.plot(
+            [r["step"] for r in evals],
+            [r["eval_loss"] for r in evals],
+            "o-",
+            label="eval loss",
+            markersize=4,
+        )
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (token-weighted mean)")
+    last = records[-1]
+    ax.set_title(
+        f"{last['strategy']} x {last['world_size']}, micro-batch {last['micro_batch_size']} x "
+        f"accumulation {last['grad_accum']}"
+    )
+    if any("eval_exact_match" in r for r in evals):
+        twin = ax.twinx()
+        twin.plot(
+            [r["step"] for r in evals],
+            [100 * r["eval_exact_match"] for r in evals],
+            "s--",
+            color="tab:green",
+            label="eval exact match (%)",
+            markersize=4,
+        )
+        twin.set_ylabel("eval exact match (%)")
+        twin.set_ylim(0, 100)
+        twin.legend(loc="center right")
+    ax.legend(loc="upper right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_memory(plan: dict[str, Any], records: list[dict[str, Any]], out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    device = plan.get("estimate", {}).get("device", {})
+    breakdown = device.get("breakdown", {})
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bottom = 0.0
+    for part in _PARTS:
+        value = breakdown.get(part, 0) / GIB
+        ax.bar("estimate", value, bottom=bottom, label=part)
+        bottom += value
+    measured = max((r.get("peak_device_bytes", 0) for r in records), default=0) / GIB
+    ax.bar("measured peak", measured, color="black", alpha=0.7)
+    ax.set_ylabel("GiB per device")
+    ax.set_title(f"{plan.get('strategy')}: estimated vs measured device memory")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

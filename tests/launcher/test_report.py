@@ -1,0 +1,56 @@
+"""`oomless report RUN_DIR` draws the run's loss curves and memory picture as PNG files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from tests.conftest import PYTHON, REPO, python_env
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _report(run_dir) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PYTHON, "-m", "launcher.cli", "report", str(run_dir)],
+        capture_output=True,
+        text=True,
+        env=python_env(),
+        cwd=REPO,
+        timeout=120,
+    )
+
+
+def test_report_writes_loss_and_memory_pngs(tmp_path):
+    lines = []
+    for step in range(1, 11):
+        rec = {
+            "step": step,
+            "loss": 3.0 / step,
+            "strategy": "fsdp",
+            "world_size": 2,
+            "micro_batch_size": 2,
+            "grad_accum": 4,
+            "peak_device_bytes": 3 * 2**30,
+        }
+        if step % 5 == 0:
+            rec |= {"eval_loss": 3.2 / step, "eval_exact_match": step / 10}
+        lines.append(json.dumps(rec))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    breakdown = {"params": 2**30, "grads": 2**30, "optimizer": 2**31, "activations": 2**29}
+    plan = {"strategy": "fsdp", "estimate": {"device": {"breakdown": breakdown}}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    r = _report(tmp_path)
+    assert r.returncode == 0, r.stderr
+    for name in ("loss.png", "memory.png"):
+        path = tmp_path / name
+        assert path.read_bytes()[:8] == PNG_MAGIC
+        assert path.stat().st_size > 5_000  # a drawn figure, not an empty canvas
+        assert str(path) in r.stdout
+
+
+def test_report_on_a_dir_without_metrics_is_one_line_exit_2(tmp_path):
+    r = _report(tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "metrics.jsonl" in r.stderr
+    assert "Traceback" not in r.stderr
