@@ -13,12 +13,12 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         cfg = load_config(argv[0])
-    except ConfigError as err:
+        from trainer.engine import run_training
+
+        return run_training(cfg)
+    except ConfigError as err:  # bad data rows, an unreachable model: one line, exit 2
         print(err, file=sys.stderr)
         return 2
-    from trainer.engine import run_training
-
-    return run_training(cfg)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from launcher.config import ModelConfig
+from launcher.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,10 @@ def _from_hub_or_dir(loader: Any, name: str, **kwargs: Any) -> Any:
     try:
         return loader(name, **kwargs)
     except OSError as err:
-        raise RuntimeError(
-            f"model.name_or_path: cannot load '{name}' ({str(err).splitlines()[0]}); "
-            "give a local directory, or run where the Hugging Face Hub is reachable"
+        raise ConfigError(
+            "model.name_or_path",
+            f"cannot load '{name}' ({str(err).splitlines()[0]})",
+            "give a local model directory, or run where the Hugging Face Hub is reachable",
         ) from None
 
 
