@@ -188,6 +188,80 @@ def resolve_resume(cfg: JobConfig) -> Path | None:
 # Save and load
 
 
+class Checkpointer:
+    """Writes checkpoints/step_N atomically; every rank calls `save` and `finish` together.
+
+    With `run.async_checkpoint`, `save` blocks training only while DCP stages the state in host
+    memory; the files are written in the background and the checkpoint is completed (trainer
+    state, rename, `latest`) at the next `save` or at `finish`.
+    """
+
+    def __init__(self, run_dir: Path, cfg: JobConfig, tokenizer: Any, rank: int):
+        self.root = checkpoints_dir(run_dir)
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.rank = rank
+        self._pending: tuple[Any, int, Path, dict[str, Any]] | None = None
+
+    def save(
+        self,
+        step: int,
+        backend_state: dict[str, Any],
+        trainer_state: dict[str, Any],
+        asynchronous: bool = False,
+    ) -> Path:
+        self.finish()
+        tmp = self.root / f"step_{step}.tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+        barrier()
+        save_file(rng_state(), str(tmp / "rng" / f"rank_{self.rank}.safetensors"))
+        writer = dcp.FileSystemWriter(str(tmp))
+        flat = flatten_state(backend_state)
+        if asynchronous:
+            future = dcp.async_save(flat, storage_writer=writer, no_dist=not is_distributed())
+            self._pending = (future, step, tmp, trainer_state)
+            return self.root / f"step_{step}"
+        dcp.save(flat, storage_writer=writer, no_dist=not is_distributed())
+        return self._complete(step, tmp, trainer_state)
+
+    def finish(self) -> None:
+        """Complete a checkpoint still being written in the background (a collective)."""
+        if self._pending is None:
+            return
+        future, step, tmp, trainer_state = self._pending
+        self._pending = None
+        future.result()
+        self._complete(step, tmp, trainer_state)
+
+    def _complete(self, step: int, tmp: Path, trainer_state: dict[str, Any]) -> Path:
+        cfg, crash = self.cfg, lambda what: _crash.reached(self.cfg, what)
+        final = self.root / f"step_{step}"
+        crash("shards and rng written")
+        barrier()
+        if self.rank == 0:
+            write_config(cfg, tmp)
+            crash("config written")
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(tmp / "tokenizer")
+                crash("tokenizer written")
+            _fsync_tree(tmp, lambda name: crash(f"fsync {name}"))
+            state = dict(trainer_state, step=step, config_hash=semantic_hash(cfg))
+            _write_json_durably(tmp / STATE_FILE, state)
+            crash("trainer state written")
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            crash("renamed")
+            _fsync_dir(self.root)
+            _write_latest(self.root, final.name, crash)
+            _prune(self.root, cfg.run.keep_checkpoints)
+            crash("pruned")
+        barrier()
+        return final
+
+
 def save_checkpoint(
     run_dir: Path,
     step: int,
@@ -196,45 +270,9 @@ def save_checkpoint(
     cfg: JobConfig,
     tokenizer: Any,
     rank: int,
-    keep: int,
 ) -> Path:
-    """Write checkpoints/step_N atomically; every rank calls this (it is a collective)."""
-    root = checkpoints_dir(run_dir)
-    final = root / f"step_{step}"
-    tmp = root / f"step_{step}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        (tmp / "rng").mkdir()
-    barrier()
-    dcp.save(
-        flatten_state(backend_state),
-        storage_writer=dcp.FileSystemWriter(str(tmp)),
-        no_dist=not is_distributed(),
-    )
-    save_file(rng_state(), str(tmp / "rng" / f"rank_{rank}.safetensors"))
-    _crash.reached(cfg, "shards and rng written")
-    barrier()
-    if rank == 0:
-        write_config(cfg, tmp)
-        _crash.reached(cfg, "config written")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp / "tokenizer")
-            _crash.reached(cfg, "tokenizer written")
-        _fsync_tree(tmp, lambda name: _crash.reached(cfg, f"fsync {name}"))
-        state = dict(trainer_state, step=step, config_hash=semantic_hash(cfg))
-        _write_json_durably(tmp / STATE_FILE, state)
-        _crash.reached(cfg, "trainer state written")
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        _crash.reached(cfg, "renamed")
-        _fsync_dir(root)
-        _write_latest(root, final.name, lambda what: _crash.reached(cfg, what))
-        _prune(root, keep)
-        _crash.reached(cfg, "pruned")
-    barrier()
-    return final
+    """One synchronous checkpoint (a collective)."""
+    return Checkpointer(run_dir, cfg, tokenizer, rank).save(step, backend_state, trainer_state)
 
 
 def load_checkpoint(path: Path, template: dict[str, Any], cfg: JobConfig) -> dict[str, Any]:

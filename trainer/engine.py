@@ -22,11 +22,11 @@ from launcher.config import JobConfig
 from launcher.logs import setup_logging
 from trainer.backends import Backend, BackendContext, OptimizerSpec, build_backend
 from trainer.checkpoint import (
+    Checkpointer,
     load_checkpoint,
     load_template,
     resolve_resume,
     restore_rng,
-    save_checkpoint,
 )
 from trainer.data import build_data, build_tokenizer
 from trainer.dist import (
@@ -107,6 +107,7 @@ def run_training(cfg: JobConfig) -> int:
     if rank == 0:
         metrics.truncate_after(start_step)
     stop = StopSignals()
+    checkpointer = Checkpointer(run_dir, cfg, tokenizer, rank)
 
     faults = FaultInjector(cfg.debug.inject_oom, cfg.strategy, rank)
     split = BatchSplit(cfg.train.global_batch_size // world_size, micro)
@@ -144,10 +145,13 @@ def run_training(cfg: JobConfig) -> int:
         stopping = stop.agreed(device)
         last = step + 1 == cfg.train.steps
         if stopping or (_due(step + 1, cfg.run.checkpoint_every, cfg.train.steps) and not last):
-            _checkpoint(run_dir, step + 1, backend, ctx, tokenizer)
+            asynchronous = cfg.run.async_checkpoint and not stopping
+            _checkpoint(checkpointer, step + 1, backend, ctx, asynchronous)
         if stopping:
+            checkpointer.finish()
             log.warning("stopped by %s after step %d; checkpoint written", stop.name, step + 1)
             return EXIT_SIGNAL
+    checkpointer.finish()
 
     if cfg.run.save_final:
         weights = backend.full_model_state_dict()
@@ -323,28 +327,27 @@ def _resume(path: Path, backend: Backend, cfg: JobConfig, rank: int) -> int:
 
 
 def _checkpoint(
-    run_dir: Path, step: int, backend: Backend, ctx: BackendContext, tokenizer: Any
+    checkpointer: Checkpointer,
+    step: int,
+    backend: Backend,
+    ctx: BackendContext,
+    asynchronous: bool,
 ) -> None:
-    cfg = ctx.cfg
     start = time.perf_counter()
     backend_state = backend.state_dict()
     trainer_state = {
-        "strategy": cfg.strategy,
+        "strategy": ctx.cfg.strategy,
         "world_size": ctx.world_size,
         "micro_batch_size": ctx.micro_batch_size,
         "scaler": backend_state.get("scaler") or {},
     }
-    path = save_checkpoint(
-        run_dir,
-        step,
-        backend_state,
-        trainer_state,
-        cfg,
-        tokenizer,
-        ctx.rank,
-        cfg.run.keep_checkpoints,
+    path = checkpointer.save(step, backend_state, trainer_state, asynchronous)
+    log.info(
+        "checkpoint %s %s in %.2f s",
+        path,
+        "staged (writing in the background)" if asynchronous else "written",
+        time.perf_counter() - start,
     )
-    log.info("checkpoint %s written in %.1f s", path, time.perf_counter() - start)
 
 
 def _optimizer_spec(cfg: JobConfig) -> OptimizerSpec:

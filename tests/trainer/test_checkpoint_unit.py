@@ -77,7 +77,7 @@ def test_save_then_load_into_a_fresh_template(tmp_path):
     """The resume path in one process: a parameter never stepped keeps a fresh optimizer slot."""
     cfg = _cfg(tmp_path)
     run_dir = tmp_path / "run"
-    path = save_checkpoint(run_dir, 7, _state(), {"scaler": {}}, cfg, None, rank=0, keep=2)
+    path = save_checkpoint(run_dir, 7, _state(), {"scaler": {}}, cfg, None, rank=0)
     assert path == run_dir / "checkpoints" / "step_7"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_7"
     fresh = {"model": {k: torch.zeros_like(v) for k, v in _state()["model"].items()}, "optim": {}}
@@ -94,7 +94,7 @@ def test_save_then_load_into_a_fresh_template(tmp_path):
 
 
 def test_resume_with_different_training_settings_is_refused(tmp_path):
-    path = save_checkpoint(tmp_path / "run", 1, _state(), {}, _cfg(tmp_path), None, rank=0, keep=2)
+    path = save_checkpoint(tmp_path / "run", 1, _state(), {}, _cfg(tmp_path), None, rank=0)
     with pytest.raises(ConfigError, match="different training settings"):
         load_checkpoint(path, load_template(_state()), _cfg(tmp_path, lr=1.0))
     # where the bytes live may change: micro-batch is not a training semantic
@@ -102,9 +102,9 @@ def test_resume_with_different_training_settings_is_refused(tmp_path):
 
 
 def test_old_checkpoints_are_pruned_after_the_new_one_is_complete(tmp_path):
-    cfg = _cfg(tmp_path)
+    cfg = _cfg(tmp_path)  # run.keep_checkpoints defaults to 2
     for step in (1, 2, 3):
-        save_checkpoint(tmp_path / "run", step, _state(), {}, cfg, None, rank=0, keep=2)
+        save_checkpoint(tmp_path / "run", step, _state(), {}, cfg, None, rank=0)
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert names == ["latest", "step_2", "step_3"]
 
