@@ -41,15 +41,19 @@ def build_adamw(
 def canonical_optim_state(
     optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor]
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """AdamW moments and step per canonical parameter name, fp32 on CPU (portable layout)."""
+    """AdamW moments and step per canonical parameter name, fp32 on CPU (portable layout).
+
+    On CPU these are the live tensors, not copies: a synchronous save writes them before training
+    goes on, and an asynchronous one stages its own copy first.
+    """
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in params.items():
         state = optimizer.state.get(p)
         if not state:
             continue
         out[name] = {
-            "exp_avg": _full(state["exp_avg"]).to("cpu", torch.float32, copy=True),
-            "exp_avg_sq": _full(state["exp_avg_sq"]).to("cpu", torch.float32, copy=True),
+            "exp_avg": _full(state["exp_avg"]).to("cpu", torch.float32),
+            "exp_avg_sq": _full(state["exp_avg_sq"]).to("cpu", torch.float32),
             "step": torch.as_tensor(float(state["step"]), dtype=torch.float32),
         }
     return out

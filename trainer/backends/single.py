@@ -81,7 +81,7 @@ class SingleBackend:
         assert self.optimizer is not None
         params = self._named_params()
         return {
-            "model": {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in params.items()},
+            "model": {n: p.detach().to("cpu", torch.float32) for n, p in params.items()},
             "optim": canonical_optim_state(self.optimizer, params),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
         }
