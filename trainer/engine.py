@@ -146,7 +146,7 @@ def run_training(cfg: JobConfig) -> int:
         last = step + 1 == cfg.train.steps
         if stopping or (_due(step + 1, cfg.run.checkpoint_every, cfg.train.steps) and not last):
             asynchronous = cfg.run.async_checkpoint and not stopping
-            _checkpoint(checkpointer, step + 1, backend, ctx, asynchronous)
+            _checkpoint(checkpointer, step + 1, backend, ctx, split, asynchronous)
         if stopping:
             checkpointer.finish()
             log.warning("stopped by %s after step %d; checkpoint written", stop.name, step + 1)
@@ -331,6 +331,7 @@ def _checkpoint(
     step: int,
     backend: Backend,
     ctx: BackendContext,
+    split: BatchSplit,
     asynchronous: bool,
 ) -> None:
     start = time.perf_counter()
@@ -338,7 +339,7 @@ def _checkpoint(
     trainer_state = {
         "strategy": ctx.cfg.strategy,
         "world_size": ctx.world_size,
-        "micro_batch_size": ctx.micro_batch_size,
+        "micro_batch_size": split.micro_batch_size,
         "scaler": backend_state.get("scaler") or {},
     }
     path = checkpointer.save(step, backend_state, trainer_state, asynchronous)
