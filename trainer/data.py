@@ -1,0 +1,516 @@
+"""Data: read with HF `datasets`, tokenise once (cached), pack into windows, pick batches by step.
+
+Formats (`data.format`):
+- `text`: loss on every token. Documents are concatenated and split across windows.
+- `prompt_completion`: loss on the completion only. Documents are packed whole (a document longer
+  than `data.seq_len` is truncated, and counted in the log).
+- `chat`: a list of {role, content} messages rendered with the tokenizer's chat template; loss on
+  the assistant turns only (found by rendering growing prefixes of the conversation). Packed whole.
+
+Packing: every window holds `data.seq_len` tokens; `position_ids` restart at 0 at each document
+and the first token of a document is never a target, so nothing is predicted across documents.
+With `attention_mask=None`, no KV cache (the engine builds models with `use_cache=False`) and packed
+`position_ids`, transformers (sdpa/eager/flex on models that use its masking utilities, e.g.
+Llama, Qwen2, Mistral, Gemma) builds a block-diagonal causal mask from the position resets, so
+tokens attend only within their document (tests check this). A model
+that ignores `position_ids` for masking would attend across documents of one window; set
+`data.pack: false` for such models (one document per window, padded).
+
+Order: the global batch of optimizer step `s` is a fixed set of windows chosen by `train.seed` and
+`s` alone (epochs reshuffle with the seed and the epoch), independent of world size and
+micro-batch. The step is therefore the whole data position: resuming, changing the strategy or
+backing off the micro-batch sees the same data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from launcher.config import ConfigError, DataConfig, JobConfig, ModelConfig
+from trainer.dist import barrier, env_rank
+from trainer.loss import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
+_CACHE_VERSION = "1"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def build_tokenizer(model_cfg: ModelConfig) -> Any:
+    """The tokenizer of `model.tokenizer`, else of `model.name_or_path`; with a pad token."""
+    from transformers import AutoTokenizer
+
+    source = model_cfg.tokenizer or model_cfg.name_or_path
+    if source is None:
+        raise ConfigError(
+            "model.tokenizer",
+            "an inline model.config needs a tokenizer",
+            "set model.tokenizer to a tokenizer dir or hub id",
+        )
+    key = "model.tokenizer" if model_cfg.tokenizer else "model.name_or_path"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, trust_remote_code=model_cfg.trust_remote_code, revision=model_cfg.revision
+        )
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            key,
+            f"cannot load a tokenizer from '{source}' ({str(err).splitlines()[0]})",
+            "give a local tokenizer directory, or run where the Hugging Face Hub is reachable",
+        ) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Documents: (ids, target mask) per example
+
+
+@dataclass
+class Documents:
+    """Tokenised examples, flat: doc i is tokens[offsets[i]:offsets[i+1]]."""
+
+    tokens: np.ndarray  # int64
+    targets: np.ndarray  # bool: this token is a loss target
+    offsets: np.ndarray  # int64, len = num_docs + 1
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.offsets) - 1
+
+    def doc(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return self.tokens[a:b], self.targets[a:b]
+
+    def subset(self, indices: np.ndarray) -> Documents:
+        parts = [self.doc(int(i)) for i in indices]
+        lengths = np.array([len(t) for t, _ in parts], dtype=np.int64)
+        return Documents(
+            np.concatenate([t for t, _ in parts]) if parts else np.zeros(0, np.int64),
+            np.concatenate([m for _, m in parts]) if parts else np.zeros(0, bool),
+            np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        )
+
+
+def _data_files(path: str, key: str) -> list[Path] | None:
+    """Local files to read (None: a hub dataset id)."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.suffix in _LOADERS and f.is_file())
+        if not files:
+            raise ConfigError(key, f"'{path}' has no {'/'.join(_LOADERS)} files", "point at data")
+        kinds = {_LOADERS[f.suffix] for f in files}
+        if len(kinds) > 1:
+            raise ConfigError(key, f"'{path}' mixes {sorted(kinds)} files", "use one file kind")
+        return files
+    return None
+
+
+def _read_rows(path: str, key: str) -> Iterator[tuple[str, int, Any]]:
+    """(source name, 1-based row number, row) for every example, in order."""
+    import datasets
+    from datasets import load_dataset
+
+    datasets.disable_progress_bars()
+    files = _data_files(path, key)
+    if files is None:  # a hub dataset id
+        try:
+            ds = load_dataset(path, split="train")
+        except Exception as err:  # offline, unknown id, no train split
+            raise ConfigError(
+                key,
+                f"cannot load dataset '{path}' ({str(err).splitlines()[0][:200]})",
+                "give a local jsonl/json/parquet/txt/csv file or dir, or run online",
+            ) from None
+        for i, row in enumerate(ds):
+            yield path, i + 1, row
+        return
+    for f in files:
+        if f.suffix in (".jsonl", ".json"):
+            yield from _read_json_rows(f, key)
+            continue
+        try:
+            ds = load_dataset(_LOADERS[f.suffix], data_files=str(f), split="train")
+        except Exception as err:
+            raise ConfigError(
+                key, f"cannot read {f} ({str(err).splitlines()[0][:200]})", "fix the file"
+            ) from None
+        for i, row in enumerate(ds):
+            yield str(f), i + 1, row
+
+
+def _read_json_rows(f: Path, key: str) -> Iterator[tuple[str, int, Any]]:
+    """JSON lines (or a JSON array) read as written: `datasets`' JSON loader re-types a column
+    whose rows mix types (a string "2" beside an int 2 becomes 2) and cannot name a broken line."""
+    text = f.read_text()
+    if f.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(key, f"{f} is not valid JSON ({err})", "fix the file") from None
+        for i, row in enumerate(rows):
+            yield str(f), i + 1, row if isinstance(row, dict) else {}
+        return
+    for i, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        yield str(f), i + 1, row if isinstance(row, dict) else {"__invalid__": line[:80]}
+
+
+def _encode(tokenizer: Any, text: str, special: bool) -> list[int]:
+    return tokenizer(text, add_special_tokens=special)["input_ids"]
+
+
+def _example(row: dict[str, Any], data: DataConfig, tokenizer: Any) -> tuple[list[int], list[bool]]:
+    """Token ids and target mask of one row; raises ValueError naming what is wrong."""
+    eos = [tokenizer.eos_token_id] if data.append_eos and tokenizer.eos_token_id is not None else []
+    if data.format == "text":
+        text = _field(row, data.text_field)
+        ids = _encode(tokenizer, text, special=True) + eos
+        return ids, [True] * len(ids)
+    if data.format == "prompt_completion":
+        prompt = _field(row, data.prompt_field)
+        completion = _field(row, data.completion_field)
+        p = _encode(tokenizer, prompt, special=True)
+        c = _encode(tokenizer, completion, special=False) + eos
+        return p + c, [False] * len(p) + [True] * len(c)
+    return _chat_example(_messages(row, data.messages_field), tokenizer)
+
+
+def _field(row: dict[str, Any], name: str) -> str:
+    if "__invalid__" in row:
+        raise ValueError(f"is not a JSON object: {row['__invalid__']!r}")
+    if name not in row or row[name] is None:
+        raise ValueError(f"has no '{name}' field")
+    value = row[name]
+    if not isinstance(value, str):
+        raise ValueError(f"field '{name}' is a {type(value).__name__}, not text")
+    if not value.strip():
+        raise ValueError(f"field '{name}' is empty")
+    return value
+
+
+def _messages(row: dict[str, Any], name: str) -> list[dict[str, str]]:
+    if "__invalid__" in row:
+        raise ValueError(f"is not a JSON object: {row['__invalid__']!r}")
+    msgs = row.get(name)
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError(f"field '{name}' is not a non-empty list of messages")
+    for m in msgs:
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
+            raise ValueError(f"field '{name}' has a message without role/content")
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise ValueError(f"field '{name}' has no assistant turn")
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
+def _chat_example(messages: list[dict[str, str]], tokenizer: Any) -> tuple[list[int], list[bool]]:
+    """Render prefixes of the conversation; the tokens each assistant turn adds are targets."""
+    ids: list[int] = []
+    mask: list[bool] = []
+    for i, msg in enumerate(messages):
+        rendered = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True)
+        if hasattr(rendered, "keys"):  # some versions return a BatchEncoding
+            rendered = rendered["input_ids"]
+        if rendered[: len(ids)] != ids:
+            raise ValueError("chat template does not render conversation prefixes stably")
+        added = list(rendered[len(ids) :])
+        ids += added
+        mask += [msg["role"] == "assistant"] * len(added)
+    return ids, mask
+
+
+def tokenize_source(
+    path: str, key: str, data: DataConfig, tokenizer: Any, cache_dir: Path
+) -> Documents:
+    """Tokenise every row of a source once; later calls read the cache (keyed by content)."""
+    cache = cache_dir / _cache_key(path, data, tokenizer)
+    if (cache / "done").is_file():
+        return _load_docs(cache)
+    tokens: list[int] = []
+    targets: list[bool] = []
+    offsets = [0]
+    num_skipped = num_truncated = 0
+    for num_rows, (source, row_number, row) in enumerate(_read_rows(path, key), start=1):
+        try:
+            ids, mask = _example(row, data, tokenizer)
+            if not any(mask):
+                raise ValueError("has no tokens to learn from")
+        except ValueError as err:
+            if data.on_bad_row == "error":
+                raise ConfigError(
+                    key,
+                    f"{source} row {row_number} {err}",
+                    "fix the row, or set data.on_bad_row=skip to skip such rows",
+                ) from None
+            num_skipped += 1
+            continue
+        if data.format != "text" and len(ids) > data.seq_len:
+            ids, mask = ids[: data.seq_len], mask[: data.seq_len]
+            num_truncated += 1
+        tokens += ids
+        targets += mask
+        offsets.append(len(tokens))
+        if num_rows % 50_000 == 0:
+            log.info("tokenised %d rows of %s", num_rows, path)
+    if len(offsets) == 1:
+        raise ConfigError(key, f"'{path}' has no usable rows", "check data.format and the fields")
+    if num_skipped:
+        log.warning("%s: skipped %d malformed rows (data.on_bad_row=skip)", path, num_skipped)
+    if num_truncated:
+        log.warning("%s: %d examples longer than seq_len were truncated", path, num_truncated)
+    docs = Documents(
+        np.asarray(tokens, dtype=np.int64),
+        np.asarray(targets, dtype=bool),
+        np.asarray(offsets, dtype=np.int64),
+    )
+    _save_docs(cache, docs)
+    return docs
+
+
+def _cache_key(path: str, data: DataConfig, tokenizer: Any) -> str:
+    h = hashlib.sha256(_CACHE_VERSION.encode())
+    files = _data_files(path, "data.path")
+    for f in files or []:
+        h.update(str(f).encode())
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    if files is None:
+        h.update(path.encode())
+    fields = data.model_dump(
+        include={
+            "format",
+            "seq_len",
+            "text_field",
+            "prompt_field",
+            "completion_field",
+            "messages_field",
+            "append_eos",
+            "on_bad_row",
+        }
+    )
+    h.update(json.dumps(fields, sort_keys=True).encode())
+    h.update(tokenizer.backend_tokenizer.to_str().encode() if tokenizer.is_fast else b"slow")
+    h.update(str(getattr(tokenizer, "chat_template", "")).encode())
+    return h.hexdigest()[:24]
+
+
+def _save_docs(cache: Path, docs: Documents) -> None:
+    cache.mkdir(parents=True, exist_ok=True)
+    for name in ("tokens", "targets", "offsets"):
+        np.save(cache / f"{name}.npy", getattr(docs, name), allow_pickle=False)
+    (cache / "done").write_text("ok\n")
+
+
+def _load_docs(cache: Path) -> Documents:
+    return Documents(
+        *(np.load(cache / f"{n}.npy", allow_pickle=False) for n in ("tokens", "targets", "offsets"))
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Windows
+
+
+@dataclass
+class Windows:
+    """Fixed-length training windows: [num_windows, seq_len] arrays."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray
+    doc_ids: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def batch(self, indices: list[int] | np.ndarray) -> dict[str, torch.Tensor]:
+        idx = np.asarray(indices, dtype=np.int64)
+        return {
+            "input_ids": torch.from_numpy(self.input_ids[idx]),
+            "labels": torch.from_numpy(self.labels[idx]),
+            "position_ids": torch.from_numpy(self.position_ids[idx]),
+            "doc_ids": torch.from_numpy(self.doc_ids[idx]),
+        }
+
+
+def pack(docs: Documents, seq_len: int, pad_id: int, split_docs: bool, pack_docs: bool) -> Windows:
+    """Lay documents into windows (see the module docstring)."""
+    rows: list[list[tuple[np.ndarray, np.ndarray]]] = [[]]
+    used = 0
+    for i in range(docs.num_docs):
+        ids, mask = docs.doc(i)
+        while len(ids):
+            room = seq_len - used
+            if not pack_docs and rows[-1]:
+                room = 0
+            if len(ids) > room and not (split_docs and room >= 2):
+                if rows[-1]:
+                    rows.append([])
+                    used = 0
+                    continue
+                ids, mask = ids[:seq_len], mask[:seq_len]  # longer than a window: truncated
+            take = min(len(ids), seq_len - used)
+            rows[-1].append((ids[:take], mask[:take]))
+            used += take
+            ids, mask = ids[take:], mask[take:]
+            if used == seq_len:
+                rows.append([])
+                used = 0
+    if not rows[-1]:
+        rows.pop()
+    n = len(rows)
+    input_ids = np.full((n, seq_len), pad_id, dtype=np.int64)
+    labels = np.full((n, seq_len), IGNORE_INDEX, dtype=np.int64)
+    position_ids = np.zeros((n, seq_len), dtype=np.int64)
+    doc_ids = np.full((n, seq_len), -1, dtype=np.int64)
+    for r, segments in enumerate(rows):
+        at = 0
+        for d, (ids, mask) in enumerate(segments):
+            end = at + len(ids)
+            input_ids[r, at:end] = ids
+            lab = np.where(mask, ids, IGNORE_INDEX)
+            lab[0] = IGNORE_INDEX  # nothing predicts a document's first token
+            labels[r, at:end] = lab
+            position_ids[r, at:end] = np.arange(len(ids))
+            doc_ids[r, at:end] = d
+            at = end
+        position_ids[r, at:] = np.arange(seq_len - at)  # padding: harmless positions
+    return Windows(input_ids, labels, position_ids, doc_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Streams
+
+
+class TrainStream:
+    """Training windows addressed by optimizer step (stateless: the step is the position)."""
+
+    def __init__(self, windows: Windows, seed: int):
+        self.windows = windows
+        self.seed = seed
+        self.num_windows = len(windows)
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perms = {epoch: rng.permutation(self.num_windows)}
+        return self._perms[epoch]
+
+    def global_batch(self, step: int, global_batch_size: int) -> list[int]:
+        """The window indices of step `step`'s global batch, in order."""
+        out = []
+        for g in range(step * global_batch_size, (step + 1) * global_batch_size):
+            epoch, i = divmod(g, self.num_windows)
+            out.append(int(self._perm(epoch)[i]))
+        return out
+
+    def micro_batches(
+        self, step: int, rank: int, world_size: int, micro_batch_size: int, global_batch_size: int
+    ) -> list[dict[str, torch.Tensor]]:
+        """This rank's contiguous share of the step's global batch, cut into micro-batches."""
+        per_rank = global_batch_size // world_size
+        mine = self.global_batch(step, global_batch_size)[rank * per_rank : (rank + 1) * per_rank]
+        return [
+            self.windows.batch(mine[i : i + micro_batch_size])
+            for i in range(0, per_rank, micro_batch_size)
+        ]
+
+
+class EvalSet:
+    """Held-out windows, the same every time, sharded by rank."""
+
+    def __init__(self, windows: Windows):
+        self.windows = windows
+        self.num_windows = len(windows)
+
+    def batches(
+        self, batch_size: int, rank: int, world_size: int
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """Every rank yields the same number of batches (short ones padded with no-target rows)."""
+        per_rank = -(-self.num_windows // world_size)
+        mine = list(range(rank * per_rank, min((rank + 1) * per_rank, self.num_windows)))
+        for i in range(0, per_rank, batch_size):
+            chunk = mine[i : i + batch_size]
+            batch = self.windows.batch(chunk) if chunk else None
+            missing = min(batch_size, per_rank - i) - len(chunk)
+            if missing:
+                batch = _pad_rows(batch, missing, self.windows)
+            yield batch
+
+
+def _pad_rows(batch: dict[str, torch.Tensor] | None, n: int, w: Windows) -> dict[str, torch.Tensor]:
+    filler = w.batch([0] * n)
+    filler["labels"].fill_(IGNORE_INDEX)
+    filler["doc_ids"].fill_(-1)
+    if batch is None:
+        return filler
+    return {k: torch.cat([batch[k], filler[k]]) for k in batch}
+
+
+@dataclass
+class DataBundle:
+    train: TrainStream
+    eval: EvalSet | None
+
+
+def build_data(cfg: JobConfig, tokenizer: Any) -> DataBundle:
+    """Tokenise (rank 0 first, others then read its cache), split off eval, pack."""
+    data = cfg.data
+    cache_dir = Path(data.cache_dir or Path.home() / ".cache" / "oomless" / "data").expanduser()
+    rank, _, _ = env_rank()
+    sources = [("data.path", data.path)] + (
+        [("data.eval_path", data.eval_path)] if data.eval_path else []
+    )
+    docs: dict[str, Documents] = {}
+    for turn in (0, 1):  # rank 0 tokenises and caches; the others read the cache after it
+        if (rank == 0) == (turn == 0):
+            for key, path in sources:
+                docs[key] = tokenize_source(path, key, data, tokenizer, cache_dir)
+        barrier()
+    train_docs, eval_docs = docs["data.path"], docs.get("data.eval_path")
+    if eval_docs is None and data.eval_fraction > 0:
+        order = np.random.default_rng([cfg.train.seed, 7]).permutation(train_docs.num_docs)
+        num_eval = max(1, round(data.eval_fraction * train_docs.num_docs))
+        if num_eval >= train_docs.num_docs:
+            raise ConfigError(
+                "data.eval_fraction", "leaves no training documents", "use a smaller fraction"
+            )
+        eval_docs = train_docs.subset(np.sort(order[:num_eval]))
+        train_docs = train_docs.subset(np.sort(order[num_eval:]))
+    pad_id = tokenizer.pad_token_id
+    split_docs = data.format == "text"
+    train_windows = pack(train_docs, data.seq_len, pad_id, split_docs, data.pack)
+    if len(train_windows) < 1:
+        raise ConfigError("data.path", "produced no training windows", "add data")
+    log.info(
+        "data: %d training documents in %d windows of %d tokens%s",
+        train_docs.num_docs,
+        len(train_windows),
+        data.seq_len,
+        f"; {eval_docs.num_docs} eval documents" if eval_docs is not None else "",
+    )
+    eval_set = None
+    if eval_docs is not None:
+        eval_set = EvalSet(pack(eval_docs, data.seq_len, pad_id, False, data.pack))
+    return DataBundle(TrainStream(train_windows, cfg.train.seed), eval_set)
