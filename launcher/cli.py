@@ -11,6 +11,7 @@ import sys
 
 from launcher.config import ConfigError, dump_config, load_config
 from launcher.logs import setup_logging
+from launcher.plan import NoFitError
 
 EXIT_OK, EXIT_USAGE, EXIT_NO_FIT, EXIT_OOM, EXIT_SIGNAL = 0, 2, 3, 75, 143
 
@@ -90,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(str(err), file=sys.stderr)
         return EXIT_USAGE
+    except NoFitError as err:
+        print(f"oomless: {err}", file=sys.stderr)
+        return EXIT_NO_FIT
     except KeyboardInterrupt:
         return EXIT_SIGNAL
 

@@ -1,8 +1,17 @@
-"""What the job runs on. Detection fills what the config leaves out; tests inject fakes."""
+"""What the job runs on. Detection fills what the config leaves out; tests inject fakes.
+
+Detection never allocates device memory: CUDA properties come from the driver
+(`torch.cuda.get_device_properties`), host memory from psutil, nodes from the Slurm or torchrun
+environment. Every value in the config's `hardware` section wins over detection.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+from launcher.config import HardwareConfig
 
 
 @dataclass(frozen=True)
@@ -18,3 +27,93 @@ class Hardware:
     @property
     def world_size(self) -> int:
         return self.nodes * self.devices_per_node
+
+
+@dataclass(frozen=True)
+class DeviceProbe:
+    """What the machine says about itself."""
+
+    num_cuda_devices: int
+    cuda_memory_bytes: int
+    cuda_name: str
+    host_memory_bytes: int
+
+
+# Dense bf16 tensor-core peak per device (vendor datasheets), for MFU and the cost model.
+_PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100 SXM": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "V100": 125e12,  # fp16 tensor cores (no bf16)
+}
+
+
+def peak_flops_for(device_name: str) -> float | None:
+    """Peak bf16 FLOP/s of a known GPU (longest matching name wins), else None."""
+    for key in sorted(_PEAK_BF16_FLOPS, key=len, reverse=True):
+        if key.lower() in device_name.lower():
+            return _PEAK_BF16_FLOPS[key]
+    return None
+
+
+def probe_machine() -> DeviceProbe:
+    import psutil
+    import torch
+
+    host = psutil.virtual_memory().total
+    if not torch.cuda.is_available():
+        return DeviceProbe(0, 0, "cpu", host)
+    props = torch.cuda.get_device_properties(0)
+    return DeviceProbe(torch.cuda.device_count(), props.total_memory, props.name, host)
+
+
+def detect_hardware(
+    hw: HardwareConfig,
+    env: Mapping[str, str] | None = None,
+    probe: Callable[[], DeviceProbe] = probe_machine,
+) -> Hardware:
+    """The hardware to plan for: the config's values, detection for the rest."""
+    env = os.environ if env is None else env
+    needs_probe = (
+        hw.device == "auto"
+        or hw.devices_per_node is None
+        or hw.device_memory is None
+        or hw.host_memory is None
+    )
+    found = probe() if needs_probe else DeviceProbe(0, 0, "unknown", 0)
+    device = hw.device if hw.device != "auto" else ("cuda" if found.num_cuda_devices else "cpu")
+    nodes = hw.nodes
+    if "SLURM_JOB_NUM_NODES" in env and "nodes" not in hw.model_fields_set:
+        nodes = int(env["SLURM_JOB_NUM_NODES"])
+    if hw.devices_per_node is not None:
+        per_node = hw.devices_per_node
+    elif "LOCAL_WORLD_SIZE" in env:
+        per_node = int(env["LOCAL_WORLD_SIZE"])
+    else:
+        per_node = max(1, found.num_cuda_devices) if device == "cuda" else 1
+    host = hw.host_memory or found.host_memory_bytes
+    if hw.device_memory is not None:
+        device_memory = hw.device_memory
+    elif device == "cuda":
+        device_memory = found.cuda_memory_bytes
+    else:  # CPU processes share the host's memory
+        device_memory = host // per_node
+    name = found.cuda_name if device == "cuda" else "cpu"
+    return Hardware(
+        device=device,
+        nodes=nodes,
+        devices_per_node=per_node,
+        device_memory_bytes=device_memory,
+        host_memory_bytes=host,
+        device_name=name,
+        peak_flops=peak_flops_for(name) if device == "cuda" else None,
+    )

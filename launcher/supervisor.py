@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launcher.config import JobConfig, write_config
+from launcher.config import ConfigError, JobConfig, write_config
+from launcher.plan import NoFitError
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
         memory_scale = max(memory_scale, _measured_over_estimated(report))
         try:
             next_cfg, _ = resolve_plan(cfg, exclude=failed, memory_scale=memory_scale)
-        except Exception as err:  # NoFitError or a config error: nothing higher fits
+        except (NoFitError, ConfigError) as err:  # nothing higher fits
             log.error("out of memory on %s and no higher rung fits: %s", resolved.strategy, err)
             return rc
         record = {
@@ -81,12 +82,20 @@ def resolve_plan(
     cfg: JobConfig, exclude: list[str] | None = None, memory_scale: float = 1.0
 ) -> tuple[JobConfig, dict[str, Any]]:
     """The resolved config (every `auto` made concrete) and the plan JSON for plan.json."""
+    resolved, plan, hw = plan_job(cfg, exclude, memory_scale)
+    return resolved, plan.to_json(hw, cfg.memory.headroom, command=[])
+
+
+def plan_job(
+    cfg: JobConfig, exclude: list[str] | None = None, memory_scale: float = 1.0
+) -> tuple[JobConfig, Any, Any]:
+    """(resolved config, Plan, Hardware) for this job on the detected hardware."""
     from launcher.hardware import detect_hardware
     from launcher.plan import apply_plan, make_plan
 
     hw = detect_hardware(cfg.hardware)
     plan = make_plan(cfg, hw, exclude=exclude or (), memory_scale=memory_scale)
-    return apply_plan(cfg, plan, hw), plan.to_json(hw, cfg.memory.headroom, command=[])
+    return apply_plan(cfg, plan, hw), plan, hw
 
 
 def launch_spec(cfg: JobConfig, config_path: Path) -> tuple[list[str], dict[str, str], bool]:

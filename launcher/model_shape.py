@@ -1,0 +1,111 @@
+"""The shape of a model from its HF config alone: exact parameter counts, no weights, no GPU.
+
+Sources: an inline `model.config`, a local directory with `config.json`, or a hub id that names a
+preset shipped in `configs/models/` (read offline; `configs/models/index.yaml` maps hub ids to
+preset files). Parameter counts come from instantiating the model on the meta device.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from launcher.config import ConfigError, ModelConfig
+
+PRESETS = Path(__file__).resolve().parents[1] / "configs" / "models"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    num_params: int
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool
+    max_positions: int
+    num_layer_params: int  # one decoder layer
+    num_root_params: int  # embeddings, final norm, lm_head (not in any layer)
+
+    @property
+    def num_embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+
+def hf_config_dict(model_cfg: ModelConfig) -> dict[str, Any]:
+    """The HF config as a dict, without network access."""
+    if model_cfg.config is not None:
+        return dict(model_cfg.config)
+    name = model_cfg.name_or_path
+    assert name is not None
+    local = Path(name).expanduser()
+    if (local / "config.json").is_file():
+        return json.loads((local / "config.json").read_text())
+    preset = _preset_index().get(name) or _preset_index().get(name.lower())
+    if preset is not None:
+        return json.loads((PRESETS / preset).read_text())
+    raise ConfigError(
+        "model.name_or_path",
+        f"'{name}' is neither a local model dir nor a shipped preset, so its shape is unknown "
+        "offline",
+        f"give a local dir with config.json, an inline model.config, or one of: "
+        f"{', '.join(sorted(_preset_index()))}",
+    )
+
+
+@lru_cache(maxsize=1)
+def _preset_index() -> dict[str, str]:
+    index = PRESETS / "index.yaml"
+    if not index.is_file():
+        return {}
+    return {str(k): str(v) for k, v in (yaml.safe_load(index.read_text()) or {}).items()}
+
+
+def model_shape(model_cfg: ModelConfig) -> ModelShape:
+    return _shape_of(json.dumps(hf_config_dict(model_cfg), sort_keys=True))
+
+
+@lru_cache(maxsize=32)
+def _shape_of(config_json: str) -> ModelShape:
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    params = json.loads(config_json)
+    model_type = params.pop("model_type")
+    for key in ("architectures", "transformers_version", "torch_dtype", "dtype"):
+        params.pop(key, None)
+    config = CONFIG_MAPPING[model_type](**params)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    from trainer.model import decoder_layers
+
+    layers = decoder_layers(model)
+    num_params = sum(p.numel() for p in model.parameters())
+    num_layer_params = sum(p.numel() for p in layers[0].parameters())
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    text = getattr(config, "get_text_config", lambda: config)()
+    return ModelShape(
+        model_type=model_type,
+        num_params=num_params,
+        num_layers=len(layers),
+        hidden_size=hidden,
+        intermediate_size=getattr(text, "intermediate_size", 4 * hidden),
+        num_heads=heads,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or hidden // heads,
+        vocab_size=config.vocab_size,
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        max_positions=getattr(text, "max_position_embeddings", 0) or 0,
+        num_layer_params=num_layer_params,
+        num_root_params=num_params - len(layers) * num_layer_params,
+    )

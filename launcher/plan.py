@@ -1,0 +1,440 @@
+"""The planner: walk the ladder, keep what fits, pick the fastest. A pure function of its inputs.
+
+For every rung (DESIGN.md's ladder, as data below) the planner tries activation checkpointing
+none -> selective -> full and every micro-batch that divides this rank's share of the global batch,
+keeps the combinations the estimate says fit with `memory.headroom`, and predicts a step time for
+each with a small cost model (docs/planner.md). The fastest fitting combination of each rung is
+that rung's candidate; the fastest candidate wins. What is learned never changes: the global
+batch, optimizer, schedule and precision stay as configured; only micro-batch x accumulation,
+recomputation, sharding and offload move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from launcher.config import ConfigError, JobConfig
+from launcher.estimate import GIB, Estimate, estimate
+from launcher.hardware import Hardware
+from launcher.model_shape import ModelShape, model_shape
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    min_world: int = 1
+    max_world: int | None = None
+    needs_nvme: bool = False
+    # cost model: bytes moved per rank per step over the interconnect, as multiples of N
+    grad_comm: float = 0.0  # once per optimizer step
+    param_comm_per_micro: float = 0.0  # parameter gathers, every micro-batch
+    pcie_per_step: float = 0.0  # host <-> device per step (x N / W bytes)
+    pcie_per_micro: float = 0.0  # parameter streaming per micro-batch (x N / W bytes)
+    host_adam: bool = False
+    nvme_per_step: float = 0.0
+
+
+LADDER: tuple[Rung, ...] = (
+    Rung("single", max_world=1),
+    Rung("ddp", min_world=2, grad_comm=8.0),
+    Rung("fsdp", grad_comm=4.0, param_comm_per_micro=2.0),  # x c/2: 16-bit gathers
+    Rung("zero1", grad_comm=8.0),
+    Rung("zero2", grad_comm=8.0),
+    Rung("zero3", grad_comm=4.0, param_comm_per_micro=4.0),
+    Rung(
+        "fsdp_offload",
+        grad_comm=4.0,
+        param_comm_per_micro=2.0,
+        pcie_per_step=4.0,
+        pcie_per_micro=4.0,
+        host_adam=True,
+    ),
+    Rung(
+        "zero3_offload", grad_comm=4.0, param_comm_per_micro=4.0, pcie_per_step=8.0, host_adam=True
+    ),
+    Rung(
+        "zero3_offload_params",
+        grad_comm=4.0,
+        param_comm_per_micro=4.0,
+        pcie_per_step=8.0,
+        pcie_per_micro=8.0,
+        host_adam=True,
+    ),
+    Rung(
+        "zero3_nvme",
+        needs_nvme=True,
+        grad_comm=4.0,
+        param_comm_per_micro=4.0,
+        pcie_per_step=8.0,
+        pcie_per_micro=8.0,
+        host_adam=True,
+        nvme_per_step=32.0,
+    ),
+)
+CHECKPOINTING = ("none", "selective", "full")
+
+# Cost-model constants (docs/planner.md): effective bandwidths and rates, not peaks.
+INTRA_NODE_BYTES_S = {"cuda": 150e9, "cpu": 2e9}  # NVLink-class / shared memory via gloo
+INTER_NODE_BYTES_S = {"cuda": 20e9, "cpu": 1e9}  # per device over the network
+PCIE_BYTES_S = 12e9
+NVME_BYTES_S = 3e9
+HOST_ADAM_PARAMS_S = 1.5e9  # per node, DeepSpeed CPU Adam over all cores
+BASE_UTILIZATION = 0.45  # fraction of peak FLOP/s a well-fed step reaches
+SATURATION_TOKENS = 2048  # tokens per micro-batch at which utilisation is half its base
+CPU_PEAK_FLOPS = 0.2e12  # when planning CPU processes (tests, the demo)
+UNKNOWN_GPU_PEAK_FLOPS = 100e12
+
+
+@dataclass(frozen=True)
+class Alternative:
+    strategy: str
+    fits: bool
+    why_not: str | None
+    relative_step_time: float | None
+    micro_batch_size: int | None = None
+    activation_checkpointing: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "fits": self.fits,
+            "why_not": self.why_not,
+            "relative_step_time": self.relative_step_time,
+            "micro_batch_size": self.micro_batch_size,
+            "activation_checkpointing": self.activation_checkpointing,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str
+    world_size: int
+    nodes: int
+    devices_per_node: int
+    micro_batch_size: int
+    grad_accum: int
+    activation_checkpointing: str
+    estimate: Estimate
+    step_time_s: float
+    reasons: list[str] = field(default_factory=list)
+    alternatives: list[Alternative] = field(default_factory=list)
+
+    def to_json(self, hw: Hardware, headroom: float, command: list[str]) -> dict[str, Any]:
+        """INTERFACE.md's `plan --json`."""
+        return {
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "nodes": self.nodes,
+            "devices_per_node": self.devices_per_node,
+            "micro_batch_size": self.micro_batch_size,
+            "grad_accum": self.grad_accum,
+            "activation_checkpointing": self.activation_checkpointing,
+            "predicted_step_time_s": self.step_time_s,
+            "estimate": self.estimate.to_json(hw, headroom),
+            "reasons": list(self.reasons),
+            "alternatives": [a.to_json() for a in self.alternatives],
+            "command": list(command),
+        }
+
+
+class NoFitError(Exception):
+    """Nothing fits on the hardware given (exit 3); the message says what would."""
+
+
+def rung_world(rung: Rung, hw: Hardware) -> int | None:
+    world = hw.world_size
+    if world < rung.min_world or (rung.max_world is not None and world > rung.max_world):
+        return None
+    return world
+
+
+def step_time_s(
+    shape: ModelShape, rung: Rung, hw: Hardware, cfg: JobConfig, micro: int, ac: str
+) -> float:
+    """Predicted seconds per optimizer step (compute + recompute + communication + offload)."""
+    seq = cfg.data.seq_len
+    world = hw.world_size
+    tokens = cfg.train.global_batch_size * seq
+    n = shape.num_params
+    attention = 12 * shape.num_layers * shape.hidden_size * seq  # per token, fwd + bwd
+    recompute = {"none": 0.0, "selective": 0.5, "full": 1.0}[ac] * (2 * n + attention / 3)
+    flops = tokens * (6 * n + attention + recompute)
+    peak = hw.peak_flops or (CPU_PEAK_FLOPS if hw.device == "cpu" else UNKNOWN_GPU_PEAK_FLOPS)
+    micro_tokens = micro * seq
+    utilization = BASE_UTILIZATION * micro_tokens / (micro_tokens + SATURATION_TOKENS)
+    compute = flops / (world * peak * utilization)
+
+    grad_accum = cfg.train.global_batch_size // (world * micro)
+    c = 4 if cfg.precision == "fp32" else 2
+    ring = (world - 1) / world
+    bandwidth = (INTRA_NODE_BYTES_S if hw.nodes == 1 else INTER_NODE_BYTES_S)[hw.device]
+    gather_scale = c / 2 if rung.name.startswith("fsdp") else 1.0
+    comm_bytes = n * (rung.grad_comm + rung.param_comm_per_micro * gather_scale * grad_accum)
+    comm = ring * comm_bytes / bandwidth
+    per_rank = n / world
+    offload = (rung.pcie_per_step + rung.pcie_per_micro * grad_accum) * per_rank / PCIE_BYTES_S
+    if rung.host_adam:
+        offload += per_rank * min(hw.devices_per_node, world) / HOST_ADAM_PARAMS_S
+    offload += rung.nvme_per_step * per_rank / NVME_BYTES_S
+    return compute + comm + offload
+
+
+def _divisors_desc(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def _estimate(
+    shape: ModelShape,
+    rung: Rung,
+    hw: Hardware,
+    cfg: JobConfig,
+    micro: int,
+    ac: str,
+    memory_scale: float,
+) -> Estimate:
+    est = estimate(
+        shape,
+        strategy=rung.name,
+        world_size=hw.world_size,
+        devices_per_node=hw.devices_per_node,
+        micro_batch_size=micro,
+        seq_len=cfg.data.seq_len,
+        activation_checkpointing=ac,
+        precision=cfg.precision,
+        device=hw.device,
+    )
+    if memory_scale == 1.0:
+        return est
+    scaled = {k: int(v * memory_scale) for k, v in est.device_breakdown.items()}
+    return Estimate(
+        est.strategy,
+        est.world_size,
+        est.micro_batch_size,
+        est.activation_checkpointing,
+        scaled,
+        int(est.peak_tensor_bytes * memory_scale),
+        int(est.device_total_bytes * memory_scale),
+        est.host_breakdown,
+        est.host_total_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    rung: Rung
+    micro: int
+    ac: str
+    estimate: Estimate
+    time_s: float
+
+
+def _best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale) -> tuple[_Candidate | None, str]:
+    micros = _divisors_desc(per_rank)
+    if isinstance(cfg.train.micro_batch_size, int):
+        micros = [cfg.train.micro_batch_size]
+    acs = CHECKPOINTING
+    if cfg.memory.activation_checkpointing != "auto":
+        acs = (cfg.memory.activation_checkpointing,)
+    best: _Candidate | None = None
+    smallest: Estimate | None = None
+    for ac in acs:
+        for micro in micros:
+            est = _estimate(shape, rung, hw, cfg, micro, ac, memory_scale)
+            if smallest is None or est.device_total_bytes < smallest.device_total_bytes:
+                smallest = est
+            if not est.fits(hw, cfg.memory.headroom):
+                continue
+            t = step_time_s(shape, rung, hw, cfg, micro, ac)
+            if best is None or t < best.time_s:
+                best = _Candidate(rung, micro, ac, est, t)
+            break  # smaller micro-batches at this checkpointing level are only slower
+    why = "" if best else (smallest.why_not(hw, cfg.memory.headroom) or "does not fit")
+    return best, why
+
+
+def make_plan(
+    cfg: JobConfig,
+    hw: Hardware,
+    shape: ModelShape | None = None,
+    *,
+    exclude: tuple[str, ...] | list[str] = (),
+    memory_scale: float = 1.0,
+) -> Plan:
+    """The plan for this job on this hardware (raises NoFitError or ConfigError)."""
+    shape = shape or model_shape(cfg.model)
+    world = hw.world_size
+    gbs = cfg.train.global_batch_size
+    if gbs % world:
+        fits = [m * world for m in range(max(1, gbs // world), gbs // world + 3)]
+        raise ConfigError(
+            "train.global_batch_size",
+            f"{gbs} sequences cannot be split evenly over {world} ranks",
+            f"use a multiple of {world} (e.g. {', '.join(map(str, fits))})",
+        )
+    per_rank = gbs // world
+    if isinstance(cfg.train.micro_batch_size, int) and per_rank % cfg.train.micro_batch_size:
+        raise ConfigError(
+            "train.micro_batch_size",
+            f"{cfg.train.micro_batch_size} does not divide the {per_rank} sequences per rank "
+            f"({gbs} over {world} ranks)",
+            f"use one of {', '.join(map(str, sorted(_divisors_desc(per_rank))))} or auto",
+        )
+    forced = cfg.strategy if cfg.strategy != "auto" else None
+    candidates: list[_Candidate] = []
+    rejected: list[Alternative] = []
+    for rung in LADDER:
+        if forced and rung.name != forced:
+            continue
+        if rung.name in exclude:
+            rejected.append(Alternative(rung.name, False, "ran out of memory in this run", None))
+            continue
+        if rung_world(rung, hw) is None:
+            need = f"{rung.min_world}+" if rung.max_world is None else f"exactly {rung.max_world}"
+            rejected.append(Alternative(rung.name, False, f"needs {need} ranks, has {world}", None))
+            continue
+        if rung.needs_nvme and not cfg.deepspeed.nvme_path:
+            rejected.append(Alternative(rung.name, False, "needs deepspeed.nvme_path", None))
+            continue
+        best, why = _best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale)
+        if best is None:
+            rejected.append(Alternative(rung.name, False, why, None))
+        else:
+            candidates.append(best)
+    if forced and not candidates:
+        if rejected and "ranks" in (rejected[0].why_not or ""):
+            raise ConfigError("strategy", f"{forced} {rejected[0].why_not}", "pick another rung")
+        if forced in exclude:
+            raise NoFitError(f"strategy {forced} ran out of memory and is forced by the config")
+        return _forced_plan(cfg, hw, shape, forced, per_rank, rejected, memory_scale)
+    if not candidates:
+        raise NoFitError(_what_would_fit(cfg, hw, shape, rejected))
+    candidates.sort(key=lambda cand: cand.time_s)
+    chosen = candidates[0]
+    alternatives = [
+        Alternative(
+            cand.rung.name, True, None, round(cand.time_s / chosen.time_s, 3), cand.micro, cand.ac
+        )
+        for cand in candidates
+    ] + rejected
+    reasons = [
+        f"{chosen.rung.name} fits: {chosen.estimate.device_total_bytes / GIB:.1f} GiB of "
+        f"{hw.device_memory_bytes / GIB:.1f} GiB per device (headroom {cfg.memory.headroom:.0%})"
+        f", {chosen.estimate.host_total_bytes / GIB:.1f} GiB of {hw.host_memory_bytes / GIB:.0f}"
+        " GiB host per node",
+        f"micro-batch {chosen.micro} x accumulation {per_rank // chosen.micro} x {world} ranks = "
+        f"global batch {gbs}; activation checkpointing {chosen.ac}",
+    ]
+    if len(candidates) > 1:
+        runner_up = candidates[1]
+        if runner_up.time_s > chosen.time_s * 1.001:
+            reasons.append(
+                f"fastest predicted step of {len(candidates)} rungs that fit: "
+                f"{chosen.time_s:.3g} s vs {runner_up.time_s:.3g} s on {runner_up.rung.name}"
+            )
+        else:
+            reasons.append(
+                f"{len(candidates)} rungs fit; {chosen.rung.name} ties {runner_up.rung.name} on "
+                "predicted step time and comes first on the ladder (simpler, fewer moving parts)"
+            )
+    if memory_scale != 1.0:
+        reasons.append(f"estimates scaled by {memory_scale:.2f} from a measured out-of-memory")
+    return Plan(
+        strategy=chosen.rung.name,
+        world_size=world,
+        nodes=hw.nodes,
+        devices_per_node=hw.devices_per_node,
+        micro_batch_size=chosen.micro,
+        grad_accum=per_rank // chosen.micro,
+        activation_checkpointing=chosen.ac,
+        estimate=chosen.estimate,
+        step_time_s=chosen.time_s,
+        reasons=reasons,
+        alternatives=alternatives,
+    )
+
+
+def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan:
+    """`strategy: NAME` that the estimate says will not fit: run it anyway, smallest footprint."""
+    rung = next(r for r in LADDER if r.name == name)
+    micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 1
+    ac = cfg.memory.activation_checkpointing
+    ac = "full" if ac == "auto" else ac
+    est = _estimate(shape, rung, hw, cfg, micro, ac, memory_scale)
+    return Plan(
+        strategy=name,
+        world_size=hw.world_size,
+        nodes=hw.nodes,
+        devices_per_node=hw.devices_per_node,
+        micro_batch_size=micro,
+        grad_accum=per_rank // micro,
+        activation_checkpointing=ac,
+        estimate=est,
+        step_time_s=step_time_s(shape, rung, hw, cfg, micro, ac),
+        reasons=[
+            f"strategy {name} is forced by the config, but the estimate says it will not fit: "
+            f"{est.why_not(hw, cfg.memory.headroom)}"
+        ],
+        alternatives=rejected,
+    )
+
+
+def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected) -> str:
+    """One line: the host RAM, or the number of devices, with which the job would fit."""
+    per_rank = cfg.train.global_batch_size // hw.world_size
+    base = (
+        f"does not fit on {hw.world_size} x {hw.device_memory_bytes / GIB:.0f} GiB "
+        f"{hw.device} with {hw.host_memory_bytes / GIB:.0f} GiB host memory per node on any "
+        "strategy"
+    )
+    offers = []
+    for name in ("zero3_offload", "zero3_offload_params"):
+        rung = next(r for r in LADDER if r.name == name)
+        est = _estimate(shape, rung, hw, cfg, 1, "full", 1.0)
+        device_ok = est.device_total_bytes <= hw.device_memory_bytes * (1 - cfg.memory.headroom)
+        if device_ok and per_rank >= 1:
+            need = est.host_total_bytes / (1 - cfg.memory.headroom)
+            offers.append(f"{name} would fit with {need / GIB:.0f} GiB host memory per node")
+            break
+    for world_mult in (2, 4, 8, 16, 32, 64, 128):
+        bigger = Hardware(
+            hw.device,
+            hw.nodes * world_mult,
+            hw.devices_per_node,
+            hw.device_memory_bytes,
+            hw.host_memory_bytes,
+            hw.device_name,
+            hw.peak_flops,
+        )
+        if cfg.train.global_batch_size % bigger.world_size:
+            continue
+        est = _estimate(shape, LADDER[2], bigger, cfg, 1, "full", 1.0)  # fsdp
+        if est.fits(bigger, cfg.memory.headroom):
+            offers.append(
+                f"fsdp would fit on {bigger.world_size} such devices "
+                f"({bigger.nodes} nodes x {bigger.devices_per_node})"
+            )
+            break
+    return base + ("; " + "; or ".join(offers) if offers else "")
+
+
+def apply_plan(cfg: JobConfig, plan: Plan, hw: Hardware) -> JobConfig:
+    """The resolved config the ranks run: every `auto` made concrete, nothing learned changed."""
+    return cfg.model_copy(
+        update={
+            "strategy": plan.strategy,
+            "train": cfg.train.model_copy(update={"micro_batch_size": plan.micro_batch_size}),
+            "memory": cfg.memory.model_copy(
+                update={"activation_checkpointing": plan.activation_checkpointing}
+            ),
+            "hardware": cfg.hardware.model_copy(
+                update={
+                    "device": hw.device,
+                    "nodes": plan.nodes,
+                    "devices_per_node": plan.devices_per_node,
+                    "device_memory": hw.device_memory_bytes,
+                    "host_memory": hw.host_memory_bytes,
+                }
+            ),
+        }
+    )

@@ -1,0 +1,109 @@
+"""`oomless plan`: the chosen plan, why, what else fits, and the exact command to launch it."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from launcher.config import ConfigError, JobConfig
+from launcher.estimate import GIB
+from launcher.plan import Plan
+
+
+def plan_command(cfg: JobConfig, as_json: bool, emit: str | None) -> int:
+    from launcher.supervisor import launch_spec, plan_job
+
+    resolved, plan, hw = plan_job(cfg)  # NoFitError: the CLI prints it and exits 3
+    argv, _, _ = launch_spec(resolved, _config_path(cfg))
+    if emit == "torchrun":
+        print(" ".join(argv))
+        return 0
+    if emit == "accelerate":
+        sys.stdout.write(accelerate_config(plan, cfg))
+        return 0
+    if emit in ("deepspeed", "sbatch"):
+        raise ConfigError(
+            "--emit", f"'{emit}' is not available yet", "use --emit torchrun or --emit accelerate"
+        )
+    if as_json:
+        print(json.dumps(plan.to_json(hw, cfg.memory.headroom, argv), indent=2))
+        return 0
+    print(render_plan(plan, hw.device_memory_bytes, hw.host_memory_bytes, argv))
+    return 0
+
+
+def _config_path(cfg: JobConfig) -> str:
+    from pathlib import Path
+
+    return str(Path(cfg.run.dir) / "config.yaml")
+
+
+def render_plan(plan: Plan, device_bytes: int, host_bytes: int, argv: list[str]) -> str:
+    est = plan.estimate
+    lines = [
+        f"plan: {plan.strategy} on {plan.nodes} node(s) x {plan.devices_per_node} device(s), "
+        f"micro-batch {plan.micro_batch_size} x accumulation {plan.grad_accum}, activation "
+        f"checkpointing {plan.activation_checkpointing}",
+        f"memory per device: {est.device_total_bytes / GIB:.1f} GiB of "
+        f"{device_bytes / GIB:.1f} GiB; host per node: {est.host_total_bytes / GIB:.1f} GiB of "
+        f"{host_bytes / GIB:.1f} GiB",
+        "why:",
+        *(f"  - {r}" for r in plan.reasons),
+        "rungs:",
+    ]
+    for alt in plan.alternatives:
+        if alt.fits:
+            lines.append(
+                f"  {alt.strategy:<22} fits   x{alt.relative_step_time:<6} step time "
+                f"(micro {alt.micro_batch_size}, checkpointing {alt.activation_checkpointing})"
+            )
+        else:
+            lines.append(f"  {alt.strategy:<22} no     {alt.why_not}")
+    lines += ["command:", "  " + " ".join(argv)]
+    return "\n".join(lines)
+
+
+def accelerate_config(plan: Plan, cfg: JobConfig) -> str:
+    """An `accelerate launch --config_file` YAML for users who run their own script."""
+    import yaml
+
+    mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[cfg.precision]
+    out: dict = {
+        "compute_environment": "LOCAL_MACHINE",
+        "machine_rank": 0,
+        "num_machines": plan.nodes,
+        "num_processes": plan.world_size,
+        "mixed_precision": mixed,
+        "use_cpu": cfg.hardware.device == "cpu",
+    }
+    if plan.strategy == "single":
+        out["distributed_type"] = "NO"
+    elif plan.strategy == "ddp":
+        out["distributed_type"] = "MULTI_GPU"
+    elif plan.strategy.startswith("fsdp"):
+        out["distributed_type"] = "FSDP"
+        out["fsdp_config"] = {
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_reshard_after_forward": cfg.fsdp.reshard_after_forward,
+            "fsdp_offload_params": plan.strategy == "fsdp_offload",
+            "fsdp_activation_checkpointing": plan.activation_checkpointing != "none",
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        }
+    else:
+        stage = {"zero1": 1, "zero2": 2}.get(plan.strategy, 3)
+        offload_opt = plan.strategy in ("zero3_offload", "zero3_offload_params")
+        out["distributed_type"] = "DEEPSPEED"
+        out["deepspeed_config"] = {
+            "zero_stage": stage,
+            "gradient_accumulation_steps": plan.grad_accum,
+            "gradient_clipping": cfg.train.grad_clip,
+            "offload_optimizer_device": "nvme"
+            if plan.strategy == "zero3_nvme"
+            else ("cpu" if offload_opt else "none"),
+            "offload_param_device": "nvme"
+            if plan.strategy == "zero3_nvme"
+            else ("cpu" if plan.strategy == "zero3_offload_params" else "none"),
+            "zero3_init_flag": stage == 3,
+        }
+    return yaml.safe_dump(out, sort_keys=False)

@@ -1,0 +1,172 @@
+"""`oomless train` end to end on one CPU process: the files, exit codes and messages users see."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import PYTHON, REPO, python_env
+
+DEMO = REPO / "configs" / "demo.yaml"
+FIELDS = {
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens",
+    "tokens_per_s",
+    "peak_device_bytes",
+    "strategy",
+    "world_size",
+    "micro_batch_size",
+    "grad_accum",
+}
+
+
+def oomless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PYTHON, "-m", "launcher.cli", *args],
+        capture_output=True,
+        text=True,
+        env=python_env(),
+        cwd=REPO,
+        timeout=timeout,
+    )
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_writes_config_metrics_and_a_loadable_model(tmp_path):
+    run_dir = tmp_path / "run"
+    r = oomless("train", str(DEMO), "train.steps=20", f"run.dir={run_dir}", "hardware.device=cpu")
+    assert r.returncode == 0, r.stderr[-3000:]
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert resolved["strategy"] == "single"
+    assert isinstance(resolved["train"]["micro_batch_size"], int)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["strategy"] == "single" and plan["command"]
+    lines = metrics(run_dir)
+    assert [m["step"] for m in lines] == list(range(1, 21))
+    for m in lines:
+        assert FIELDS <= set(m), FIELDS - set(m)
+        assert m["world_size"] == 1 and m["strategy"] == "single"
+    assert any("eval_loss" in m for m in lines)
+    first, last = sum(m["loss"] for m in lines[:3]) / 3, sum(m["loss"] for m in lines[-3:]) / 3
+    assert last < first * 0.9, (first, last)
+    assert "eta" in r.stderr  # the human progress line
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
+    ids = tokenizer("12+34=", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    r = oomless("train", str(DEMO), f"run.dir={run_dir}", "hardware.device=cpu", "--dry-run")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert '"strategy": "single"' in r.stdout
+    assert "-m trainer" in r.stdout
+    assert not run_dir.exists()
+
+
+def test_injected_oom_backs_off_and_learns_the_same(tmp_path):
+    """Half the micro-batch after an OOM at step 3: same losses as micro 4 from the start."""
+    common = [
+        "train.steps=5",
+        "train.global_batch_size=8",
+        "train.eval_every=0",
+        "run.save_final=false",
+        "precision=fp32",
+        "hardware.device=cpu",
+    ]
+    a, b = tmp_path / "backoff", tmp_path / "small"
+    r = oomless(
+        "train",
+        str(DEMO),
+        *common,
+        f"run.dir={a}",
+        "train.micro_batch_size=8",
+        "debug.inject_oom={step: 3, times: 1, where: backward}",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "out of memory in backward; retrying with micro-batch 4" in r.stderr
+    r = oomless("train", str(DEMO), *common, f"run.dir={b}", "train.micro_batch_size=4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ma, mb = metrics(a), metrics(b)
+    assert [m["micro_batch_size"] for m in ma] == [8, 8, 4, 4, 4]
+    for x, y in zip(ma, mb, strict=True):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * y["loss"], (x, y)
+
+
+def test_persistent_oom_without_escalation_exits_75_with_a_report(tmp_path):
+    run_dir = tmp_path / "run"
+    r = oomless(
+        "train",
+        str(DEMO),
+        "train.steps=4",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        f"run.dir={run_dir}",
+        "hardware.device=cpu",
+        "escalation.enabled=false",
+        "debug.inject_oom={step: 2, times: 0, where: forward}",
+    )
+    assert r.returncode == 75, r.stderr[-3000:]
+    report = json.loads((run_dir / "oom-report.json").read_text())
+    assert report["step"] == 2 and report["phase"] == "forward"
+    assert report["micro_batch_size"] == 1 and report["strategy"] == "single"
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_exits_143_and_resume_continues(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [
+        "train",
+        str(DEMO),
+        "train.steps=60",
+        "train.eval_every=0",
+        "run.checkpoint_every=1000",
+        "run.save_final=false",
+        f"run.dir={run_dir}",
+        "hardware.device=cpu",
+    ]
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "launcher.cli", *args],
+        env=python_env(),
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 240
+    path = run_dir / "metrics.jsonl"
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and len(path.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr[-3000:]
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    stopped_at = int(latest.removeprefix("step_"))
+    assert 3 <= stopped_at < 60
+    assert [m["step"] for m in metrics(run_dir)] == list(range(1, stopped_at + 1))
+
+    r = oomless(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / latest}" in r.stderr
+    assert [m["step"] for m in metrics(run_dir)] == list(range(1, 61))
