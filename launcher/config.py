@@ -89,6 +89,9 @@ def format_size(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.2f}GiB"
 
 
+_SLURM_TIME_RE = re.compile(r"^(\d+|\d+:\d{2}(:\d{2})?|\d+-\d{1,2}(:\d{2}(:\d{2})?)?)$")
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -198,7 +201,7 @@ class InjectOomConfig(_Section):
 
 class DebugConfig(_Section):
     inject_oom: InjectOomConfig | None = None
-    crash_in_save: str | None = None
+    crash_in_save: int | None = Field(None, ge=1)  # SIGKILL at the N-th point inside saves
 
 
 class RunConfig(_Section):
@@ -206,8 +209,15 @@ class RunConfig(_Section):
     checkpoint_every: int = Field(100, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
     async_checkpoint: bool = False
-    resume: str = "auto"
+    resume: str = "auto"  # auto | never | a checkpoint directory
     save_final: bool = True
+
+    @field_validator("resume")
+    @classmethod
+    def _resume(cls, v: str) -> str:
+        if v not in ("auto", "never") and not Path(v).expanduser().is_dir():
+            raise ValueError(f"'{v}' is neither auto, never nor an existing checkpoint directory")
+        return v
 
 
 class FsdpConfig(_Section):
@@ -240,6 +250,13 @@ class SlurmConfig(_Section):
     extra: list[str] = Field(default_factory=list)
     setup: list[str] = Field(default_factory=list)
 
+    @field_validator("time")
+    @classmethod
+    def _time(cls, v: str) -> str:
+        if not _SLURM_TIME_RE.match(v):
+            raise ValueError(f"'{v}' is not a Slurm time; write MINUTES, HH:MM:SS or D-HH:MM:SS")
+        return v
+
 
 class JobConfig(_Section):
     model: ModelConfig
@@ -256,18 +273,6 @@ class JobConfig(_Section):
     dist: DistConfig = Field(default_factory=DistConfig)
     escalation: EscalationConfig = Field(default_factory=EscalationConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
-
-    @model_validator(mode="after")
-    def _cross_checks(self) -> JobConfig:
-        micro = self.train.micro_batch_size
-        if isinstance(micro, int) and self.train.global_batch_size % micro:
-            raise ValueError(
-                f"train.global_batch_size={self.train.global_batch_size} is not a multiple of "
-                f"train.micro_batch_size={micro}"
-            )
-        if self.strategy == "zero3_nvme" and not self.deepspeed.nvme_path:
-            raise ValueError("strategy zero3_nvme needs deepspeed.nvme_path (a local NVMe dir)")
-        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -387,7 +392,9 @@ def build_config(tree: dict[str, Any]) -> JobConfig:
         cfg = JobConfig.model_validate(tree)
     except ValidationError as err:
         raise _explain(err) from None
+    _check_across_sections(cfg)
     _check_paths(cfg)
+    _check_positions(cfg)
     return cfg
 
 
@@ -405,6 +412,60 @@ def _check_paths(cfg: JobConfig) -> None:
         if value and value.startswith(("/", "./", "../", "~")):
             if not Path(value).expanduser().exists():
                 raise ConfigError(key, f"'{value}' does not exist", "point it at a local dir")
+
+
+def _check_across_sections(cfg: JobConfig) -> None:
+    """Rules that involve several keys; the message names the key to change."""
+    train, hw = cfg.train, cfg.hardware
+    micro = train.micro_batch_size
+    if isinstance(micro, int) and train.global_batch_size % micro:
+        raise ConfigError(
+            "train.micro_batch_size",
+            f"{micro} does not divide train.global_batch_size={train.global_batch_size}",
+            "use a divisor of the global batch, or auto",
+        )
+    if cfg.strategy == "zero3_nvme" and not cfg.deepspeed.nvme_path:
+        raise ConfigError(
+            "strategy", "zero3_nvme needs deepspeed.nvme_path", "set deepspeed.nvme_path=/nvme/dir"
+        )
+    if cfg.strategy == "single" and (hw.nodes > 1 or (hw.devices_per_node or 1) > 1):
+        raise ConfigError(
+            "strategy",
+            "single runs one process, but hardware.nodes x devices_per_node is above 1",
+            "use ddp, fsdp or a zero rung, or strategy=auto",
+        )
+    world = hw.nodes * hw.devices_per_node if hw.devices_per_node else None
+    if world and isinstance(micro, int) and train.global_batch_size % (micro * world):
+        raise ConfigError(
+            "hardware.devices_per_node",
+            f"train.global_batch_size={train.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size x ranks = {micro} x {world}",
+            "change the device count, the micro-batch or the global batch",
+        )
+    if cfg.precision == "fp16" and hw.device == "cpu":
+        raise ConfigError(
+            "precision",
+            "fp16 needs a GPU (CPU autocast computes in bf16)",
+            "use precision=bf16 or fp32 on CPU",
+        )
+
+
+def _check_positions(cfg: JobConfig) -> None:
+    """data.seq_len within the model's positions, where the shape is known offline."""
+    from launcher.model_shape import hf_config_dict
+
+    try:
+        hf = hf_config_dict(cfg.model)
+    except ConfigError:  # a hub id without a shipped preset: checked when the model loads
+        return
+    text = hf.get("text_config") or hf
+    limit = text.get("max_position_embeddings") or text.get("n_positions")
+    if limit and cfg.data.seq_len > limit:
+        raise ConfigError(
+            "data.seq_len",
+            f"{cfg.data.seq_len} is more than the model's {limit} positions",
+            f"use data.seq_len <= {limit}",
+        )
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConfig:

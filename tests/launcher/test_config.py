@@ -1,0 +1,209 @@
+"""Config: what loads, what overrides do, and one clear line (exit 2) for every bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher.config import ConfigError, load_config, parse_size
+from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env
+
+TOKENIZER = str(REPO / "configs" / "demo" / "tokenizer")
+
+
+def _job(tmp_path: Path, **sections) -> Path:
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    tree = {
+        "model": {"config": dict(TINY_LLAMA), "tokenizer": TOKENIZER},
+        "data": {"path": "train.jsonl", "seq_len": 64},
+        "train": {"steps": 5, "global_batch_size": 8, "micro_batch_size": 2},
+    }
+    for key, value in sections.items():
+        if value is None:
+            tree.pop(key, None)
+        elif isinstance(value, dict) and isinstance(tree.get(key), dict):
+            tree[key] = {**tree[key], **value}
+        else:
+            tree[key] = value
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PYTHON, "-m", "launcher.cli", *args],
+        capture_output=True,
+        text=True,
+        env=python_env(),
+        cwd=REPO,
+        timeout=60,
+    )
+
+
+def test_a_valid_job_loads_with_defaults_and_relative_paths(tmp_path):
+    cfg = load_config(_job(tmp_path))
+    assert cfg.data.path == str(tmp_path / "train.jsonl")  # relative to the job file
+    assert cfg.precision == "bf16" and cfg.strategy == "auto"
+    assert cfg.memory.headroom == 0.10 and cfg.run.resume == "auto"
+
+
+def test_overrides_parse_as_yaml_including_lists_and_nested_keys(tmp_path):
+    cfg = load_config(
+        _job(tmp_path),
+        [
+            "train.lr=1e-4",
+            "strategy=fsdp",
+            "train.betas=[0.8, 0.9]",
+            "hardware.device_memory=24GiB",
+            "debug.inject_oom={step: 3, rank: 1}",
+            "debug.inject_oom.times=2",
+        ],
+    )
+    assert cfg.train.lr == 1e-4 and cfg.strategy == "fsdp"
+    assert cfg.train.betas == (0.8, 0.9)
+    assert cfg.hardware.device_memory == 24 * 2**30
+    assert cfg.debug.inject_oom.step == 3 and cfg.debug.inject_oom.times == 2
+
+
+def test_sizes():
+    assert parse_size("80GiB") == 80 * 2**30
+    assert parse_size("512 GB") == 512 * 10**9
+    assert parse_size(1024) == 1024
+    with pytest.raises(ValueError):
+        parse_size("lots")
+
+
+def test_oomless_config_prints_the_resolved_config_and_redacts_secrets(tmp_path):
+    job = _job(tmp_path, deepspeed={"overrides": {"wandb": {"api_key": "s3cr3t-value"}}})
+    r = _cli("config", str(job), "train.lr=3e-4")
+    assert r.returncode == 0, r.stderr
+    printed = yaml.safe_load(r.stdout)
+    assert printed["train"]["lr"] == 3e-4
+    assert printed["data"]["path"] == str(tmp_path / "train.jsonl")
+    assert "s3cr3t-value" not in r.stdout and "<redacted>" in r.stdout
+
+
+# (label, job sections or None, overrides, key the message must name, words it must contain)
+INVALID = [
+    ("unknown top key", {"trian": {"steps": 1}}, [], "trian", "did you mean 'train'"),
+    ("unknown nested key", {"train": {"setps": 3}}, [], "train.setps", "did you mean"),
+    ("unknown override key", {}, ["train.lrr=1"], "train.lrr", "did you mean 'train.lr'"),
+    ("override without =", {}, ["train.lr"], "train.lr", "KEY=VALUE"),
+    ("negative lr", {}, ["train.lr=-1"], "train.lr", "greater than 0"),
+    ("steps zero", {}, ["train.steps=0"], "train.steps", "greater than or equal to 1"),
+    ("lr not a number", {}, ["train.lr=fast"], "train.lr", "number"),
+    ("bad precision", {}, ["precision=bf32"], "precision", "bf16"),
+    ("bad strategy", {}, ["strategy=zero4"], "strategy", "zero"),
+    (
+        "bad checkpointing",
+        {},
+        ["memory.activation_checkpointing=some"],
+        "memory.activation_checkpointing",
+        "selective",
+    ),
+    ("bad format", {}, ["data.format=tsv"], "data.format", "prompt_completion"),
+    ("bad size", {}, ["hardware.device_memory=lots"], "hardware.device_memory", "80GiB"),
+    ("negative size", {}, ["hardware.host_memory=-5"], "hardware.host_memory", "positive"),
+    (
+        "micro does not divide global",
+        {},
+        ["train.micro_batch_size=3"],
+        "train.micro_batch_size",
+        "does not divide",
+    ),
+    (
+        "global not divisible by world",
+        {},
+        ["hardware.devices_per_node=3", "hardware.device=cpu"],
+        "hardware.devices_per_node",
+        "micro_batch_size x ranks",
+    ),
+    (
+        "single on many devices",
+        {},
+        ["strategy=single", "hardware.devices_per_node=2"],
+        "strategy",
+        "single",
+    ),
+    ("seq_len past positions", {}, ["data.seq_len=4096"], "data.seq_len", "256 positions"),
+    ("missing data", {"data": None}, [], "data", "required"),
+    ("missing data path", {"data": {"path": None}}, [], "data.path", ""),
+    ("both model sources", {"model": {"name_or_path": "x/y"}}, [], "model", "exactly one"),
+    ("no model_type", {"model": {"config": {"hidden_size": 8}}}, [], "model", "model_type"),
+    (
+        "data path missing on disk",
+        {},
+        ["data.path=/nonexistent/train.jsonl"],
+        "data.path",
+        "does not exist",
+    ),
+    (
+        "resume path missing",
+        {},
+        ["run.resume=/nonexistent/ckpt"],
+        "run.resume",
+        "checkpoint directory",
+    ),
+    ("fp16 on cpu", {}, ["precision=fp16", "hardware.device=cpu"], "precision", "fp16"),
+    ("zero3_nvme without path", {}, ["strategy=zero3_nvme"], "strategy", "nvme_path"),
+    (
+        "bad inject strategy",
+        {},
+        ["debug.inject_oom={step: 1, strategies: [fsdq]}"],
+        "debug.inject_oom.strategies",
+        "unknown strategy",
+    ),
+    ("bad slurm time", {}, ["slurm.time=soon"], "slurm.time", "HH:MM:SS"),
+    ("betas out of range", {}, ["train.betas=[0.9, 1.5]"], "train.betas", "[0, 1)"),
+    ("section given a value", {}, ["train=5"], "train", ""),
+    ("eval fraction 1", {}, ["data.eval_fraction=1.0"], "data.eval_fraction", "less than 1"),
+]
+
+
+@pytest.mark.parametrize(
+    "label, sections, overrides, key, words", INVALID, ids=[c[0] for c in INVALID]
+)
+def test_invalid_config_is_one_line_exit_2(tmp_path, label, sections, overrides, key, words):
+    job = _job(tmp_path, **sections)
+    start = time.monotonic()
+    r = _cli("config", str(job), *overrides)
+    elapsed = time.monotonic() - start
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1, r.stderr  # exactly one line
+    assert "Traceback" not in r.stderr
+    line = r.stderr.strip()
+    assert line.startswith(f"config error: {key}"), line
+    assert words in line, line
+    assert elapsed < 5, f"{elapsed:.1f} s"
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ("model: [unclosed\n", "not valid YAML at line"),
+        ("- a\n- b\n", "top level must be a mapping"),
+    ],
+)
+def test_broken_files_are_one_line_exit_2(tmp_path, content, words):
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    r = _cli("config", str(path))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
+
+
+def test_missing_file_and_bad_usage(tmp_path):
+    r = _cli("config", str(tmp_path / "nope.yaml"))
+    assert r.returncode == 2 and "config file not found" in r.stderr
+    r = _cli("trian", "x.yaml")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_config_error_is_a_value_error_with_key_problem_fix():
+    err = ConfigError("train.lr", "must be positive", "set train.lr=1e-4")
+    assert str(err) == "config error: train.lr: must be positive; set train.lr=1e-4"
