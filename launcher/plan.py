@@ -290,8 +290,8 @@ def make_plan(
             rejected.append(Alternative(rung.name, False, "ran out of memory in this run", None))
             continue
         if rung_world(rung, hw) is None:
-            need = f"{rung.min_world}+" if rung.max_world is None else f"exactly {rung.max_world}"
-            rejected.append(Alternative(rung.name, False, f"needs {need} ranks, has {world}", None))
+            need = f"{rung.min_world}+ ranks" if rung.max_world is None else "exactly 1 rank"
+            rejected.append(Alternative(rung.name, False, f"needs {need}, has {world}", None))
             continue
         if rung.needs_nvme and not cfg.deepspeed.nvme_path:
             rejected.append(Alternative(rung.name, False, "needs deepspeed.nvme_path", None))
@@ -302,7 +302,7 @@ def make_plan(
         else:
             candidates.append(best)
     if forced and not candidates:
-        if rejected and "ranks" in (rejected[0].why_not or ""):
+        if rejected and " rank" in (rejected[0].why_not or ""):
             raise ConfigError("strategy", f"{forced} {rejected[0].why_not}", "pick another rung")
         if forced in exclude:
             raise NoFitError(f"strategy {forced} ran out of memory and is forced by the config")
