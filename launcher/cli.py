@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_NO_FIT
     except KeyboardInterrupt:
         return EXIT_SIGNAL
+    except BrokenPipeError:  # output piped into `head` and friends
+        sys.stderr.close()
+        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ i MLP width, V vocabulary, L layers, c bytes of the compute dtype (2 for bf16/fp
   FSDP all-gathers of the current and prefetched layer plus the root and reduce-scatter buffers,
   DeepSpeed buckets and the live/prefetched ZeRO-3 parameters, AdamW's foreach temporaries.
 - Runtime overhead: a constant for the CUDA context and the allocator's fragmentation as a ratio.
+
+The breakdown lists the size of each part; the peak is the largest of the step's phases (end of
+forward, start and end of backward, optimizer step), since activations and gradients, or the
+autocast cache and the optimizer's temporaries, are never all alive at once.
 """
 
 from __future__ import annotations
@@ -196,28 +200,36 @@ def estimate(
         + loss_bytes(shape, micro_batch_size, seq_len, c)
     )
 
-    # Transients at the peak.
-    temporary = 0
-    if strategy in ("single", "ddp", "zero1", "zero2") and mixed:
-        temporary += 2 * n  # autocast's 16-bit weight copies, alive until backward used them
+    # Transients, by phase of the step.
+    autocast_cache = 2 * n if strategy in ("single", "ddp", "zero1", "zero2") and mixed else 0
+    comm = 0  # gathered parameters and communication buffers, alive through forward and backward
     if strategy in ("fsdp", "fsdp_offload"):
         gathered = c if mixed else 4
-        temporary += 2 * gathered * layer_n + gathered * root_n  # current + prefetched + root
-        temporary += 2 * 4 * layer_n  # reduce-scatter input/output in fp32
+        comm += 2 * gathered * layer_n + gathered * root_n  # current + prefetched layer, root
+        comm += 2 * 4 * layer_n  # reduce-scatter input/output in fp32
     if strategy.startswith("zero"):
         bucket = min(DEEPSPEED_BUCKET_ELEMENTS, n)
-        temporary += 4 * bucket * (2 if strategy in ("zero1", "zero2") else 1)
+        comm += 4 * bucket * (2 if strategy in ("zero1", "zero2") else 1)
     if strategy.startswith("zero3"):
-        temporary += 4 * (2 * layer_n + root_n)  # live + prefetched layer and the root, fp32
+        comm += 4 * (2 * layer_n + root_n)  # live + prefetched layer and the root, fp32
         if mixed:
-            temporary += 2 * (2 * layer_n + root_n)  # their autocast copies
-    if on_device["optimizer"]:
-        temporary += on_device["params"] // 2  # foreach AdamW intermediates (fused: less)
+            comm += 2 * (2 * layer_n + root_n)  # their autocast copies
+    foreach = on_device["params"] // 2 if on_device["optimizer"] and device != "cuda" else 0
+    loss_grad = 4 * micro_batch_size * seq_len * shape.vocab_size
 
-    breakdown = {**on_device, "activations": activations, "temporary": temporary}
+    # The peak is the largest of the step's phases, not the sum of every part.
     static = on_device["params"] + on_device["optimizer"]
-    backward_peak = static + on_device["grads"] + activations + temporary
-    peak = backward_peak
+    grads = on_device["grads"]
+    head_grad = grads * root_n // max(n, 1)  # lm_head/embedding grads come first in backward
+    phases = {
+        "forward": static + activations + autocast_cache + comm,
+        "backward_start": static + activations + autocast_cache + comm + loss_grad + head_grad,
+        "backward_end": static + grads + comm + per_layer + layer_input * shape.num_layers,
+        "optimizer": static + grads + foreach,
+    }
+    peak = max(phases.values())
+    temporary = autocast_cache + comm + foreach
+    breakdown = {**on_device, "activations": activations, "temporary": temporary}
     if device == "cuda":
         overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION_RATIO * peak)
     else:

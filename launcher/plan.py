@@ -81,7 +81,7 @@ PCIE_BYTES_S = 12e9
 NVME_BYTES_S = 3e9
 HOST_ADAM_PARAMS_S = 1.5e9  # per node, DeepSpeed CPU Adam over all cores
 BASE_UTILIZATION = 0.45  # fraction of peak FLOP/s a well-fed step reaches
-SATURATION_TOKENS = 2048  # tokens per micro-batch at which utilisation is half its base
+SATURATION_TOKENS = 512  # tokens per micro-batch at which utilisation is half its base
 CPU_PEAK_FLOPS = 0.2e12  # when planning CPU processes (tests, the demo)
 UNKNOWN_GPU_PEAK_FLOPS = 100e12
 
