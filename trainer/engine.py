@@ -85,11 +85,12 @@ def run_training(cfg: JobConfig) -> int:
     factory = HFModelFactory(cfg.model, cfg.train.seed)
     backend = build_backend(cfg.strategy, ctx)
     model = backend.setup(factory, _optimizer_spec(cfg))
+    num_params = _num_params(factory)
     log.info(
         "%s: %s params, world %d, micro-batch %d x accumulation %d x %d ranks = global batch %d, "
         "%s, activation checkpointing %s",
         cfg.strategy,
-        f"{_num_params(factory):,}",
+        f"{num_params:,}",
         world_size,
         micro,
         grad_accum,
@@ -109,6 +110,8 @@ def run_training(cfg: JobConfig) -> int:
     stop = StopSignals()
     checkpointer = Checkpointer(run_dir, cfg, tokenizer, rank)
 
+    peak_flops = _device_peak_flops(device)
+    flops_per_token = _flops_per_token(factory.hf_config, num_params, cfg.data.seq_len)
     faults = FaultInjector(cfg.debug.inject_oom, cfg.strategy, rank)
     split = BatchSplit(cfg.train.global_batch_size // world_size, micro)
     for step in range(start_step, cfg.train.steps):
@@ -138,6 +141,10 @@ def run_training(cfg: JobConfig) -> int:
             "micro_batch_size": micro,
             "grad_accum": grad_accum,
         }
+        if peak_flops:
+            record["mfu"] = flops_per_token * result.num_tokens / result.step_time_s / (
+                peak_flops * world_size
+            )
         if _due(step + 1, cfg.train.eval_every, cfg.train.steps) and data.eval is not None:
             record.update(_evaluate_with_backoff(model, backend, data.eval, split, ctx))
         metrics.write(record)
@@ -372,6 +379,23 @@ def _concrete_ac(cfg: JobConfig) -> str:
 
 def _num_params(factory: HFModelFactory) -> int:
     return count_parameters(factory.build("meta"))
+
+
+def _device_peak_flops(device: torch.device) -> float | None:
+    """Peak bf16 FLOP/s of a known GPU (for MFU); None on CPU or an unknown device."""
+    if device.type != "cuda":
+        return None
+    from launcher.hardware import peak_flops_for
+
+    return peak_flops_for(torch.cuda.get_device_name(device))
+
+
+def _flops_per_token(hf_config: Any, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus attention's 12 x layers x hidden x seq
+    (PaLM's MFU accounting; recomputation is not counted as useful work)."""
+    layers = getattr(hf_config, "num_hidden_layers", 0)
+    hidden = getattr(hf_config, "hidden_size", 0)
+    return 6 * num_params + 12 * layers * hidden * seq_len
 
 
 def _seed_everything(cfg: JobConfig) -> None:

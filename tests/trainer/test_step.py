@@ -15,7 +15,7 @@ from trainer.step import train_step
 SEQ = 16
 
 
-def _backend(tmp_path, micro: int, accum: int, precision: str = "fp32"):
+def _backend(tmp_path, micro: int, accum: int, precision: str = "fp32", ac: str = "none"):
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "x"}\n')
     cfg = build_config(
@@ -33,7 +33,7 @@ def _backend(tmp_path, micro: int, accum: int, precision: str = "fp32"):
         local_rank=0,
         world_size=1,
         precision=precision,
-        activation_checkpointing="none",
+        activation_checkpointing=ac,
         micro_batch_size=micro,
         grad_accum=accum,
     )
@@ -121,3 +121,21 @@ def test_bf16_step_stays_close_to_fp32(tmp_path):
     assert abs(res_32.loss - res_16.loss) <= 2e-2 * res_32.loss
     # master weights stay fp32 under mixed precision
     assert all(p.dtype == torch.float32 for p in model_16.parameters())
+
+
+def test_activation_checkpointing_changes_memory_not_math(tmp_path):
+    """full / selective recompute layers in backward: same loss and same update as none."""
+    batch = _global_batch()
+    results = {}
+    for level in ("none", "selective", "full"):
+        model, backend = _backend(tmp_path, micro=2, accum=2, ac=level)
+        before = _params(model)
+        res = train_step(model, backend, _split(batch, 2), torch.device("cpu"))
+        results[level] = (res.loss, _params(model) - before)
+        wrapped = sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules())
+        assert wrapped == {"none": 0, "selective": 1, "full": 2}[level]
+    loss_none, update_none = results["none"]
+    for level in ("selective", "full"):
+        loss, update = results[level]
+        assert abs(loss - loss_none) <= 1e-6 * loss_none
+        assert (update - update_none).norm() <= 1e-5 * update_none.norm()
