@@ -1,0 +1,109 @@
+"""`ddp`: a full replica per rank, gradients all-reduced by torch DistributedDataParallel.
+
+Every rank builds the same seeded weights, so no broadcast is needed at start. Gradients are
+bucket views (`gradient_as_bucket_view`), so DDP adds no second copy of them. Accumulation
+micro-steps run under `no_sync`; DDP averages over ranks, and the engine's loss is a share of the
+global token mean, so backward scales it by the world size.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
+from trainer.backends.common import (
+    autocast_context,
+    build_adamw,
+    canonical_optim_state,
+    device_memory_stats,
+    load_canonical_optim_state,
+    reset_device_peak,
+)
+from trainer.model import apply_activation_checkpointing, canonical_name
+
+
+class DdpBackend:
+    def __init__(self, strategy: str, ctx: BackendContext):
+        self.name = strategy
+        self.ctx = ctx
+        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.precision == "fp16")
+
+    def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
+        inner = factory.build(self.ctx.device)
+        apply_activation_checkpointing(inner, self.ctx.activation_checkpointing)
+        inner.train()
+        device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+        self.inner = inner
+        self.model = DistributedDataParallel(
+            inner, device_ids=device_ids, gradient_as_bucket_view=True
+        )
+        self.optimizer = build_adamw(self.model.parameters(), optim, self.ctx.device)
+        self.grad_clip = optim.grad_clip
+        return self.model
+
+    def compute_context(self) -> AbstractContextManager:
+        return autocast_context(self.ctx.device, self.ctx.precision)
+
+    def no_sync(self) -> AbstractContextManager:
+        return self.model.no_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss * self.ctx.world_size).backward()
+
+    def step(self) -> float:
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def set_micro_batch(self, micro_batch_size: int, grad_accum: int) -> None:
+        pass  # DDP's reduction does not depend on how the rank's batch is cut
+
+    def drop_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _named_params(self) -> dict[str, nn.Parameter]:
+        return {canonical_name(n): p for n, p in self.inner.named_parameters()}
+
+    def state_dict(self) -> dict[str, Any]:
+        params = self._named_params()
+        return {
+            "model": {n: p.detach().to("cpu", torch.float32) for n, p in params.items()},
+            "optim": canonical_optim_state(self.optimizer, params),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        params = self._named_params()
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(state["model"][name])
+        load_canonical_optim_state(self.optimizer, params, state["optim"])
+        if state.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
+
+    def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
+        if self.ctx.rank != 0:
+            return None
+        return {
+            canonical_name(n): t.detach().to("cpu", copy=True)
+            for n, t in self.inner.state_dict().items()
+        }
+
+    def memory_stats(self) -> dict[str, int]:
+        return device_memory_stats(self.ctx.device)
+
+    def reset_peak(self) -> None:
+        reset_device_peak(self.ctx.device)

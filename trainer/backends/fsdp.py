@@ -1,0 +1,186 @@
+"""`fsdp` and `fsdp_offload`: FSDP2 `fully_shard` per decoder layer, then the root.
+
+torchtitan's order: build on the meta device, apply activation checkpointing, shard each decoder
+layer and then the root, materialise only this rank's shards (`to_empty`), then load the initial
+weights with `set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`: rank 0 alone
+reads the full weights and sends every rank its shard, so no other rank ever holds the full model.
+Mixed precision is `MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)` over fp32
+sharded parameters (no autocast). `fsdp_offload` keeps parameters, gradients and the AdamW step
+on the host (`CPUOffloadPolicy`; pinned memory only with an accelerator).
+
+The canonical state is the sharded DTensors themselves, keyed by parameter name: DCP writes each
+rank's shard and reshards on load, for any strategy and world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
+from trainer.backends.common import (
+    COMPUTE_DTYPES,
+    build_adamw,
+    device_memory_stats,
+    load_canonical_optim_state,
+    reset_device_peak,
+)
+from trainer.model import apply_activation_checkpointing, canonical_name, decoder_layers
+
+
+class FsdpBackend:
+    def __init__(self, strategy: str, ctx: BackendContext):
+        self.name = strategy
+        self.ctx = ctx
+        self.offload = strategy == "fsdp_offload"
+        self.scaler = _sharded_scaler(ctx)
+
+    def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
+        ctx = self.ctx
+        model = factory.build("meta")
+        apply_activation_checkpointing(model, ctx.activation_checkpointing)
+        options: dict[str, Any] = {"reshard_after_forward": ctx.cfg.fsdp.reshard_after_forward}
+        dtype = COMPUTE_DTYPES.get(ctx.precision)
+        if dtype is not None:
+            options["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=dtype, reduce_dtype=torch.float32
+            )
+        if self.offload:
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
+        for layer in decoder_layers(model):
+            fully_shard(layer, **options)
+        fully_shard(model, **options)
+        model.to_empty(device="cpu" if self.offload else ctx.device)
+        _rebuild_buffers(model, ctx.device if not self.offload else torch.device("cpu"))
+        full = factory.initial_state_dict() if ctx.rank == 0 else {}
+        set_model_state_dict(
+            model,
+            full,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+        model.train()
+        self.model = model
+        self.optimizer = build_adamw(
+            model.parameters(), optim, torch.device("cpu") if self.offload else ctx.device
+        )
+        self.grad_clip = optim.grad_clip
+        return model
+
+    def compute_context(self) -> AbstractContextManager:
+        return contextlib.nullcontext()  # the mixed-precision policy casts
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss = loss * self.ctx.world_size  # FSDP averages gradients over ranks
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self) -> float:
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def set_micro_batch(self, micro_batch_size: int, grad_accum: int) -> None:
+        pass  # reduce-scatter averages over ranks only; the cut of the rank's batch is free
+
+    def drop_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.set_requires_gradient_sync(True)
+
+    def _named_params(self) -> dict[str, nn.Parameter]:
+        return {canonical_name(n): p for n, p in self.model.named_parameters()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sharded: DTensor parameters and AdamW moments, fp32; DCP writes each rank's shard."""
+        params = self._named_params()
+        optim: dict[str, dict[str, torch.Tensor]] = {}
+        for name, p in params.items():
+            state = self.optimizer.state.get(p)
+            if state:
+                optim[name] = {
+                    "exp_avg": state["exp_avg"],
+                    "exp_avg_sq": state["exp_avg_sq"],
+                    "step": torch.as_tensor(float(state["step"]), dtype=torch.float32),
+                }
+        return {
+            "model": {n: p.detach() for n, p in params.items()},
+            "optim": optim,
+            "scaler": self.scaler.state_dict() if self.scaler else {},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        params = self._named_params()
+        with torch.no_grad():
+            for name, p in params.items():
+                src = state["model"][name]
+                if src is not p.detach():
+                    p.copy_(src)
+        load_canonical_optim_state(self.optimizer, params, state["optim"])
+        if state.get("scaler") and self.scaler:
+            self.scaler.load_state_dict(state["scaler"])
+
+    def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
+        full = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.ctx.rank != 0:
+            return None
+        return {canonical_name(k): v for k, v in full.items()}
+
+    def memory_stats(self) -> dict[str, int]:
+        return device_memory_stats(self.ctx.device)
+
+    def reset_peak(self) -> None:
+        reset_device_peak(self.ctx.device)
+
+
+def _sharded_scaler(ctx: BackendContext) -> Any:
+    """fp16 needs a loss scaler that works on sharded (DTensor) gradients."""
+    if ctx.precision != "fp16":
+        return None
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(ctx.device.type)
+
+
+def _rebuild_buffers(model: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers (rotary inverse frequencies) are not in any state dict: after
+    `to_empty` they hold garbage, so rebuild each owning module's buffers from its config."""
+    for module in model.modules():
+        if not type(module).__name__.endswith("RotaryEmbedding"):
+            continue
+        with torch.device(device):
+            fresh = type(module)(config=module.config)
+        for name, buf in fresh.named_buffers():
+            getattr(module, name).copy_(buf)
