@@ -1,0 +1,41 @@
+"""Runs several trainings one after another in ONE torchrun launch (each torchrun start costs
+seconds, and the process group is reused): `torchrun ... dist_worker.py BASE_CONFIG WORK_DIR`.
+
+Every run is the real engine (`run_training`) with its own run dir under WORK_DIR; the test reads
+their metrics.jsonl files and checkpoints afterwards.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+RUNS: dict[str, list[str]] = {
+    "ddp_fp32": ["strategy=ddp"],
+    "fsdp_fp32": ["strategy=fsdp", "run.checkpoint_every=5"],
+    "fsdp_offload_fp32": ["strategy=fsdp_offload"],
+    "ddp_bf16": ["strategy=ddp", "precision=bf16"],
+    "fsdp_bf16": ["strategy=fsdp", "precision=bf16"],
+    "ddp_micro2": ["strategy=ddp", "train.micro_batch_size=2"],
+    "ddp_oom_rank1_step3": [
+        "strategy=ddp",
+        "debug.inject_oom={step: 3, rank: 1, times: 1, where: backward}",
+    ],
+}
+
+
+def main() -> int:
+    base, work = sys.argv[1], Path(sys.argv[2])
+    from launcher.config import load_config
+    from trainer.engine import run_training
+
+    for name, overrides in RUNS.items():
+        cfg = load_config(base, [*overrides, f"run.dir={work / name}"])
+        code = run_training(cfg)
+        if code != 0:
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
