@@ -1,0 +1,178 @@
+"""`zero1`, `zero2`, `zero3`, `zero3_offload`, `zero3_offload_params`, `zero3_nvme`: DeepSpeed ZeRO.
+
+DeepSpeed is imported here only, when a DeepSpeed rung runs. ZeRO-3 builds the model inside
+`deepspeed.zero.Init`, so parameters are partitioned as they are created and no rank holds the
+full model; the initial weights then come from rank 0, one parameter at a time
+(`GatheredParameters(modifier_rank=0)`). Offload rungs use DeepSpeed's CPU Adam (AdamW mode);
+the others torch AdamW with the same hyper-parameters as every other rung.
+
+DeepSpeed averages gradients over ranks and divides the loss by its accumulation steps, so
+backward scales the engine's loss share by world size x accumulation; DeepSpeed wants
+`engine.step()` after every backward and steps the optimizer only at its accumulation boundary.
+Mixed precision: fp32 parameters under torch autocast (bf16); fp16 is not offered on these rungs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+from launcher.config import ConfigError
+from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
+from trainer.backends.common import autocast_context, device_memory_stats, reset_device_peak
+from trainer.backends.deepspeed_config import STAGES, build_deepspeed_config
+from trainer.model import apply_activation_checkpointing, canonical_name
+
+log = logging.getLogger(__name__)
+
+
+class DeepSpeedBackend:
+    def __init__(self, strategy: str, ctx: BackendContext):
+        if ctx.precision == "fp16":
+            raise ConfigError(
+                "precision", f"fp16 is not supported on {strategy}", "use precision=bf16"
+            )
+        self.name = strategy
+        self.ctx = ctx
+        self.stage = STAGES[strategy]
+        self.offload_optimizer = strategy in ("zero3_offload", "zero3_offload_params", "zero3_nvme")
+
+    def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
+        import deepspeed
+
+        ctx = self.ctx
+        # Adopt the process group the engine created (gloo on CPU, NCCL on CUDA).
+        deepspeed.init_distributed(dist_backend="nccl" if ctx.device.type == "cuda" else "gloo")
+        ds_config = build_deepspeed_config(
+            ctx.cfg, ctx.world_size, ctx.micro_batch_size, ctx.grad_accum
+        )
+        if ctx.cfg.deepspeed.overrides:
+            log.info("deepspeed.overrides merged: %s", json.dumps(ctx.cfg.deepspeed.overrides))
+        if self.stage == 3:
+            model = self._build_partitioned(factory, ds_config)
+        else:
+            model = factory.build(ctx.device)
+        apply_activation_checkpointing(model, ctx.activation_checkpointing)
+        model.train()
+        optimizer = self._optimizer(model, optim)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_config
+        )
+        self.module = model
+        return self.engine
+
+    def _build_partitioned(self, factory: ModelFactory, ds_config: dict[str, Any]) -> nn.Module:
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        remote = "cpu" if self.name == "zero3_offload_params" else None
+        with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=remote):
+            with torch.random.fork_rng(devices=[]):
+                model = AutoModelForCausalLM.from_config(factory.hf_config, dtype=torch.float32)
+        full = factory.initial_state_dict() if self.ctx.rank == 0 else {}
+        for name, param in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if self.ctx.rank == 0:
+                    with torch.no_grad():
+                        param.copy_(full[name])
+        model.config.use_cache = False
+        return model
+
+    def _optimizer(self, model: nn.Module, optim: OptimizerSpec) -> torch.optim.Optimizer:
+        kwargs = dict(
+            lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+        )
+        if self.offload_optimizer:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(model.parameters(), adamw_mode=True, **kwargs)
+        return torch.optim.AdamW(model.parameters(), **kwargs)
+
+    def compute_context(self) -> AbstractContextManager:
+        return autocast_context(self.ctx.device, self.ctx.precision)
+
+    def no_sync(self) -> AbstractContextManager:
+        return contextlib.nullcontext()  # DeepSpeed reduces at its accumulation boundary
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(
+            loss * (self.ctx.world_size * self.engine.gradient_accumulation_steps())
+        )
+        if not self.engine.is_gradient_accumulation_boundary():
+            self.engine.step()  # counts the micro-step; no optimizer step before the boundary
+
+    def step(self) -> float:
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def set_micro_batch(self, micro_batch_size: int, grad_accum: int) -> None:
+        self.engine.set_train_micro_batch_size(micro_batch_size)
+        self.engine.set_train_batch_size(micro_batch_size * grad_accum * self.ctx.world_size)
+
+    def drop_grads(self) -> None:
+        self.engine.zero_grad()
+
+    def _named_params(self) -> dict[str, nn.Parameter]:
+        return {canonical_name(n): p for n, p in self.module.named_parameters()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Full fp32 weights and AdamW moments per parameter (a collective under ZeRO-3)."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        model: dict[str, torch.Tensor] = {}
+        optim: dict[str, dict[str, torch.Tensor]] = {}
+        step = torch.tensor(float(self.engine.global_steps))
+        for name, p in self._named_params().items():
+            model[name] = safe_get_full_fp32_param(p).detach().to("cpu", torch.float32)
+            moments = {
+                key: safe_get_full_optimizer_state(p, key) for key in ("exp_avg", "exp_avg_sq")
+            }
+            if all(v is not None for v in moments.values()):
+                optim[name] = {k: v.detach().to("cpu", torch.float32) for k, v in moments.items()}
+                optim[name]["step"] = step
+        return {"model": model, "optim": optim, "scaler": {}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        for name, p in self._named_params().items():
+            safe_set_full_fp32_param(p, state["model"][name].to(self.ctx.device))
+            moments = state["optim"].get(name)
+            if moments:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    safe_set_full_optimizer_state(p, moments[key].to(self.ctx.device), key)
+        steps = [int(m["step"]) for m in state["optim"].values()]
+        if steps:
+            self.engine.global_steps = max(steps)
+            for param_state in self.optimizer.state.values():
+                if "step" in param_state:  # a tensor for torch AdamW, an int for CPU Adam
+                    old = param_state["step"]
+                    param_state["step"] = (
+                        torch.full_like(old, max(steps)) if torch.is_tensor(old) else max(steps)
+                    )
+
+    def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        full = {
+            name: safe_get_full_fp32_param(p).detach().to("cpu", torch.float32)
+            for name, p in self._named_params().items()
+        }
+        return full if self.ctx.rank == 0 else None
+
+    def memory_stats(self) -> dict[str, int]:
+        return device_memory_stats(self.ctx.device)
+
+    def reset_peak(self) -> None:
+        reset_device_peak(self.ctx.device)

@@ -1,0 +1,77 @@
+"""The DeepSpeed config dict, built from our typed config. Pure: no deepspeed import here.
+
+Nothing is left as "auto": batch arithmetic, ZeRO stage, offload targets and bucket sizes are all
+written out, and `deepspeed.overrides` from the job is deep-merged last (and logged by the
+backend). Precision: DeepSpeed runs on fp32 parameters; bf16 compute comes from torch autocast in
+the backend, so master weights, gradients and optimizer state stay fp32 as INTERFACE.md says.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from launcher.config import JobConfig
+
+BUCKET_ELEMENTS = 50_000_000  # reduce / allgather / prefetch buckets (launcher/estimate.py too)
+STAGES = {
+    "zero1": 1,
+    "zero2": 2,
+    "zero3": 3,
+    "zero3_offload": 3,
+    "zero3_offload_params": 3,
+    "zero3_nvme": 3,
+}
+
+
+def build_deepspeed_config(
+    cfg: JobConfig, world_size: int, micro_batch_size: int, grad_accum: int
+) -> dict[str, Any]:
+    strategy = cfg.strategy
+    stage = STAGES[strategy]
+    pin = cfg.hardware.device == "cuda"
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "contiguous_gradients": True,
+        "overlap_comm": False,
+        "reduce_bucket_size": BUCKET_ELEMENTS,
+    }
+    if stage < 3:
+        zero["allgather_bucket_size"] = BUCKET_ELEMENTS
+    else:
+        zero |= {
+            "stage3_prefetch_bucket_size": BUCKET_ELEMENTS,
+            "stage3_param_persistence_threshold": 100_000,
+            "stage3_max_live_parameters": 1_000_000_000,
+            "stage3_max_reuse_distance": 1_000_000_000,
+            "stage3_gather_16bit_weights_on_model_save": False,
+        }
+    if strategy in ("zero3_offload", "zero3_offload_params"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if strategy == "zero3_offload_params":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    if strategy == "zero3_nvme":
+        nvme = cfg.deepspeed.nvme_path
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": pin}
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": pin}
+    config: dict[str, Any] = {
+        "train_batch_size": micro_batch_size * grad_accum * world_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": float(cfg.train.grad_clip),
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    return deep_merge(config, cfg.deepspeed.overrides)
+
+
+def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
