@@ -21,6 +21,16 @@ RUNS: dict[str, list[str]] = {
         "strategy=ddp",
         "debug.inject_oom={step: 3, rank: 1, times: 1, where: backward}",
     ],
+    "zero1_fp32": ["strategy=zero1"],
+    "zero2_fp32": ["strategy=zero2"],
+    "zero3_fp32": ["strategy=zero3"],
+    "zero3_offload_fp32": ["strategy=zero3_offload"],
+    "zero3_offload_params_fp32": ["strategy=zero3_offload_params"],
+    # a checkpoint written by fsdp@2 resumed by another rung on the same ranks
+    "zero3_offload_from_fsdp": [
+        "strategy=zero3_offload",
+        "run.resume={work}/fsdp_fp32/checkpoints/step_5",
+    ],
 }
 
 
@@ -30,6 +40,7 @@ def main() -> int:
     from trainer.engine import run_training
 
     for name, overrides in RUNS.items():
+        overrides = [o.replace("{work}", str(work)) for o in overrides]
         cfg = load_config(base, [*overrides, f"run.dir={work / name}"])
         code = run_training(cfg)
         if code != 0:

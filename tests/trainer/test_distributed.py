@@ -1,5 +1,6 @@
-"""Two CPU processes under torchrun (gloo): parity of every torch backend with one process, the
-in-process OOM back-off agreed by both ranks, and a checkpoint moving from fsdp@2 to single@1.
+"""Two CPU processes under torchrun (gloo): parity of every backend (DDP, FSDP2, DeepSpeed ZeRO)
+with one process, the in-process OOM back-off agreed by both ranks, and checkpoints moving from
+fsdp@2 to single@1 and to zero3_offload@2.
 
 One torchrun launch runs all the two-process trainings (tests/trainer/dist_worker.py); the
 single-process references run through `oomless train`. Module-scoped: the assertions below share
@@ -93,7 +94,19 @@ def runs(tmp_path_factory) -> Path:
     return work
 
 
-@pytest.mark.parametrize("name", ["ddp_fp32", "fsdp_fp32", "fsdp_offload_fp32"])
+TWO_PROCESS_FP32 = [
+    "ddp_fp32",
+    "fsdp_fp32",
+    "fsdp_offload_fp32",
+    "zero1_fp32",
+    "zero2_fp32",
+    "zero3_fp32",
+    "zero3_offload_fp32",
+    "zero3_offload_params_fp32",
+]
+
+
+@pytest.mark.parametrize("name", TWO_PROCESS_FP32)
 def test_fp32_losses_match_one_process(runs, name):
     ref, got = _losses(runs / "single_fp32"), _losses(runs / name)
     assert len(got) == STEPS
@@ -125,3 +138,10 @@ def test_fsdp_checkpoint_resumes_on_a_single_process(runs):
     first_after = resumed[0]["loss"]
     assert abs(first_after - fsdp[5]["loss"]) <= 1e-5 * fsdp[5]["loss"]
     assert resumed[0]["strategy"] == "single" and resumed[0]["world_size"] == 1
+
+
+def test_fsdp_checkpoint_resumes_on_zero3_offload(runs):
+    fsdp, resumed = _metrics(runs / "fsdp_fp32"), _metrics(runs / "zero3_offload_from_fsdp")
+    assert [m["step"] for m in resumed] == list(range(6, STEPS + 1))
+    for a, b in zip(resumed, fsdp[5:], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (a, b)

@@ -65,7 +65,24 @@ class DeepSpeedBackend:
             model=model, optimizer=optimizer, config=ds_config
         )
         self.module = model
+        self._init_optimizer_state()
         return self.engine
+
+    def _init_optimizer_state(self) -> None:
+        """Create AdamW's zero moments now rather than at the first step (the same values), so
+        a checkpoint can be loaded into them before any step has run."""
+        base = self.optimizer.optimizer
+        tensor_step = not hasattr(base, "ds_opt_adam")  # torch AdamW; CPU Adam counts in ints
+        # ZeRO-3 hands its flat fp32 partitions to the base optimizer only during step().
+        flat = getattr(self.optimizer, "fp32_partitioned_groups_flat", None)
+        targets = flat if flat is not None else [p for g in base.param_groups for p in g["params"]]
+        for p in targets:
+            if not base.state.get(p):
+                base.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32) if tensor_step else 0,
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
 
     def _build_partitioned(self, factory: ModelFactory, ds_config: dict[str, Any]) -> nn.Module:
         import deepspeed
@@ -144,10 +161,21 @@ class DeepSpeedBackend:
         return {"model": model, "optim": optim, "scaler": {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        import deepspeed
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         for name, p in self._named_params().items():
-            safe_set_full_fp32_param(p, state["model"][name].to(self.ctx.device))
+            value = state["model"][name].to(self.ctx.device)
+            safe_set_full_fp32_param(p, value)  # the optimizer's fp32 master partition
+            # ... and the weights forward uses, which DeepSpeed refreshes only at the next step
+            gathered = (
+                deepspeed.zero.GatheredParameters([p], modifier_rank=0)
+                if self.stage == 3
+                else contextlib.nullcontext()
+            )
+            with gathered, torch.no_grad():
+                if self.stage < 3 or self.ctx.rank == 0:
+                    p.data.copy_(value)
             moments = state["optim"].get(name)
             if moments:
                 for key in ("exp_avg", "exp_avg_sq"):
