@@ -14,8 +14,17 @@ RUNS: dict[str, list[str]] = {
     "ddp_fp32": ["strategy=ddp"],
     "fsdp_fp32": ["strategy=fsdp", "run.checkpoint_every=5"],
     "fsdp_offload_fp32": ["strategy=fsdp_offload"],
+    # HSDP: the two ranks as two "nodes" of one device each: replicate x shard = 2 x 1
+    "fsdp_hybrid_fp32": [
+        "strategy=fsdp",
+        "fsdp.hybrid=true",
+        "hardware.nodes=2",
+        "hardware.devices_per_node=1",
+    ],
     "ddp_bf16": ["strategy=ddp", "precision=bf16"],
     "fsdp_bf16": ["strategy=fsdp", "precision=bf16"],
+    "zero2_bf16": ["strategy=zero2", "precision=bf16"],
+    "zero3_offload_bf16": ["strategy=zero3_offload", "precision=bf16"],
     "ddp_micro2": ["strategy=ddp", "train.micro_batch_size=2"],
     "ddp_oom_rank1_step3": [
         "strategy=ddp",

@@ -98,6 +98,7 @@ TWO_PROCESS_FP32 = [
     "ddp_fp32",
     "fsdp_fp32",
     "fsdp_offload_fp32",
+    "fsdp_hybrid_fp32",
     "zero1_fp32",
     "zero2_fp32",
     "zero3_fp32",
@@ -116,7 +117,7 @@ def test_fp32_losses_match_one_process(runs, name):
     assert all(m["world_size"] == 2 for m in _metrics(runs / name))
 
 
-@pytest.mark.parametrize("name", ["ddp_bf16", "fsdp_bf16"])
+@pytest.mark.parametrize("name", ["ddp_bf16", "fsdp_bf16", "zero2_bf16", "zero3_offload_bf16"])
 def test_bf16_losses_stay_close_to_one_process(runs, name):
     ref, got = _losses(runs / "single_bf16"), _losses(runs / name)
     for step, (a, b) in enumerate(zip(got, ref, strict=True), start=1):

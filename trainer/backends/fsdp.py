@@ -6,7 +6,8 @@ weights with `set_model_state_dict(full_state_dict=True, broadcast_from_rank0=Tr
 reads the full weights and sends every rank its shard, so no other rank ever holds the full model.
 Mixed precision is `MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)` over fp32
 sharded parameters (no autocast). `fsdp_offload` keeps parameters, gradients and the AdamW step
-on the host (`CPUOffloadPolicy`; pinned memory only with an accelerator).
+on the host (`CPUOffloadPolicy`; pinned memory only with an accelerator). `fsdp.hybrid: true`
+shards within a node and replicates across nodes (HSDP on a 2-D device mesh).
 
 The canonical state is the sharded DTensors themselves, keyed by parameter name: DCP writes each
 rank's shard and reshards on load, for any strategy and world size.
@@ -58,6 +59,8 @@ class FsdpBackend:
             )
         if self.offload:
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
+        if ctx.cfg.fsdp.hybrid:
+            options["mesh"] = _hybrid_mesh(ctx)
         for layer in decoder_layers(model):
             fully_shard(layer, **options)
         fully_shard(model, **options)
@@ -163,6 +166,20 @@ class FsdpBackend:
 
     def reset_peak(self) -> None:
         reset_device_peak(self.ctx.device)
+
+
+def _hybrid_mesh(ctx: BackendContext) -> Any:
+    """HSDP: shard within a node, replicate across nodes (2-D mesh: replicate x shard)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    per_node = ctx.cfg.hardware.devices_per_node or 1
+    if ctx.world_size % per_node:
+        raise ValueError(f"world size {ctx.world_size} is not a multiple of {per_node} per node")
+    return init_device_mesh(
+        ctx.device.type,
+        (ctx.world_size // per_node, per_node),
+        mesh_dim_names=("replicate", "shard"),
+    )
 
 
 def _sharded_scaler(ctx: BackendContext) -> Any:
