@@ -170,3 +170,30 @@ def test_sigterm_checkpoints_exits_143_and_resume_continues(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / latest}" in r.stderr
     assert [m["step"] for m in metrics(run_dir)] == list(range(1, 61))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3_offload"])
+def test_train_spawns_torchrun_for_two_cpu_processes(tmp_path, strategy):
+    run_dir = tmp_path / "run"
+    r = oomless(
+        "train",
+        str(DEMO),
+        f"strategy={strategy}",
+        "hardware.device=cpu",
+        "hardware.devices_per_node=2",
+        "train.steps=20",
+        f"run.dir={run_dir}",
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "torch.distributed.run" in r.stderr and "--nproc_per_node 2" in r.stderr
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["strategy"] == strategy
+    assert json.loads((run_dir / "plan.json").read_text())["world_size"] == 2
+    lines = metrics(run_dir)
+    assert [m["step"] for m in lines] == list(range(1, 21))
+    assert all(m["world_size"] == 2 and m["strategy"] == strategy for m in lines)
+    assert all(FIELDS <= set(m) for m in lines)
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(run_dir / "final").config.model_type == "llama"

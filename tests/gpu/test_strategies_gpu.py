@@ -1,0 +1,63 @@
+"""Every strategy on the visible GPUs in bf16 against the CPU fp32 reference (skipped without CUDA).
+
+Run on a lent GPU machine: `python -m pytest -q tests/gpu`. One `oomless train` per strategy on
+all visible GPUs (torchrun spawned by oomless for more than one), the demo model and data.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from tests.conftest import PYTHON, REPO, python_env
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEMO = REPO / "configs" / "demo.yaml"
+STEPS = 10
+COMMON = [
+    f"train.steps={STEPS}",
+    "train.global_batch_size=16",
+    "train.micro_batch_size=4" if torch.cuda.device_count() <= 2 else "train.micro_batch_size=1",
+    "train.eval_every=0",
+    "run.save_final=false",
+    "memory.activation_checkpointing=none",
+]
+NUM_GPUS = torch.cuda.device_count()
+STRATEGIES = [
+    s
+    for s in ("single", "ddp", "fsdp", "fsdp_offload", "zero1", "zero2", "zero3",
+              "zero3_offload", "zero3_offload_params")
+    if not (s == "single" and NUM_GPUS > 1) and not (s == "ddp" and NUM_GPUS < 2)
+]  # fmt: skip
+
+
+def _train(run_dir, *overrides: str) -> list[float]:
+    r = subprocess.run(
+        [PYTHON, "-m", "launcher.cli", "train", str(DEMO), *COMMON, f"run.dir={run_dir}",
+         *overrides],
+        capture_output=True, text=True, env=python_env(), cwd=REPO, timeout=900,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(tmp_path_factory) -> list[float]:
+    run_dir = tmp_path_factory.mktemp("cpu")
+    return _train(run_dir, "strategy=single", "hardware.device=cpu", "precision=fp32")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_strategy_on_gpu_matches_cpu_reference(tmp_path, cpu_reference, strategy):
+    losses = _train(
+        tmp_path / "run",
+        f"strategy={strategy}",
+        "hardware.device=cuda",
+        f"hardware.devices_per_node={NUM_GPUS}",
+        "precision=bf16",
+    )
+    for step, (a, b) in enumerate(zip(losses, cpu_reference, strict=True), start=1):
+        assert abs(a - b) <= 2e-2 * b, f"step {step}: {strategy} {a} vs cpu {b}"
