@@ -64,11 +64,16 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 
 
 def all_reduce_max(value: float, device: torch.device) -> float:
+    return all_reduce_max_many([value], device)[0]
+
+
+def all_reduce_max_many(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise max of a few scalars over all ranks, in one collective."""
     if not is_distributed():
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return t.tolist()
 
 
 def barrier() -> None:

@@ -125,6 +125,7 @@ def run_training(cfg: JobConfig) -> int:
             _report_oom(run_dir, err, step, split, backend, ctx)
             return EXIT_OOM
         micro, grad_accum = split.micro_batch_size, split.grad_accum
+        stopping, peak_bytes = stop.agreed_with(backend.memory_stats()["peak_device_bytes"], device)
         record = {
             "step": step + 1,
             "loss": result.loss,
@@ -133,23 +134,20 @@ def run_training(cfg: JobConfig) -> int:
             "tokens": result.num_tokens,
             "tokens_per_s": result.num_tokens / result.step_time_s,
             "step_time_s": result.step_time_s,
-            "peak_device_bytes": int(
-                all_reduce_max(backend.memory_stats()["peak_device_bytes"], device)
-            ),
+            "peak_device_bytes": int(peak_bytes),
             "strategy": cfg.strategy,
             "world_size": world_size,
             "micro_batch_size": micro,
             "grad_accum": grad_accum,
         }
         if peak_flops:
-            record["mfu"] = flops_per_token * result.num_tokens / result.step_time_s / (
-                peak_flops * world_size
+            record["mfu"] = (
+                flops_per_token * result.num_tokens / result.step_time_s / (peak_flops * world_size)
             )
         if _due(step + 1, cfg.train.eval_every, cfg.train.steps) and data.eval is not None:
             record.update(_evaluate_with_backoff(model, backend, data.eval, split, ctx))
         metrics.write(record)
 
-        stopping = stop.agreed(device)
         last = step + 1 == cfg.train.steps
         if stopping or (_due(step + 1, cfg.run.checkpoint_every, cfg.train.steps) and not last):
             asynchronous = cfg.run.async_checkpoint and not stopping

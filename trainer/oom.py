@@ -61,10 +61,12 @@ class FaultInjector:
         if spec.times and self.num_fired >= spec.times:
             return
         self.num_fired += 1
-        raise torch.OutOfMemoryError(
+        err = torch.OutOfMemoryError(
             f"debug.inject_oom: injected out of memory in {phase} at step {self.step + 1} "
             f"on rank {self.rank}"
         )
+        err.oom_phase = phase  # type: ignore[attr-defined]
+        raise err
 
 
 NO_FAULTS = FaultInjector(None, "", 0)
@@ -73,7 +75,7 @@ NO_FAULTS = FaultInjector(None, "", 0)
 def agree(failed: BaseException | None, phase: str, device: torch.device) -> None:
     """Raise StepAborted on every rank if any rank failed in `phase`."""
     if all_reduce_max(1.0 if failed is not None else 0.0, device) > 0:
-        raise StepAborted(phase, failed)
+        raise StepAborted(getattr(failed, "oom_phase", phase), failed)
 
 
 def free_memory(device: torch.device) -> None:

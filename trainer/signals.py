@@ -11,7 +11,7 @@ import signal
 
 import torch
 
-from trainer.dist import all_reduce_max
+from trainer.dist import all_reduce_max, all_reduce_max_many
 
 log = logging.getLogger(__name__)
 
@@ -38,3 +38,8 @@ class StopSignals:
     def agreed(self, device: torch.device) -> bool:
         """True on every rank once any rank has received a stop signal."""
         return all_reduce_max(float(self.signum), device) > 0
+
+    def agreed_with(self, value: float, device: torch.device) -> tuple[bool, float]:
+        """(stop agreed, max of `value` over ranks): both in one collective."""
+        signum, value = all_reduce_max_many([float(self.signum), value], device)
+        return signum > 0, value

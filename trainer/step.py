@@ -13,7 +13,7 @@ import torch
 from trainer.backends import Backend
 from trainer.dist import all_reduce_sum
 from trainer.loss import IGNORE_INDEX, compute_loss
-from trainer.oom import NO_FAULTS, FaultInjector, agree, is_oom
+from trainer.oom import NO_FAULTS, FaultInjector, StepAborted, agree, is_oom
 
 T = TypeVar("T")
 
@@ -48,14 +48,24 @@ def train_step(
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         last = i == len(batches) - 1
         with backend.no_sync() if not last else contextlib.nullcontext():
-            micro_loss_sum = _guarded("forward", device, _forward, model, backend, batch, faults)
-            # The injection point sits before backward's collectives, so every rank agrees first.
-            _guarded("backward", device, faults.at, "backward")
+            # One agreement covers forward and the entry of backward (the injection point sits
+            # before backward's collectives); a second one follows backward itself.
+            micro_loss_sum = _guarded(
+                "forward", device, _forward_then_enter_backward, model, backend, batch, faults
+            )
             _guarded("backward", device, backend.backward, micro_loss_sum / denominator)
         loss_sum += micro_loss_sum.detach()
         del micro_loss_sum
-    grad_norm = _guarded("optimizer", device, _optimizer_step, backend, faults)
-    (total_loss,) = all_reduce_sum([float(loss_sum)], device)
+    failed: BaseException | None = None
+    grad_norm = float("nan")
+    try:
+        grad_norm = _optimizer_step(backend, faults)
+    except Exception as err:
+        failed = _oom_or_raise(err)
+    # The optimizer's agreement rides on the loss reduction: one collective for both.
+    total_loss, num_failed = all_reduce_sum([float(loss_sum), float(failed is not None)], device)
+    if num_failed:
+        raise StepAborted(getattr(failed, "oom_phase", "optimizer"), failed)
     return StepResult(
         loss=total_loss / denominator,
         grad_norm=grad_norm,
@@ -64,10 +74,11 @@ def train_step(
     )
 
 
-def _forward(model, backend: Backend, batch, faults: FaultInjector) -> torch.Tensor:
+def _forward_then_enter_backward(model, backend: Backend, batch, faults: FaultInjector):
     faults.at("forward")
     with backend.compute_context():
         loss_sum, _ = compute_loss(model, batch)
+    faults.at("backward")
     return loss_sum
 
 
@@ -83,9 +94,13 @@ def _guarded(phase: str, device: torch.device, fn: Callable[..., T], *args: Any)
     try:
         result = fn(*args)
     except Exception as err:
-        if not is_oom(err):
-            raise
-        err.__traceback__ = None  # the traceback pins the activations we want freed
-        failed = err
+        failed = _oom_or_raise(err)
     agree(failed, phase, device)
     return result
+
+
+def _oom_or_raise(err: Exception) -> BaseException:
+    if not is_oom(err):
+        raise err
+    err.__traceback__ = None  # the traceback pins the activations we want freed
+    return err
