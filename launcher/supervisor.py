@@ -24,6 +24,7 @@ from launcher.plan import NoFitError
 log = logging.getLogger(__name__)
 
 EXIT_OOM = 75
+EXIT_SIGNAL = 143
 
 
 def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
@@ -42,7 +43,11 @@ def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
             return 0
         write_config(resolved, run_dir)
         _write_json(run_dir / "plan.json", plan_json)
+        report_path = run_dir / "oom-report.json"
+        report_path.unlink(missing_ok=True)
         rc = _run(resolved, argv, env, spawn)
+        if rc not in (0, EXIT_OOM, EXIT_SIGNAL) and report_path.exists():
+            rc = EXIT_OOM  # torchrun reports a failed worker as 1; the report says why
         if rc != EXIT_OOM or not cfg.escalation.enabled:
             return rc
         attempt += 1

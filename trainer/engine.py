@@ -299,7 +299,10 @@ def _report_oom(
         "num_backoffs": err.num_backoffs,
         "ranks": [r for r, v in enumerate(failing) if v > 0],
         "error": str(err.aborted.local_error or err.aborted),
-        "estimated_peak_bytes": estimate.get("device", {}).get("peak_tensor_bytes"),
+        # what the measurement is comparable with: allocator peak on CUDA, process RSS on CPU
+        "estimated_peak_bytes": estimate.get("device", {}).get(
+            "peak_tensor_bytes" if ctx.device.type == "cuda" else "total_bytes"
+        ),
         "measured_peak_bytes": measured,
         "memory": memory_summary(ctx.device),
     }

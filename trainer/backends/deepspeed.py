@@ -83,6 +83,9 @@ class DeepSpeedBackend:
                     "exp_avg": torch.zeros_like(p),
                     "exp_avg_sq": torch.zeros_like(p),
                 }
+        link = getattr(self.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:  # ZeRO-1/2: point each parameter's fragment at the new moments
+            link()
 
     def _build_partitioned(self, factory: ModelFactory, ds_config: dict[str, Any]) -> nn.Module:
         import deepspeed

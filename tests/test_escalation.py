@@ -1,0 +1,73 @@
+"""Escalation: a persistent OOM on two CPU processes makes `oomless train` climb rungs, resume
+from the checkpoint, and end where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import json
+
+import psutil
+import pytest
+
+from tests.test_cli_train import DEMO, metrics, oomless
+
+pytestmark = pytest.mark.slow
+COMMON = [
+    "hardware.device=cpu",
+    "hardware.devices_per_node=2",
+    "train.steps=8",
+    "train.eval_every=0",
+    "precision=fp32",
+    "run.save_final=false",
+    "run.checkpoint_every=2",
+]
+
+
+def test_persistent_oom_climbs_the_ladder_and_learns_the_same(tmp_path):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    run_dir, ref_dir = tmp_path / "escalated", tmp_path / "reference"
+    r = oomless(
+        "train",
+        str(DEMO),
+        *COMMON,
+        f"run.dir={run_dir}",
+        # every attempt at step 4 fails on ddp and on fsdp, whatever the micro-batch
+        "debug.inject_oom={step: 4, times: 0, where: forward, strategies: [ddp, fsdp]}",
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "escalating ddp -> fsdp" in r.stderr and "escalating fsdp -> zero1" in r.stderr
+    escalations = [json.loads(x) for x in (run_dir / "escalations.jsonl").read_text().splitlines()]
+    assert [(e["from"], e["to"], e["step"]) for e in escalations] == [
+        ("ddp", "fsdp", 4),
+        ("fsdp", "zero1", 4),
+    ]
+    for e in escalations:
+        assert e["reason"].startswith("out of memory in forward")
+        assert e["estimated_peak_bytes"] > 0 and e["measured_peak_bytes"] > 0
+    lines = metrics(run_dir)
+    assert [m["step"] for m in lines] == list(range(1, 9))
+    assert lines[-1]["strategy"] == "zero1"
+    assert json.loads((run_dir / "plan.json").read_text())["strategy"] == "zero1"
+
+    r = oomless("train", str(DEMO), *COMMON, f"run.dir={ref_dir}", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    reference = metrics(ref_dir)
+    assert abs(lines[-1]["loss"] - reference[-1]["loss"]) <= 1e-4 * reference[-1]["loss"]
+    left = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not left, f"processes left behind: {left}"
+
+
+def test_escalation_disabled_stops_with_75(tmp_path):
+    r = oomless(
+        "train",
+        str(DEMO),
+        *COMMON,
+        f"run.dir={tmp_path / 'run'}",
+        "escalation.enabled=false",
+        "debug.inject_oom={step: 2, times: 0, where: optimizer, strategies: [ddp]}",
+        timeout=600,
+    )
+    assert r.returncode == 75, r.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "oom-report.json").read_text())
+    assert report["strategy"] == "ddp" and report["phase"] == "optimizer"
+    assert report["ranks"] == [0, 1] and report["micro_batch_size"] == 1
