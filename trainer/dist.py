@@ -40,14 +40,32 @@ def resolve_device(cfg: JobConfig, local_rank: int) -> torch.device:
 def init_distributed(cfg: JobConfig, device: torch.device) -> None:
     """Create the default process group once per process (idempotent; never torn down here).
 
+    Sharded rungs need a group even on one process (FSDP2 meshes, DeepSpeed), so outside torchrun
+    they get a group of one on a free local port; `single` on one process needs none.
+
     NCCL for CUDA tensors, gloo for CPU ones; on CUDA both are registered so that collectives on
     host tensors (offloaded states, flags) also work.
     """
     _, _, world_size = env_rank()
-    if world_size == 1 or dist.is_initialized():
+    if dist.is_initialized() or (world_size == 1 and cfg.strategy == "single"):
         return
+    if "MASTER_ADDR" not in os.environ:  # one process outside torchrun: a group of one
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+            RANK="0",
+            WORLD_SIZE="1",
+        )
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.dist.timeout_s))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def is_distributed() -> bool:

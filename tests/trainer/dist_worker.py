@@ -32,10 +32,17 @@ RUNS: dict[str, list[str]] = {
     ],
     "zero1_fp32": ["strategy=zero1"],
     "zero2_fp32": ["strategy=zero2"],
-    "zero3_fp32": ["strategy=zero3"],
-    "zero3_offload_fp32": ["strategy=zero3_offload"],
+    "zero3_fp32": ["strategy=zero3", "run.checkpoint_every=5"],
+    "zero3_offload_fp32": ["strategy=zero3_offload", "run.checkpoint_every=5"],
     "zero3_offload_params_fp32": ["strategy=zero3_offload_params"],
-    # a checkpoint written by fsdp@2 resumed by another rung on the same ranks
+    # 2N steps straight vs N, stop, resume: the same rung on the same ranks
+    "fsdp_resumed": ["strategy=fsdp", "run.resume={work}/fsdp_fp32/checkpoints/step_5"],
+    "zero3_offload_resumed": [
+        "strategy=zero3_offload",
+        "run.resume={work}/zero3_offload_fp32/checkpoints/step_5",
+    ],
+    # checkpoints moving between rungs and world sizes
+    "fsdp_from_single": ["strategy=fsdp", "run.resume={work}/single_fp32/checkpoints/step_5"],
     "zero3_offload_from_fsdp": [
         "strategy=zero3_offload",
         "run.resume={work}/fsdp_fp32/checkpoints/step_5",
