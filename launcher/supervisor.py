@@ -144,8 +144,11 @@ def _measured_over_estimated(report: dict[str, Any]) -> float:
 
 
 def _under_launcher() -> bool:
-    """Already one rank of torchrun (or srun): run here, never spawn a second layer."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+    """Already one rank of torchrun, or one of several srun tasks: run here, spawn nothing."""
+    env = os.environ
+    return (
+        "TORCHELASTIC_RUN_ID" in env or "LOCAL_RANK" in env or int(env.get("SLURM_NTASKS", "1")) > 1
+    )
 
 
 def _abs(path: str) -> str:

@@ -19,12 +19,30 @@ log = logging.getLogger(__name__)
 
 
 def env_rank() -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from the torchrun environment; (0, 0, 1) outside it."""
-    return (
-        int(os.environ.get("RANK", 0)),
-        int(os.environ.get("LOCAL_RANK", 0)),
-        int(os.environ.get("WORLD_SIZE", 1)),
-    )
+    """(rank, local_rank, world_size) from torchrun's environment, else from srun's (one task
+    per rank, launched without torchrun); (0, 0, 1) outside both."""
+    env = os.environ
+    if "RANK" not in env and int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"])
+    return (int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1)))
+
+
+def _rendezvous_env() -> dict[str, str]:
+    """MASTER_ADDR/PORT, RANK, WORLD_SIZE for env:// when torchrun did not set them."""
+    rank, local_rank, world_size = env_rank()
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank)}
+    if world_size == 1:
+        env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    else:  # srun tasks: the job's first node, a port derived from the job id
+        import subprocess
+
+        nodes = subprocess.run(
+            ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+            capture_output=True, text=True, check=True,
+        ).stdout.split()  # fmt: skip
+        port = 20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000
+        env |= {"MASTER_ADDR": nodes[0], "MASTER_PORT": str(port)}
+    return env
 
 
 def resolve_device(cfg: JobConfig, local_rank: int) -> torch.device:
@@ -49,13 +67,8 @@ def init_distributed(cfg: JobConfig, device: torch.device) -> None:
     _, _, world_size = env_rank()
     if dist.is_initialized() or (world_size == 1 and cfg.strategy == "single"):
         return
-    if "MASTER_ADDR" not in os.environ:  # one process outside torchrun: a group of one
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-            RANK="0",
-            WORLD_SIZE="1",
-        )
+    if "MASTER_ADDR" not in os.environ:  # a group of one, or srun tasks without torchrun
+        os.environ.update(_rendezvous_env())
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.dist.timeout_s))
 
