@@ -27,7 +27,9 @@ def build_tokenizer(out: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + CHARS + list(" abcdefghijklmnopqrstuvwxyz:\n"))}
+    vocab = {
+        tok: i for i, tok in enumerate(SPECIAL + CHARS + list(" abcdefghijklmnopqrstuvwxyz:\n"))
+    }
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()  # characters join back without spaces
