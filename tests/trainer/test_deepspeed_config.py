@@ -46,7 +46,20 @@ def test_every_rung_and_the_batch_arithmetic(tmp_path, strategy, stage, opt_dev,
     assert ds["train_batch_size"] == 32 and ds["train_micro_batch_size_per_gpu"] == 2
     assert ds["gradient_accumulation_steps"] == 4 and ds["gradient_clipping"] == 0.5
     assert '"auto"' not in json.dumps(ds)
-    assert "bf16" not in ds and "fp16" not in ds  # fp32 master weights; autocast computes
+    # fp32 parameters, gradients and AdamW state; bf16 compute by autocast inside the engine,
+    # with fp32 all-gathers and gradient reductions (no lower-precision communication)
+    assert "bf16" not in ds and "fp16" not in ds
+    assert ds["torch_autocast"] == {
+        "enabled": True,
+        "dtype": "bfloat16",
+        "lower_precision_safe_modules": [],
+    }
+
+
+def test_fp32_runs_without_autocast(tmp_path):
+    ds = build_deepspeed_config(_cfg(tmp_path, "zero3", precision="fp32"), world_size=2,
+                                micro_batch_size=1, grad_accum=16)  # fmt: skip
+    assert "torch_autocast" not in ds and ds["train_batch_size"] == 32
 
 
 def test_nvme_and_overrides_merge_last(tmp_path):

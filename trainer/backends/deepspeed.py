@@ -9,7 +9,10 @@ the others torch AdamW with the same hyper-parameters as every other rung.
 DeepSpeed averages gradients over ranks and divides the loss by its accumulation steps, so
 backward scales the engine's loss share by world size x accumulation; DeepSpeed wants
 `engine.step()` after every backward and steps the optimizer only at its accumulation boundary.
-Mixed precision: fp32 parameters under torch autocast (bf16); fp16 is not offered on these rungs.
+Mixed precision: fp32 parameters, fp32 gradients and fp32 AdamW state; bf16 compute by the
+`torch_autocast` section of the DeepSpeed config, i.e. autocast inside the engine's forward (an
+outer torch.autocast on CUDA would be switched off by the engine when that section is absent).
+fp16 is not offered on these rungs.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from torch import nn
 
 from launcher.config import ConfigError
 from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
-from trainer.backends.common import autocast_context, device_memory_stats, reset_device_peak
+from trainer.backends.common import device_memory_stats, reset_device_peak
 from trainer.backends.deepspeed_config import STAGES, build_deepspeed_config
 from trainer.model import apply_activation_checkpointing, canonical_name
 
@@ -115,7 +118,7 @@ class DeepSpeedBackend:
         return torch.optim.AdamW(model.parameters(), **kwargs)
 
     def compute_context(self) -> AbstractContextManager:
-        return autocast_context(self.ctx.device, self.ctx.precision)
+        return contextlib.nullcontext()  # the engine's forward autocasts (torch_autocast section)
 
     def no_sync(self) -> AbstractContextManager:
         return contextlib.nullcontext()  # DeepSpeed reduces at its accumulation boundary

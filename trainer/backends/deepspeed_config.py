@@ -2,8 +2,11 @@
 
 Nothing is left as "auto": batch arithmetic, ZeRO stage, offload targets and bucket sizes are all
 written out, and `deepspeed.overrides` from the job is deep-merged last (and logged by the
-backend). Precision: DeepSpeed runs on fp32 parameters; bf16 compute comes from torch autocast in
-the backend, so master weights, gradients and optimizer state stay fp32 as INTERFACE.md says.
+backend). Precision: DeepSpeed runs on fp32 parameters; bf16 compute comes from DeepSpeed's own
+`torch_autocast` section (autocast inside the engine's forward), so master weights, gradients and
+optimizer state stay fp32 as INTERFACE.md says. `lower_precision_safe_modules` is empty so that
+ZeRO also all-gathers parameters and reduces gradients in fp32 (like FSDP's reduce_dtype=fp32).
+DeepSpeed's `bf16` section is not used: it keeps bf16 parameters and bf16 gradients.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 from launcher.config import JobConfig
 
 BUCKET_ELEMENTS = 50_000_000  # reduce / allgather / prefetch buckets (launcher/estimate.py too)
+AUTOCAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 STAGES = {
     "zero1": 1,
     "zero2": 2,
@@ -27,6 +31,10 @@ STAGES = {
 def build_deepspeed_config(
     cfg: JobConfig, world_size: int, micro_batch_size: int, grad_accum: int
 ) -> dict[str, Any]:
+    """The DeepSpeed config for `cfg.strategy` (a zero* rung) at this batch geometry.
+
+    train_batch_size = micro_batch_size x grad_accum x world_size; overrides merged last.
+    """
     strategy = cfg.strategy
     stage = STAGES[strategy]
     pin = cfg.hardware.device == "cuda"
@@ -64,10 +72,17 @@ def build_deepspeed_config(
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if cfg.precision in AUTOCAST_DTYPES:
+        config["torch_autocast"] = {
+            "enabled": True,
+            "dtype": AUTOCAST_DTYPES[cfg.precision],
+            "lower_precision_safe_modules": [],
+        }
     return deep_merge(config, cfg.deepspeed.overrides)
 
 
 def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`overrides` merged into a copy of `base`: nested dicts key by key, anything else replaced."""
     out = copy.deepcopy(base)
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
