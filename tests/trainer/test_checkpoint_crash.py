@@ -1,4 +1,4 @@
-"""SIGKILL inside a checkpoint save at 24 different points: the next start always resumes from
+"""SIGKILL inside a checkpoint save at 20 different points: the next start always resumes from
 the newest complete checkpoint and ends with exactly the losses of an uninterrupted run."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env
 
 pytestmark = pytest.mark.slow
 DEMO = REPO / "configs" / "demo"
-NUM_POINTS = 24
+NUM_POINTS = 20
 
 
 def test_killed_saves_are_never_loaded_and_training_goes_on(tmp_path):
