@@ -1,0 +1,106 @@
+"""The planner on fake hardware: a table of cases, the batch rules, forcing, nothing-fits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher.config import ConfigError, build_config, parse_size
+from launcher.hardware import Hardware
+from launcher.plan import NoFitError, make_plan
+
+CASES = yaml.safe_load((Path(__file__).parent / "plan_cases.yaml").read_text())
+HUB_IDS = {
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+    "llama-3.1-70b": "meta-llama/Llama-3.1-70B",
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
+    "tinyllama-1.1b": "TinyLlama/TinyLlama_v1.1",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+    "mistral-7b-v0.3": "mistralai/Mistral-7B-v0.3",
+}
+
+
+def _job(model: str, seq: int = 4096, **extra):
+    tree = {
+        "model": {"name_or_path": HUB_IDS[model]},
+        "data": {"path": "some/dataset", "seq_len": seq},
+        "train": {"global_batch_size": 64},
+        "precision": "bf16",
+    }
+    tree.update(extra)
+    return build_config(tree)
+
+
+def _hw(case) -> Hardware:
+    return Hardware(
+        device="cuda",
+        nodes=case.get("nodes", 1),
+        devices_per_node=case["devices"],
+        device_memory_bytes=parse_size(case["device_memory"]),
+        host_memory_bytes=parse_size(case["host"]),
+        device_name="test GPU",
+        peak_flops=989e12,
+    )
+
+
+def test_the_case_table_is_big_enough():
+    assert len(CASES) >= 15
+
+
+def _case_id(c: dict) -> str:
+    return f"{c['model']}-{c.get('nodes', 1)}x{c['devices']}x{c['device_memory']}-{c['host']}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_plan_case(case):
+    cfg = _job(case["model"], case.get("seq", 4096))
+    hw = _hw(case)
+    if case.get("exit") == 3:
+        with pytest.raises(NoFitError) as err:
+            make_plan(cfg, hw)
+        assert "would fit" in str(err.value) or "does not fit" in str(err.value)
+        return
+    plan = make_plan(cfg, hw)
+    assert plan.strategy in case["rung"], (plan.strategy, plan.reasons)
+    assert plan.micro_batch_size * plan.grad_accum * hw.world_size == 64  # exact global batch
+    assert plan.estimate.fits(hw, cfg.memory.headroom)
+    if "checkpointing" in case:
+        assert plan.activation_checkpointing == case["checkpointing"]
+    rejected = {a.strategy: a.why_not for a in plan.alternatives if not a.fits}
+    if hw.world_size > 1:
+        assert "needs exactly 1 rank" in rejected["single"]
+
+
+def test_70b_on_one_gpu_names_the_host_memory_it_would_need():
+    with pytest.raises(NoFitError, match=r"would fit with \d+ GiB host memory"):
+        make_plan(_job("llama-3.1-70b"), _hw({"devices": 1, "device_memory": "80GiB",
+                                             "host": "128GiB"}))  # fmt: skip
+
+
+def test_a_global_batch_that_cannot_be_split_is_a_config_error():
+    cfg = _job("llama-3.2-1b", 2048, train={"global_batch_size": 60})
+    with pytest.raises(ConfigError, match="cannot be split evenly over 8 ranks"):
+        make_plan(cfg, _hw({"devices": 8, "device_memory": "80GiB", "host": "1TiB"}))
+
+
+def test_forced_rung_and_micro_batch_are_kept_and_a_misfit_is_said():
+    hw = _hw({"devices": 1, "device_memory": "80GiB", "host": "256GiB"})
+    plan = make_plan(_job("llama-3.1-8b", strategy="single"), hw)
+    assert plan.strategy == "single"
+    assert "will not fit" in plan.reasons[0]
+    plan = make_plan(_job("llama-3.1-8b", train={"global_batch_size": 64,
+                                                 "micro_batch_size": 1}), hw)  # fmt: skip
+    assert plan.micro_batch_size == 1 and plan.grad_accum == 64
+
+
+def test_what_is_learned_never_changes():
+    hw = _hw({"devices": 8, "device_memory": "80GiB", "host": "1TiB"})
+    cfg = _job("llama-3.1-8b")
+    from launcher.plan import apply_plan
+
+    resolved = apply_plan(cfg, make_plan(cfg, hw), hw)
+    for key in ("global_batch_size", "lr", "schedule", "steps", "seed", "betas"):
+        assert getattr(resolved.train, key) == getattr(cfg.train, key)
+    assert resolved.precision == cfg.precision and resolved.strategy != "auto"
