@@ -6,6 +6,7 @@ import contextlib
 import resource
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -95,3 +96,49 @@ def device_memory_stats(device: torch.device) -> dict[str, int]:
 def reset_device_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def clip_and_step(
+    parameters: Iterable[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    grad_clip: float,
+) -> float:
+    """Unscale, clip the global grad norm, step, free the grads. Returns the pre-clip norm."""
+    scaler.unscale_(optimizer)
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, foreach=True)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def replica_state_dict(
+    params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
+) -> dict[str, Any]:
+    """Canonical state of a backend that holds full (unsharded) parameters."""
+    return {
+        "model": {n: p.detach().to("cpu", torch.float32) for n, p in params.items()},
+        "optim": canonical_optim_state(optimizer, params),
+        "scaler": scaler.state_dict() if scaler.is_enabled() else {},
+    }
+
+
+def load_replica_state_dict(
+    state: dict[str, Any],
+    params: dict[str, nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+) -> None:
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(state["model"][name])
+    load_canonical_optim_state(optimizer, params, state["optim"])
+    if state.get("scaler") and scaler.is_enabled():
+        scaler.load_state_dict(state["scaler"])

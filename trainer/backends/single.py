@@ -17,10 +17,12 @@ from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
 from trainer.backends.common import (
     autocast_context,
     build_adamw,
-    canonical_optim_state,
+    clip_and_step,
     device_memory_stats,
-    load_canonical_optim_state,
+    load_replica_state_dict,
+    replica_state_dict,
     reset_device_peak,
+    set_lr,
 )
 from trainer.model import apply_activation_checkpointing, canonical_name
 
@@ -52,19 +54,10 @@ class SingleBackend:
         self.scaler.scale(loss).backward()
 
     def step(self) -> float:
-        assert self.model is not None and self.optimizer is not None
-        self.scaler.unscale_(self.optimizer)
-        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
+        return clip_and_step(self.model.parameters(), self.optimizer, self.scaler, self.grad_clip)
 
     def set_lr(self, lr: float) -> None:
-        assert self.optimizer is not None
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
 
     def set_micro_batch(self, micro_batch_size: int, grad_accum: int) -> None:
         pass  # the loss is already normalised by global tokens: nothing depends on the cut
@@ -78,23 +71,10 @@ class SingleBackend:
         return {canonical_name(n): p for n, p in self.model.named_parameters()}
 
     def state_dict(self) -> dict[str, Any]:
-        assert self.optimizer is not None
-        params = self._named_params()
-        return {
-            "model": {n: p.detach().to("cpu", torch.float32) for n, p in params.items()},
-            "optim": canonical_optim_state(self.optimizer, params),
-            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
-        }
+        return replica_state_dict(self._named_params(), self.optimizer, self.scaler)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        assert self.optimizer is not None
-        params = self._named_params()
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(state["model"][name])
-        load_canonical_optim_state(self.optimizer, params, state["optim"])
-        if state.get("scaler") and self.scaler.is_enabled():
-            self.scaler.load_state_dict(state["scaler"])
+        load_replica_state_dict(state, self._named_params(), self.optimizer, self.scaler)
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
         assert self.model is not None
