@@ -1,0 +1,63 @@
+"""Requeue a preempted Slurm job from inside it, after the preemption checkpoint.
+
+Slurm sends SIGUSR1 `grace_s` before a job's time limit or preemption (`--signal=USR1@GRACE` in
+the script `oomless submit` writes). The engine finishes the step, checkpoints, then calls
+`requeue_if_preempted` on every rank; rank 0 asks Slurm to put the job back in the queue, where
+`run.resume: auto` continues it from that checkpoint. SIGTERM and SIGINT are plain stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+
+log = logging.getLogger(__name__)
+
+REQUEUE_TIMEOUT_S = 30
+
+
+def slurm_job_id(env: dict[str, str] | os._Environ) -> str | None:
+    """The id `scontrol requeue` takes: the array task's (`JOB_TASK`) in an array, else the job's."""
+    array_job, array_task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    if array_job and array_task:
+        return f"{array_job}_{array_task}"
+    return env.get("SLURM_JOB_ID") or None
+
+
+def requeue_command(signum: int, rank: int, env: dict[str, str] | os._Environ) -> list[str] | None:
+    """The requeue argv when this rank should requeue its job after `signum`, else None."""
+    if signum != signal.SIGUSR1 or rank != 0:
+        return None
+    job_id = slurm_job_id(env)
+    return None if job_id is None else ["scontrol", "requeue", job_id]
+
+
+def requeue_if_preempted(signum: int, rank: int | None = None) -> bool:
+    """After the checkpoint for a stop signal: requeue the Slurm job if it was SIGUSR1 (rank 0).
+
+    `rank` defaults to $RANK (torchrun) or $SLURM_PROCID (srun), else 0. Returns True when the
+    job was requeued; False when there is nothing to do (other signal, other rank, not under
+    Slurm) or `scontrol` failed (logged; the run still exits 143 with its checkpoint).
+    """
+    env = os.environ
+    if rank is None:
+        rank = int(env.get("RANK", env.get("SLURM_PROCID", "0")))
+    argv = requeue_command(signum, rank, env)
+    if argv is None:
+        return False
+    if shutil.which(argv[0]) is None:
+        log.error("SIGUSR1 under Slurm job %s but scontrol is not on PATH: not requeued", argv[2])
+        return False
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=REQUEUE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        log.error("scontrol requeue %s timed out after %ds: not requeued", argv[2], REQUEUE_TIMEOUT_S)
+        return False
+    if out.returncode != 0:
+        log.error("scontrol requeue %s failed: %s", argv[2], out.stderr.strip())
+        return False
+    log.warning("checkpoint written; Slurm job %s requeued (resumes with run.resume: auto)", argv[2])
+    return True
