@@ -20,7 +20,7 @@ REQUEUE_TIMEOUT_S = 30
 
 
 def slurm_job_id(env: dict[str, str] | os._Environ) -> str | None:
-    """The id `scontrol requeue` takes: the array task's (`JOB_TASK`) in an array, else the job's."""
+    """The id `scontrol requeue` takes: `JOB_TASK` for an array task, else the job id."""
     array_job, array_task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
     if array_job and array_task:
         return f"{array_job}_{array_task}"
@@ -54,10 +54,10 @@ def requeue_if_preempted(signum: int, rank: int | None = None) -> bool:
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=REQUEUE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        log.error("scontrol requeue %s timed out after %ds: not requeued", argv[2], REQUEUE_TIMEOUT_S)
+        log.error("scontrol requeue %s timed out: not requeued", argv[2])
         return False
     if out.returncode != 0:
         log.error("scontrol requeue %s failed: %s", argv[2], out.stderr.strip())
         return False
-    log.warning("checkpoint written; Slurm job %s requeued (resumes with run.resume: auto)", argv[2])
+    log.warning("checkpoint written; Slurm job %s requeued (run.resume: auto resumes)", argv[2])
     return True
