@@ -54,7 +54,7 @@ def test_two_gpu_nodes(tmp_path):
     # $SLURM_NODEID must reach each node unexpanded: it sits inside the single-quoted command.
     srun = script[script.index("srun ") :]
     assert srun.index("'") < srun.index('"$SLURM_NODEID"') < srun.rindex("'")
-    assert "head -n1" in script and "--rdzv_backend c10d" in script
+    assert "head -n1" in script and '--master_addr "$OOMLESS_HEAD_NODE"' in script
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
