@@ -1,0 +1,162 @@
+"""End to end on a real Slurm cluster: `oomless submit` runs a two-node job; USR1 requeues it.
+
+Needs the local two-node cluster (`slurm/dev-cluster/start.sh`, as root; `.ci/run` starts it);
+skipped with the reason when `sinfo` does not show nodes n1 and n2 up. Both nodes share this
+machine, so each job is two CPU ranks on one host, one per Slurm node.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PYTHON, REPO, python_env
+
+pytestmark = pytest.mark.slow
+
+DEMO = REPO / "configs" / "demo.yaml"
+NUM_STEPS = 40
+JOB_TIMEOUT_S = 240
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+def _cluster_up() -> str | None:
+    """None when the local cluster is up, else why the tests skip."""
+    try:
+        out = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=10
+        )
+    except (FileNotFoundError, subprocess.TimeoutExpired) as err:
+        return f"no Slurm here ({err}); start one with slurm/dev-cluster/start.sh (root)"
+    if out.returncode != 0:
+        return f"sinfo failed: {out.stderr.strip()}; start slurm/dev-cluster/start.sh (root)"
+    states = dict(line.split()[:2] for line in out.stdout.splitlines() if line.strip())
+    up = {"idle", "mixed", "allocated"}
+    if not all(states.get(node) in up for node in ("n1", "n2")):
+        return f"local cluster nodes n1/n2 not up ({states}); run slurm/dev-cluster/start.sh"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    reason = _cluster_up()
+    if reason:
+        pytest.skip(reason)
+
+
+def _submit(run_dir: Path, *overrides: str) -> str:
+    out = subprocess.run(
+        [PYTHON, "-m", "launcher.cli", "submit", str(DEMO), f"run.dir={run_dir}",
+         "hardware.device=cpu", "hardware.nodes=2", "hardware.devices_per_node=1",
+         "hardware.host_memory=16GiB", "strategy=fsdp", f"train.steps={NUM_STEPS}",
+         "train.eval_every=0", "train.log_every=10", "run.save_final=false",
+         "slurm.time=00:10:00", "slurm.grace_s=60", "slurm.setup=[export OMP_NUM_THREADS=1]",
+         *overrides],
+        capture_output=True, text=True, env=python_env(), cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    job_id = out.stdout.strip().splitlines()[-1]
+    assert job_id.isdigit(), out.stdout
+    return job_id
+
+
+def _job(job_id: str) -> dict[str, str]:
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30
+    )
+    fields = (item.split("=", 1) for item in out.stdout.split() if "=" in item)
+    return {key: value for key, value in fields}
+
+
+def _wait(job_id: str, run_dir: Path) -> dict[str, str]:
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        job = _job(job_id)
+        if job.get("JobState") in TERMINAL:
+            return job
+        time.sleep(1)
+    subprocess.run(["scancel", job_id], timeout=30)
+    pytest.fail(f"job {job_id} not done in {JOB_TIMEOUT_S}s: {_log(run_dir)[-3000:]}")
+
+
+def _log(run_dir: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("slurm-*.out")))
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[dict]:
+    run_dir = tmp_path_factory.mktemp("slurm") / "whole"
+    job_id = _submit(run_dir)
+    job = _wait(job_id, run_dir)
+    assert job["JobState"] == "COMPLETED", (job, _log(run_dir)[-3000:])
+    assert job["ExitCode"] == "0:0"
+    return _metrics(run_dir)
+
+
+def test_two_node_job_completes_with_world_size_two(uninterrupted):
+    assert [r["step"] for r in uninterrupted] == list(range(1, NUM_STEPS + 1))
+    assert {r["world_size"] for r in uninterrupted} == {2}
+    assert {r["strategy"] for r in uninterrupted} == {"fsdp"}
+    assert uninterrupted[-1]["loss"] < uninterrupted[0]["loss"]
+
+
+def test_usr1_checkpoints_requeues_and_resumes_bit_exact(uninterrupted, tmp_path):
+    if "requeue_if_preempted" not in (REPO / "trainer" / "engine.py").read_text():
+        pytest.skip("trainer/engine.py does not call trainer.slurm_requeue.requeue_if_preempted")
+    run_dir = tmp_path / "preempted"
+    job_id = _submit(run_dir)
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while len(_metrics(run_dir)) < 5:  # mid-run: a few steps done
+        assert _job(job_id).get("JobState") not in TERMINAL, _log(run_dir)[-3000:]
+        assert time.monotonic() < deadline, "no training steps before the deadline"
+        time.sleep(0.2)
+    # Slurm's preemption/time-limit warning: USR1 to every task of the job's steps (torchrun).
+    subprocess.run(["scancel", "--signal=USR1", job_id], check=True, timeout=30)
+    job = _wait_requeued_and_done(job_id, run_dir, deadline)
+    log = _log(run_dir)
+    assert job["JobState"] == "COMPLETED", (job, log[-3000:])
+    assert int(job["Restarts"]) == 1, job
+    assert "restart 1" in log, log[-3000:]
+    assert list(run_dir.glob("checkpoints/step_*")), "no preemption checkpoint"
+    records = _metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, NUM_STEPS + 1))  # contiguous, no repeats
+    assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted]  # bit-exact, fp32
+
+
+def _wait_requeued_and_done(job_id: str, run_dir: Path, deadline: float) -> dict[str, str]:
+    """The job goes back to the queue (Restarts 1) and then finishes."""
+    while time.monotonic() < deadline:
+        job = _job(job_id)
+        if job.get("JobState") in TERMINAL:
+            return job
+        time.sleep(1)
+    subprocess.run(["scancel", job_id], timeout=30)
+    pytest.fail(f"job {job_id} not done after USR1: {_log(run_dir)[-3000:]}")
+
+
+def test_two_node_losses_equal_a_two_process_local_run(uninterrupted, tmp_path):
+    """The Slurm job (two nodes x one rank) trains exactly like `oomless train` with 2 ranks."""
+    run_dir = tmp_path / "local"
+    out = subprocess.run(
+        [PYTHON, "-m", "launcher.cli", "train", str(DEMO), f"run.dir={run_dir}",
+         "hardware.device=cpu", "hardware.nodes=1", "hardware.devices_per_node=2",
+         "hardware.host_memory=16GiB", "strategy=fsdp", f"train.steps={NUM_STEPS}",
+         "train.eval_every=0", "train.log_every=10", "run.save_final=false"],
+        capture_output=True, text=True, env={**python_env(), "OMP_NUM_THREADS": "1"}, cwd=REPO,
+        timeout=JOB_TIMEOUT_S,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = _metrics(run_dir)
+    assert {r["world_size"] for r in records} == {2}
+    assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted]
