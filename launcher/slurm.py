@@ -2,9 +2,11 @@
 
 Rendering is pure (`render_sbatch`); `submit_command` writes the run dir and calls sbatch.
 The script asks for exactly what the plan needs: nodes, GPUs per node, host memory from the
-estimate (offload rungs need a lot), CPU cores, and the time limit. Preemption: `--signal=USR1`
-reaches the ranks `grace_s` before the end; they checkpoint and exit 143, and `--requeue` with
-`run.resume: auto` continues from that checkpoint.
+estimate (offload rungs need a lot), CPU cores, and the time limit. One srun task per node runs
+torchrun with a static rendezvous on the job's first node; `$SLURM_NODEID` is expanded on each
+node. Preemption: `--signal=USR1` reaches the ranks `grace_s` before the end; they checkpoint,
+rank 0 requeues the job (trainer/slurm_requeue.py), and `run.resume: auto` continues from that
+checkpoint. docs/slurm.md has the user's side.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def render_sbatch(cfg: JobConfig, plan_json: dict, run_dir: Path, python: str) -
 
 
 def submit_command(cfg: JobConfig, dry_run: bool) -> int:
+    """`oomless submit`: plan, write run dir + submit.sbatch, sbatch it, print the job id."""
     from launcher.supervisor import _abs, _write_json, resolve_plan
 
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": _abs(cfg.run.dir)})})
