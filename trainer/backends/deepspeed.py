@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -45,6 +46,7 @@ class DeepSpeedBackend:
         self.ctx = ctx
         self.stage = STAGES[strategy]
         self.offload_optimizer = strategy in ("zero3_offload", "zero3_offload_params", "zero3_nvme")
+        self._accumulating = False
 
     def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
         import deepspeed
@@ -120,17 +122,27 @@ class DeepSpeedBackend:
     def compute_context(self) -> AbstractContextManager:
         return contextlib.nullcontext()  # the engine's forward autocasts (torch_autocast section)
 
-    def no_sync(self) -> AbstractContextManager:
-        return contextlib.nullcontext()  # DeepSpeed reduces at its accumulation boundary
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-steps inside are not DeepSpeed's accumulation boundary (set explicitly, so an
+        abandoned step or a re-cut batch never leaves its micro-step counter out of phase)."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
 
     def backward(self, loss: torch.Tensor) -> None:
+        boundary = not self._accumulating
+        self.engine.set_gradient_accumulation_boundary(boundary)
         self.engine.backward(
             loss * (self.ctx.world_size * self.engine.gradient_accumulation_steps())
         )
-        if not self.engine.is_gradient_accumulation_boundary():
+        if not boundary:
             self.engine.step()  # counts the micro-step; no optimizer step before the boundary
 
     def step(self) -> float:
+        self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
@@ -144,7 +156,11 @@ class DeepSpeedBackend:
         self.engine.set_train_batch_size(micro_batch_size * grad_accum * self.ctx.world_size)
 
     def drop_grads(self) -> None:
+        """Forget an abandoned step: parameter grads and ZeRO's accumulated partitions."""
         self.engine.zero_grad()
+        self.optimizer.zero_grad(set_to_none=True)
+        if hasattr(self.optimizer, "micro_step_id"):
+            self.optimizer.micro_step_id = -1  # the next backward starts a fresh accumulation
 
     def _named_params(self) -> dict[str, nn.Parameter]:
         return {canonical_name(n): p for n, p in self.module.named_parameters()}
