@@ -159,7 +159,7 @@ class DeepSpeedBackend:
         """Forget an abandoned step: parameter grads and ZeRO's accumulated partitions."""
         self.engine.zero_grad()
         self.optimizer.zero_grad(set_to_none=True)
-        if hasattr(self.optimizer, "micro_step_id"):
+        if self.stage < 3:  # (ZeRO-3's zero_grad resets its own counter)
             self.optimizer.micro_step_id = -1  # the next backward starts a fresh accumulation
 
     def _named_params(self) -> dict[str, nn.Parameter]:
