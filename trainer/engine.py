@@ -51,6 +51,7 @@ from trainer.oom import (
 )
 from trainer.schedule import lr_at
 from trainer.signals import EXIT_SIGNAL, StopSignals
+from trainer.slurm_requeue import requeue_if_preempted
 from trainer.step import train_step
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,8 @@ def run_training(cfg: JobConfig) -> int:
         if stopping:
             checkpointer.finish()
             log.warning("stopped by %s after step %d; checkpoint written", stop.name, step + 1)
+            if rank == 0:  # preempted under Slurm (SIGUSR1): back in the queue, resumes there
+                requeue_if_preempted(stop.signum, rank)
             return EXIT_SIGNAL
     checkpointer.finish()
 
