@@ -17,6 +17,41 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+
+class _YamlLoader(yaml.SafeLoader):
+    """`yaml.safe_load` without YAML 1.1's base-60 numbers: `time: 12:00:00` stays a string.
+
+    PyYAML reads `12:00:00` as the integer 43200 (sexagesimal), which would turn a Slurm time of
+    twelve hours into 43200 minutes; and it reads `1e-4` as a string (no dot). Numbers resolve
+    as in YAML 1.2 instead; everything else as in `yaml.safe_load`.
+    """
+
+
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YamlLoader.add_implicit_resolver(
+    _INT_TAG,
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+_YamlLoader.add_implicit_resolver(  # after int: YAML 1.2 floats, `1e-4` and `3e5` included
+    _FLOAT_TAG,
+    re.compile(
+        r"^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
+
+
+def read_yaml(text: str) -> Any:
+    """Parse YAML safely (no Python objects), without base-60 numbers."""
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 STRATEGIES = (
     "single",
     "ddp",
@@ -250,10 +285,12 @@ class SlurmConfig(_Section):
     extra: list[str] = Field(default_factory=list)
     setup: list[str] = Field(default_factory=list)
 
-    @field_validator("time")
+    @field_validator("time", mode="before")
     @classmethod
-    def _time(cls, v: str) -> str:
-        if not _SLURM_TIME_RE.match(v):
+    def _time(cls, v: object) -> str:
+        if isinstance(v, int) and not isinstance(v, bool):
+            v = str(v)  # `slurm.time=30` on the command line or `time: 30` in YAML: minutes
+        if not isinstance(v, str) or not _SLURM_TIME_RE.match(v):
             raise ValueError(f"'{v}' is not a Slurm time; write MINUTES, HH:MM:SS or D-HH:MM:SS")
         return v
 
@@ -334,7 +371,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 item, "is not a KEY=VALUE override", "write it like train.lr=1e-4 or strategy=fsdp"
             )
         try:
-            value = yaml.safe_load(raw) if raw != "" else None
+            value = read_yaml(raw) if raw != "" else None
         except yaml.YAMLError:
             value = raw
         _set_dotted(tree, key.strip(), value)
@@ -474,7 +511,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConf
     if not path.is_file():
         raise ConfigError(str(path), "config file not found", "pass the path of a YAML job file")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = read_yaml(path.read_text()) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

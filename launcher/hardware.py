@@ -7,11 +7,16 @@ environment. Every value in the config's `hardware` section wins over detection.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from launcher.config import HardwareConfig
+
+log = logging.getLogger(__name__)
+
+ASSUMED_GPU_MEMORY = 80 * 2**30  # device=cuda, no GPU visible, no hardware.device_memory
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,10 @@ def detect_hardware(
         or hw.host_memory is None
     )
     found = probe() if needs_probe else DeviceProbe(0, 0, "unknown", 0)
-    device = hw.device if hw.device != "auto" else ("cuda" if found.num_cuda_devices else "cpu")
+    device = hw.device
+    if device == "auto":  # a device memory in the config describes GPUs (a login node has none)
+        described = hw.device_memory is not None
+        device = "cuda" if found.num_cuda_devices or described else "cpu"
     nodes = hw.nodes
     if "SLURM_JOB_NUM_NODES" in env and "nodes" not in hw.model_fields_set:
         nodes = int(env["SLURM_JOB_NUM_NODES"])
@@ -103,11 +111,17 @@ def detect_hardware(
     host = hw.host_memory or found.host_memory_bytes
     if hw.device_memory is not None:
         device_memory = hw.device_memory
-    elif device == "cuda":
+    elif device == "cuda" and found.num_cuda_devices:
         device_memory = found.cuda_memory_bytes
+    elif device == "cuda":  # planning for GPUs from a machine without one
+        device_memory = ASSUMED_GPU_MEMORY
+        log.warning(
+            "no GPU visible here: planning for %d GiB per device; set hardware.device_memory",
+            ASSUMED_GPU_MEMORY // 2**30,
+        )
     else:  # CPU processes share the host's memory
         device_memory = host // per_node
-    name = found.cuda_name if device == "cuda" else "cpu"
+    name = found.cuda_name if device == "cuda" and found.num_cuda_devices else device
     return Hardware(
         device=device,
         nodes=nodes,

@@ -63,12 +63,24 @@ def test_overrides_parse_as_yaml_including_lists_and_nested_keys(tmp_path):
             "hardware.device_memory=24GiB",
             "debug.inject_oom={step: 3, rank: 1}",
             "debug.inject_oom.times=2",
+            "slurm.time=30",
         ],
     )
+    assert cfg.slurm.time == "30"  # YAML reads 30 as an int; Slurm reads it as minutes
     assert cfg.train.lr == 1e-4 and cfg.strategy == "fsdp"
     assert cfg.train.betas == (0.8, 0.9)
     assert cfg.hardware.device_memory == 24 * 2**30
     assert cfg.debug.inject_oom.step == 3 and cfg.debug.inject_oom.times == 2
+
+
+def test_yaml_numbers_read_as_yaml_1_2(tmp_path):
+    """`12:00:00` is a Slurm time, not PyYAML's base-60 integer 43200; `1e-4` is a float."""
+    job = _job(tmp_path, slurm={"grace_s": 60})
+    job.write_text(job.read_text().replace("grace_s: 60", "time: 12:00:00"))
+    cfg = load_config(job, ["train.lr=3e-4"])
+    assert cfg.slurm.time == "12:00:00"
+    assert cfg.train.lr == 3e-4
+    assert load_config(job, ["slurm.time=1-00:00:00"]).slurm.time == "1-00:00:00"
 
 
 def test_sizes():
