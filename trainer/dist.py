@@ -70,7 +70,42 @@ def init_distributed(cfg: JobConfig, device: torch.device) -> None:
     if "MASTER_ADDR" not in os.environ:  # a group of one, or srun tasks without torchrun
         os.environ.update(_rendezvous_env())
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.dist.timeout_s))
+    timeout = timedelta(seconds=cfg.dist.timeout_s)
+    store = _attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        rank, _, world_size = env_rank()
+        dist.init_process_group(
+            backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun's shared store: a namespace of its own for this attempt; else None.
+
+    torchrun keeps one TCPStore for the whole job (c10d and static rendezvous) and hands it to
+    the workers of every attempt, and the keys a process group writes there (each rank's gloo
+    address, NCCL's unique id) do not name the attempt. After `--max-restarts` restarts the
+    workers, a new rank can read the address a killed rank left behind and connect to a dead
+    port: gloo's connectFullMesh fails with "connection refused" until the timeout (pytorch
+    issue 135712). torchrun restarts the whole worker group at once, so the restart count is the
+    same on every rank of a node; on several nodes with c10d, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    gives every round a fresh store instead (the workers then see USE_AGENT_STORE=False).
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    _, _, world_size = env_rank()
+    store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"oomless/attempt_{attempt}/default_pg", store)
 
 
 def _free_port() -> int:
