@@ -1,12 +1,16 @@
-"""Shared fixtures: tiny HF configs and job trees, built inline (no network)."""
+"""Shared fixtures: tiny HF configs and job trees, built inline (no network); bounded
+subprocesses; and the session's last check: no process a test started is still alive."""
 
 from __future__ import annotations
 
 import copy
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,3 +44,80 @@ def python_env() -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+
+def run_bounded(argv: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(capture_output, text) that, when it times out or the test is interrupted
+    (pytest-timeout), kills the whole process tree: torchrun's workers and the ranks the CLI
+    starts in a session of their own, not only the direct child."""
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except BaseException:
+            kill_tree(proc.pid)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant (collected first, so none is orphaned unseen)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def live_children() -> list[psutil.Process]:
+    """Descendants of this pytest process that are still running (zombies do not count)."""
+    live = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                live.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return live
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} {' '.join(proc.cmdline())[:200]}"
+    except psutil.Error:
+        return str(proc.pid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if any process a test started outlived the tests (a hang left behind).
+
+    Waits a few seconds for processes that are already shutting down, then kills the rest so
+    that nothing lingers on the machine, and sets the exit status. (The local Slurm daemons are
+    not children of pytest and are not looked at.)
+    """
+    deadline = time.monotonic() + 10
+    left = live_children()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = live_children()
+    if not left:
+        return
+    lines = "\n".join(f"  {_describe(p)}" for p in left)
+    for proc in left:
+        kill_tree(proc.pid)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = f"processes left behind by the tests (killed now):\n{lines}"
+    if reporter is not None:
+        reporter.write_sep("=", "processes left behind", red=True)
+        reporter.write_line(message)
+    else:
+        print(message, file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import PYTHON, REPO, python_env
+from tests.conftest import PYTHON, REPO, kill_tree, python_env, run_bounded
 
 DEMO = REPO / "configs" / "demo.yaml"
 FIELDS = {
@@ -30,13 +30,9 @@ FIELDS = {
 
 
 def oomless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PYTHON, "-m", "launcher.cli", *args],
-        capture_output=True,
-        text=True,
-        env=python_env(),
-        cwd=REPO,
-        timeout=timeout,
+    """The CLI as a user runs it; on a timeout its whole process tree is killed."""
+    return run_bounded(
+        [PYTHON, "-m", "launcher.cli", *args], timeout=timeout, env=python_env(), cwd=REPO
     )
 
 
@@ -152,14 +148,17 @@ def test_sigterm_checkpoints_exits_143_and_resume_continues(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.time() + 240
-    path = run_dir / "metrics.jsonl"
-    while time.time() < deadline and proc.poll() is None:
-        if path.exists() and len(path.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
+    try:
+        deadline = time.time() + 240
+        path = run_dir / "metrics.jsonl"
+        while time.time() < deadline and proc.poll() is None:
+            if path.exists() and len(path.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc.pid)
     assert proc.returncode == 143, stderr[-3000:]
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     stopped_at = int(latest.removeprefix("step_"))
