@@ -211,8 +211,22 @@ class HardwareConfig(_Section):
     devices_per_node: int | None = Field(None, ge=1)
     device_memory: int | None = None
     host_memory: int | None = None
+    # Effective bandwidths for the planner's cost model, bytes per second ("150GB" = 150e9/s);
+    # defaults in launcher/plan.py (docs/planner.md).
+    intra_node_bandwidth: int | None = None
+    inter_node_bandwidth: int | None = None
+    pcie_bandwidth: int | None = None
+    nvme_bandwidth: int | None = None
 
-    @field_validator("device_memory", "host_memory", mode="before")
+    @field_validator(
+        "device_memory",
+        "host_memory",
+        "intra_node_bandwidth",
+        "inter_node_bandwidth",
+        "pcie_bandwidth",
+        "nvme_bandwidth",
+        mode="before",
+    )
     @classmethod
     def _size(cls, v: Any) -> int | None:
         return None if v is None else parse_size(v)

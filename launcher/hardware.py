@@ -16,7 +16,11 @@ from launcher.config import HardwareConfig
 
 log = logging.getLogger(__name__)
 
-ASSUMED_GPU_MEMORY = 80 * 2**30  # device=cuda, no GPU visible, no hardware.device_memory
+GiB = 2**30
+# Planning for GPUs on a machine without one, with sizes the config leaves out: an 80 GiB device,
+# and host RAM twice the node's GPU memory (how GPU servers are usually sized).
+ASSUMED_GPU_MEMORY = 80 * GiB
+ASSUMED_HOST_PER_GPU_MEMORY = 2
 
 
 @dataclass(frozen=True)
@@ -108,18 +112,30 @@ def detect_hardware(
         per_node = int(env["LOCAL_WORLD_SIZE"])
     else:
         per_node = max(1, found.num_cuda_devices) if device == "cuda" else 1
-    host = hw.host_memory or found.host_memory_bytes
+    elsewhere = device == "cuda" and needs_probe and not found.num_cuda_devices
     if hw.device_memory is not None:
         device_memory = hw.device_memory
-    elif device == "cuda" and found.num_cuda_devices:
+    elif device == "cuda" and not elsewhere:
         device_memory = found.cuda_memory_bytes
-    elif device == "cuda":  # planning for GPUs from a machine without one
+    elif device == "cuda":  # planning for GPUs from a machine without one (a login node)
         device_memory = ASSUMED_GPU_MEMORY
         log.warning(
             "no GPU visible here: planning for %d GiB per device; set hardware.device_memory",
-            ASSUMED_GPU_MEMORY // 2**30,
+            device_memory // GiB,
         )
-    else:  # CPU processes share the host's memory
+    if hw.host_memory is not None:
+        host = hw.host_memory
+    elif elsewhere:  # this machine's RAM says nothing about the GPU nodes' RAM
+        host = ASSUMED_HOST_PER_GPU_MEMORY * per_node * device_memory
+        log.warning(
+            "no GPU visible here: planning for %d GiB host memory per node (%dx its GPU memory); "
+            "set hardware.host_memory",
+            host // GiB,
+            ASSUMED_HOST_PER_GPU_MEMORY,
+        )
+    else:
+        host = found.host_memory_bytes
+    if device == "cpu" and hw.device_memory is None:  # CPU processes share the host's memory
         device_memory = host // per_node
     name = found.cuda_name if device == "cuda" and found.num_cuda_devices else device
     return Hardware(

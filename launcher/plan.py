@@ -74,7 +74,8 @@ LADDER: tuple[Rung, ...] = (
 )
 CHECKPOINTING = ("none", "selective", "full")
 
-# Cost-model constants (docs/planner.md): effective bandwidths and rates, not peaks.
+# Cost-model constants (docs/planner.md): effective bandwidths and rates, not peaks. The
+# bandwidths are defaults for the `hardware.*_bandwidth` keys.
 INTRA_NODE_BYTES_S = {"cuda": 150e9, "cpu": 2e9}  # NVLink-class / shared memory via gloo
 INTER_NODE_BYTES_S = {"cuda": 20e9, "cpu": 1e9}  # per device over the network
 PCIE_BYTES_S = 12e9
@@ -168,15 +169,20 @@ def step_time_s(
     grad_accum = cfg.train.global_batch_size // (world * micro)
     c = 4 if cfg.precision == "fp32" else 2
     ring = (world - 1) / world
-    bandwidth = (INTRA_NODE_BYTES_S if hw.nodes == 1 else INTER_NODE_BYTES_S)[hw.device]
+    given = cfg.hardware
+    if hw.nodes == 1:
+        bandwidth = given.intra_node_bandwidth or INTRA_NODE_BYTES_S[hw.device]
+    else:
+        bandwidth = given.inter_node_bandwidth or INTER_NODE_BYTES_S[hw.device]
+    pcie, nvme = given.pcie_bandwidth or PCIE_BYTES_S, given.nvme_bandwidth or NVME_BYTES_S
     gather_scale = c / 2 if rung.name.startswith("fsdp") else 1.0
     comm_bytes = n * (rung.grad_comm + rung.param_comm_per_micro * gather_scale * grad_accum)
     comm = ring * comm_bytes / bandwidth
     per_rank = n / world
-    offload = (rung.pcie_per_step + rung.pcie_per_micro * grad_accum) * per_rank / PCIE_BYTES_S
+    offload = (rung.pcie_per_step + rung.pcie_per_micro * grad_accum) * per_rank / pcie
     if rung.host_adam:
         offload += per_rank * min(hw.devices_per_node, world) / HOST_ADAM_PARAMS_S
-    offload += rung.nvme_per_step * per_rank / NVME_BYTES_S
+    offload += rung.nvme_per_step * per_rank / nvme
     return compute + comm + offload
 
 

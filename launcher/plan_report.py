@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from launcher.config import ConfigError, JobConfig
 from launcher.estimate import GIB
@@ -21,10 +22,17 @@ def plan_command(cfg: JobConfig, as_json: bool, emit: str | None) -> int:
     if emit == "accelerate":
         sys.stdout.write(accelerate_config(plan, cfg))
         return 0
-    if emit in ("deepspeed", "sbatch"):
-        raise ConfigError(
-            "--emit", f"'{emit}' is not available yet", "use --emit torchrun or --emit accelerate"
+    if emit == "deepspeed":
+        sys.stdout.write(deepspeed_config_json(plan, resolved))
+        return 0
+    if emit == "sbatch":
+        from launcher.slurm import render_sbatch
+
+        plan_json = plan.to_json(hw, cfg.memory.headroom, argv)
+        sys.stdout.write(
+            render_sbatch(resolved, plan_json, Path(cfg.run.dir).absolute(), sys.executable)
         )
+        return 0
     if as_json:
         print(json.dumps(plan.to_json(hw, cfg.memory.headroom, argv), indent=2))
         return 0
@@ -33,9 +41,30 @@ def plan_command(cfg: JobConfig, as_json: bool, emit: str | None) -> int:
 
 
 def _config_path(cfg: JobConfig) -> str:
-    from pathlib import Path
-
     return str(Path(cfg.run.dir) / "config.yaml")
+
+
+def deepspeed_config_json(plan: Plan, resolved: JobConfig) -> str:
+    """The DeepSpeed config our backend would use for this plan (a ZeRO rung), as JSON."""
+    from trainer.backends.deepspeed_config import STAGES, build_deepspeed_config
+
+    if plan.strategy not in STAGES:
+        raise ConfigError(
+            "--emit deepspeed",
+            f"the plan runs '{plan.strategy}', not a DeepSpeed ZeRO rung",
+            "force one with strategy=zero2 (or zero1, zero3, zero3_offload, ...)",
+        )
+    ds = build_deepspeed_config(resolved, plan.world_size, plan.micro_batch_size, plan.grad_accum)
+    ds["optimizer"] = {  # what the engine builds itself (torch AdamW or DeepSpeedCPUAdam)
+        "type": "AdamW",
+        "params": {
+            "lr": resolved.train.lr,
+            "betas": list(resolved.train.betas),
+            "eps": resolved.train.eps,
+            "weight_decay": resolved.train.weight_decay,
+        },
+    }
+    return json.dumps(ds, indent=2) + "\n"
 
 
 def render_plan(plan: Plan, device_bytes: int, host_bytes: int, argv: list[str]) -> str:

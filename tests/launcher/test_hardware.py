@@ -47,13 +47,18 @@ def test_a_device_memory_on_a_machine_without_gpus_plans_for_gpus():
     """Planning a GPU job from a login node: `hardware.device_memory` means GPUs."""
     hw = _detect(NO_GPU, devices_per_node=8, device_memory=80 * GiB)
     assert (hw.device, hw.world_size, hw.device_memory_bytes) == ("cuda", 8, 80 * GiB)
+    # the login node's 64 GiB say nothing about the GPU node: twice its GPU memory is assumed
+    assert hw.host_memory_bytes == 2 * 8 * 80 * GiB
+    given = _detect(NO_GPU, devices_per_node=8, device_memory=80 * GiB, host_memory=256 * GiB)
+    assert given.host_memory_bytes == 256 * GiB
 
 
 def test_cuda_without_a_gpu_or_a_size_assumes_80_gib_and_says_so(caplog):
     with caplog.at_level(logging.WARNING, logger="launcher.hardware"):
         hw = _detect(NO_GPU, device="cuda", devices_per_node=8)
     assert hw.device == "cuda" and hw.device_memory_bytes == ASSUMED_GPU_MEMORY == 80 * GiB
-    assert "set hardware.device_memory" in caplog.text
+    assert "set hardware.device_memory" in caplog.text and "set hardware.host_memory" in caplog.text
+    assert hw.host_memory_bytes == 2 * 8 * ASSUMED_GPU_MEMORY
 
 
 def test_nodes_and_ranks_from_slurm_and_torchrun():

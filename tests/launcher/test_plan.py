@@ -104,3 +104,18 @@ def test_what_is_learned_never_changes():
     for key in ("global_batch_size", "lr", "schedule", "steps", "seed", "betas"):
         assert getattr(resolved.train, key) == getattr(cfg.train, key)
     assert resolved.precision == cfg.precision and resolved.strategy != "auto"
+
+
+def test_bandwidths_from_the_config_drive_the_cost_model():
+    hw = _hw({"devices": 8, "device_memory": "80GiB", "host": "1TiB"})
+    fast = make_plan(_job("llama-3.1-8b", strategy="fsdp"), hw)
+    slow = make_plan(
+        _job("llama-3.1-8b", strategy="fsdp", hardware={"intra_node_bandwidth": "15GB"}), hw
+    )
+    assert slow.step_time_s > fast.step_time_s * 1.5  # comm-bound now
+    one = _hw({"devices": 1, "device_memory": "80GiB", "host": "256GiB"})
+    offload = _job("llama-3.1-8b", strategy="zero3_offload")
+    pcie4 = make_plan(offload, one).step_time_s
+    pcie3_job = _job("llama-3.1-8b", strategy="zero3_offload", hardware={"pcie_bandwidth": "6GB"})
+    pcie3 = make_plan(pcie3_job, one).step_time_s
+    assert pcie3 > pcie4

@@ -1,0 +1,88 @@
+"""`oomless plan` through its command-line entry: JSON, the emitted launch artefacts, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launcher.cli import main
+
+PRESET_8B = "configs/models/llama-3.1-8b.yaml"
+EIGHT_H100 = ["hardware.devices_per_node=8", "hardware.device_memory=80GiB"]
+HOST = "hardware.host_memory=1TiB"
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    from tests.conftest import REPO
+
+    monkeypatch.chdir(REPO)
+
+
+def _plan(capsys, *args: str) -> tuple[int, str, str]:
+    rc = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_8b_on_eight_80gib_gpus_from_a_machine_without_gpus_is_sharded(capsys):
+    rc, out, err = _plan(capsys, PRESET_8B, *EIGHT_H100, "--json")
+    assert rc == 0, err
+    plan = json.loads(out)
+    keys = {"strategy", "world_size", "nodes", "devices_per_node", "micro_batch_size"}
+    keys |= {"grad_accum", "activation_checkpointing", "estimate", "reasons", "alternatives"}
+    assert keys | {"command"} <= plan.keys()
+    assert plan["strategy"] in ("fsdp", "zero3") and plan["world_size"] == 8
+    assert plan["micro_batch_size"] * plan["grad_accum"] * 8 == 64
+    ddp = next(a for a in plan["alternatives"] if a["strategy"] == "ddp")
+    assert not ddp["fits"] and "GiB" in ddp["why_not"]  # a full replica + AdamW: ~128 GB
+    assert plan["estimate"]["device"]["total_bytes"] <= 0.9 * 80 * 2**30
+    assert "torch.distributed.run" in " ".join(plan["command"])
+
+
+def test_emit_deepspeed_is_the_config_our_zero_backend_runs(capsys):
+    rc, out, err = _plan(capsys, PRESET_8B, *EIGHT_H100, "strategy=zero3_offload", "--emit",
+                         "deepspeed")  # fmt: skip
+    assert rc == 0, err
+    ds = json.loads(out)
+    zero = ds["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu"
+    assert (
+        ds["train_batch_size"]
+        == 64
+        == (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 8)
+    )
+    assert ds["optimizer"]["params"]["lr"] == 1e-5  # the preset's learning rate
+    assert ds["torch_autocast"]["dtype"] == "bfloat16"
+
+
+def test_emit_deepspeed_for_a_plan_that_is_not_zero_says_how_to_get_one(capsys):
+    rc, out, err = _plan(
+        capsys, PRESET_8B, *EIGHT_H100, HOST, "strategy=fsdp", "--emit", "deepspeed"
+    )
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and "--emit deepspeed" in err and "strategy=zero2" in err
+
+
+def test_emit_sbatch_and_torchrun_and_accelerate(capsys):
+    rc, out, err = _plan(capsys, PRESET_8B, *EIGHT_H100, "hardware.nodes=2", "--emit", "sbatch")
+    assert rc == 0, err
+    assert out.startswith("#!/bin/bash") and "#SBATCH --nodes=2" in out
+    assert "#SBATCH --gpus-per-node=8" in out and "--requeue" in out
+    rc, out, err = _plan(capsys, "configs/demo.yaml", "hardware.device=cpu",
+                         "hardware.devices_per_node=2", "--emit", "torchrun")  # fmt: skip
+    assert rc == 0, err
+    assert "--standalone" in out and "--nproc_per_node 2" in out and "-m trainer" in out
+    rc, out, err = _plan(capsys, PRESET_8B, *EIGHT_H100, "strategy=fsdp", "--emit", "accelerate")
+    assert rc == 0, err
+    assert "distributed_type: FSDP" in out and "num_processes: 8" in out
+
+
+def test_demo_on_two_cpu_processes(capsys):
+    rc, out, err = _plan(capsys, "configs/demo.yaml", "hardware.device=cpu",
+                         "hardware.devices_per_node=2", "--json")  # fmt: skip
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert plan["world_size"] == 2 and plan["strategy"] != "single"
+    assert plan["micro_batch_size"] * plan["grad_accum"] * 2 == 16  # the demo's global batch
