@@ -1,0 +1,197 @@
+"""`oomless estimate --trace`: one real training step of our engine, traced without allocating.
+
+The step is the engine's own code: the HF model built on the meta device by `HFModelFactory`,
+activation checkpointing by `apply_activation_checkpointing`, `compute_loss`'s tensors (logits
+upcast to fp32), backward, grad-norm clipping, AdamW (`build_adamw` as on CUDA: fused, no foreach
+temporaries) and `zero_grad(set_to_none=True)`. It runs under `FakeTensorMode`, so tensors have
+shapes and dtypes but no storage, and `MemTracker` (single) or `FSDPMemTracker` (fsdp, with
+FSDP2 `fully_shard` over a fake process group of any world size) counts the live tensor bytes of
+every operation. The peak of a steady-state step (optimizer state already present) is what
+`torch.cuda.max_memory_allocated` would see, less allocator rounding.
+
+CPU stands in for the device (a CPU-only torch cannot fake CUDA tensors): autocast runs as CPU
+autocast in the same 16-bit dtype, and SDPA dispatches to its CPU flash kernel, which saves what
+the CUDA kernels save (output and fp32 log-sum-exp). The trace counts tensor bytes only; compare
+it with the analytic `peak_tensor_bytes`, not with `total_bytes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from launcher.config import ModelConfig
+from trainer.backends import OptimizerSpec
+from trainer.backends.common import COMPUTE_DTYPES, build_adamw
+from trainer.loss import IGNORE_INDEX
+from trainer.model import HFModelFactory, apply_activation_checkpointing, decoder_layers
+
+TRACEABLE = ("single", "fsdp")
+_SPEC = OptimizerSpec(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, grad_clip=1.0)
+
+
+@dataclass(frozen=True)
+class Trace:
+    strategy: str
+    world_size: int
+    micro_batch_size: int
+    seq_len: int
+    activation_checkpointing: str
+    grad_accum: int
+    peak_bytes: int  # live tensor bytes at the step's peak, on one device
+    breakdown: dict[str, int]  # the tracker's categories at that peak
+
+
+def trace_step(
+    hf_config: dict[str, Any],
+    *,
+    strategy: str,
+    world_size: int,
+    micro_batch_size: int,
+    seq_len: int,
+    activation_checkpointing: str,
+    grad_accum: int = 1,
+    precision: str = "bf16",
+    attn_implementation: str = "sdpa",
+    reshard_after_forward: bool = True,
+) -> Trace:
+    """Peak live tensor bytes on one device for a steady-state training step (the second one):
+    `grad_accum` micro-batches, all but the last under the backend's no-sync, as the engine runs
+    them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if strategy not in TRACEABLE:
+        raise ValueError(f"--trace covers {', '.join(TRACEABLE)}, not {strategy}")
+    model_cfg = ModelConfig(config=dict(hf_config), attn_implementation=attn_implementation)
+    factory = HFModelFactory(model_cfg, seed=0)
+    model = factory.build("meta")
+    apply_activation_checkpointing(model, activation_checkpointing)
+    model.train()
+    device = torch.device("cpu")
+    with contextlib.ExitStack() as stack:
+        if strategy == "fsdp":
+            stack.enter_context(_fake_process_group(world_size))
+            _apply_fsdp(model, precision, reshard_after_forward)
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        model.to_empty(device=device)
+        optimizer = build_adamw(model.parameters(), _SPEC, torch.device("cuda"))
+        batch = _batch(hf_config["vocab_size"], micro_batch_size, seq_len)
+        compute = _autocast(precision) if strategy == "single" else contextlib.nullcontext
+
+        def step(tracker: Any = None) -> None:
+            for i in range(grad_accum):
+                if tracker is not None:
+                    tracker.reset_mod_stats()  # its per-module stats allow one call per module
+                with _no_sync(model, strategy, last=i == grad_accum - 1):
+                    with compute():
+                        loss_sum = loss_sum_of(model, batch)
+                    (loss_sum / (micro_batch_size * seq_len)).backward()
+                    del loss_sum
+            torch.nn.utils.clip_grad_norm_(model.parameters(), _SPEC.grad_clip, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step()  # creates the AdamW state: the traced step is a steady-state one
+        tracker = _tracker(strategy, model, optimizer, batch)
+        with tracker:
+            step(tracker)
+        snapshot = tracker.get_tracker_snapshot("peak")
+    dev = next(iter(snapshot))
+    breakdown = {str(k): int(v) for k, v in snapshot[dev].items()}
+    return Trace(
+        strategy=strategy,
+        world_size=world_size if strategy == "fsdp" else 1,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        activation_checkpointing=activation_checkpointing,
+        grad_accum=grad_accum,
+        peak_bytes=breakdown.pop("Total"),
+        breakdown=breakdown,
+    )
+
+
+@contextlib.contextmanager
+def _no_sync(model: nn.Module, strategy: str, last: bool):
+    """As trainer/backends/fsdp.py's no_sync: no reduce-scatter before the last micro-batch."""
+    if strategy != "fsdp" or last:
+        yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def loss_sum_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The tensor part of `trainer.loss.compute_loss` (its token count is a data-dependent
+    `int()`, which fake tensors cannot answer); a test keeps the two equal on a real model."""
+    logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
+    return F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.size(-1)),
+        batch["labels"][:, 1:].reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def _autocast(precision: str):
+    dtype = COMPUTE_DTYPES.get(precision)
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast("cpu", dtype=dtype)
+
+
+def _batch(vocab_size: int, micro: int, seq: int) -> dict[str, torch.Tensor]:
+    """A packed window as the data pipeline makes it: position ids restart per document."""
+    ids = torch.zeros(micro, seq, dtype=torch.long)
+    return {
+        "input_ids": ids,
+        "labels": ids.clone(),
+        "position_ids": torch.arange(seq).repeat(micro, 1),
+    }
+
+
+def _tracker(strategy: str, model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> Any:
+    if strategy == "fsdp":
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs(tuple(batch.values()))
+        return tracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, *batch.values())
+    return tracker
+
+
+def _apply_fsdp(model: nn.Module, precision: str, reshard_after_forward: bool) -> None:
+    """As trainer/backends/fsdp.py: each decoder layer, then the root; bf16 params, fp32 reduce."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    options: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    dtype = COMPUTE_DTYPES.get(precision)
+    if dtype is not None:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+
+
+@contextlib.contextmanager
+def _fake_process_group(world_size: int):
+    """A process group of `world_size` ranks that exists in this process only (rank 0)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
