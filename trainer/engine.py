@@ -44,6 +44,7 @@ from trainer.model import HFModelFactory, count_parameters
 from trainer.oom import (
     EXIT_OOM,
     FaultInjector,
+    OutOfMemoryInStep,
     StepAborted,
     free_memory,
     memory_summary,
@@ -124,6 +125,9 @@ def run_training(cfg: JobConfig) -> int:
             result = _step_with_backoff(model, backend, data, split, step, ctx, faults)
         except OutOfMemoryGaveUp as err:
             _report_oom(run_dir, err, step, split, backend, ctx)
+            return EXIT_OOM
+        except OutOfMemoryInStep as err:  # this rank alone; no collective may follow
+            _report_oom_alone(run_dir, err, step, split, backend, ctx)
             return EXIT_OOM
         micro, grad_accum = split.micro_batch_size, split.grad_accum
         stopping, peak_bytes = stop.agreed_with(backend.memory_stats()["peak_device_bytes"], device)
@@ -279,7 +283,7 @@ def _report_oom(
     backend: Backend,
     ctx: BackendContext,
 ) -> None:
-    """oom-report.json for the supervisor, which re-plans one rung up from it."""
+    """oom-report.json for the supervisor, which re-plans one rung up from it (all ranks)."""
     failing = all_reduce_sum(
         [
             1.0 if (r == ctx.rank and err.aborted.local_error) else 0.0
@@ -290,30 +294,63 @@ def _report_oom(
     measured = int(all_reduce_max(backend.memory_stats()["peak_device_bytes"], ctx.device))
     if ctx.rank != 0:
         return
+    ranks = [r for r, v in enumerate(failing) if v > 0]
+    error = err.aborted.local_error or err.aborted
+    _write_report(
+        run_dir, err.aborted.phase, error, ranks, measured, err.num_backoffs, step, split, ctx
+    )
+
+
+def _report_oom_alone(
+    run_dir: Path,
+    err: OutOfMemoryInStep,
+    step: int,
+    split: BatchSplit,
+    backend: Backend,
+    ctx: BackendContext,
+) -> None:
+    """The report of a rank that ran out of memory inside the optimizer step: written by that
+    rank without any collective (the others may be inside one); they are stopped by torchrun."""
+    measured = int(backend.memory_stats()["peak_device_bytes"])
+    _write_report(run_dir, err.phase, err.local_error, [ctx.rank], measured, 0, step, split, ctx)
+
+
+def _write_report(
+    run_dir: Path,
+    phase: str,
+    error: BaseException,
+    ranks: list[int],
+    measured_peak_bytes: int,
+    num_backoffs: int,
+    step: int,
+    split: BatchSplit,
+    ctx: BackendContext,
+) -> None:
     plan_path = run_dir / "plan.json"
     estimate = json.loads(plan_path.read_text()).get("estimate", {}) if plan_path.exists() else {}
     report = {
         "step": step + 1,
-        "phase": err.aborted.phase,
+        "phase": phase,
         "strategy": ctx.cfg.strategy,
         "world_size": ctx.world_size,
         "micro_batch_size": split.micro_batch_size,
         "activation_checkpointing": ctx.activation_checkpointing,
-        "num_backoffs": err.num_backoffs,
-        "ranks": [r for r, v in enumerate(failing) if v > 0],
-        "error": str(err.aborted.local_error or err.aborted),
+        "num_backoffs": num_backoffs,
+        "ranks": ranks,
+        "error": str(error),
         # what the measurement is comparable with: allocator peak on CUDA, process RSS on CPU
         "estimated_peak_bytes": estimate.get("device", {}).get(
             "peak_tensor_bytes" if ctx.device.type == "cuda" else "total_bytes"
         ),
-        "measured_peak_bytes": measured,
+        "measured_peak_bytes": measured_peak_bytes,
         "memory": memory_summary(ctx.device),
     }
-    path = write_oom_report(run_dir, report)
+    path = write_oom_report(run_dir, report, ctx.rank)
     log.error(
-        "out of memory at step %d on %s even at micro-batch %d: wrote %s (exit %d)",
+        "out of memory at step %d on %s in %s at micro-batch %d: wrote %s (exit %d)",
         step + 1,
         ctx.cfg.strategy,
+        phase,
         split.micro_batch_size,
         path,
         EXIT_OOM,

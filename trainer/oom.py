@@ -1,10 +1,12 @@
 """Out-of-memory handling inside the process: detect, agree over ranks, inject for tests.
 
 Ranks agree on an OOM at fixed points of a step (after forward, before backward's collectives,
-after backward, after the optimizer step) with one scalar collective, so a rank that ran out of
-memory never leaves the others waiting in a collective it will not join. An OOM raised *inside*
-a collective-bearing phase on one rank only (e.g. mid-backward under FSDP) cannot be agreed
-on; the other ranks then hit `dist.timeout_s` and the supervisor sees the OOM report.
+after each backward; the last one also covers the entry of the optimizer step) with one scalar
+collective, so a rank that ran out of memory never leaves the others waiting in a collective it
+will not join. An OOM inside the optimizer step itself (past the last agreement) ends the
+process with exit 75 on that rank alone (`OutOfMemoryInStep`); torchrun then stops the others.
+An OOM raised *inside* backward's collectives on one rank only (e.g. mid-backward under FSDP)
+cannot be agreed on; the other ranks then hit `dist.timeout_s` or see the rank's exit.
 """
 
 from __future__ import annotations
@@ -42,6 +44,21 @@ class StepAborted(Exception):
         self.local_error = local_error
 
 
+class OutOfMemoryInStep(Exception):
+    """This rank ran out of memory inside the optimizer step, past the last agreement point.
+
+    The other ranks may be waiting in the step's collectives (ZeRO's all-gather, FSDP's norm
+    all-reduce), so there is nothing left to agree with: the rank reports and exits 75 on its
+    own, and torchrun stops the others. A retry in process could also apply part of the update
+    twice; resuming from the checkpoint on the next rung is exact.
+    """
+
+    def __init__(self, local_error: BaseException):
+        super().__init__(f"out of memory during the optimizer step: {local_error}")
+        self.phase = "optimizer"
+        self.local_error = local_error
+
+
 class FaultInjector:
     """`debug.inject_oom`: raise a real torch.OutOfMemoryError at a chosen point (tests only)."""
 
@@ -72,10 +89,18 @@ class FaultInjector:
 NO_FAULTS = FaultInjector(None, "", 0)
 
 
+PHASES = ("forward", "backward", "optimizer", "eval")
+
+
 def agree(failed: BaseException | None, phase: str, device: torch.device) -> None:
-    """Raise StepAborted on every rank if any rank failed in `phase`."""
-    if all_reduce_max(1.0 if failed is not None else 0.0, device) > 0:
-        raise StepAborted(getattr(failed, "oom_phase", phase), failed)
+    """Raise StepAborted on every rank if any rank failed in `phase` (the guarded span; an
+    injected error names its own phase, and every rank learns that name in the same scalar)."""
+    code = 0.0
+    if failed is not None:
+        code = 1.0 + PHASES.index(getattr(failed, "oom_phase", phase))
+    agreed = int(all_reduce_max(code, device))
+    if agreed:
+        raise StepAborted(PHASES[agreed - 1], failed)
 
 
 def free_memory(device: torch.device) -> None:
@@ -109,9 +134,10 @@ def memory_summary(device: torch.device) -> dict[str, Any]:
     return summary
 
 
-def write_oom_report(run_dir: Path, report: dict[str, Any]) -> Path:
+def write_oom_report(run_dir: Path, report: dict[str, Any], rank: int = 0) -> Path:
+    """Atomically (a temporary file per rank: ranks that failed alone may write at once)."""
     path = run_dir / "oom-report.json"
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".rank{rank}.tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     tmp.replace(path)
     return path

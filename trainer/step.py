@@ -13,7 +13,7 @@ import torch
 from trainer.backends import Backend
 from trainer.dist import all_reduce_sum
 from trainer.loss import IGNORE_INDEX, compute_loss
-from trainer.oom import NO_FAULTS, FaultInjector, StepAborted, agree, is_oom
+from trainer.oom import NO_FAULTS, FaultInjector, OutOfMemoryInStep, agree, is_oom
 
 T = TypeVar("T")
 
@@ -35,8 +35,9 @@ def train_step(
 ) -> StepResult:
     """One optimizer step over this rank's micro-batches; the loss is reduced over all ranks.
 
-    Raises StepAborted on every rank together when any rank ran out of memory; the caller drops
-    the partial gradients and retries the step with smaller micro-batches.
+    Raises StepAborted on every rank together when any rank ran out of memory up to the entry of
+    the optimizer step; the caller drops the partial gradients and retries the step with smaller
+    micro-batches. An OOM inside the optimizer step raises OutOfMemoryInStep on that rank only.
     """
     start = time.perf_counter()
     local_targets = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches)
@@ -49,23 +50,23 @@ def train_step(
         last = i == len(batches) - 1
         with backend.no_sync() if not last else contextlib.nullcontext():
             # One agreement covers forward and the entry of backward (the injection point sits
-            # before backward's collectives); a second one follows backward itself.
+            # before backward's collectives); a second one follows backward itself and, after
+            # the last micro-batch, the entry of the optimizer step: an OOM there on one rank
+            # is known to every rank before any of them enters the step's collectives.
             micro_loss_sum = _guarded(
                 "forward", device, _forward_then_enter_backward, model, backend, batch, faults
             )
-            _guarded("backward", device, backend.backward, micro_loss_sum / denominator)
+            backward = _backward_then_enter_optimizer if last else _backward
+            _guarded("backward", device, backward, backend, micro_loss_sum / denominator, faults)
         loss_sum += micro_loss_sum.detach()
         del micro_loss_sum
-    failed: BaseException | None = None
-    grad_norm = float("nan")
     try:
-        grad_norm = _optimizer_step(backend, faults)
+        grad_norm = backend.step()
     except Exception as err:
-        failed = _oom_or_raise(err)
-    # The optimizer's agreement rides on the loss reduction: one collective for both.
-    total_loss, num_failed = all_reduce_sum([float(loss_sum), float(failed is not None)], device)
-    if num_failed:
-        raise StepAborted(getattr(failed, "oom_phase", "optimizer"), failed)
+        # Past the last agreement: a peer may already wait in the step's collectives, and a
+        # retry could apply part of the update twice. Give up without another collective.
+        raise OutOfMemoryInStep(_oom_or_raise(err)) from None
+    (total_loss,) = all_reduce_sum([float(loss_sum)], device)
     return StepResult(
         loss=total_loss / denominator,
         grad_norm=grad_norm,
@@ -82,9 +83,15 @@ def _forward_then_enter_backward(model, backend: Backend, batch, faults: FaultIn
     return loss_sum
 
 
-def _optimizer_step(backend: Backend, faults: FaultInjector) -> float:
+def _backward(backend: Backend, loss: torch.Tensor, faults: FaultInjector) -> None:
+    backend.backward(loss)
+
+
+def _backward_then_enter_optimizer(
+    backend: Backend, loss: torch.Tensor, faults: FaultInjector
+) -> None:
+    backend.backward(loss)
     faults.at("optimizer")
-    return backend.step()
 
 
 def _guarded(phase: str, device: torch.device, fn: Callable[..., T], *args: Any) -> T:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 RUNS: dict[str, list[str]] = {
     "ddp_fp32": ["strategy=ddp"],
-    "fsdp_fp32": ["strategy=fsdp", "run.checkpoint_every=5"],
+    "fsdp_fp32": ["strategy=fsdp", "run.checkpoint_every=4"],
     "fsdp_offload_fp32": ["strategy=fsdp_offload"],
     # HSDP: the two ranks as two "nodes" of one device each: replicate x shard = 2 x 1
     "fsdp_hybrid_fp32": [
@@ -30,22 +30,43 @@ RUNS: dict[str, list[str]] = {
         "strategy=ddp",
         "debug.inject_oom={step: 3, rank: 1, times: 1, where: backward}",
     ],
+    # an OOM on rank 1 at step 3 on ZeRO: before backward, and at the entry of the optimizer
+    # step (DeepSpeed's step holds collectives: the ranks must agree before it)
+    **{
+        f"{strategy}_oom_{where}": [
+            f"strategy={strategy}",
+            f"debug.inject_oom={{step: 3, rank: 1, times: 1, where: {where}}}",
+        ]
+        for strategy in ("zero2", "zero3")
+        for where in ("backward", "optimizer")
+    },
     "zero1_fp32": ["strategy=zero1"],
     "zero2_fp32": ["strategy=zero2"],
-    "zero3_fp32": ["strategy=zero3", "run.checkpoint_every=5"],
-    "zero3_offload_fp32": ["strategy=zero3_offload", "run.checkpoint_every=5"],
+    "zero3_fp32": ["strategy=zero3", "run.checkpoint_every=4"],
+    "zero3_offload_fp32": ["strategy=zero3_offload", "run.checkpoint_every=4"],
     "zero3_offload_params_fp32": ["strategy=zero3_offload_params"],
-    # 2N steps straight vs N, stop, resume: the same rung on the same ranks
-    "fsdp_resumed": ["strategy=fsdp", "run.resume={work}/fsdp_fp32/checkpoints/step_5"],
+    # 2N steps straight vs N, stop, resume (N = 4): the same rung on the same ranks; the resumed
+    # runs write checkpoints/step_8 too, to compare their optimizer moments with the straight run's
+    "fsdp_resumed": [
+        "strategy=fsdp",
+        "run.checkpoint_every=4",
+        "run.resume={work}/fsdp_fp32/checkpoints/step_4",
+    ],
     "zero3_offload_resumed": [
         "strategy=zero3_offload",
-        "run.resume={work}/zero3_offload_fp32/checkpoints/step_5",
+        "run.checkpoint_every=4",
+        "run.resume={work}/zero3_offload_fp32/checkpoints/step_4",
     ],
     # checkpoints moving between rungs and world sizes
-    "fsdp_from_single": ["strategy=fsdp", "run.resume={work}/single_fp32/checkpoints/step_5"],
+    "fsdp_from_single": [
+        "strategy=fsdp",
+        "run.checkpoint_every=4",
+        "run.resume={work}/single_fp32/checkpoints/step_4",
+    ],
     "zero3_offload_from_fsdp": [
         "strategy=zero3_offload",
-        "run.resume={work}/fsdp_fp32/checkpoints/step_5",
+        "run.checkpoint_every=4",
+        "run.resume={work}/fsdp_fp32/checkpoints/step_4",
     ],
 }
 

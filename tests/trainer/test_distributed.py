@@ -1,6 +1,8 @@
 """Two CPU processes under torchrun (gloo): parity of every backend (DDP, FSDP2, DeepSpeed ZeRO)
-with one process, the in-process OOM back-off agreed by both ranks, and checkpoints moving from
-fsdp@2 to single@1 and to zero3_offload@2.
+with one process, the in-process OOM back-off agreed by both ranks (also inside DeepSpeed's
+optimizer step), and checkpoints moving between strategies and world sizes: fsdp@2 -> single@1,
+fsdp@2 -> zero3_offload@2, zero3@2 -> single@1, single@1 -> fsdp@2, fsdp@2 -> fsdp@1, with the
+losses after the resume and the optimizer moments four steps later equal to the straight run's.
 
 One torchrun launch runs all the two-process trainings (tests/trainer/dist_worker.py); the
 single-process references run through `oomless train`. Module-scoped: the assertions below share
@@ -11,18 +13,19 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
 import yaml
 
-from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env
+from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env, run_bounded
 
 pytestmark = pytest.mark.slow
 DEMO = REPO / "configs" / "demo"
 STEPS = 10
+RESUME_AT = 4  # the straight runs write checkpoints/step_4 and step_8; resumed runs step_8
 
 
 def _base_config(tmp: Path) -> Path:
@@ -46,6 +49,7 @@ def _base_config(tmp: Path) -> Path:
         "memory": {"activation_checkpointing": "none"},
         "hardware": {"device": "cpu", "devices_per_node": 2},
         "run": {"save_final": False, "checkpoint_every": 0},
+        "dist": {"timeout_s": 120},  # a collective no rank joins fails the test, not the suite
     }
     path = tmp / "base.yaml"
     path.write_text(yaml.safe_dump(job))
@@ -62,11 +66,11 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _single(base: Path, run_dir: Path, *overrides: str) -> None:
-    r = subprocess.run(
+    r = run_bounded(
         [PYTHON, "-m", "launcher.cli", "train", str(base), "strategy=single",
          "hardware.devices_per_node=1", "train.micro_batch_size=8", f"run.dir={run_dir}",
          *overrides],
-        capture_output=True, text=True, env=python_env(), cwd=REPO, timeout=300,
+        env=python_env(), cwd=REPO, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
 
@@ -75,30 +79,27 @@ def _single(base: Path, run_dir: Path, *overrides: str) -> None:
 def runs(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("dist")
     base = _base_config(work)
-    _single(base, work / "single_fp32", "run.checkpoint_every=5")
+    _single(base, work / "single_fp32", "run.checkpoint_every=4")
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    r = subprocess.run(
+    r = run_bounded(
         [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(REPO / "tests" / "trainer" / "dist_worker.py"), str(base), str(work)],
-        capture_output=True, text=True, env=python_env(), cwd=REPO, timeout=600,
+        env=python_env(), cwd=REPO, timeout=600,
     )  # fmt: skip
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     left = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert not left, f"processes left behind: {left}"
     _single(base, work / "single_bf16", "precision=bf16")
-    # fsdp@2 wrote checkpoints/step_5: resume it on one process with another strategy
-    resumed = work / "single_from_fsdp"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(work / "fsdp_fp32/checkpoints/step_5", resumed / "checkpoints/step_5")
-    _single(base, resumed)
-    # ... and fsdp@2 -> fsdp@1, zero3@2 -> single@1 (one process: a process group of one)
+    # checkpoints of two-process runs resumed on one process (a process group of one for fsdp)
     for name, source, strategy in (
+        ("single_from_fsdp", "fsdp_fp32", "single"),
         ("fsdp1_from_fsdp2", "fsdp_fp32", "fsdp"),
         ("single_from_zero3", "zero3_fp32", "single"),
     ):
+        step = f"checkpoints/step_{RESUME_AT}"
         (work / name / "checkpoints").mkdir(parents=True)
-        shutil.copytree(work / source / "checkpoints/step_5", work / name / "checkpoints/step_5")
-        _single(base, work / name, f"strategy={strategy}")
+        shutil.copytree(work / source / step, work / name / step)
+        _single(base, work / name, f"strategy={strategy}", "run.checkpoint_every=4")
     return work
 
 
@@ -141,39 +142,87 @@ def test_oom_on_rank_1_backs_off_both_ranks_and_learns_the_same(runs):
             assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], step
 
 
-def test_fsdp_checkpoint_resumes_on_a_single_process(runs):
-    fsdp, resumed = _metrics(runs / "fsdp_fp32"), _metrics(runs / "single_from_fsdp")
-    assert [m["step"] for m in resumed] == list(range(6, STEPS + 1))
-    first_after = resumed[0]["loss"]
-    assert abs(first_after - fsdp[5]["loss"]) <= 1e-5 * fsdp[5]["loss"]
-    assert resumed[0]["strategy"] == "single" and resumed[0]["world_size"] == 1
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+@pytest.mark.parametrize("where", ["backward", "optimizer"])
+def test_oom_on_rank_1_under_zero_backs_off_and_learns_the_same(runs, strategy, where):
+    """ZeRO's accumulation boundary, reduced partitions and micro-step counter are reset: the
+    re-cut batch learns exactly what the uninterrupted run learns (and nothing hangs)."""
+    ref, oom = _metrics(runs / f"{strategy}_fp32"), _metrics(runs / f"{strategy}_oom_{where}")
+    assert [m["micro_batch_size"] for m in oom] == [4, 4] + [2] * (STEPS - 2)
+    for a, b in zip(oom, ref, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (a["step"], a["loss"], b["loss"])
 
 
-def test_fsdp_checkpoint_resumes_on_zero3_offload(runs):
-    fsdp, resumed = _metrics(runs / "fsdp_fp32"), _metrics(runs / "zero3_offload_from_fsdp")
-    assert [m["step"] for m in resumed] == list(range(6, STEPS + 1))
-    for a, b in zip(resumed, fsdp[5:], strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (a, b)
+def _canonical(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (model/NAME, optim/NAME/{exp_avg,exp_avg_sq,step}), full."""
+    from trainer.checkpoint import SafeFileSystemReader
+
+    reader = SafeFileSystemReader(str(checkpoint))
+    flat = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in reader.read_metadata().state_dict_metadata.items()
+    }
+    torch.distributed.checkpoint.load(flat, storage_reader=reader, no_dist=True)
+    return flat
 
 
-@pytest.mark.parametrize(
-    "name, source, exact",
-    [
-        ("fsdp_resumed", "fsdp_fp32", True),  # same rung, same ranks: bit-identical
-        # DeepSpeed's C++ CPU Adam keeps beta^t by repeated multiplication and recomputes it
-        # with pow() after a restart: a last-bit difference (~1e-8), not bit-identical
-        ("zero3_offload_resumed", "zero3_offload_fp32", False),
-        ("fsdp_from_single", "single_fp32", False),  # single@1 -> fsdp@2
-        ("fsdp1_from_fsdp2", "fsdp_fp32", False),
-        ("single_from_zero3", "zero3_fp32", False),
-    ],
-)
+def moment_mismatches(got: dict, want: dict, tol: float) -> list[str]:
+    """The optimizer entries of `got` that differ from `want` by more than tol, relative to the
+    largest magnitude of that tensor in `want` (the second moments are ~1e-6 themselves)."""
+    keys = sorted(k for k in want if k.startswith("optim/"))
+    if sorted(k for k in got if k.startswith("optim/")) != keys:
+        return ["the two checkpoints hold optimizer state for different parameters"]
+    bad = []
+    for key in keys:
+        a, b = got[key].double(), want[key].double()
+        scale = float(b.abs().max()) or 1.0
+        err = float((a - b).abs().max()) / scale
+        if a.shape != b.shape or err > tol:
+            bad.append(f"{key}: relative difference {err:.2e}")
+    return bad
+
+
+RESUMED = [
+    # (run, straight run it continues, exactly equal losses)
+    ("fsdp_resumed", "fsdp_fp32", True),  # same rung, same ranks: bit-identical
+    # DeepSpeed's C++ CPU Adam keeps beta^t by repeated multiplication and recomputes it
+    # with pow() after a restart: a last-bit difference (~1e-8), not bit-identical
+    ("zero3_offload_resumed", "zero3_offload_fp32", False),
+    ("zero3_offload_from_fsdp", "fsdp_fp32", False),  # fsdp@2 -> zero3_offload@2
+    ("single_from_zero3", "zero3_fp32", False),  # zero3@2 -> single@1
+    ("fsdp_from_single", "single_fp32", False),  # single@1 -> fsdp@2
+    ("fsdp1_from_fsdp2", "fsdp_fp32", False),  # fsdp@2 -> fsdp@1
+    ("single_from_fsdp", "fsdp_fp32", False),  # fsdp@2 -> single@1
+]
+
+
+@pytest.mark.parametrize("name, source, exact", RESUMED)
 def test_resume_continues_the_uninterrupted_run(runs, name, source, exact):
-    """2N straight vs N, stop, resume to 2N (N = 5)."""
+    """2N straight vs N, stop, resume to 2N (N = 4), on the same or another rung and world."""
     straight, resumed = _metrics(runs / source), _metrics(runs / name)
-    assert [m["step"] for m in resumed] == list(range(6, STEPS + 1))
-    for a, b in zip(resumed, straight[5:], strict=True):
+    assert [m["step"] for m in resumed] == list(range(RESUME_AT + 1, STEPS + 1))
+    for a, b in zip(resumed, straight[RESUME_AT:], strict=True):
         if exact:
             assert a["loss"] == b["loss"], (a["step"], a["loss"], b["loss"])
         else:
             assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (a, b)
+
+
+@pytest.mark.parametrize("name, source, exact", RESUMED)
+def test_resume_carries_the_optimizer_moments(runs, name, source, exact):
+    """Four steps after the resume, the resumed run's AdamW moments (and step) equal the
+    straight run's: the moments crossed the strategy change intact, or the drift would show."""
+    step = f"checkpoints/step_{2 * RESUME_AT}"
+    got, want = _canonical(runs / name / step), _canonical(runs / source / step)
+    assert not moment_mismatches(got, want, tol=1e-6)
+    assert all(float(got[k]) == 2 * RESUME_AT for k in got if k.endswith("/step"))
+
+
+def test_moment_comparison_catches_a_wrong_mapping(runs):
+    """The check above can fail: swapped moments of two same-shaped parameters are caught."""
+    state = _canonical(runs / "fsdp_fp32" / f"checkpoints/step_{2 * RESUME_AT}")
+    wrong = dict(state)
+    a, b = "optim/model.layers.0.mlp.up_proj.weight", "optim/model.layers.1.mlp.up_proj.weight"
+    wrong[f"{a}/exp_avg"], wrong[f"{b}/exp_avg"] = state[f"{b}/exp_avg"], state[f"{a}/exp_avg"]
+    assert len(moment_mismatches(wrong, state, tol=1e-6)) == 2
+    assert not moment_mismatches(state, state, tol=1e-6)
