@@ -1,211 +1,282 @@
-"""Step time of the oomless engine (single backend) vs a plain hand-written PyTorch loop.
+"""Tokens/s of oomless `single` vs a plain hand-written PyTorch loop and the transformers Trainer.
 
-Same model (a ~20M-parameter Llama shape), same batches, same precision, same AdamW and clipping;
-the two are alternated in one process, several rounds, and the medians compared. The engine side
-runs exactly what `run_training` runs per step: set_lr, `train_step` (token-weighted accumulation
-through the Backend), memory stats and the metrics line.
+Same model, same batches, same precision, same AdamW hyper-parameters and clipping, same global
+batch (micro-batch x accumulation); the contenders alternate in one process, the order rotated
+every round, several rounds, and the medians are compared.
 
-    python bench/engine_vs_plain.py [--rounds 5] [--steps 6] [--precision bf16] [--out docs/..]
+- `oomless`: what `run_training` runs per step: set_lr, `train_step` through the `single` backend
+  (token-weighted accumulation, OOM agreement points), memory stats and the metrics line.
+- `plain`: the loop a person writes by hand (mean loss per micro-batch / accumulation, clip, step).
+- `hf_trainer`: `transformers.Trainer` with equivalent TrainingArguments and no eval, saving or
+  logging; it runs in its own thread, held at the end of every optimizer step by a callback, so
+  a timed call covers exactly N of its steps including its data loading and bookkeeping.
+
+    python -m bench.engine_vs_plain [--model llama-20m] [--rounds 10] [--steps 2] \
+        [--precision bf16] [--no-trainer] [--device auto] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
-import statistics
-import sys
 import tempfile
-import time
+import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import (
+    alternate,
+    build_hf_model,
+    count_parameters,
+    flops_per_token,
+    job_config,
+    machine,
+    make_batches,
+    medians,
+    peak_flops,
+    resolve_device,
+    timed,
+)
+from trainer.backends import BackendContext, OptimizerSpec, build_backend
+from trainer.backends.common import autocast_context
+from trainer.metrics import MetricsLog
+from trainer.model import HFModelFactory
+from trainer.step import train_step
 
-from launcher.config import build_config  # noqa: E402
-from trainer.backends import BackendContext, OptimizerSpec, build_backend  # noqa: E402
-from trainer.backends.common import autocast_context  # noqa: E402
-from trainer.metrics import MetricsLog  # noqa: E402
-from trainer.model import HFModelFactory, count_parameters  # noqa: E402
-from trainer.step import train_step  # noqa: E402
-
-MODEL = {
-    "model_type": "llama",
-    "vocab_size": 8192,
-    "hidden_size": 512,
-    "intermediate_size": 1376,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 1024,
-    "tie_word_embeddings": False,
-}
 OPTIM = OptimizerSpec(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0)
 
 
-def make_batches(num_micro: int, micro: int, seq: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(num_micro):
-        ids = torch.randint(0, MODEL["vocab_size"], (micro, seq), generator=g)
-        out.append(
-            {
-                "input_ids": ids,
-                "labels": ids.clone(),
-                "position_ids": torch.arange(seq).repeat(micro, 1),
-                "doc_ids": torch.zeros_like(ids),
-            }
+class OomlessSingle:
+    """The engine's per-step path on the `single` backend."""
+
+    def __init__(self, tmp: Path, args: argparse.Namespace, device: torch.device):
+        cfg = job_config(
+            tmp, args.model, "single", args.precision, args.micro, args.accum, args.seq, device
         )
-    return out
+        ctx = BackendContext(cfg, device, 0, 0, 1, args.precision, "none", args.micro, args.accum)
+        self.backend = build_backend("single", ctx)
+        self.model = self.backend.setup(HFModelFactory(cfg.model, seed=0), OPTIM)
+        self.metrics = MetricsLog(tmp, total_steps=10**9, enabled=True, log_every=10**9)
+        self.device = device
+        self.step = 0
 
-
-def build_engine(tmp: Path, precision: str, micro: int, accum: int, device: torch.device):
-    data = tmp / "d.jsonl"
-    data.write_text('{"text": "x"}\n')
-    cfg = build_config(
-        {
-            "model": {"config": MODEL, "tokenizer": str(tmp)},
-            "data": {"path": str(data), "seq_len": 128},
-            "train": {"global_batch_size": micro * accum, "micro_batch_size": micro},
-            "precision": precision,
-            "strategy": "single",
-        }
-    )
-    ctx = BackendContext(cfg, device, 0, 0, 1, precision, "none", micro, accum)
-    backend = build_backend("single", ctx)
-    model = backend.setup(HFModelFactory(cfg.model, seed=0), OPTIM)
-    metrics = MetricsLog(tmp, total_steps=10**9, enabled=True, log_every=10**9)
-    return model, backend, metrics
-
-
-def engine_steps(model, backend, metrics, batches, device, num_steps: int) -> float:
-    start = time.perf_counter()
-    for step in range(num_steps):
-        backend.reset_peak()
-        backend.set_lr(OPTIM.lr)
-        r = train_step(model, backend, batches, device)
-        peak = backend.memory_stats()["peak_device_bytes"]
-        metrics.write(
-            {
-                "step": step + 1,
-                "loss": r.loss,
-                "lr": OPTIM.lr,
-                "grad_norm": r.grad_norm,
-                "tokens": r.num_tokens,
-                "tokens_per_s": r.num_tokens / r.step_time_s,
-                "peak_device_bytes": peak,
-            }
-        )
-    _sync(device)
-    return (time.perf_counter() - start) / num_steps
-
-
-def build_plain(precision: str, device: torch.device):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(**{k: v for k, v in MODEL.items() if k != "model_type"})
-    cfg.use_cache = False  # as the engine's model: no KV cache in training
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).to(device)
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=OPTIM.lr,
-        betas=OPTIM.betas,
-        eps=OPTIM.eps,
-        weight_decay=OPTIM.weight_decay,
-        **fast,
-    )
-    return model, opt
-
-
-def plain_steps(model, opt, batches, device, precision: str, num_steps: int) -> float:
-    """The loop a person writes by hand: mean loss per micro-batch / accumulation."""
-    start = time.perf_counter()
-    for _ in range(num_steps):
-        for b in batches:
-            ids = b["input_ids"].to(device)
-            positions = b["position_ids"].to(device)  # packed data needs them; same inputs
-            with autocast_context(device, precision):
-                logits = model(input_ids=ids, position_ids=positions).logits
-            loss = F.cross_entropy(
-                logits[:, :-1].float().reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1)
+    def run(self, batches: list[dict[str, torch.Tensor]], num_steps: int) -> None:
+        for _ in range(num_steps):
+            self.step += 1
+            self.backend.reset_peak()
+            self.backend.set_lr(OPTIM.lr)
+            r = train_step(self.model, self.backend, batches, self.device)
+            peak = self.backend.memory_stats()["peak_device_bytes"]
+            self.metrics.write(
+                {
+                    "step": self.step,
+                    "loss": r.loss,
+                    "lr": OPTIM.lr,
+                    "grad_norm": r.grad_norm,
+                    "tokens": r.num_tokens,
+                    "tokens_per_s": r.num_tokens / r.step_time_s,
+                    "peak_device_bytes": peak,
+                }
             )
-            (loss / len(batches)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        float(loss.detach())  # the hand-written loop logs its loss too
-    _sync(device)
-    return (time.perf_counter() - start) / num_steps
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class PlainLoop:
+    """The loop a person writes by hand: mean loss per micro-batch / accumulation."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device):
+        self.model = build_hf_model(args.model).to(device)
+        fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps,
+            weight_decay=OPTIM.weight_decay, **fast,
+        )  # fmt: skip
+        self.device = device
+        self.precision = args.precision
+
+    def run(self, batches: list[dict[str, torch.Tensor]], num_steps: int) -> None:
+        for _ in range(num_steps):
+            for b in batches:
+                ids = b["input_ids"].to(self.device)
+                positions = b["position_ids"].to(self.device)
+                with autocast_context(self.device, self.precision):
+                    logits = self.model(input_ids=ids, position_ids=positions).logits
+                loss = F.cross_entropy(
+                    logits[:, :-1].float().reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1)
+                )
+                (loss / len(batches)).backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), OPTIM.grad_clip, foreach=True)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            float(loss.detach())  # the hand-written loop logs its loss too
+
+
+class HFTrainerStepper:
+    """transformers.Trainer run N optimizer steps at a time.
+
+    `Trainer.train()` runs in a thread; a callback parks it at the end of every step until the
+    next `run(n)`, so only one side computes at any moment and the timed span holds whole steps.
+    """
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, out_dir: Path):
+        from transformers import Trainer, TrainerCallback, TrainingArguments
+
+        stepper = self
+
+        class Park(TrainerCallback):
+            def on_step_end(self, targs, state, control, **kwargs):
+                stepper._remaining -= 1
+                if stepper._remaining == 0:
+                    stepper._done.release()
+                    stepper._go.acquire()
+                    if stepper._stop:
+                        control.should_training_stop = True
+                return control
+
+        batches = make_batches(args.model, args.accum, args.micro, args.seq)
+        rows = [
+            {k: b[k][i] for k in ("input_ids", "labels", "position_ids")}
+            for b in batches
+            for i in range(args.micro)
+        ]
+        max_steps = 1 + args.rounds * args.steps + 1  # warm-up, rounds, the stop
+        dataset = rows * max_steps
+        targs = TrainingArguments(
+            output_dir=str(out_dir),
+            per_device_train_batch_size=args.micro,
+            gradient_accumulation_steps=args.accum,
+            max_steps=max_steps,
+            learning_rate=OPTIM.lr,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=OPTIM.weight_decay,
+            adam_beta1=OPTIM.betas[0],
+            adam_beta2=OPTIM.betas[1],
+            adam_epsilon=OPTIM.eps,
+            max_grad_norm=OPTIM.grad_clip,
+            bf16=args.precision == "bf16",
+            fp16=args.precision == "fp16",
+            use_cpu=device.type == "cpu",
+            logging_strategy="no",
+            save_strategy="no",
+            eval_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            dataloader_pin_memory=device.type == "cuda",
+            remove_unused_columns=False,
+            seed=0,
+        )
+        self.trainer = Trainer(
+            model=build_hf_model(args.model), args=targs, train_dataset=dataset, callbacks=[Park()]
+        )
+        self.optimizer_name = str(targs.optim)
+        self._go, self._done = threading.Semaphore(0), threading.Semaphore(0)
+        self._remaining = 0
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._train, daemon=True)
+
+    def _train(self) -> None:
+        try:
+            self.trainer.train()
+        except BaseException as err:  # surfaced in the main thread by run()
+            self._error = err
+            self._done.release()
+
+    def run(self, num_steps: int) -> None:
+        self._remaining = num_steps
+        if not self._thread.is_alive():
+            self._thread.start()
+        else:
+            self._go.release()
+        self._done.acquire()
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        self._stop = True
+        self._remaining = 10**9
+        self._go.release()
+        self._thread.join(timeout=600)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--model", default="llama-20m")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps per contender per round")
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--accum", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--no-trainer", action="store_true", help="leave the HF Trainer out")
     p.add_argument("--json", type=Path, help="write the raw numbers here")
     args = p.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    batches = make_batches(args.accum, args.micro, args.seq)
+    device = resolve_device(args.device)
+    batches = make_batches(args.model, args.accum, args.micro, args.seq)
+    contenders: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model_e, backend, metrics = build_engine(
-            Path(tmp), args.precision, args.micro, args.accum, device
-        )
-        model_p, opt = build_plain(args.precision, device)
-        num_params = count_parameters(model_p)
-        engine_steps(model_e, backend, metrics, batches, device, 1)  # warm-up both
-        plain_steps(model_p, opt, batches, device, args.precision, 1)
-        engine_s, plain_s = [], []
-        for r in range(args.rounds):
-            first, second = (engine_s, plain_s) if r % 2 == 0 else (plain_s, engine_s)
-            for times in (first, second):
-                if times is engine_s:
-                    times.append(
-                        engine_steps(model_e, backend, metrics, batches, device, args.steps)
-                    )
-                else:
-                    times.append(
-                        plain_steps(model_p, opt, batches, device, args.precision, args.steps)
-                    )
-    engine_med, plain_med = statistics.median(engine_s), statistics.median(plain_s)
-    result = {
-        "device": torch.cuda.get_device_name()
-        if device.type == "cuda"
-        else platform.processor() or platform.machine(),
-        "torch": torch.__version__,
+        oomless = OomlessSingle(Path(tmp), args, device)
+        contenders["oomless"] = lambda: timed(lambda: oomless.run(batches, args.steps), device)
+        plain = PlainLoop(args, device)
+        contenders["plain"] = lambda: timed(lambda: plain.run(batches, args.steps), device)
+        hf = None
+        if not args.no_trainer:
+            hf = HFTrainerStepper(args, device, Path(tmp) / "hf")
+            contenders["hf_trainer"] = lambda: timed(lambda: hf.run(args.steps), device)
+        num_params = count_parameters(plain.model)
+        oomless.run(batches, 1)  # warm-up every side (the Trainer's set-up happens here)
+        plain.run(batches, 1)
+        if hf is not None:
+            hf.run(1)
+        times = alternate(contenders, args.rounds)
+        if hf is not None:
+            hf.close()
+    result = report(args, device, num_params, times)
+    if hf is not None:
+        result["hf_trainer_optim"] = hf.optimizer_name
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def report(
+    args: argparse.Namespace, device: torch.device, num_params: int, times: dict[str, list[float]]
+) -> dict[str, Any]:
+    """Per-step medians, tokens/s, MFU on a known GPU, ratios against oomless; prints a line."""
+    tokens = args.micro * args.accum * args.seq
+    med = {name: s / args.steps for name, s in medians(times).items()}
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "model": args.model,
         "num_params": num_params,
         "precision": args.precision,
+        "device": device.type,
         "micro_batch_size": args.micro,
         "grad_accum": args.accum,
         "seq_len": args.seq,
         "rounds": args.rounds,
         "steps_per_round": args.steps,
-        "engine_step_s": engine_s,
-        "plain_step_s": plain_s,
-        "engine_median_s": engine_med,
-        "plain_median_s": plain_med,
-        "ratio_engine_over_plain": engine_med / plain_med,
+        "round_s": times,
+        "median_step_s": med,
+        "tokens_per_s": {name: tokens / s for name, s in med.items()},
+        "oomless_over": {name: med["oomless"] / s for name, s in med.items() if name != "oomless"},
     }
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    peak = peak_flops(device)
+    if peak:
+        fpt = flops_per_token(args.model, num_params, args.seq)
+        result["mfu"] = {name: fpt * tps / peak for name, tps in result["tokens_per_s"].items()}
     print(
-        f"{num_params / 1e6:.1f}M params, {args.precision}, micro {args.micro} x accum "
-        f"{args.accum}, seq {args.seq}: engine {engine_med * 1e3:.1f} ms/step, plain "
-        f"{plain_med * 1e3:.1f} ms/step, ratio {engine_med / plain_med:.3f}"
+        f"single, {num_params / 1e6:.1f}M params, {args.precision}, micro {args.micro} x accum "
+        f"{args.accum}, seq {args.seq}: "
+        + ", ".join(f"{n} {t:,.0f} tok/s" for n, t in result["tokens_per_s"].items())
+        + "; oomless step time / "
+        + ", ".join(f"{n} {r:.3f}" for n, r in result["oomless_over"].items())
     )
+    return result
 
 
 if __name__ == "__main__":

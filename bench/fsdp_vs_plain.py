@@ -1,12 +1,13 @@
-"""Step time of oomless `fsdp` vs a minimal hand-written FSDP2 loop, side by side, same ranks.
+"""Tokens/s of oomless `fsdp` vs a minimal hand-written FSDP2 loop, side by side, same ranks.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 bench/fsdp_vs_plain.py \
-        [--rounds 10] [--precision bf16] [--json out.json]
+    torchrun --standalone --nproc_per_node 2 -m bench.fsdp_vs_plain \
+        [--model llama-20m] [--rounds 16] [--precision bf16] [--device auto] [--json out.json]
 
-Both sides shard the same ~20M-parameter Llama shape per decoder layer and then the root, with the
-same mixed-precision policy, AdamW and clipping, on the same batches; their steps alternate, and
-rank 0 prints the medians and the ratio. The oomless side is `train_step` through `FsdpBackend`
-(the engine's per-step path: token-weighted accumulation, OOM agreement points, no_sync).
+Both sides shard the same Llama shape per decoder layer and then the root, with the same
+mixed-precision policy, AdamW and clipping, on the same batches; their steps alternate
+(barrier to barrier), and rank 0 prints the medians and the ratio. The oomless side is
+`train_step` through `FsdpBackend` (the engine's per-step path: token-weighted accumulation,
+OOM agreement points, no_sync).
 """
 
 from __future__ import annotations
@@ -14,35 +15,38 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import (
+    alternate,
+    build_hf_model,
+    count_parameters,
+    flops_per_token,
+    job_config,
+    machine,
+    make_batches,
+    medians,
+    peak_flops,
+    resolve_device,
+    timed,
+)
+from bench.engine_vs_plain import OPTIM
+from trainer.backends import BackendContext, build_backend
+from trainer.backends.common import COMPUTE_DTYPES
+from trainer.model import HFModelFactory, decoder_layers
+from trainer.step import train_step
 
-from bench.engine_vs_plain import MODEL, OPTIM, make_batches  # noqa: E402
-from launcher.config import build_config  # noqa: E402
-from trainer.backends import BackendContext, build_backend  # noqa: E402
-from trainer.backends.common import COMPUTE_DTYPES  # noqa: E402
-from trainer.model import HFModelFactory, decoder_layers  # noqa: E402
-from trainer.step import train_step  # noqa: E402
 
-
-def plain_fsdp(precision: str):
+def build_plain_fsdp(model_name: str, precision: str, device: torch.device):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(**{k: v for k, v in MODEL.items() if k != "model_type"})
-    cfg.use_cache = False
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = build_hf_model(model_name).to(device)
     kwargs = {}
     if precision in COMPUTE_DTYPES:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -51,100 +55,118 @@ def plain_fsdp(precision: str):
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
     opt = torch.optim.AdamW(
         model.parameters(), lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps,
-        weight_decay=OPTIM.weight_decay, foreach=True,
+        weight_decay=OPTIM.weight_decay, **fast,
     )  # fmt: skip
     return model, opt
 
 
-def plain_step(model, opt, batches) -> None:
+def plain_step(model, opt, batches, device: torch.device) -> None:
     for i, b in enumerate(batches):
         model.set_requires_gradient_sync(i == len(batches) - 1)
-        logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
+        ids = b["input_ids"].to(device)
+        logits = model(input_ids=ids, position_ids=b["position_ids"].to(device)).logits
         loss = F.cross_entropy(
-            logits[:, :-1].float().reshape(-1, logits.size(-1)), b["input_ids"][:, 1:].reshape(-1)
+            logits[:, :-1].float().reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1)
         )
         (loss / len(batches)).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip, foreach=True)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    float(loss.detach())
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--rounds", type=int, default=10)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-20m")
+    p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--accum", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cpu")
-    batches = make_batches(args.accum, args.micro, args.seq)
+    device = resolve_device(args.device)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    batches = make_batches(args.model, args.accum, args.micro, args.seq)
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "d.jsonl"
-        data.write_text('{"text": "x"}\n')
-        cfg = build_config(
-            {
-                "model": {"config": MODEL, "tokenizer": tmp},
-                "data": {"path": str(data), "seq_len": args.seq},
-                "train": {
-                    "global_batch_size": args.micro * args.accum * world,
-                    "micro_batch_size": args.micro,
-                },
-                "precision": args.precision,
-                "strategy": "fsdp",
-                "hardware": {"device": "cpu", "devices_per_node": world},
-            }
-        )
+        cfg = job_config(
+            Path(tmp), args.model, "fsdp", args.precision, args.micro, args.accum, args.seq,
+            device, world_size=world,
+        )  # fmt: skip
         ctx = BackendContext(
             cfg, device, rank, rank, world, args.precision, "none", args.micro, args.accum
         )
         backend = build_backend("fsdp", ctx)
         ours = backend.setup(HFModelFactory(cfg.model, seed=0), OPTIM)
-    plain, opt = plain_fsdp(args.precision)
-    train_step(ours, backend, batches, device)  # warm-up both
-    plain_step(plain, opt, batches)
-    ours_s, plain_s = [], []
-    for r in range(args.rounds):
-        order = (True, False) if r % 2 == 0 else (False, True)
-        for is_ours in order:
-            dist.barrier()
-            start = time.perf_counter()
-            if is_ours:
-                backend.set_lr(OPTIM.lr)
-                train_step(ours, backend, batches, device)
-            else:
-                plain_step(plain, opt, batches)
-            dist.barrier()
-            (ours_s if is_ours else plain_s).append(time.perf_counter() - start)
+    plain, opt = build_plain_fsdp(args.model, args.precision, device)
+    num_params = count_parameters(build_hf_model(args.model)) if rank == 0 else 0
+
+    def oomless_step() -> None:
+        backend.set_lr(OPTIM.lr)
+        train_step(ours, backend, batches, device)
+
+    oomless_step()  # warm-up both
+    plain_step(plain, opt, batches, device)
+    times = alternate(
+        {
+            "oomless": lambda: timed(oomless_step, device, barrier=True),
+            "plain": lambda: timed(lambda: plain_step(plain, opt, batches, device), device, True),
+        },
+        args.rounds,
+    )
     if rank == 0:
-        result = {
-            "world_size": world,
-            "precision": args.precision,
-            "micro_batch_size": args.micro,
-            "grad_accum": args.accum,
-            "seq_len": args.seq,
-            "rounds": args.rounds,
-            "oomless_step_s": ours_s,
-            "plain_step_s": plain_s,
-            "oomless_median_s": statistics.median(ours_s),
-            "plain_median_s": statistics.median(plain_s),
-            "ratio": statistics.median(ours_s) / statistics.median(plain_s),
-            "torch": torch.__version__,
-            "omp_threads": os.environ.get("OMP_NUM_THREADS"),
-        }
+        result = report(args, device, world, num_params, times)
         if args.json:
             args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(
-            f"fsdp x{world} {args.precision}: oomless {result['oomless_median_s'] * 1e3:.0f} "
-            f"ms/step, plain FSDP2 {result['plain_median_s'] * 1e3:.0f} ms/step, "
-            f"ratio {result['ratio']:.3f}"
-        )
     dist.destroy_process_group()
+
+
+def report(
+    args: argparse.Namespace,
+    device: torch.device,
+    world: int,
+    num_params: int,
+    times: dict[str, list[float]],
+) -> dict[str, Any]:
+    med = medians(times)
+    tokens = args.micro * args.accum * args.seq * world
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "model": args.model,
+        "num_params": num_params,
+        "world_size": world,
+        "device": device.type,
+        "precision": args.precision,
+        "micro_batch_size": args.micro,
+        "grad_accum": args.accum,
+        "seq_len": args.seq,
+        "rounds": args.rounds,
+        "omp_threads": os.environ.get("OMP_NUM_THREADS"),
+        "step_s": times,
+        "median_step_s": med,
+        "tokens_per_s": {name: tokens / s for name, s in med.items()},
+        "oomless_over": {"plain": med["oomless"] / med["plain"]},
+    }
+    peak = peak_flops(device)
+    if peak:
+        fpt = flops_per_token(args.model, num_params, args.seq)
+        result["mfu"] = {
+            name: fpt * tps / (peak * world) for name, tps in result["tokens_per_s"].items()
+        }
+    print(
+        f"fsdp x{world} {args.precision}, {num_params / 1e6:.1f}M params: oomless "
+        f"{med['oomless'] * 1e3:.0f} ms/step, plain FSDP2 {med['plain'] * 1e3:.0f} ms/step, "
+        f"ratio {result['oomless_over']['plain']:.3f}"
+    )
+    return result
 
 
 if __name__ == "__main__":

@@ -1,0 +1,239 @@
+"""What the benchmarks share: model shapes, batches, the alternation, medians, the machine.
+
+Every comparison runs its contenders in one process (or one torchrun launch), alternating them
+round by round with the order rotated every round, so that a busy neighbour slows both sides
+alike; only medians and their ratios are reported. Run the scripts as modules from the repository
+root (`python -m bench.NAME`, `torchrun ... -m bench.NAME`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Llama shapes built from an inline HF config (random init; nothing is downloaded).
+MODELS: dict[str, dict[str, Any]] = {
+    "llama-20m": {  # 20.0M parameters: the CPU benchmarks
+        "model_type": "llama",
+        "vocab_size": 8192,
+        "hidden_size": 512,
+        "intermediate_size": 1376,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+    "llama-tiny": {  # 1.1M parameters: smoke runs of the GPU scripts on a CPU
+        "model_type": "llama",
+        "vocab_size": 1024,
+        "hidden_size": 128,
+        "intermediate_size": 344,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+    "llama-1b": {  # 1.1B parameters, TinyLlama's shape: the GPU throughput runs
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+    "llama-3b": {  # 3.2B parameters, Llama-3.2-3B's shape with a 32k vocabulary
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+    "llama-8b": {  # 7.5B parameters, Llama-3.1-8B's shape with a 32k vocabulary
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def hf_config(model: str) -> Any:
+    """The transformers config of a shape, as the engine builds it (sdpa, no KV cache)."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**{k: v for k, v in MODELS[model].items() if k != "model_type"})
+    cfg.use_cache = False
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def build_hf_model(model: str, seed: int = 0) -> torch.nn.Module:
+    """The plain HF model, fp32, seeded, on the CPU (what a hand-written script starts from)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(hf_config(model), dtype=torch.float32)
+
+
+def make_batches(model: str, num_micro: int, micro: int, seq: int) -> list[dict[str, torch.Tensor]]:
+    """Random-token micro-batches in the engine's batch format (labels aligned with inputs)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(num_micro):
+        ids = torch.randint(0, MODELS[model]["vocab_size"], (micro, seq), generator=g)
+        out.append(
+            {
+                "input_ids": ids,
+                "labels": ids.clone(),
+                "position_ids": torch.arange(seq).repeat(micro, 1),
+                "doc_ids": torch.zeros_like(ids),
+            }
+        )
+    return out
+
+
+def job_config(
+    tmp: Path,
+    model: str,
+    strategy: str,
+    precision: str,
+    micro: int,
+    accum: int,
+    seq: int,
+    device: torch.device,
+    world_size: int = 1,
+) -> Any:
+    """A resolved JobConfig for the engine's side of a comparison (data is never read)."""
+    from launcher.config import build_config
+
+    data = tmp / "d.jsonl"
+    data.write_text('{"text": "x"}\n')
+    return build_config(
+        {
+            "model": {"config": MODELS[model], "tokenizer": str(tmp)},
+            "data": {"path": str(data), "seq_len": seq},
+            "train": {
+                "global_batch_size": micro * accum * world_size,
+                "micro_batch_size": micro,
+            },
+            "precision": precision,
+            "strategy": strategy,
+            "hardware": {"device": device.type, "devices_per_node": world_size},
+        }
+    )
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def alternate(
+    contenders: dict[str, Callable[[], float]], num_rounds: int
+) -> dict[str, list[float]]:
+    """Call every contender once per round, the order rotated each round; each returns seconds.
+
+    The rotation is deterministic, so all ranks of a launch run the same order.
+    """
+    names = list(contenders)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(num_rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            times[name].append(contenders[name]())
+    return times
+
+
+def timed(fn: Callable[[], Any], device: torch.device, barrier: bool = False) -> float:
+    """Wall seconds of fn(), device work included (and all ranks in step when barrier)."""
+    if barrier:
+        torch.distributed.barrier()
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    if barrier:
+        torch.distributed.barrier()
+    return time.perf_counter() - start
+
+
+def medians(times: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def flops_per_token(model: str, num_params: int, seq: int) -> float:
+    """Training FLOPs per token: 6N + attention's 12 x layers x hidden x seq (the engine's MFU)."""
+    shape = MODELS[model]
+    return 6 * num_params + 12 * shape["num_hidden_layers"] * shape["hidden_size"] * seq
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    from launcher.hardware import peak_flops_for
+
+    return peak_flops_for(torch.cuda.get_device_name(device))
+
+
+def count_parameters(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def machine() -> dict[str, Any]:
+    """Where and with what the numbers were taken, including how busy the machine was."""
+    info: dict[str, Any] = {
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    for package in ("transformers", "accelerate", "deepspeed"):
+        try:
+            info[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            info[package] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,99 @@
+"""Wall time of the planner on the 70B preset (8 x 80 GiB, 2 TiB host): CLI and `make_plan`.
+
+    python -m bench.plan_time [--repeats 5] [--json out.json]
+
+The CLI time is what a user waits for (`oomless plan ... --json`: Python start-up, imports, config,
+estimate of every rung, plan); the in-process time is `make_plan` alone on the same config and
+hardware (model shape read once, as the CLI does), median of many calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import machine
+
+PRESET = "configs/models/llama-3.1-70b.yaml"
+OVERRIDES = [
+    "hardware.devices_per_node=8",
+    "hardware.device_memory=80GiB",
+    "hardware.host_memory=2TiB",  # as the preset says; no GPU here to detect it from
+]
+
+
+def cli_seconds(repeats: int) -> tuple[list[float], dict[str, Any]]:
+    """CLI wall times and the last answer: the plan JSON, or {"exit": 3, "message": ...}."""
+    oomless = Path(sys.executable).with_name("oomless")
+    argv = [str(oomless), "plan", PRESET, *OVERRIDES, "--json"]
+    times, answer = [], {}
+    for _ in range(repeats):
+        start = time.perf_counter()
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        times.append(time.perf_counter() - start)
+        if proc.returncode == 0:
+            answer = json.loads(proc.stdout)
+        elif proc.returncode == 3:  # planned, nothing fits: still a full planner run
+            answer = {"exit": 3, "message": proc.stderr.strip().splitlines()[-1]}
+        else:
+            raise SystemExit(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr}")
+    return times, answer
+
+
+def in_process_seconds(num_calls: int) -> list[float]:
+    from launcher.config import load_config
+    from launcher.hardware import detect_hardware
+    from launcher.model_shape import model_shape
+    from launcher.plan import NoFitError, make_plan
+
+    cfg = load_config(PRESET, OVERRIDES)
+    hw = detect_hardware(cfg.hardware)
+    shape = model_shape(cfg.model)
+    times = []
+    for _ in range(num_calls):
+        start = time.perf_counter()
+        try:
+            make_plan(cfg, hw, shape)
+        except NoFitError:
+            pass
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=5, help="CLI runs")
+    p.add_argument("--calls", type=int, default=50, help="in-process make_plan calls")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    cli, plan = cli_seconds(args.repeats)
+    calls = in_process_seconds(args.calls)
+    result = {
+        "machine": machine(),
+        "command": f"oomless plan {PRESET} {' '.join(OVERRIDES)} --json",
+        "cli_s": cli,
+        "cli_median_s": statistics.median(cli),
+        "make_plan_median_s": statistics.median(calls),
+        "make_plan_calls": args.calls,
+        "strategy": plan.get("strategy"),
+        "micro_batch_size": plan.get("micro_batch_size"),
+        "activation_checkpointing": plan.get("activation_checkpointing"),
+        "no_fit": plan.get("message"),
+    }
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"plan 70B on 8 x 80GiB: CLI {result['cli_median_s']:.2f} s (median of {args.repeats}), "
+        f"make_plan {result['make_plan_median_s'] * 1e3:.1f} ms (median of {args.calls}); "
+        + (f"chose {result['strategy']}" if result["strategy"] else f"no fit: {result['no_fit']}")
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""`make bench`: every CPU comparison, one after the other; bench/results.json and a markdown table.
+
+    python -m bench.run_all [--quick] [--out bench/results.json]
+
+Each comparison runs in its own process (torchrun with 2 CPU processes and one OMP thread each
+for the sharded rungs), alternates its contenders inside that process and writes its raw numbers;
+this script collects them and prints the table that docs/benchmarks.md holds. `--quick` runs the
+same code with few rounds (a smoke test, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import machine
+
+TARGET = 1.05  # oomless step time at most 5% above its peer's
+
+
+def _run(argv: list[str], env: dict[str, str]) -> None:
+    print("$ " + " ".join(argv), flush=True)
+    subprocess.run(argv, env=dict(os.environ, **env), check=True)
+
+
+def run_benchmarks(quick: bool, work: Path) -> dict[str, Any]:
+    rounds = {"single": 2, "fsdp": 2, "zero3": 2, "plan": 1} if quick else {}
+    quiet = {"PYTHONWARNINGS": "ignore"}
+    two_ranks = quiet | {"OMP_NUM_THREADS": "1"}
+    py = [sys.executable, "-m"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    torchrun += ["--nproc_per_node", "2", "-m"]
+    steps = {
+        "single": py + ["bench.engine_vs_plain", "--rounds", str(rounds.get("single", 12))],
+        "fsdp": torchrun + ["bench.fsdp_vs_plain", "--rounds", str(rounds.get("fsdp", 16))],
+        "zero3_offload": torchrun
+        + ["bench.zero3_vs_deepspeed", "--rounds", str(rounds.get("zero3", 8))],
+        "plan": py + ["bench.plan_time", "--repeats", str(rounds.get("plan", 5))],
+    }
+    results: dict[str, Any] = {}
+    for name, argv in steps.items():
+        out = work / f"{name}.json"
+        start = time.perf_counter()
+        _run(argv + ["--json", str(out)], quiet if name in ("single", "plan") else two_ranks)
+        results[name] = json.loads(out.read_text())
+        results[name]["wall_s"] = round(time.perf_counter() - start, 1)
+    return results
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The comparison table: tokens/s medians, oomless/peer step-time ratio, target."""
+    rows = [
+        "| comparison | oomless tokens/s | peer tokens/s | oomless / peer step time | target |",
+        "|---|---|---|---|---|",
+    ]
+    single = results["single"]
+    for peer, label, target in (
+        ("plain", "`single` vs plain PyTorch loop", f"<= {TARGET:.2f}"),
+        ("hf_trainer", "`single` vs transformers `Trainer`", "< 1.00"),
+    ):
+        rows.append(_row(label, single, peer, target))
+    rows.append(_row("`fsdp` x2 vs hand-written FSDP2", results["fsdp"], "plain", f"<= {TARGET}"))
+    rows.append(
+        _row(
+            "`zero3_offload` x2 vs DeepSpeed by hand",
+            results["zero3_offload"],
+            "deepspeed",
+            f"<= {TARGET}",
+        )
+    )
+    plan = results["plan"]
+    lines = rows + [
+        "",
+        f"Planner, Llama-3.1-70B on 8 x 80 GiB (2 TiB host): `oomless plan ... --json` "
+        f"{plan['cli_median_s']:.2f} s wall (median of {len(plan['cli_s'])}), `make_plan` "
+        f"in-process {plan['make_plan_median_s'] * 1e3:.1f} ms (median of "
+        f"{plan['make_plan_calls']}); "
+        + (
+            f"plan: {plan['strategy']}, micro-batch {plan['micro_batch_size']}, "
+            f"checkpointing {plan['activation_checkpointing']}"
+            if plan.get("strategy")
+            else f"answer: {plan.get('no_fit')}"
+        )
+        + ".",
+    ]
+    return "\n".join(lines)
+
+
+def _row(label: str, result: dict[str, Any], peer: str, target: str) -> str:
+    tps = result["tokens_per_s"]
+    ratio = result["oomless_over"][peer]
+    rounds = result["rounds"]
+    return (
+        f"| {label} | {tps['oomless']:,.0f} | {tps[peer]:,.0f} | {ratio:.3f} "
+        f"({rounds} rounds) | {target} |"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="few rounds: a smoke test")
+    p.add_argument("--out", type=Path, default=Path("bench/results.json"))
+    args = p.parse_args()
+    before = machine()
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_benchmarks(args.quick, Path(tmp))
+    results["machine_before"] = before
+    results["machine_after"] = machine()
+    results["total_wall_s"] = round(time.perf_counter() - start, 1)
+    results["quick"] = args.quick
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    m = results["machine_after"]
+    print()
+    print(
+        f"{m['cpu']}, {m['cores']} cores, load average before {before['load_avg_1_5_15']}, "
+        f"after {m['load_avg_1_5_15']}; torch {m['torch']}, transformers {m['transformers']}, "
+        f"deepspeed {m['deepspeed']}; {m['date_utc']} UTC; {results['total_wall_s']:.0f} s"
+    )
+    print(markdown(results))
+    print(f"\nraw numbers: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Tokens/s of oomless `zero3_offload` vs DeepSpeed driven directly, side by side, same ranks.
+
+    torchrun --standalone --nproc_per_node 2 -m bench.zero3_vs_deepspeed \
+        [--model llama-20m] [--rounds 8] [--precision bf16] [--device auto] [--json out.json]
+
+The hand-written side is what a DeepSpeed user writes: the HF model, `DeepSpeedCPUAdam` (AdamW
+mode), `deepspeed.initialize` with a ZeRO-3 + optimizer-offload config (DeepSpeed's defaults for
+everything else) and the loop `loss = engine(..., labels=ids).loss; engine.backward(loss);
+engine.step()`. Both sides compute in the same precision: fp32 parameters with the engine's
+`torch_autocast` section, fp32 gathers and reductions (`lower_precision_safe_modules: []`). The
+oomless side is `train_step` through `DeepSpeedBackend` (model built under `zero.Init`, our config
+from `trainer/backends/deepspeed_config.py`). Steps alternate barrier to barrier; rank 0 prints
+the medians and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bench.common import (
+    alternate,
+    build_hf_model,
+    job_config,
+    machine,
+    make_batches,
+    medians,
+    resolve_device,
+    timed,
+)
+from bench.engine_vs_plain import OPTIM
+from trainer.backends import BackendContext, build_backend
+from trainer.model import HFModelFactory
+from trainer.step import train_step
+
+AUTOCAST = {"bf16": "bfloat16"}
+
+
+def hand_config(args: argparse.Namespace, world: int, device: torch.device) -> dict[str, Any]:
+    """The config a DeepSpeed user writes for ZeRO-3 with the optimizer on the host."""
+    config: dict[str, Any] = {
+        "train_batch_size": args.micro * args.accum * world,
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": args.accum,
+        "gradient_clipping": OPTIM.grad_clip,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": device.type == "cuda"},
+        },
+        "steps_per_print": 10**9,
+    }
+    if args.precision in AUTOCAST:
+        config["torch_autocast"] = {
+            "enabled": True,
+            "dtype": AUTOCAST[args.precision],
+            "lower_precision_safe_modules": [],
+        }
+    return config
+
+
+def build_hand_deepspeed(args: argparse.Namespace, world: int, device: torch.device):
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    model = build_hf_model(args.model)
+    optimizer = DeepSpeedCPUAdam(
+        model.parameters(), lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps,
+        weight_decay=OPTIM.weight_decay, adamw_mode=True,
+    )  # fmt: skip
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=hand_config(args, world, device)
+    )
+    return engine
+
+
+def hand_step(engine, batches, device: torch.device) -> None:
+    for b in batches:
+        ids = b["input_ids"].to(device)
+        out = engine(input_ids=ids, position_ids=b["position_ids"].to(device), labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+    float(out.loss.detach())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-20m")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--accum", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    device = resolve_device(args.device)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+    batches = make_batches(args.model, args.accum, args.micro, args.seq)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = job_config(
+            Path(tmp), args.model, "zero3_offload", args.precision, args.micro, args.accum,
+            args.seq, device, world_size=world,
+        )  # fmt: skip
+        ctx = BackendContext(
+            cfg, device, rank, rank, world, args.precision, "none", args.micro, args.accum
+        )
+        backend = build_backend("zero3_offload", ctx)
+        ours = backend.setup(HFModelFactory(cfg.model, seed=0), OPTIM)
+    hand = build_hand_deepspeed(args, world, device)
+
+    def oomless_step() -> None:
+        backend.set_lr(OPTIM.lr)
+        train_step(ours, backend, batches, device)
+
+    oomless_step()  # warm-up both
+    hand_step(hand, batches, device)
+    times = alternate(
+        {
+            "oomless": lambda: timed(oomless_step, device, barrier=True),
+            "deepspeed": lambda: timed(lambda: hand_step(hand, batches, device), device, True),
+        },
+        args.rounds,
+    )
+    if rank == 0:
+        med = medians(times)
+        tokens = args.micro * args.accum * args.seq * world
+        result = {
+            "machine": machine(),
+            "model": args.model,
+            "world_size": world,
+            "device": device.type,
+            "precision": args.precision,
+            "micro_batch_size": args.micro,
+            "grad_accum": args.accum,
+            "seq_len": args.seq,
+            "rounds": args.rounds,
+            "omp_threads": os.environ.get("OMP_NUM_THREADS"),
+            "hand_config": hand_config(args, world, device),
+            "step_s": times,
+            "median_step_s": med,
+            "tokens_per_s": {name: tokens / s for name, s in med.items()},
+            "oomless_over": {"deepspeed": med["oomless"] / med["deepspeed"]},
+        }
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(
+            f"zero3_offload x{world} {args.precision}: oomless {med['oomless'] * 1e3:.0f} ms/step, "
+            f"DeepSpeed by hand {med['deepspeed'] * 1e3:.0f} ms/step, "
+            f"ratio {result['oomless_over']['deepspeed']:.3f}"
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
