@@ -1,5 +1,9 @@
 """Escalation: a persistent OOM on two CPU processes makes `oomless train` climb rungs, resume
-from the checkpoint, and end where an uninterrupted run ends."""
+from the checkpoint, and end where an uninterrupted run ends.
+
+One launch covers both hops the issue asks about: the planner's first rung here is `ddp`, its
+next `fsdp`; a persistent OOM under `fsdp` then climbs to the rung the planner ranks next
+(`zero1`), which resumes from the checkpoint and completes."""
 
 from __future__ import annotations
 
@@ -44,8 +48,13 @@ def test_persistent_oom_climbs_the_ladder_and_learns_the_same(tmp_path):
     for e in escalations:
         assert e["reason"].startswith("out of memory in forward")
         assert e["estimated_peak_bytes"] > 0 and e["measured_peak_bytes"] > 0
+    # both higher rungs resumed from the newest checkpoint (step 2; the OOM comes at step 4)
+    resumed = f"resumed from {run_dir / 'checkpoints' / 'step_2'} (step 2"
+    assert r.stderr.count(resumed) == 2, r.stderr[-4000:]  # fsdp, then zero1 (rank 0 logs)
     lines = metrics(run_dir)
     assert [m["step"] for m in lines] == list(range(1, 9))
+    # metrics.jsonl keeps the lines up to the resumed step: the fsdp attempt's step 3 is gone
+    assert [m["strategy"] for m in lines] == ["ddp"] * 2 + ["zero1"] * 6
     assert lines[-1]["strategy"] == "zero1"
     assert json.loads((run_dir / "plan.json").read_text())["strategy"] == "zero1"
 

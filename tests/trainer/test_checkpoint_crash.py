@@ -4,12 +4,11 @@ the newest complete checkpoint and ends with exactly the losses of an uninterrup
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import yaml
 
-from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env
+from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env, run_bounded
 
 pytestmark = pytest.mark.slow
 DEMO = REPO / "configs" / "demo"
@@ -34,10 +33,10 @@ def test_killed_saves_are_never_loaded_and_training_goes_on(tmp_path):
     }
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job))
-    r = subprocess.run(
+    r = run_bounded(
         [PYTHON, str(REPO / "tests/trainer/crash_worker.py"), str(config), str(tmp_path),
          str(NUM_POINTS)],
-        capture_output=True, text=True, env=python_env(), cwd=REPO, timeout=900,
+        env=python_env(), cwd=REPO, timeout=550,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     results = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
