@@ -11,6 +11,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from launcher.config import HardwareConfig
 
@@ -74,11 +75,20 @@ def peak_flops_for(device_name: str) -> float | None:
     return None
 
 
+def gpu_driver_present(dev: Path = Path("/dev")) -> bool:
+    """Whether an NVIDIA or AMD (ROCm) driver exposes devices here: without one CUDA cannot be
+    available, and the planner need not pay for importing torch to learn that."""
+    return (dev / "nvidiactl").exists() or (dev / "kfd").exists() or any(dev.glob("nvidia[0-9]*"))
+
+
 def probe_machine() -> DeviceProbe:
     import psutil
-    import torch
 
     host = psutil.virtual_memory().total
+    if not gpu_driver_present():
+        return DeviceProbe(0, 0, "cpu", host)
+    import torch
+
     if not torch.cuda.is_available():
         return DeviceProbe(0, 0, "cpu", host)
     props = torch.cuda.get_device_properties(0)

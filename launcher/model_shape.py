@@ -7,8 +7,12 @@ preset files). Parameter counts come from instantiating the model on the meta de
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
-from dataclasses import dataclass
+import logging
+import os
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,8 @@ import yaml
 
 from launcher.config import ConfigError, ModelConfig
 
+log = logging.getLogger(__name__)
+SHAPE_CACHE_VERSION = 1  # bump when what a shape holds or how it is counted changes
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "models"
 
 
@@ -70,8 +76,38 @@ def _preset_index() -> dict[str, str]:
     return {str(k): str(v) for k, v in (yaml.safe_load(index.read_text()) or {}).items()}
 
 
-def model_shape(model_cfg: ModelConfig) -> ModelShape:
-    return _shape_of(json.dumps(hf_config_dict(model_cfg), sort_keys=True))
+def model_shape(model_cfg: ModelConfig, cache_dir: Path | None = None) -> ModelShape:
+    """The shape of the configured model; computed once per HF config and transformers version,
+    then read from `cache_dir` (default: `$XDG_CACHE_HOME/oomless/shapes`), which spares the next
+    plan the seconds of importing torch and transformers."""
+    config_json = json.dumps(hf_config_dict(model_cfg), sort_keys=True)
+    key = f"{SHAPE_CACHE_VERSION}\n{_transformers_version()}\n{config_json}"
+    path = (cache_dir or _default_cache_dir()) / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+    try:
+        return ModelShape(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass  # not cached yet, or unreadable: compute it
+    shape = _shape_of(config_json)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(shape)))
+        tmp.replace(path)
+    except OSError as e:  # a read-only home still plans, only slower next time
+        log.debug("shape cache not written: %s", e)
+    return shape
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "oomless" / "shapes"
+
+
+def _transformers_version() -> str:
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 @lru_cache(maxsize=32)

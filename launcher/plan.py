@@ -26,11 +26,12 @@ class Rung:
     min_world: int = 1
     max_world: int | None = None
     needs_nvme: bool = False
-    # cost model: bytes moved per rank per step over the interconnect, as multiples of N
-    grad_comm: float = 0.0  # once per optimizer step
+    # cost model: bytes moved per rank per step, as multiples of N (interconnect) or N / W (PCIe)
+    grad_comm: float = 0.0  # gradient reduction, once per step or (ZeRO-2/3) per micro-batch
+    grads_every_micro: bool = False  # ZeRO-2/3 reduce every micro-batch (no no_sync)
     param_comm_per_micro: float = 0.0  # parameter gathers, every micro-batch
-    pcie_per_step: float = 0.0  # host <-> device per step (x N / W bytes)
-    pcie_per_micro: float = 0.0  # parameter streaming per micro-batch (x N / W bytes)
+    pcie_per_step: float = 0.0  # host <-> device once per step
+    pcie_per_micro: float = 0.0  # host <-> device every micro-batch
     host_adam: bool = False
     nvme_per_step: float = 0.0
 
@@ -40,34 +41,43 @@ LADDER: tuple[Rung, ...] = (
     Rung("ddp", min_world=2, grad_comm=8.0),
     Rung("fsdp", grad_comm=4.0, param_comm_per_micro=2.0),  # x c/2: 16-bit gathers
     Rung("zero1", grad_comm=8.0),
-    Rung("zero2", grad_comm=8.0),
-    Rung("zero3", grad_comm=4.0, param_comm_per_micro=4.0),
+    Rung("zero2", grad_comm=8.0, grads_every_micro=True),
+    Rung("zero3", grad_comm=4.0, grads_every_micro=True, param_comm_per_micro=4.0),
+    # fp32 shards copied in for the forward's and the backward's gathers; grads out at the step
     Rung(
         "fsdp_offload",
         grad_comm=4.0,
         param_comm_per_micro=2.0,
         pcie_per_step=4.0,
+        pcie_per_micro=8.0,
+        host_adam=True,
+    ),
+    # gradient partitions to the host every micro-batch, updated fp32 partitions back per step
+    Rung(
+        "zero3_offload",
+        grad_comm=4.0,
+        grads_every_micro=True,
+        param_comm_per_micro=4.0,
+        pcie_per_step=4.0,
         pcie_per_micro=4.0,
         host_adam=True,
     ),
-    Rung(
-        "zero3_offload", grad_comm=4.0, param_comm_per_micro=4.0, pcie_per_step=8.0, host_adam=True
-    ),
+    # parameters streamed in for forward and backward, gradients out, every micro-batch
     Rung(
         "zero3_offload_params",
         grad_comm=4.0,
+        grads_every_micro=True,
         param_comm_per_micro=4.0,
-        pcie_per_step=8.0,
-        pcie_per_micro=8.0,
+        pcie_per_micro=12.0,
         host_adam=True,
     ),
     Rung(
         "zero3_nvme",
         needs_nvme=True,
         grad_comm=4.0,
+        grads_every_micro=True,
         param_comm_per_micro=4.0,
-        pcie_per_step=8.0,
-        pcie_per_micro=8.0,
+        pcie_per_micro=12.0,
         host_adam=True,
         nvme_per_step=32.0,
     ),
@@ -176,7 +186,10 @@ def step_time_s(
         bandwidth = given.inter_node_bandwidth or INTER_NODE_BYTES_S[hw.device]
     pcie, nvme = given.pcie_bandwidth or PCIE_BYTES_S, given.nvme_bandwidth or NVME_BYTES_S
     gather_scale = c / 2 if rung.name.startswith("fsdp") else 1.0
-    comm_bytes = n * (rung.grad_comm + rung.param_comm_per_micro * gather_scale * grad_accum)
+    grad_reductions = grad_accum if rung.grads_every_micro else 1
+    comm_bytes = n * (
+        rung.grad_comm * grad_reductions + rung.param_comm_per_micro * gather_scale * grad_accum
+    )
     comm = ring * comm_bytes / bandwidth
     per_rank = n / world
     offload = (rung.pcie_per_step + rung.pcie_per_micro * grad_accum) * per_rank / pcie

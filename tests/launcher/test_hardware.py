@@ -7,7 +7,13 @@ import logging
 import pytest
 
 from launcher.config import HardwareConfig
-from launcher.hardware import ASSUMED_GPU_MEMORY, DeviceProbe, detect_hardware, peak_flops_for
+from launcher.hardware import (
+    ASSUMED_GPU_MEMORY,
+    DeviceProbe,
+    detect_hardware,
+    gpu_driver_present,
+    peak_flops_for,
+)
 
 GiB = 2**30
 NO_GPU = DeviceProbe(0, 0, "cpu", 64 * GiB)
@@ -80,3 +86,9 @@ def test_nodes_and_ranks_from_slurm_and_torchrun():
 )
 def test_peak_flops_table(name, flops):
     assert peak_flops_for(name) == flops
+
+
+def test_without_a_gpu_driver_no_gpu_is_looked_for(tmp_path):
+    assert not gpu_driver_present(tmp_path)
+    (tmp_path / "nvidia0").touch()
+    assert gpu_driver_present(tmp_path)

@@ -1,0 +1,62 @@
+"""Model shapes from HF configs alone: published parameter counts of the shipped presets, and the
+on-disk cache that spares the next plan the imports of torch and transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launcher.config import ConfigError, ModelConfig
+from launcher.model_shape import ModelShape, model_shape
+
+# Parameter counts the model cards publish (safetensors index totals).
+PUBLISHED = {
+    "meta-llama/Llama-3.1-8B": 8_030_261_248,
+    "meta-llama/Llama-3.1-70B": 70_553_706_496,
+    "Qwen/Qwen2.5-7B": 7_615_616_512,
+    "mistralai/Mistral-7B-v0.3": 7_248_023_552,
+    "meta-llama/Llama-3.2-1B": 1_235_814_400,
+    "TinyLlama/TinyLlama_v1.1": 1_100_048_384,
+}
+
+
+@pytest.mark.parametrize("hub_id", PUBLISHED)
+def test_presets_have_the_published_parameter_counts(hub_id, tmp_path):
+    shape = model_shape(ModelConfig(name_or_path=hub_id), cache_dir=tmp_path)
+    assert shape.num_params == PUBLISHED[hub_id]
+    assert shape.num_root_params + shape.num_layers * shape.num_layer_params == shape.num_params
+
+
+def test_the_second_call_reads_the_cache_and_a_damaged_entry_is_recomputed(
+    tmp_path, tiny_llama_config
+):
+    cfg = ModelConfig(config=tiny_llama_config)
+    first = model_shape(cfg, cache_dir=tmp_path)
+    (entry,) = tmp_path.glob("*.json")
+    assert ModelShape(**json.loads(entry.read_text())) == first
+    # the cache is what the next call returns: a changed entry shows through ...
+    entry.write_text(json.dumps({**json.loads(entry.read_text()), "num_layers": 99}))
+    assert model_shape(cfg, cache_dir=tmp_path).num_layers == 99
+    # ... and a damaged one is computed again and rewritten
+    entry.write_text("{not json")
+    assert model_shape(cfg, cache_dir=tmp_path) == first
+    assert ModelShape(**json.loads(entry.read_text())) == first
+    # another config is another entry
+    model_shape(
+        ModelConfig(config={**tiny_llama_config, "num_hidden_layers": 3}), cache_dir=tmp_path
+    )
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_an_unwritable_cache_still_gives_the_shape(tmp_path, tiny_llama_config):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    shape = model_shape(ModelConfig(config=tiny_llama_config), cache_dir=blocked / "shapes")
+    assert shape.num_layers == 2
+
+
+def test_an_unknown_hub_id_says_what_would_work(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        model_shape(ModelConfig(name_or_path="someone/unknown-model"), cache_dir=tmp_path)
+    assert "model.name_or_path" in str(e.value) and "meta-llama/Llama-3.1-8B" in str(e.value)
