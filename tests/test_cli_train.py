@@ -172,8 +172,10 @@ def test_sigterm_checkpoints_exits_143_and_resume_continues(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "zero3_offload"])
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3_offload", "auto"])
 def test_train_spawns_torchrun_for_two_cpu_processes(tmp_path, strategy):
+    """A forced rung runs as forced; `auto` runs the rung the planner picked (ddp: the demo model
+    fits twice over, and a replica per process needs the least communication)."""
     run_dir = tmp_path / "run"
     r = oomless(
         "train",
@@ -187,11 +189,14 @@ def test_train_spawns_torchrun_for_two_cpu_processes(tmp_path, strategy):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "torch.distributed.run" in r.stderr and "--nproc_per_node 2" in r.stderr
-    assert yaml.safe_load((run_dir / "config.yaml").read_text())["strategy"] == strategy
-    assert json.loads((run_dir / "plan.json").read_text())["world_size"] == 2
+    plan = json.loads((run_dir / "plan.json").read_text())
+    ran = strategy if strategy != "auto" else "ddp"
+    assert plan["strategy"] == ran and plan["world_size"] == 2
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["strategy"] == ran
     lines = metrics(run_dir)
     assert [m["step"] for m in lines] == list(range(1, 21))
-    assert all(m["world_size"] == 2 and m["strategy"] == strategy for m in lines)
+    assert all(m["world_size"] == 2 and m["strategy"] == ran for m in lines)
+    assert lines[-1]["loss"] < lines[0]["loss"]
     assert all(FIELDS <= set(m) for m in lines)
     from transformers import AutoModelForCausalLM
 
