@@ -251,6 +251,9 @@ class InjectOomConfig(_Section):
 class DebugConfig(_Section):
     inject_oom: InjectOomConfig | None = None
     crash_in_save: int | None = Field(None, ge=1)  # SIGKILL at the N-th point inside saves
+    # cap the CUDA allocator at this fraction of each device (emulates a smaller card, so an
+    # out-of-memory and the escalation after it are real; bench/gpu_validate.sh); inert on CPU
+    device_memory_fraction: float | None = Field(None, gt=0, le=1)
 
 
 class RunConfig(_Section):

@@ -51,9 +51,9 @@ def resolve_device(cfg: JobConfig, local_rank: int) -> torch.device:
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
         torch.cuda.set_device(local_rank)
-        fraction = os.environ.get("OOMLESS_MEMORY_FRACTION")
-        if fraction:  # emulate a smaller card (bench/gpu_validate.sh): real OOMs, real escalation
-            torch.cuda.set_per_process_memory_fraction(float(fraction), local_rank)
+        fraction = cfg.debug.device_memory_fraction
+        if fraction is not None:  # a smaller card, emulated: real OOMs, real escalation
+            torch.cuda.set_per_process_memory_fraction(fraction, local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
