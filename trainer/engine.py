@@ -40,7 +40,12 @@ from trainer.dist import (
 from trainer.evaluate import evaluate
 from trainer.export import save_hf_model
 from trainer.metrics import MetricsLog
-from trainer.model import HFModelFactory, count_parameters
+from trainer.model import (
+    CHECKPOINTING_LEVELS,
+    HFModelFactory,
+    count_parameters,
+    set_activation_checkpointing,
+)
 from trainer.oom import (
     EXIT_OOM,
     FaultInjector,
@@ -115,7 +120,9 @@ def run_training(cfg: JobConfig) -> int:
     peak_flops = _device_peak_flops(device)
     flops_per_token = _flops_per_token(factory.hf_config, num_params, cfg.data.seq_len)
     faults = FaultInjector(cfg.debug.inject_oom, cfg.strategy, rank)
-    split = BatchSplit(cfg.train.global_batch_size // world_size, micro)
+    split = BatchSplit(
+        cfg.train.global_batch_size // world_size, micro, ctx.activation_checkpointing
+    )
     for step in range(start_step, cfg.train.steps):
         backend.reset_peak()
         lr = lr_at(cfg.train, step)
@@ -144,6 +151,7 @@ def run_training(cfg: JobConfig) -> int:
             "world_size": world_size,
             "micro_batch_size": micro,
             "grad_accum": grad_accum,
+            "activation_checkpointing": split.activation_checkpointing,
         }
         if peak_flops:
             record["mfu"] = (
@@ -183,13 +191,16 @@ def run_training(cfg: JobConfig) -> int:
 
 @dataclass
 class BatchSplit:
-    """How this rank's share of the global batch is cut: micro-batch x accumulation.
+    """How this rank's share of the global batch is cut: micro-batch x accumulation, and which
+    layers recompute their activations.
 
-    The OOM back-off changes the cut, never the share: what is learned stays the same.
+    The OOM back-off changes the cut and the recomputation, never the share: what is learned
+    stays the same.
     """
 
     per_rank: int
     micro_batch_size: int
+    activation_checkpointing: str = "none"
     eval_batch_size: int = 0
 
     def __post_init__(self) -> None:
@@ -224,7 +235,8 @@ def _step_with_backoff(
     ctx: BackendContext,
     faults: FaultInjector,
 ):
-    """Run the step; on an OOM on any rank, all ranks halve the micro-batch and redo it."""
+    """Run the step; on an OOM on any rank, all ranks halve the micro-batch and redo it; at
+    micro-batch 1 they raise the activation checkpointing level instead, up to `full`."""
     num_backoffs = 0
     while True:
         batches = data.train.micro_batches(
@@ -237,8 +249,23 @@ def _step_with_backoff(
             backend.drop_grads()
             free_memory(ctx.device)
             smaller = _halved(split.micro_batch_size, split.per_rank)
-            if smaller is None:
-                raise OutOfMemoryGaveUp(err, num_backoffs) from None
+            if smaller is None:  # at micro-batch 1: recompute more layers, if any are left
+                level = split.activation_checkpointing
+                if level == CHECKPOINTING_LEVELS[-1]:
+                    raise OutOfMemoryGaveUp(err, num_backoffs) from None
+                higher = CHECKPOINTING_LEVELS[CHECKPOINTING_LEVELS.index(level) + 1]
+                num_backoffs += 1
+                log.warning(
+                    "step %d: out of memory in %s at micro-batch 1; retrying with activation "
+                    "checkpointing %s (was %s)",
+                    step + 1,
+                    err.phase,
+                    higher,
+                    level,
+                )
+                set_activation_checkpointing(model, higher)
+                split.activation_checkpointing = higher
+                continue
             num_backoffs += 1
             log.warning(
                 "step %d: out of memory in %s; retrying with micro-batch %d x accumulation %d "
@@ -334,7 +361,7 @@ def _write_report(
         "strategy": ctx.cfg.strategy,
         "world_size": ctx.world_size,
         "micro_batch_size": split.micro_batch_size,
-        "activation_checkpointing": ctx.activation_checkpointing,
+        "activation_checkpointing": split.activation_checkpointing,
         "num_backoffs": num_backoffs,
         "ranks": ranks,
         "error": str(error),

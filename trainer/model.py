@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 import torch
@@ -130,13 +130,48 @@ def checkpointed_layer_indices(num_layers: int, level: str) -> list[int]:
     return []
 
 
+CHECKPOINTING_LEVELS = ("none", "selective", "full")
+
+
+class _Recompute:
+    """A wrapped layer's checkpoint_fn: non-reentrant recomputation while `enabled`."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __call__(self, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.enabled and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False, **kwargs)
+        return layer(*args, **kwargs)
+
+
 def apply_activation_checkpointing(model: nn.Module, level: str) -> None:
-    """Wrap decoder layers in non-reentrant checkpointing, in place (before any sharding)."""
+    """Wrap every decoder layer in switchable checkpointing, in place (before any sharding), and
+    switch it on for the layers of `level`. Wrapping all of them lets the OOM back-off raise the
+    level of a built, sharded model (`set_activation_checkpointing`); a switched-off wrapper
+    only calls the layer."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     layers = decoder_layers(model)
-    for i in checkpointed_layer_indices(len(layers), level):
-        layers[i] = checkpoint_wrapper(layers[i])
+    on = set(checkpointed_layer_indices(len(layers), level))
+    for i in range(len(layers)):
+        layers[i] = checkpoint_wrapper(layers[i], checkpoint_fn=_Recompute(i in on))
+
+
+def set_activation_checkpointing(model: nn.Module, level: str) -> None:
+    """Switch the layers that `apply_activation_checkpointing` wrapped to `level`, in a model
+    that may since have been sharded or wrapped (DDP, FSDP2, a DeepSpeed engine)."""
+    switches = [
+        fn.func
+        for module in model.modules()
+        if isinstance(fn := getattr(module, "checkpoint_fn", None), partial)
+        and isinstance(fn.func, _Recompute)
+    ]
+    if not switches:
+        raise ValueError("no switchable checkpointing: apply_activation_checkpointing first")
+    on = set(checkpointed_layer_indices(len(switches), level))
+    for i, switch in enumerate(switches):
+        switch.enabled = i in on
 
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")

@@ -9,7 +9,7 @@ from launcher.config import build_config
 from tests.conftest import TINY_LLAMA
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
 from trainer.loss import IGNORE_INDEX
-from trainer.model import HFModelFactory
+from trainer.model import HFModelFactory, decoder_layers, set_activation_checkpointing
 from trainer.step import train_step
 
 SEQ = 16
@@ -123,17 +123,43 @@ def test_bf16_step_stays_close_to_fp32(tmp_path):
     assert all(p.dtype == torch.float32 for p in model_16.parameters())
 
 
+def _count_layer_forwards(model: torch.nn.Module) -> list[int]:
+    """Forward calls of each decoder layer, counted from now on, recomputation included (which
+    runs no module hooks: the layer's `forward` itself is counted)."""
+    calls = []
+    for i, layer in enumerate(decoder_layers(model)):
+        calls.append(0)
+        inner = getattr(layer, "_checkpoint_wrapped_module", layer)
+
+        def counted(*args, _forward=inner.forward, _i=i, **kwargs):
+            calls[_i] += 1
+            return _forward(*args, **kwargs)
+
+        inner.forward = counted
+    return calls
+
+
+def test_the_back_off_can_raise_checkpointing_on_a_built_model(tmp_path):
+    """set_activation_checkpointing switches recomputation on a model built with `none`."""
+    model, backend = _backend(tmp_path, micro=2, accum=2, ac="none")
+    set_activation_checkpointing(model, "full")
+    calls = _count_layer_forwards(model)
+    train_step(model, backend, _split(_global_batch(), 2), torch.device("cpu"))
+    assert calls == [4, 4]
+
+
 def test_activation_checkpointing_changes_memory_not_math(tmp_path):
     """full / selective recompute layers in backward: same loss and same update as none."""
     batch = _global_batch()
     results = {}
     for level in ("none", "selective", "full"):
         model, backend = _backend(tmp_path, micro=2, accum=2, ac=level)
+        calls = _count_layer_forwards(model)
         before = _params(model)
         res = train_step(model, backend, _split(batch, 2), torch.device("cpu"))
         results[level] = (res.loss, _params(model) - before)
-        wrapped = sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules())
-        assert wrapped == {"none": 0, "selective": 1, "full": 2}[level]
+        # two micro-batches: a layer runs once per micro-batch, twice if it is recomputed
+        assert calls == {"none": [2, 2], "selective": [4, 2], "full": [4, 4]}[level]
     loss_none, update_none = results["none"]
     for level in ("selective", "full"):
         loss, update = results[level]

@@ -211,6 +211,7 @@ class DeepSpeedBackend:
                     param_state["step"] = (
                         torch.full_like(old, max(steps)) if torch.is_tensor(old) else max(steps)
                     )
+            _replay_cpu_adam_steps(self.optimizer, max(steps))
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
         from deepspeed.utils import safe_get_full_fp32_param
@@ -226,3 +227,26 @@ class DeepSpeedBackend:
 
     def reset_peak(self) -> None:
         reset_device_peak(self.ctx.device)
+
+
+def _replay_cpu_adam_steps(optimizer: Any, num_steps: int) -> None:
+    """Make a resumed CPU Adam bit-identical to one that never stopped.
+
+    DeepSpeed's C++ CPU Adam keeps beta1^t and beta2^t as running float products (one
+    multiplication per step) but computes them with pow() when a step does not follow the one
+    before, as the first step after a resume does: the bias correction then differs in its last
+    bits and the run drifts from the uninterrupted one (~1e-8). Walking the counter through steps
+    1..N on empty tensors (nothing is updated) rebuilds the same products.
+    """
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if not isinstance(optimizer, DeepSpeedCPUAdam) or not optimizer.param_groups:
+        return
+    group = optimizer.param_groups[0]  # one C++ optimizer, one counter, for every group
+    beta1, beta2 = group["betas"]
+    empty = torch.empty(0)
+    for step in range(1, num_steps + 1):
+        optimizer.ds_opt_adam.adam_update(
+            optimizer.opt_id, step, group["lr"], beta1, beta2, group["eps"],
+            group["weight_decay"], group["bias_correction"], empty, empty, empty, empty,
+        )  # fmt: skip
