@@ -9,9 +9,11 @@ root (`python -m bench.NAME`, `torchrun ... -m bench.NAME`).
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from importlib import metadata
@@ -125,6 +127,7 @@ def job_config(
     seq: int,
     device: torch.device,
     world_size: int = 1,
+    activation_checkpointing: str = "none",
 ) -> Any:
     """A resolved JobConfig for the engine's side of a comparison (data is never read)."""
     from launcher.config import build_config
@@ -140,10 +143,78 @@ def job_config(
                 "micro_batch_size": micro,
             },
             "precision": precision,
+            "memory": {"activation_checkpointing": activation_checkpointing},
             "strategy": strategy,
             "hardware": {"device": device.type, "devices_per_node": world_size},
         }
     )
+
+
+def largest_model_that_fits(
+    candidates: list[str],
+    strategy: str,
+    device: torch.device,
+    micro: int,
+    accum: int,
+    seq: int,
+    precision: str,
+    num_copies: int = 1,
+) -> str | None:
+    """The largest shape the planner says fits this machine on `strategy` (one process).
+
+    `num_copies` contenders live in one process side by side (the alternation), so each gets that
+    share of the device and of the host memory. None when not even the smallest fits.
+    """
+    import psutil
+
+    from launcher.hardware import Hardware
+    from launcher.plan import LADDER, NoFitError, make_plan
+
+    if device.type == "cuda":
+        device_bytes = torch.cuda.get_device_properties(device).total_memory
+    else:
+        device_bytes = psutil.virtual_memory().total
+    hw = Hardware(
+        device.type, 1, 1, device_bytes // num_copies, psutil.virtual_memory().total // num_copies
+    )
+    others = [rung.name for rung in LADDER if rung.name != strategy]
+    fits = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in candidates:
+            cfg = job_config(Path(tmp), name, "auto", precision, micro, accum, seq, device)
+            try:
+                make_plan(cfg, hw, exclude=others)
+            except NoFitError:
+                continue
+            fits.append(name)
+    return max(fits, key=num_parameters, default=None)
+
+
+def num_parameters(model: str) -> int:
+    """Parameters of a shape, counted on the meta device (nothing allocated or initialised)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return count_parameters(AutoModelForCausalLM.from_config(hf_config(model)))
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int = 2**30, repeats: int = 5) -> dict:
+    """Median bytes/s of copies between pinned host memory and `device`, both ways.
+
+    The floor of any offload rung's step time: what it moves over PCIe divided by this. On a CPU
+    "device" it is a host memcpy (no pinning), which keeps the code path runnable in smoke tests.
+    """
+    pin = device.type == "cuda"
+    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pin)
+    dev = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    result = {}
+    for direction, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
+        copy = functools.partial(dst.copy_, src, non_blocking=pin)
+        times = [timed(copy, device) for _ in range(repeats)]
+        result[f"{direction}_bytes_per_s"] = num_bytes / statistics.median(times)
+    result["bytes_per_copy"] = num_bytes
+    result["pinned"] = pin
+    return result
 
 
 def resolve_device(name: str) -> torch.device:
@@ -194,6 +265,31 @@ def flops_per_token(model: str, num_params: int, seq: int) -> float:
     """Training FLOPs per token: 6N + attention's 12 x layers x hidden x seq (the engine's MFU)."""
     shape = MODELS[model]
     return 6 * num_params + 12 * shape["num_hidden_layers"] * shape["hidden_size"] * seq
+
+
+def mfu(
+    model: str,
+    num_params: int,
+    seq: int,
+    device: torch.device,
+    tokens_per_s: dict[str, float],
+    world_size: int = 1,
+) -> dict[str, Any]:
+    """Model FLOPs utilisation per contender on a GPU whose bf16 peak is known, else {}.
+
+    `mfu_6n` counts 6 FLOPs per parameter and token (the usual headline figure); `mfu` adds
+    attention's score and value matmuls (what the engine logs).
+    """
+    peak = peak_flops(device)
+    if not peak:
+        return {}
+    total = peak * world_size
+    with_attention = flops_per_token(model, num_params, seq)
+    return {
+        "peak_flops_per_device": peak,
+        "mfu_6n": {name: 6 * num_params * tps / total for name, tps in tokens_per_s.items()},
+        "mfu": {name: with_attention * tps / total for name, tps in tokens_per_s.items()},
+    }
 
 
 def peak_flops(device: torch.device) -> float | None:

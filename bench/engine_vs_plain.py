@@ -31,12 +31,11 @@ from bench.common import (
     alternate,
     build_hf_model,
     count_parameters,
-    flops_per_token,
     job_config,
     machine,
     make_batches,
     medians,
-    peak_flops,
+    mfu,
     resolve_device,
     timed,
 )
@@ -265,10 +264,7 @@ def report(
         "tokens_per_s": {name: tokens / s for name, s in med.items()},
         "oomless_over": {name: med["oomless"] / s for name, s in med.items() if name != "oomless"},
     }
-    peak = peak_flops(device)
-    if peak:
-        fpt = flops_per_token(args.model, num_params, args.seq)
-        result["mfu"] = {name: fpt * tps / peak for name, tps in result["tokens_per_s"].items()}
+    result |= mfu(args.model, num_params, args.seq, device, result["tokens_per_s"])
     print(
         f"single, {num_params / 1e6:.1f}M params, {args.precision}, micro {args.micro} x accum "
         f"{args.accum}, seq {args.seq}: "

@@ -26,13 +26,12 @@ import torch.nn.functional as F
 from bench.common import (
     alternate,
     build_hf_model,
-    count_parameters,
-    flops_per_token,
     job_config,
     machine,
     make_batches,
     medians,
-    peak_flops,
+    mfu,
+    num_parameters,
     resolve_device,
     timed,
 )
@@ -107,7 +106,7 @@ def main() -> None:
         backend = build_backend("fsdp", ctx)
         ours = backend.setup(HFModelFactory(cfg.model, seed=0), OPTIM)
     plain, opt = build_plain_fsdp(args.model, args.precision, device)
-    num_params = count_parameters(build_hf_model(args.model)) if rank == 0 else 0
+    num_params = num_parameters(args.model)
 
     def oomless_step() -> None:
         backend.set_lr(OPTIM.lr)
@@ -155,12 +154,7 @@ def report(
         "tokens_per_s": {name: tokens / s for name, s in med.items()},
         "oomless_over": {"plain": med["oomless"] / med["plain"]},
     }
-    peak = peak_flops(device)
-    if peak:
-        fpt = flops_per_token(args.model, num_params, args.seq)
-        result["mfu"] = {
-            name: fpt * tps / (peak * world) for name, tps in result["tokens_per_s"].items()
-        }
+    result |= mfu(args.model, num_params, args.seq, device, result["tokens_per_s"], world)
     print(
         f"fsdp x{world} {args.precision}, {num_params / 1e6:.1f}M params: oomless "
         f"{med['oomless'] * 1e3:.0f} ms/step, plain FSDP2 {med['plain'] * 1e3:.0f} ms/step, "

@@ -1,7 +1,8 @@
 """Tokens/s of oomless `zero3_offload` vs DeepSpeed driven directly, side by side, same ranks.
 
     torchrun --standalone --nproc_per_node 2 -m bench.zero3_vs_deepspeed \
-        [--model llama-20m] [--rounds 8] [--precision bf16] [--device auto] [--json out.json]
+        [--model llama-20m|largest] [--candidates llama-1b,llama-3b,llama-8b] [--rounds 8] \
+        [--precision bf16] [--device auto] [--bandwidth] [--json out.json]
 
 The hand-written side is what a DeepSpeed user writes: the HF model, `DeepSpeedCPUAdam` (AdamW
 mode), `deepspeed.initialize` with a ZeRO-3 + optimizer-offload config (DeepSpeed's defaults for
@@ -11,6 +12,13 @@ engine.step()`. Both sides compute in the same precision: fp32 parameters with t
 oomless side is `train_step` through `DeepSpeedBackend` (model built under `zero.Init`, our config
 from `trainer/backends/deepspeed_config.py`). Steps alternate barrier to barrier; rank 0 prints
 the medians and the ratio.
+
+`--model largest` takes the largest of `--candidates` that the planner says fits on
+`zero3_offload` with half of this device and half of the host (both contenders live in the
+process). `--bandwidth` also measures pinned copies between host and device and reports the
+transfer floor of a step: what `zero3_offload` moves over PCIe (fp32 gradient partitions to the
+host every micro-batch, the updated fp32 parameters back once per step, as in the planner's cost
+model) divided by the measured bandwidth.
 """
 
 from __future__ import annotations
@@ -28,10 +36,13 @@ import torch.distributed as dist
 from bench.common import (
     alternate,
     build_hf_model,
+    copy_bandwidth,
     job_config,
+    largest_model_that_fits,
     machine,
     make_batches,
     medians,
+    num_parameters,
     resolve_device,
     timed,
 )
@@ -89,9 +100,26 @@ def hand_step(engine, batches, device: torch.device) -> None:
     float(out.loss.detach())
 
 
+def transfer_floor(
+    num_params: int, accum: int, world: int, device: torch.device
+) -> dict[str, float]:
+    """Measured copy bandwidth and the step time the PCIe traffic of zero3_offload alone needs."""
+    bandwidth = copy_bandwidth(device)
+    to_host = 4 * num_params / world * accum  # fp32 gradient partitions, every micro-batch
+    to_device = 4 * num_params / world  # updated fp32 parameter partitions, once per step
+    floor = to_host / bandwidth["d2h_bytes_per_s"] + to_device / bandwidth["h2d_bytes_per_s"]
+    return bandwidth | {
+        "bytes_to_host_per_step": to_host,
+        "bytes_to_device_per_step": to_device,
+        "floor_step_s": floor,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="llama-20m")
+    p.add_argument("--model", default="llama-20m", help="a bench.common shape, or 'largest'")
+    p.add_argument("--candidates", default="llama-1b,llama-3b,llama-8b")
+    p.add_argument("--bandwidth", action="store_true", help="measure host<->device copies")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--accum", type=int, default=2)
@@ -106,6 +134,13 @@ def main() -> None:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+    if args.model == "largest":
+        args.model = largest_model_that_fits(
+            args.candidates.split(","), "zero3_offload", device, args.micro, args.accum,
+            args.seq, args.precision, num_copies=2,
+        )  # fmt: skip
+        if args.model is None:
+            raise SystemExit(f"none of {args.candidates} fits on zero3_offload here")
     batches = make_batches(args.model, args.accum, args.micro, args.seq)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = job_config(
@@ -135,9 +170,11 @@ def main() -> None:
     if rank == 0:
         med = medians(times)
         tokens = args.micro * args.accum * args.seq * world
+        num_params = num_parameters(args.model)
         result = {
             "machine": machine(),
             "model": args.model,
+            "num_params": num_params,
             "world_size": world,
             "device": device.type,
             "precision": args.precision,
@@ -152,12 +189,21 @@ def main() -> None:
             "tokens_per_s": {name: tokens / s for name, s in med.items()},
             "oomless_over": {"deepspeed": med["oomless"] / med["deepspeed"]},
         }
+        if args.bandwidth:
+            result["transfer"] = transfer_floor(num_params, args.accum, world, device)
+            result["transfer"]["floor_tokens_per_s"] = tokens / result["transfer"]["floor_step_s"]
         if args.json:
             args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(
-            f"zero3_offload x{world} {args.precision}: oomless {med['oomless'] * 1e3:.0f} ms/step, "
+            f"zero3_offload x{world} {args.precision}, {args.model} ({num_params / 1e6:,.0f}M): "
+            f"oomless {med['oomless'] * 1e3:.0f} ms/step, "
             f"DeepSpeed by hand {med['deepspeed'] * 1e3:.0f} ms/step, "
             f"ratio {result['oomless_over']['deepspeed']:.3f}"
+            + (
+                f"; transfer floor {result['transfer']['floor_step_s'] * 1e3:.0f} ms/step"
+                if args.bandwidth
+                else ""
+            )
         )
     dist.destroy_process_group()
 

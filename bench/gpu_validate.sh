@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# GPU validation of oomless in one command, under 9 minutes: a short table printed last, the
+# details (each part's JSON and log, summary.md) under $OUT (a temporary directory when unset).
+#
+# On a lent GPU machine (../shared/device/README.md): once, on this machine, from the repository
+# root, `../shared/device/stage.sh` (copies the wheels into .whl/); then the device tool's run with
+#     command: bash bench/gpu_validate.sh      carry: [".whl"]      timeout_s: 600
+# The script installs the wheels from .whl/ into /tmp/site itself when deepspeed is missing.
+#
+# Parts, each under its own `timeout` and all under one deadline (GPU_VALIDATE_BUDGET_S, 500 s):
+#   estimate       estimator accuracy: `python -m bench.estimate_gpu` (estimate vs
+#                  torch.cuda.max_memory_allocated over a grid of real runs); "missing" if absent
+#   single, fsdp   tokens/s and MFU of `single` and `fsdp` (world 1) vs hand-written loops on the
+#                  same GPU: a 1.1B Llama shape, bf16, seq 2048
+#   zero3_offload  the largest shape the planner fits on `zero3_offload` vs DeepSpeed driven by
+#                  hand, and the measured pinned host<->device bandwidth as the transfer floor
+#   escalation     the CUDA allocator capped below what `single` needs: `oomless train` runs out
+#                  of memory for real, climbs the ladder and completes
+#
+# CPU smoke of the same code paths (a 1.1M-parameter shape, a few steps; tests/test_bench.py):
+#     GPU_VALIDATE_CPU_SMOKE=1 OUT=/tmp/smoke bash bench/gpu_validate.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+START=$SECONDS
+BUDGET_S=${GPU_VALIDATE_BUDGET_S:-500}
+OUT=${OUT:-$(mktemp -d /tmp/gpu_validate.XXXXXX)}
+mkdir -p "$OUT"
+: >"$OUT/parts.tsv"
+PY=python3
+if [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi
+
+if ! "$PY" -c "import deepspeed, datasets, pydantic" 2>/dev/null; then
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl || exit 1
+        export PYTHONPATH=/tmp/site
+    else
+        echo "deepspeed/datasets/pydantic missing and no .whl/: run ../shared/device/stage.sh" \
+            "here and carry .whl (see the top of this script)" >&2
+    fi
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONWARNINGS=ignore
+
+if [ -n "${GPU_VALIDATE_CPU_SMOKE:-}" ]; then
+    # fp32: CPUs without AVX512-BF16 run bf16 matmuls an order of magnitude slower
+    DEVICE=cpu PRECISION=fp32 MODEL=llama-tiny SEQ=64 ROUNDS=1 CANDIDATES=llama-tiny
+    ESCALATION=(--model llama-tiny --steps 4 --global-batch 2 --seq 64)
+else
+    DEVICE=cuda PRECISION=bf16 MODEL=llama-1b SEQ=2048 ROUNDS=4
+    CANDIDATES=llama-1b,llama-3b,llama-8b
+    ESCALATION=(--model llama-1b --steps 6 --global-batch 4 --seq 1024)
+    if ! "$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+        echo "no CUDA device here; GPU_VALIDATE_CPU_SMOKE=1 runs the CPU smoke path" >&2
+        exit 2
+    fi
+    # DeepSpeed builds its CPU Adam on first use (nvcc, ninja): build it while the first parts run
+    timeout 300 "$PY" -c "from deepspeed.ops.op_builder import CPUAdamBuilder as B; B().load()" \
+        >"$OUT/cpu_adam_build.log" 2>&1 &
+fi
+TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc_per_node 1)
+
+part() { # part NAME CAP_S COMMAND...: run under `timeout` within the deadline; log and status
+    local name=$1 cap=$2 left limit begin rc
+    shift 2
+    left=$((BUDGET_S - (SECONDS - START)))
+    limit=$((cap < left ? cap : left))
+    if [ "$limit" -lt 20 ]; then
+        printf '%s\tskipped\t0\n' "$name" >>"$OUT/parts.tsv"
+        return
+    fi
+    echo "== $name (limit ${limit} s)"
+    begin=$SECONDS
+    PART_LIMIT_S=$limit timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    tail -n 2 "$OUT/$name.log"
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - begin))" >>"$OUT/parts.tsv"
+}
+
+if [ ! -f bench/estimate_gpu.py ]; then
+    printf 'estimate\tmissing\t0\n' >>"$OUT/parts.tsv"
+elif [ "$DEVICE" = cpu ]; then # the grid needs a GPU; the smoke path checks that it loads
+    part estimate 60 "$PY" -m bench.estimate_gpu --help
+else
+    part estimate 150 env OUT="$OUT" "$PY" -m bench.estimate_gpu
+fi
+
+SAME=(--device "$DEVICE" --precision "$PRECISION" --seq "$SEQ" --rounds "$ROUNDS")
+part single 80 "$PY" -m bench.engine_vs_plain "${SAME[@]}" --model "$MODEL" --micro 4 --accum 2 \
+    --steps 2 --no-trainer --json "$OUT/single.json"
+
+part fsdp 70 "${TORCHRUN[@]}" -m bench.fsdp_vs_plain "${SAME[@]}" --model "$MODEL" --micro 4 \
+    --accum 2 --json "$OUT/fsdp.json"
+
+wait # for the CPU Adam build (GPU only)
+part zero3_offload 120 "${TORCHRUN[@]}" -m bench.zero3_vs_deepspeed "${SAME[@]}" \
+    --rounds "$((ROUNDS < 3 ? ROUNDS : 3))" --model largest --candidates "$CANDIDATES" \
+    --micro 2 --accum 2 --bandwidth --json "$OUT/zero3_offload.json"
+
+# `oomless train` gets 15 s less than the part, so that escalation.json is written on a timeout
+part escalation 150 bash -c '"$@" --timeout "$((PART_LIMIT_S - 15))"' _ \
+    "$PY" -m bench.escalation --device "$DEVICE" "${ESCALATION[@]}" --out "$OUT"
+
+echo
+"$PY" -m bench.gpu_report "$OUT" --wall-s "$((SECONDS - START))"

@@ -1,0 +1,77 @@
+"""bench/gpu_validate.sh on its CPU smoke path: the same Python pieces the GPU run calls, with
+`--device cpu` and a 1.1M-parameter shape. What a person running it sees: exit 0, the table
+printed last with a row per part, and the details written under $OUT."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.conftest import PYTHON, REPO, run_bounded
+
+pytestmark = pytest.mark.slow
+PARTS = {
+    "single": "`single` vs plain loop",
+    "fsdp": "`fsdp` (world 1) vs hand-written FSDP2",
+    "zero3_offload": "`zero3_offload` vs DeepSpeed by hand",
+    "escalation": "real OOM -> escalation",
+}
+
+
+def test_gpu_validate_cpu_smoke_prints_the_table_and_writes_out(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, GPU_VALIDATE_CPU_SMOKE="1", OUT=str(out))
+    r = run_bounded(["bash", "bench/gpu_validate.sh"], timeout=600, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+    lines = r.stdout.rstrip().splitlines()
+    table = lines[lines.index("| part | status | s | result |") :]
+    assert len(table) == 2 + 1 + len(PARTS), r.stdout[-3000:]  # header, rule, estimate, parts
+    assert table == (out / "summary.md").read_text().splitlines()[2:]
+    rows = {row.split(" | ")[0].lstrip("| "): row.split(" | ") for row in table[2:]}
+    estimate_status = rows["estimator vs max_memory_allocated"][1]
+    assert estimate_status == ("ok" if (REPO / "bench" / "estimate_gpu.py").exists() else "missing")
+    for name, label in PARTS.items():
+        assert rows[label][1] == "ok", table
+        assert (out / f"{name}.json").exists() and (out / f"{name}.log").exists()
+
+    single = json.loads((out / "single.json").read_text())
+    assert single["device"] == "cpu" and single["model"] == "llama-tiny"
+    assert set(single["tokens_per_s"]) == {"oomless", "plain"}
+    assert all(tps > 0 for tps in single["tokens_per_s"].values())
+    zero3 = json.loads((out / "zero3_offload.json").read_text())
+    assert zero3["model"] == "llama-tiny"  # the only candidate, and the planner says it fits
+    assert zero3["transfer"]["h2d_bytes_per_s"] > 0 and zero3["transfer"]["floor_step_s"] > 0
+
+    # the escalation: single ran out of memory (injected on CPU), the supervisor climbed, resumed
+    escalation = json.loads((out / "escalation.json").read_text())
+    assert escalation["completed"] and escalation["exit_code"] == 0
+    assert escalation["rungs"][0] == "single" and len(escalation["rungs"]) == 2
+    records = (out / "escalation-run" / "escalations.jsonl").read_text().splitlines()
+    assert [json.loads(x)["from"] for x in records] == ["single"]
+    assert "rungs single -> " in rows[PARTS["escalation"]][3]
+
+
+def test_gpu_report_names_a_part_that_timed_out(tmp_path):
+    (tmp_path / "parts.tsv").write_text("estimate\tmissing\t0\nfsdp\t124\t70\n")
+    (tmp_path / "fsdp.log").write_text("loading\nstep 3 of 8 | still running\n\n")
+    r = run_bounded([PYTHON, "-m", "bench.gpu_report", str(tmp_path)], timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    rows = r.stdout.splitlines()[-2:]
+    assert rows[0].startswith("| estimator vs max_memory_allocated | missing | 0 |")
+    assert rows[1] == (
+        "| `fsdp` (world 1) vs hand-written FSDP2 | timed out | 70 | step 3 of 8 / still running |"
+    )
+
+
+def test_memory_fraction_out_of_range_is_one_line_naming_the_key(tmp_path):
+    r = run_bounded(
+        [PYTHON, "-m", "launcher.cli", "config", "configs/demo.yaml",
+         "debug.device_memory_fraction=1.5"],
+        timeout=120,
+        cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "debug.device_memory_fraction" in r.stderr
