@@ -30,18 +30,19 @@ def _run(argv: list[str], env: dict[str, str]) -> None:
     subprocess.run(argv, env=dict(os.environ, **env), check=True)
 
 
-def run_benchmarks(quick: bool, work: Path) -> dict[str, Any]:
+def run_benchmarks(quick: bool, precision: str, work: Path) -> dict[str, Any]:
     rounds = {"single": 2, "fsdp": 2, "zero3": 2, "plan": 1} if quick else {}
     quiet = {"PYTHONWARNINGS": "ignore"}
     two_ranks = quiet | {"OMP_NUM_THREADS": "1"}
     py = [sys.executable, "-m"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     torchrun += ["--nproc_per_node", "2", "-m"]
+    same = ["--device", "cpu", "--precision", precision]
     steps = {
-        "single": py + ["bench.engine_vs_plain", "--rounds", str(rounds.get("single", 12))],
-        "fsdp": torchrun + ["bench.fsdp_vs_plain", "--rounds", str(rounds.get("fsdp", 16))],
+        "single": py + ["bench.engine_vs_plain", "--rounds", str(rounds.get("single", 12)), *same],
+        "fsdp": torchrun + ["bench.fsdp_vs_plain", "--rounds", str(rounds.get("fsdp", 16)), *same],
         "zero3_offload": torchrun
-        + ["bench.zero3_vs_deepspeed", "--rounds", str(rounds.get("zero3", 8))],
+        + ["bench.zero3_vs_deepspeed", "--rounds", str(rounds.get("zero3", 8)), *same],
         "plan": py + ["bench.plan_time", "--repeats", str(rounds.get("plan", 5))],
     }
     results: dict[str, Any] = {}
@@ -107,15 +108,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="few rounds: a smoke test")
     p.add_argument("--out", type=Path, default=Path("bench/results.json"))
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="of every contender; fp32 by default: CPUs without AVX512-BF16/AMX run bf16 "
+        "matmuls an order of magnitude slower than fp32",
+    )
     args = p.parse_args()
     before = machine()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_benchmarks(args.quick, Path(tmp))
+        results = run_benchmarks(args.quick, args.precision, Path(tmp))
     results["machine_before"] = before
     results["machine_after"] = machine()
     results["total_wall_s"] = round(time.perf_counter() - start, 1)
     results["quick"] = args.quick
+    results["precision"] = args.precision
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     m = results["machine_after"]
@@ -123,7 +132,8 @@ def main() -> None:
     print(
         f"{m['cpu']}, {m['cores']} cores, load average before {before['load_avg_1_5_15']}, "
         f"after {m['load_avg_1_5_15']}; torch {m['torch']}, transformers {m['transformers']}, "
-        f"deepspeed {m['deepspeed']}; {m['date_utc']} UTC; {results['total_wall_s']:.0f} s"
+        f"deepspeed {m['deepspeed']}; {args.precision}; {m['date_utc']} UTC; "
+        f"{results['total_wall_s']:.0f} s"
     )
     print(markdown(results))
     print(f"\nraw numbers: {args.out}")
