@@ -10,21 +10,25 @@ i MLP width, V vocabulary, L layers, c bytes of the compute dtype (2 for bf16/fp
 - Activations: what autograd saves per decoder layer for the micro-batch (RMSNorm inputs kept in
   fp32, the 16-bit inputs autocast makes for every projection, rotary q/k, the attention output
   and log-sum-exp of a fused kernel, the SwiGLU intermediates), times the layers not checkpointed;
-  a checkpointed layer keeps only its fp32 input, and one layer's activations are rebuilt at a time.
+  a checkpointed layer keeps only its input, and one layer's activations are rebuilt at a time.
   Then the loss: 16-bit logits, their fp32 upcast, and cross-entropy's fp32 log-probabilities.
+  Under FSDP's mixed precision the stream is 16-bit and not saved; under ZeRO-3 DeepSpeed's own
+  linear function saves its fp32 input and no 16-bit weight copy.
 - Transients: the autocast weight-cast cache (a 16-bit copy of every weight used in forward),
   FSDP all-gathers of the current and prefetched layer plus the root and reduce-scatter buffers,
   DeepSpeed buckets and the live/prefetched ZeRO-3 parameters, AdamW's foreach temporaries.
 - Runtime overhead: a constant for the CUDA context and the allocator's fragmentation as a ratio.
 
 The breakdown lists the size of each part; the peak is the largest of the step's phases (end of
-forward, start and end of backward, optimizer step), since activations and gradients, or the
-autocast cache and the optimizer's temporaries, are never all alive at once.
+forward, the loss, the backward of every layer, the embedding's, the optimizer step), since
+activations and gradients, or the autocast cache and the optimizer's temporaries, are never all
+alive at once. Single and fsdp are calibrated against `launcher/trace.py` (tests/launcher/
+test_estimate_trace.py); the DeepSpeed rungs follow the ZeRO paper and DeepSpeed's source.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from launcher.hardware import Hardware
@@ -64,6 +68,7 @@ class Estimate:
     device_total_bytes: int  # + runtime overhead: what must fit in device memory
     host_breakdown: dict[str, int] = field(default_factory=dict)
     host_total_bytes: int = 0  # per node
+    phases: dict[str, int] = field(default_factory=dict)  # live bytes at each point of the step
 
     def fits(self, hw: Hardware, headroom: float) -> bool:
         device_ok = self.device_total_bytes <= hw.device_memory_bytes * (1 - headroom)
@@ -100,23 +105,225 @@ class Estimate:
         }
 
 
-def activation_bytes_per_layer(shape: ModelShape, micro: int, seq: int, c: int) -> int:
-    """Bytes autograd keeps for one decoder layer (Llama-style block, fused attention)."""
-    tokens = micro * seq
-    h, i, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
-    q_width, kv_width = shape.num_heads * d, shape.num_kv_heads * d
-    norms = 2 * 4 * tokens * h  # both RMSNorm inputs, fp32 residual stream
-    proj_inputs = tokens * (3 * c * h + c * q_width + 2 * c * h)  # q/k/v, o, gate/up inputs
-    rotary = tokens * c * (q_width + 2 * kv_width)  # q, k (rotated) and v for attention
-    attention = tokens * c * q_width + 4 * micro * shape.num_heads * seq  # output + log-sum-exp
-    mlp = tokens * 4 * c * i  # gate, up, silu(gate), product (down_proj input)
-    return norms + proj_inputs + rotary + attention + mlp
+def zero_model_state_bytes(
+    num_params: int,
+    *,
+    stage: int,
+    world_size: int,
+    param_bytes: int,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    largest_layer_params: int = 0,
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(device, host per rank) model-state bytes of DeepSpeed ZeRO `stage` for one rank.
+
+    The ZeRO paper's accounting (Rajbhandari et al. 2020, sec. 3 and 5: 2Ψ + 2Ψ + KΨ/Nd for
+    stage 1, 2Ψ + (2 + K)Ψ/Nd for stage 2, (2 + 2 + K)Ψ/Nd for stage 3) with DeepSpeed's own
+    refinements, so that with 16-bit parameters (`param_bytes=2`) it equals DeepSpeed's
+    `estimate_zero2/3_model_states_mem_needs`: the optimizer keeps an fp32 master partition (4),
+    two fp32 moments (8) and an fp32 gradient partition (4) besides the working parameters and
+    their gradients, and stage 3 gathers the largest layer's parameters and gradients (2 x
+    param_bytes per element). Our backend trains fp32 parameters under autocast
+    (`param_bytes=4`): stage 3 then uses the parameter partition itself as the master copy
+    (no clone), stages 1 and 2 still clone it.
+    """
+    n, w, p = num_params, max(1, world_size), param_bytes
+    master = 0 if stage == 3 and p == 4 and not offload_optimizer else 4
+    optimizer = (master + 8) * n // w
+    fp32_grads = 4 * n // w
+    if stage == 1:
+        device = {"params": p * n, "grads": p * n + fp32_grads, "optimizer": optimizer}
+    elif stage == 2:
+        device = {"params": p * n, "grads": p * n // w + fp32_grads, "optimizer": optimizer}
+    elif stage == 3:
+        device = {"params": p * n // w, "grads": fp32_grads, "optimizer": optimizer}
+    else:
+        raise ValueError(f"ZeRO stage {stage}")
+    host: dict[str, int] = {}
+    if offload_optimizer:
+        host = {"optimizer": (4 + 8) * n // w, "grads": fp32_grads}
+        device["optimizer"] = 0
+        device["grads"] = 0 if stage >= 2 else p * n
+    if offload_params:
+        host["params"] = device["params"]
+        device["params"] = 0
+    if stage == 3:
+        device["gathered"] = 2 * p * largest_layer_params
+    return device, host
+
+
+@dataclass(frozen=True)
+class _Micro:
+    """One micro-batch on one device: tokens and the bytes of what the engine computes in."""
+
+    b: int
+    s: int
+    c: int  # compute dtype bytes
+    r: int  # residual stream bytes (fp32 under autocast, the parameter dtype under FSDP)
+    autocast: bool  # 16-bit compute by autocast over fp32 weights (single, ddp, DeepSpeed)
+    masked: bool  # packed windows: a block-causal mask, GQA's k/v repeated for SDPA
+    # ZeRO-3 builds the model in deepspeed.zero.Init, which swaps F.linear for its own autograd
+    # function: it saves the linear's input as given (fp32 under autocast) and the parameter
+    # itself (re-gathered in backward), so no 16-bit weight copy is saved or cached
+    zero3_linear: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.s
+
+    @property
+    def loss_rows(self) -> int:
+        return self.b * (self.s - 1)
+
+
+def layer_activation_bytes(shape: ModelShape, m: _Micro) -> int:
+    """What autograd keeps for one decoder layer that is not checkpointed, its input included.
+
+    Llama-style block as transformers runs it (llama, mistral, qwen2): two RMSNorms, rotary
+    q/k, SDPA, SwiGLU MLP, two residual adds. Traced per op under FakeTensorMode (trace.py).
+    """
+    t, h, i = m.tokens, shape.hidden_size, shape.intermediate_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    c = m.c
+    # an fp32 stream is saved by each norm (its fp32 cast is a no-op); a 16-bit one is not
+    residual = 2 * 4 * t * h if m.r == 4 else 0
+    if m.autocast and m.zero3_linear:  # each norm keeps its normalised input and its output
+        norms, weights = 2 * (4 + 4) * t * h, 0
+    elif m.autocast:  # each norm keeps its normalised input; 16-bit copies feed 5 matmuls
+        norms = 2 * 4 * t * h + 5 * c * t * h
+        weights = c * _matmul_params(shape)  # autocast's 16-bit weight copies, saved by matmuls
+    elif c == 4:  # fp32 throughout: each norm keeps its normalised input and its output
+        norms, weights = 2 * (4 + 4) * t * h, 0
+    else:  # FSDP mixed precision: 16-bit stream, each norm upcasts to fp32 and casts back
+        norms, weights = 2 * (4 + 2 * c) * t * h, 0
+    repeated = m.masked and kv < q  # transformers repeats k/v for SDPA when a mask is given
+    sdpa_inputs = 3 * c * t * q if repeated else c * t * (q + 2 * kv)
+    attention = sdpa_inputs + c * t * q + 4 * m.b * shape.num_heads * m.s  # + out, log-sum-exp
+    mask = c * m.b * m.s * m.s if m.masked else 0  # SDPA turns the boolean mask into a bias
+    mlp = 4 * c * t * i  # gate, silu(gate), up, their product
+    return residual + norms + weights + attention + mask + mlp
+
+
+def _matmul_params(shape: ModelShape) -> int:
+    return shape.num_layer_params - 2 * shape.hidden_size  # all but the two norm weights
+
+
+def _head_params(shape: ModelShape) -> int:
+    """lm_head's weight (the embedding's when tied)."""
+    return shape.vocab_size * shape.hidden_size
+
+
+def _final_bytes(shape: ModelShape, m: _Micro) -> int:
+    """The last hidden state, the final norm's saved tensors and lm_head's 16-bit input/weight."""
+    t, h = m.tokens, shape.hidden_size
+    if m.autocast and m.zero3_linear:
+        return m.r * t * h + 2 * 4 * t * h
+    if m.autocast:
+        return m.r * t * h + 4 * t * h + m.c * t * h + m.c * _head_params(shape)
+    if m.c == 4:
+        return 3 * 4 * t * h
+    return (4 + 2 * m.c) * t * h
 
 
 def loss_bytes(shape: ModelShape, micro: int, seq: int, c: int) -> int:
-    """Logits (compute dtype), their fp32 copy and cross-entropy's fp32 log-probabilities."""
-    logits = micro * seq * shape.vocab_size
-    return logits * (c + 4 + 4)
+    """End of forward: 16-bit logits, their fp32 copy and log-softmax's fp32 output."""
+    rows = micro * (seq - 1)
+    copy = 4 * rows * shape.vocab_size if c < 4 else 0
+    return c * micro * seq * shape.vocab_size + copy + 4 * rows * shape.vocab_size
+
+
+@dataclass(frozen=True)
+class _GradFlow:
+    """How gradients come and go on one device during one micro-batch's backward."""
+
+    held: int = 0  # gradients alive when the micro-batch starts (accumulation)
+    per_layer: int = 0  # gradient bytes each layer's backward adds
+    head: int = 0  # ... lm_head's and the final norm's
+    root_at_embedding: int = 0  # the root's gradients alive during the embedding's backward
+    in_layer: int = 0  # gradients of the layer being back-propagated, at its peak
+    released_per_layer: int = 0  # held gradients a layer's reduce-scatter frees
+    reduce_root: int = 0  # ... of the root's, after the embedding's backward
+    pending_reduce: int = 0  # the previous reduce-scatter's input, freed at the next one
+
+
+def _forward_backward_peaks(
+    shape: ModelShape,
+    m: _Micro,
+    *,
+    ckpt: frozenset[int],
+    base: int,
+    grads: _GradFlow,
+    gather_layer: int,
+    gather_root: int,
+) -> dict[str, int]:
+    """Live bytes at the points where one micro-batch's forward and backward peak.
+
+    `ckpt`: the checkpointed layers; `base`: what lives through the whole step (parameters,
+    optimizer state); `gather_*`: parameters a sharded strategy holds unsharded while a layer or
+    the root computes.
+    """
+    num_layers, num_ckpt = shape.num_layers, len(ckpt)
+    t, h, v = m.tokens, shape.hidden_size, shape.vocab_size
+    per_layer = layer_activation_bytes(shape, m)
+    kept_ckpt = m.r * t * h  # a checkpointed layer keeps its input
+    mask_bool = m.b * m.s * m.s if m.masked else 0
+    rotary = 2 * m.r * m.b * m.s * shape.head_dim  # cos and sin, shared by every layer
+    saved = (num_layers - num_ckpt) * per_layer + num_ckpt * kept_ckpt + rotary
+    mask_kept = mask_bool if num_ckpt else 0  # checkpoints keep the mask for their recompute
+    cached = m.autocast and not m.zero3_linear
+    cache = num_ckpt * m.c * _matmul_params(shape) if cached else 0  # autocast's weight cache
+    final = _final_bytes(shape, m)
+    logits = m.c * t * v
+    rows_v = m.loss_rows * v
+    copy = 4 * rows_v if m.c < 4 else 0
+    start = base + grads.held
+    layer_bwd = 2 * m.c * t * shape.intermediate_size + 4 * t * h  # grads of activations
+    released = (num_layers - 1) * grads.released_per_layer  # by the first layer's backward
+    head = start + mask_kept + gather_root + grads.head
+
+    # Layer k's backward: what the layers below it saved, its own activations (rebuilt if
+    # checkpointed), the gradients of the layers above it.
+    backward_layers, below = 0, 0
+    for k in range(num_layers):
+        above = num_layers - 1 - k
+        live = (
+            head
+            - above * grads.released_per_layer
+            + below
+            + rotary
+            + per_layer
+            + above * grads.per_layer
+            + layer_bwd
+            + gather_layer
+            + grads.in_layer
+            + (grads.pending_reduce if above else 0)
+        )
+        backward_layers = max(backward_layers, live)
+        below += kept_ckpt if k in ckpt else per_layer
+
+    return {
+        "forward": start + saved + mask_bool + cache + final + gather_root + logits,
+        "layer_gather": start + saved + mask_bool + cache + gather_root + gather_layer,
+        "loss": start + saved + mask_kept + cache + final + logits + copy + 4 * rows_v,
+        "backward_start": start + saved + mask_kept + final + 12 * rows_v,
+        "backward_head": head + saved + final + 2 * m.c * t * v,
+        "backward_layers": backward_layers,
+        # the embedding's backward, with the last layer's reduce-scatter still in flight
+        "backward_embedding": start
+        - released
+        - grads.released_per_layer
+        + mask_kept
+        + num_layers * grads.per_layer
+        + 4 * t * h
+        + gather_root
+        + grads.root_at_embedding
+        + grads.pending_reduce,
+        # a sharded root is resharded, then its gradients are reduced
+        "backward_end": start
+        - num_layers * grads.released_per_layer
+        + num_layers * grads.per_layer
+        + grads.reduce_root,
+    }
 
 
 def estimate(
@@ -130,108 +337,152 @@ def estimate(
     activation_checkpointing: str,
     precision: str,
     device: str = "cuda",
+    grad_accum: int = 2,
+    packed: bool = True,
 ) -> Estimate:
-    """Peak bytes on one device and on one host for a training step of this configuration."""
+    """Peak bytes on one device and on one host for a training step of this configuration.
+
+    `grad_accum`: micro-batches per optimizer step on this rank; every value above 1 costs the
+    same (later micro-batches run with the earlier ones' gradients alive). `packed`: windows hold
+    several documents (data.pack), so attention gets a block-causal mask.
+    """
     n = shape.num_params
     w = max(1, world_size)
     c = 4 if precision == "fp32" else 2
     mixed = precision != "fp32"
-    layer_n = shape.num_layer_params
-    root_n = shape.num_root_params
+    layer_n, root_n = shape.num_layer_params, shape.num_root_params
+    ckpt = frozenset(checkpointed(shape.num_layers, activation_checkpointing))
+    num_ckpt = len(ckpt)
+    sharded_fsdp = strategy in ("fsdp", "fsdp_offload")
+    m = _Micro(
+        b=micro_batch_size,
+        s=seq_len,
+        c=c,
+        r=c if sharded_fsdp else 4,
+        autocast=mixed and not sharded_fsdp,
+        masked=packed,
+        zero3_linear=strategy.startswith("zero3"),
+    )
+    accumulating = grad_accum > 1
+    head_n = _head_params(shape) + shape.hidden_size  # lm_head (or the tied embedding) + norm
+    embed_n = shape.num_embedding_params
+    untied_embed = 0 if shape.tied_embeddings else embed_n
+    tied_embed = embed_n if shape.tied_embeddings else 0
+    bucket = 4 * min(DEEPSPEED_BUCKET_ELEMENTS, n)  # DeepSpeed's reduce bucket, fp32
 
-    # Model states per rank: where they live.
-    full = {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
-    shard = {k: v // w for k, v in full.items()}
-    on_device: dict[str, int]
+    # Model states per rank, and how gradients come and go in the first and in a later
+    # micro-batch of the step (accumulation).
     on_host: dict[str, int] = {}
-    if strategy in ("single", "ddp"):
-        on_device = dict(full)
-    elif strategy == "zero1":
-        on_device = {
-            "params": full["params"],
-            "grads": full["grads"],
-            "optimizer": shard["optimizer"],
-        }
-    elif strategy == "zero2":
-        on_device = {
-            "params": full["params"],
-            "grads": shard["grads"],
-            "optimizer": shard["optimizer"],
-        }
-    elif strategy in ("fsdp", "zero3"):
-        on_device = dict(shard)
-    elif strategy in ("fsdp_offload",):
-        on_device = {"params": 0, "grads": 0, "optimizer": 0}
-        on_host = dict(shard)
-    elif strategy == "zero3_offload":
-        on_device = {"params": shard["params"], "grads": shard["grads"], "optimizer": 0}
-        on_host = {
-            "optimizer": shard["optimizer"],
-            "params": shard["params"],  # fp32 master
-            "grads": int(shard["grads"] * ZERO_OFFLOAD_PINNED_RATIO),
-        }
-    elif strategy == "zero3_offload_params":
-        on_device = {"params": 0, "grads": 0, "optimizer": 0}
-        on_host = {
-            "optimizer": shard["optimizer"],
-            "params": 2 * shard["params"],
-            "grads": shard["grads"],
-        }
-    elif strategy == "zero3_nvme":  # states on NVMe; host keeps swap buffers for ~2 layers
-        on_device = {"params": 0, "grads": 0, "optimizer": 0}
-        on_host = {"nvme_buffers": 2 * 16 * layer_n}
+    gather_layer = gather_root = 0
+    if strategy in ("single", "ddp", "zero1"):
+        if strategy == "zero1":
+            dev, _ = zero_model_state_bytes(n, stage=1, world_size=w, param_bytes=4)
+            on_device = {k: dev[k] for k in ("params", "grads", "optimizer")}
+        else:
+            on_device = {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
+        base = on_device["params"] + on_device["optimizer"]
+        # AccumulateGrad: the first gradient of a weight becomes its .grad (fp32, from the
+        # 16-bit one autocast's backward makes); a tied embedding's is summed out of place.
+        first = _GradFlow(
+            held=0,
+            per_layer=4 * layer_n,
+            in_layer=4 * layer_n,
+            head=4 * head_n,
+            root_at_embedding=4 * head_n + 4 * untied_embed + 8 * tied_embed,
+        )
+        later = _GradFlow(held=4 * n, root_at_embedding=4 * embed_n)
+        grads_at_step = on_device["grads"]
+        if strategy == "ddp":  # gradient_as_bucket_view: the buckets hold the grads for good
+            base += on_device["grads"]
+            first = later = _GradFlow(root_at_embedding=4 * embed_n)
+            grads_at_step = 0
+        if strategy == "zero1":  # the boundary reduces the full grads through the bucket
+            first = replace(first, reduce_root=4 * n + bucket)
+            later = replace(later, reduce_root=bucket)
+    elif sharded_fsdp:
+        shard = {"params": 4 * n // w, "grads": 4 * n // w, "optimizer": 8 * n // w}
+        if strategy == "fsdp":
+            on_device = dict(shard)
+        else:  # CPUOffloadPolicy: fp32 params, grads and AdamW on the host
+            on_device = {"params": 0, "grads": 0, "optimizer": 0}
+            on_host = dict(shard)
+        base = on_device["params"] + on_device["optimizer"]
+        grads_at_step = on_device["grads"]
+        gather_layer = 2 * c * layer_n  # unsharded params + the all-gather output
+        gather_root = c * root_n  # embeddings, norm, lm_head: unsharded through fwd and bwd
+        # the root's 16-bit unsharded grads during the embedding's backward (tied: summed)
+        root_unsharded = c * root_n + c * tied_embed
+        sync = _GradFlow(
+            held=4 * n if accumulating else 0,  # no_sync kept unsharded fp32 grads till now
+            per_layer=on_device["grads"] and 4 * layer_n // w,
+            head=c * head_n,
+            root_at_embedding=root_unsharded,
+            in_layer=c * layer_n,  # its 16-bit unsharded grads, before the reduce-scatter
+            released_per_layer=4 * layer_n if accumulating else 0,
+            reduce_root=_reduce_scatter_bytes(root_n, c, w),
+            pending_reduce=4 * layer_n,
+        )
+        no_sync = _GradFlow(  # unsharded fp32 gradient accumulation on every rank
+            per_layer=4 * layer_n,
+            in_layer=4 * layer_n,
+            head=4 * head_n,
+            root_at_embedding=4 * root_n + root_unsharded,
+        )
+        first, later = (no_sync, sync) if accumulating else (sync, sync)
+    elif strategy.startswith("zero"):
+        stage = 2 if strategy == "zero2" else 3
+        offload_opt = strategy in ("zero3_offload", "zero3_offload_params", "zero3_nvme")
+        offload_params = strategy in ("zero3_offload_params", "zero3_nvme")
+        dev, host = zero_model_state_bytes(
+            n,
+            stage=stage,
+            world_size=w,
+            param_bytes=4,  # fp32 parameters, 16-bit compute by autocast
+            offload_optimizer=offload_opt,
+            offload_params=offload_params,
+        )
+        on_device = {k: dev[k] for k in ("params", "grads", "optimizer")}
+        on_host = host
+        if strategy == "zero3_nvme":  # states on NVMe; the host keeps swap buffers
+            on_host = {"nvme_buffers": 2 * 16 * layer_n}
+        # grads are reduced into their partition (or sent to the host) through the bucket
+        base = sum(on_device.values()) + bucket
+        grads_at_step = 0
+        # a layer's fp32 grads live until DeepSpeed's hooks copy them into the bucket
+        first = later = _GradFlow(in_layer=4 * layer_n, root_at_embedding=4 * embed_n)
+        if stage == 3:  # the gathered fp32 layer and the prefetched one; root matrices in use
+            gather_layer = 4 * layer_n + min(bucket, 4 * layer_n)
+            gather_root = 4 * _head_params(shape)
     else:
         raise ValueError(f"unknown strategy {strategy}")
 
-    # Activations for this micro-batch.
-    per_layer = activation_bytes_per_layer(shape, micro_batch_size, seq_len, c)
-    layer_input = 4 * micro_batch_size * seq_len * shape.hidden_size
-    num_ckpt = {"none": 0, "selective": (shape.num_layers + 1) // 2, "full": shape.num_layers}[
-        activation_checkpointing
-    ]
-    num_kept = shape.num_layers - num_ckpt
-    rebuilt = per_layer if num_ckpt else 0  # one checkpointed layer recomputed at a time
-    embed_and_norm = 2 * layer_input + c * micro_batch_size * seq_len * shape.hidden_size
+    phases = _forward_backward_peaks(
+        shape, m, ckpt=ckpt, base=base, grads=first,
+        gather_layer=gather_layer, gather_root=gather_root,
+    )  # fmt: skip
+    if accumulating:
+        again = _forward_backward_peaks(
+            shape, m, ckpt=ckpt, base=base, grads=later,
+            gather_layer=gather_layer, gather_root=gather_root,
+        )  # fmt: skip
+        phases = {k: max(v, again[k]) for k, v in phases.items()}
+    foreach = on_device["params"] // 2 if on_device["optimizer"] and device != "cuda" else 0
+    phases["optimizer"] = base + grads_at_step + foreach
+    peak = max(phases.values())
+
     activations = (
-        num_kept * per_layer
-        + num_ckpt * layer_input
-        + rebuilt
-        + embed_and_norm
+        (shape.num_layers - num_ckpt) * layer_activation_bytes(shape, m)
+        + num_ckpt * m.r * m.tokens * shape.hidden_size
+        + _final_bytes(shape, m)
         + loss_bytes(shape, micro_batch_size, seq_len, c)
     )
-
-    # Transients, by phase of the step.
-    autocast_cache = 2 * n if strategy in ("single", "ddp", "zero1", "zero2") and mixed else 0
-    comm = 0  # gathered parameters and communication buffers, alive through forward and backward
-    if strategy in ("fsdp", "fsdp_offload"):
-        gathered = c if mixed else 4
-        comm += 2 * gathered * layer_n + gathered * root_n  # current + prefetched layer, root
-        comm += 2 * 4 * layer_n  # reduce-scatter input/output in fp32
-    if strategy.startswith("zero"):
-        bucket = min(DEEPSPEED_BUCKET_ELEMENTS, n)
-        comm += 4 * bucket * (2 if strategy in ("zero1", "zero2") else 1)
-    if strategy.startswith("zero3"):
-        comm += 4 * (2 * layer_n + root_n)  # live + prefetched layer and the root, fp32
-        if mixed:
-            comm += 2 * (2 * layer_n + root_n)  # their autocast copies
-    foreach = on_device["params"] // 2 if on_device["optimizer"] and device != "cuda" else 0
-    loss_grad = 4 * micro_batch_size * seq_len * shape.vocab_size
-
-    # The peak is the largest of the step's phases, not the sum of every part.
-    static = on_device["params"] + on_device["optimizer"]
-    grads = on_device["grads"]
-    head_grad = grads * root_n // max(n, 1)  # lm_head/embedding grads come first in backward
-    phases = {
-        "forward": static + activations + autocast_cache + comm,
-        "backward_start": static + activations + autocast_cache + comm + loss_grad + head_grad,
-        "backward_end": static + grads + comm + per_layer + layer_input * shape.num_layers,
-        "optimizer": static + grads + foreach,
-    }
-    peak = max(phases.values())
-    temporary = autocast_cache + comm + foreach
+    persistent = base + grads_at_step
+    temporary = max(0, peak - persistent - activations)
     breakdown = {**on_device, "activations": activations, "temporary": temporary}
     if device == "cuda":
-        overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION_RATIO * peak)
+        # Model states are allocated once, in large blocks; the allocator's slack grows with
+        # what is allocated and freed every step (activations, gathers, buffers).
+        overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION_RATIO * max(0, peak - persistent))
     else:
         overhead = CPU_PROCESS_BYTES
     breakdown["runtime_overhead"] = overhead
@@ -255,4 +506,20 @@ def estimate(
         device_total_bytes=int(peak + overhead),
         host_breakdown={k: int(v) for k, v in host.items()},
         host_total_bytes=int(sum(host.values())),
+        phases=phases,
     )
+
+
+def _reduce_scatter_bytes(num_params: int, c: int, w: int) -> int:
+    """FSDP2 reducing one unit: its 16-bit unsharded grads, the fp32 reduce-scatter input and
+    output (the grads are freed while the output is made)."""
+    return 4 * num_params + max(c * num_params, c * num_params // 2 + 4 * num_params // w)
+
+
+def checkpointed(num_layers: int, level: str) -> list[int]:
+    """As trainer.model.checkpointed_layer_indices (not imported: the estimate stays torch-free)."""
+    if level == "full":
+        return list(range(num_layers))
+    if level == "selective":
+        return list(range(0, num_layers, 2))
+    return []

@@ -1,11 +1,15 @@
-"""`oomless estimate`: memory per device and per host for every strategy, as a table or JSON."""
+"""`oomless estimate`: memory per device and per host for every strategy, as a table or JSON.
+
+`--trace` (calibration) also runs one real step of the engine under FakeTensorMode for the rows it
+can trace (`launcher/trace.py`: single, fsdp) and prints traced and analytic peaks side by side.
+"""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from launcher.config import ConfigError, JobConfig
+from launcher.config import JobConfig
 from launcher.estimate import GIB, STRATEGIES, Estimate, estimate
 from launcher.hardware import Hardware, detect_hardware
 from launcher.model_shape import ModelShape, model_shape
@@ -13,18 +17,86 @@ from launcher.plan import LADDER, _best_for_rung, rung_world
 
 
 def estimate_command(cfg: JobConfig, as_json: bool, trace: bool) -> int:
-    if trace:
-        raise ConfigError(
-            "--trace", "traced estimates are not available in this version", "drop --trace"
-        )
     hw = detect_hardware(cfg.hardware)
     shape = model_shape(cfg.model)
     rows = estimates_for(cfg, hw, shape)
+    traced = traces_for(cfg, hw, rows) if trace else {}
     if as_json:
-        print(json.dumps(to_json(shape, hw, rows, cfg.memory.headroom), indent=2))
+        out = to_json(shape, hw, rows, cfg.memory.headroom)
+        for entry, row in zip(out["strategies"], rows, strict=True):
+            if row.strategy in traced:
+                entry["trace"] = traced[row.strategy]
+        print(json.dumps(out, indent=2))
     else:
         print(render(shape, hw, rows, cfg))
+        if trace:
+            print(render_traces(rows, traced))
     return 0
+
+
+def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, dict[str, Any]]:
+    """Trace one step of every traceable row at its micro-batch and checkpointing; the analytic
+    peak next to it is recomputed for the same accumulation (1, or 2 standing for any more)."""
+    from launcher.model_shape import hf_config_dict
+    from launcher.trace import TRACEABLE, trace_step
+
+    hf_config = hf_config_dict(cfg.model)
+    shape = model_shape(cfg.model)
+    per_rank = max(1, cfg.train.global_batch_size // hw.world_size)
+    out = {}
+    for row in rows:
+        if row.strategy not in TRACEABLE:
+            continue
+        grad_accum = 2 if per_rank > row.micro_batch_size else 1
+        traced = trace_step(
+            hf_config,
+            strategy=row.strategy,
+            world_size=row.world_size,
+            micro_batch_size=row.micro_batch_size,
+            seq_len=cfg.data.seq_len,
+            activation_checkpointing=row.activation_checkpointing,
+            grad_accum=grad_accum,
+            precision=cfg.precision,
+            attn_implementation=cfg.model.attn_implementation,
+        )
+        analytic = estimate(
+            shape,
+            strategy=row.strategy,
+            world_size=row.world_size,
+            devices_per_node=hw.devices_per_node,
+            micro_batch_size=row.micro_batch_size,
+            seq_len=cfg.data.seq_len,
+            activation_checkpointing=row.activation_checkpointing,
+            precision=cfg.precision,
+            device=hw.device,
+            grad_accum=grad_accum,
+        )
+        out[row.strategy] = {
+            "grad_accum": grad_accum,
+            "analytic_peak_tensor_bytes": analytic.peak_tensor_bytes,
+            "traced_peak_tensor_bytes": traced.peak_bytes,
+            "traced_breakdown": traced.breakdown,
+        }
+    return out
+
+
+def render_traces(rows: list[Estimate], traced: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "traced (one step under FakeTensorMode) vs analytic peak tensor bytes, GiB per device:",
+        f"{'strategy':<22}{'micro':>6} {'ckpt':<10}{'accum':>6}{'traced':>9}{'analytic':>10}"
+        f"{'error':>8}",
+    ]
+    for r in rows:
+        t = traced.get(r.strategy)
+        if t is None:
+            lines.append(f"{r.strategy:<22}  not traceable (--trace covers single and fsdp)")
+            continue
+        tb, ab = t["traced_peak_tensor_bytes"], t["analytic_peak_tensor_bytes"]
+        lines.append(
+            f"{r.strategy:<22}{r.micro_batch_size:>6} {r.activation_checkpointing:<10}"
+            f"{t['grad_accum']:>6}{tb / GIB:9.2f}{ab / GIB:10.2f}{(ab - tb) / tb:+8.1%}"
+        )
+    return "\n".join(lines)
 
 
 def estimates_for(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[Estimate]:

@@ -79,6 +79,8 @@ def trace_step(
             _apply_fsdp(model, precision, reshard_after_forward)
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         model.to_empty(device=device)
+        if strategy == "single" and hasattr(model, "tie_weights"):
+            model.tie_weights()  # to_empty made fake copies of tied weights: one tensor again
         optimizer = build_adamw(model.parameters(), _SPEC, torch.device("cuda"))
         batch = _batch(hf_config["vocab_size"], micro_batch_size, seq_len)
         compute = _autocast(precision) if strategy == "single" else contextlib.nullcontext
@@ -102,7 +104,7 @@ def trace_step(
             step(tracker)
         snapshot = tracker.get_tracker_snapshot("peak")
     dev = next(iter(snapshot))
-    breakdown = {str(k): int(v) for k, v in snapshot[dev].items()}
+    breakdown = {getattr(k, "name", k).lower(): int(v) for k, v in snapshot[dev].items()}
     return Trace(
         strategy=strategy,
         world_size=world_size if strategy == "fsdp" else 1,
@@ -110,7 +112,7 @@ def trace_step(
         seq_len=seq_len,
         activation_checkpointing=activation_checkpointing,
         grad_accum=grad_accum,
-        peak_bytes=breakdown.pop("Total"),
+        peak_bytes=breakdown.pop("total"),
         breakdown=breakdown,
     )
 
