@@ -93,6 +93,9 @@ NVME_BYTES_S = 3e9
 HOST_ADAM_PARAMS_S = 1.5e9  # per node, DeepSpeed CPU Adam over all cores
 BASE_UTILIZATION = 0.45  # fraction of peak FLOP/s a well-fed step reaches
 SATURATION_TOKENS = 512  # tokens per micro-batch at which utilisation is half its base
+# A rung later on the ladder must be predicted this much faster to be chosen over an earlier one:
+# the cost model ranks rungs coarsely, and earlier rungs have fewer moving parts.
+SIMPLER_RUNG_MARGIN = 0.10
 CPU_PEAK_FLOPS = 0.2e12  # when planning CPU processes (tests, the demo)
 UNKNOWN_GPU_PEAK_FLOPS = 100e12
 
@@ -328,8 +331,15 @@ def make_plan(
         return _forced_plan(cfg, hw, shape, forced, per_rank, rejected, memory_scale)
     if not candidates:
         raise NoFitError(_what_would_fit(cfg, hw, shape, rejected))
-    candidates.sort(key=lambda cand: cand.time_s)
-    chosen = candidates[0]
+    candidates.sort(key=lambda cand: cand.time_s)  # stable: ladder order among equal times
+    fastest = candidates[0]
+    ladder = [rung.name for rung in LADDER]
+    chosen = min(
+        (c for c in candidates if c.time_s <= fastest.time_s * (1 + SIMPLER_RUNG_MARGIN)),
+        key=lambda cand: ladder.index(cand.rung.name),
+    )
+    candidates.remove(chosen)
+    candidates.insert(0, chosen)
     alternatives = [
         Alternative(
             cand.rung.name, True, None, round(cand.time_s / chosen.time_s, 3), cand.micro, cand.ac
@@ -344,7 +354,14 @@ def make_plan(
         f"micro-batch {chosen.micro} x accumulation {per_rank // chosen.micro} x {world} ranks = "
         f"global batch {gbs}; activation checkpointing {chosen.ac}",
     ]
-    if len(candidates) > 1:
+    if chosen is not fastest:
+        reasons.append(
+            f"{len(candidates)} rungs fit; {chosen.rung.name} ({chosen.time_s:.3g} s predicted) "
+            f"is within {SIMPLER_RUNG_MARGIN:.0%} of the fastest, {fastest.rung.name} "
+            f"({fastest.time_s:.3g} s), and comes earlier on the ladder (simpler, fewer moving "
+            "parts); the cost model does not resolve finer differences"
+        )
+    elif len(candidates) > 1:
         runner_up = candidates[1]
         if runner_up.time_s > chosen.time_s * 1.001:
             reasons.append(
