@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from launcher.config import ConfigError
 from launcher.hardware import Hardware
 from launcher.model_shape import ModelShape
 
@@ -54,6 +55,9 @@ STRATEGIES = (
     "zero3_offload_params",
     "zero3_nvme",
 )
+# Decoder blocks the activation model describes (RMSNorm, rotary, SDPA, gated MLP), checked
+# against traced steps in tests/launcher/test_estimate_trace.py
+MODELLED_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma")
 DEVICE_PARTS = ("params", "grads", "optimizer", "activations", "temporary", "runtime_overhead")
 
 
@@ -346,6 +350,14 @@ def estimate(
     same (later micro-batches run with the earlier ones' gradients alive). `packed`: windows hold
     several documents (data.pack), so attention gets a block-causal mask.
     """
+    if shape.model_type not in MODELLED_TYPES:
+        raise ConfigError(
+            "model.model_type",
+            f"the memory estimate models {', '.join(MODELLED_TYPES)} decoder blocks, not "
+            f"{shape.model_type} (its activations are not checked against a trace)",
+            "use one of these architectures (planning other blocks needs their activation "
+            "model first)",
+        )
     n = shape.num_params
     w = max(1, world_size)
     c = 4 if precision == "fp32" else 2

@@ -98,7 +98,7 @@ def trace_step(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        step()  # creates the AdamW state: the traced step is a steady-state one
+        _init_optimizer_state(model, optimizer)  # the traced step is a steady-state one
         tracker = _tracker(strategy, model, optimizer, batch)
         with tracker:
             step(tracker)
@@ -115,6 +115,14 @@ def trace_step(
         peak_bytes=breakdown.pop("total"),
         breakdown=breakdown,
     )
+
+
+def _init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's moments and step, as after a first step (a step on zero grads: no forward)."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 @contextlib.contextmanager

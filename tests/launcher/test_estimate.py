@@ -1,0 +1,166 @@
+"""Estimator formulas: ZeRO model states against DeepSpeed's own estimators, what the estimate
+says for the shipped presets, and the model types it refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.config import ConfigError, ModelConfig
+from launcher.estimate import GIB, estimate, zero_model_state_bytes
+from launcher.model_shape import model_shape
+
+N = 8_030_261_248  # Llama-3.1-8B
+LARGEST_LAYER = 128_256 * 4096  # its embedding (or lm_head): the largest module's parameters
+
+
+@pytest.fixture(scope="module")
+def ds_estimators():
+    stage_1_and_2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    return (
+        stage_1_and_2.estimate_zero2_model_states_mem_needs,
+        stage3.estimate_zero3_model_states_mem_needs,
+    )
+
+
+def _sum(parts: dict[str, int]) -> int:
+    return sum(parts.values())
+
+
+@pytest.mark.parametrize("world", [1, 2, 8, 64])
+@pytest.mark.parametrize("offload", [False, True])
+def test_zero2_device_bytes_equal_deepspeeds_estimate(ds_estimators, world, offload):
+    zero2, _ = ds_estimators
+    _, ds_gpu = zero2(N, num_gpus_per_node=world, cpu_offload=offload, additional_buffer_factor=1)
+    device, host = zero_model_state_bytes(
+        N, stage=2, world_size=world, param_bytes=2, offload_optimizer=offload
+    )
+    assert _sum(device) == pytest.approx(ds_gpu, abs=16)
+    if offload:  # master weights, moments and fp32 grads per rank on the host: 16 bytes/param
+        assert _sum(host) * world == pytest.approx(16 * N, abs=64)
+
+
+@pytest.mark.parametrize("world", [1, 2, 8, 64])
+@pytest.mark.parametrize(
+    ("offload_optimizer", "offload_params"), [(False, False), (True, False), (True, True)]
+)
+def test_zero3_bytes_equal_deepspeeds_estimate(ds_estimators, world, offload_optimizer,
+                                               offload_params):  # fmt: skip
+    _, zero3 = ds_estimators
+    ds_cpu, ds_gpu, _ = zero3(
+        N,
+        LARGEST_LAYER,
+        num_gpus_per_node=world,
+        cpu_offload=offload_optimizer,
+        cpu_offload_params=offload_params,
+        additional_buffer_factor=1,
+    )
+    device, host = zero_model_state_bytes(
+        N,
+        stage=3,
+        world_size=world,
+        param_bytes=2,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
+        largest_layer_params=LARGEST_LAYER,
+    )
+    assert _sum(device) == pytest.approx(ds_gpu, abs=16)
+    if offload_optimizer:  # DeepSpeed's cpu_mem is per node (zero.Init: nothing replicated)
+        assert _sum(host) * world == pytest.approx(ds_cpu, abs=64)
+
+
+@pytest.mark.parametrize("world", [1, 8])
+def test_zero1_is_the_papers_accounting_plus_the_fp32_gradient_partition(world):
+    """ZeRO paper (P_os): 2N + 2N + 12N/W; DeepSpeed's stage 1 also keeps an fp32 gradient
+    partition (4N/W) for the optimizer. DeepSpeed has no stage-1 estimator to compare with."""
+    device, _ = zero_model_state_bytes(N, stage=1, world_size=world, param_bytes=2)
+    assert _sum(device) == pytest.approx(2 * N + 2 * N + 12 * N / world + 4 * N / world, abs=16)
+
+
+def test_our_zero3_keeps_no_fp32_master_copy_of_fp32_parameters():
+    """Our backend trains fp32 parameters: ZeRO-3 uses the partition as the master (16N/W)
+    while ZeRO-2 clones it (4N + 4N/W + 4N/W + 12N/W)."""
+    z3, _ = zero_model_state_bytes(N, stage=3, world_size=8, param_bytes=4)
+    z2, _ = zero_model_state_bytes(N, stage=2, world_size=8, param_bytes=4)
+    assert _sum(z3) == pytest.approx(16 * N / 8, abs=16)
+    assert _sum(z2) == pytest.approx(4 * N + 20 * N / 8, abs=16)
+
+
+def _llama_8b():
+    return model_shape(ModelConfig(name_or_path="meta-llama/Llama-3.1-8B"))
+
+
+def _estimate(shape, strategy, world, micro=1, seq=4096, ckpt="full", **kw):
+    return estimate(
+        shape,
+        strategy=strategy,
+        world_size=world,
+        devices_per_node=min(world, 8),
+        micro_batch_size=micro,
+        seq_len=seq,
+        activation_checkpointing=ckpt,
+        precision="bf16",
+        **kw,
+    )
+
+
+def test_the_8b_model_states_on_the_rungs_are_what_the_docs_say():
+    shape = _llama_8b()
+    n = shape.num_params
+    single = _estimate(shape, "single", 1).device_breakdown
+    assert (single["params"], single["grads"], single["optimizer"]) == (4 * n, 4 * n, 8 * n)
+    fsdp = _estimate(shape, "fsdp", 8).device_breakdown
+    assert fsdp["params"] + fsdp["grads"] + fsdp["optimizer"] == pytest.approx(2 * n, abs=64)
+    offload = _estimate(shape, "zero3_offload_params", 2)
+    assert offload.device_breakdown["params"] == 0
+    assert offload.host_breakdown["optimizer"] == 2 * (12 * n // 2)  # two ranks on the node
+
+
+def test_the_8b_on_8x80_gib_under_fsdp_peaks_at_the_loss_gradient():
+    """2N/W of model states (15 GiB), then the loss: 16-bit logits, their fp32 copy and
+    cross-entropy's gradient for 2 x 4096 tokens x 128k vocabulary."""
+    est = _estimate(_llama_8b(), "fsdp", 8, micro=2, grad_accum=1)
+    assert 22 * GIB < est.peak_tensor_bytes < 28 * GIB
+    assert max(est.phases, key=est.phases.get) == "backward_start"
+
+
+def test_checkpointing_and_micro_batch_move_the_peak_the_way_a_user_expects():
+    shape = _llama_8b()
+    none = _estimate(shape, "fsdp", 8, ckpt="none")
+    full = _estimate(shape, "fsdp", 8, ckpt="full")
+    assert none.peak_tensor_bytes > full.peak_tensor_bytes + 20 * GIB  # 32 layers' activations
+    assert _estimate(shape, "fsdp", 8, micro=4).peak_tensor_bytes > full.peak_tensor_bytes
+
+
+def test_accumulation_under_fsdp_holds_unsharded_fp32_gradients():
+    """no_sync keeps every rank's full fp32 gradients between micro-batches (FSDP2)."""
+    shape = _llama_8b()
+    once = _estimate(shape, "fsdp", 8, grad_accum=1).peak_tensor_bytes
+    accumulating = _estimate(shape, "fsdp", 8, grad_accum=4).peak_tensor_bytes
+    assert accumulating - once > 3 * shape.num_params  # most of 4N
+
+
+def test_runtime_overhead_is_the_context_and_fragmentation_of_what_comes_and_goes():
+    est = _estimate(_llama_8b(), "single", 1, seq=2048)
+    b = est.device_breakdown
+    persistent = b["params"] + b["optimizer"]
+    assert est.device_total_bytes - est.peak_tensor_bytes == b["runtime_overhead"]
+    assert b["runtime_overhead"] < 0.75 * GIB + 0.08 * (est.peak_tensor_bytes - persistent) + 1
+
+
+def test_an_unmodelled_block_is_refused_in_one_line():
+    shape = model_shape(
+        ModelConfig(
+            config={
+                "model_type": "gpt_neox",
+                "vocab_size": 512,
+                "hidden_size": 64,
+                "intermediate_size": 256,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+            }
+        )
+    )
+    with pytest.raises(ConfigError, match="gpt_neox") as err:
+        _estimate(shape, "single", 1, seq=512)
+    assert "\n" not in str(err.value)
