@@ -76,11 +76,17 @@ def _preset_index() -> dict[str, str]:
     return {str(k): str(v) for k, v in (yaml.safe_load(index.read_text()) or {}).items()}
 
 
-def model_shape(model_cfg: ModelConfig, cache_dir: Path | None = None) -> ModelShape:
-    """The shape of the configured model; computed once per HF config and transformers version,
-    then read from `cache_dir` (default: `$XDG_CACHE_HOME/oomless/shapes`), which spares the next
-    plan the seconds of importing torch and transformers."""
+def model_shape(
+    model_cfg: ModelConfig, cache_dir: Path | None = None, shipped: bool = True
+) -> ModelShape:
+    """The shape of the configured model, from a meta-device instantiation: the seconds of
+    importing torch and transformers are paid once per HF config and transformers version, then
+    the shape is read from `cache_dir` (default: `$XDG_CACHE_HOME/oomless/shapes`). The presets'
+    shapes ship computed (`configs/models/shapes.json`; a test recomputes them); `shipped=False`
+    ignores them."""
     config_json = json.dumps(hf_config_dict(model_cfg), sort_keys=True)
+    if shipped and (known := _shipped_shapes().get(_config_digest(config_json))) is not None:
+        return ModelShape(**known["shape"])
     key = f"{SHAPE_CACHE_VERSION}\n{_transformers_version()}\n{config_json}"
     path = (cache_dir or _default_cache_dir()) / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
     try:
@@ -96,6 +102,28 @@ def model_shape(model_cfg: ModelConfig, cache_dir: Path | None = None) -> ModelS
     except OSError as e:  # a read-only home still plans, only slower next time
         log.debug("shape cache not written: %s", e)
     return shape
+
+
+def _config_digest(config_json: str) -> str:
+    return hashlib.sha256(f"{SHAPE_CACHE_VERSION}\n{config_json}".encode()).hexdigest()
+
+
+@lru_cache(maxsize=1)
+def _shipped_shapes() -> dict[str, dict[str, Any]]:
+    path = PRESETS / "shapes.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def preset_shapes() -> dict[str, dict[str, Any]]:
+    """Every preset's shape computed now, keyed as `configs/models/shapes.json` keys them."""
+    shapes = {}
+    for file in sorted(set(_preset_index().values())):
+        config_json = json.dumps(json.loads((PRESETS / file).read_text()), sort_keys=True)
+        shapes[_config_digest(config_json)] = {
+            "preset": file,
+            "shape": asdict(_shape_of(config_json)),
+        }
+    return shapes
 
 
 def _default_cache_dir() -> Path:
@@ -144,4 +172,10 @@ def _shape_of(config_json: str) -> ModelShape:
         max_positions=getattr(text, "max_position_embeddings", 0) or 0,
         num_layer_params=num_layer_params,
         num_root_params=num_params - len(layers) * num_layer_params,
+    )
+
+
+if __name__ == "__main__":  # python -m launcher.model_shape: rewrite configs/models/shapes.json
+    (PRESETS / "shapes.json").write_text(
+        json.dumps(preset_shapes(), indent=1, sort_keys=True) + "\n"
     )

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from launcher.config import ConfigError, ModelConfig
-from launcher.model_shape import ModelShape, model_shape
+from launcher.model_shape import PRESETS, ModelShape, model_shape, preset_shapes
 
 # Parameter counts the model cards publish (safetensors index totals).
 PUBLISHED = {
@@ -23,9 +23,20 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("hub_id", PUBLISHED)
 def test_presets_have_the_published_parameter_counts(hub_id, tmp_path):
-    shape = model_shape(ModelConfig(name_or_path=hub_id), cache_dir=tmp_path)
-    assert shape.num_params == PUBLISHED[hub_id]
-    assert shape.num_root_params + shape.num_layers * shape.num_layer_params == shape.num_params
+    """Counted on the meta device now, and as shipped in configs/models/shapes.json."""
+    fresh = model_shape(ModelConfig(name_or_path=hub_id), cache_dir=tmp_path, shipped=False)
+    assert fresh.num_params == PUBLISHED[hub_id]
+    assert fresh.num_root_params + fresh.num_layers * fresh.num_layer_params == fresh.num_params
+    assert model_shape(ModelConfig(name_or_path=hub_id), cache_dir=tmp_path / "x") == fresh
+
+
+def test_the_shipped_preset_shapes_are_what_the_meta_model_gives():
+    """configs/models/shapes.json is current (else: python -m launcher.model_shape)."""
+    shipped = json.loads((PRESETS / "shapes.json").read_text())
+    assert shipped == preset_shapes()
+    assert {entry["preset"] for entry in shipped.values()} == {
+        p.name for p in PRESETS.glob("*.json") if p.name != "shapes.json"
+    }
 
 
 def test_the_second_call_reads_the_cache_and_a_damaged_entry_is_recomputed(
