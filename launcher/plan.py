@@ -32,9 +32,15 @@ class Rung:
     param_comm_per_micro: float = 0.0  # parameter gathers, every micro-batch
     pcie_per_step: float = 0.0  # host <-> device once per step
     pcie_per_micro: float = 0.0  # host <-> device every micro-batch
-    host_adam: bool = False
+    host_adam_params_s: float = 0.0  # AdamW on the host: parameters per second per node
     nvme_per_step: float = 0.0
 
+
+# AdamW on the host, parameters per second per node over all cores: DeepSpeed's CPU Adam (AVX,
+# fused), and torch's AdamW on CPU tensors (FSDP2's CPUOffloadPolicy), which the ZeRO-Offload
+# paper (Ren et al. 2021, sec. 5.1) measures 5.1-6.5x slower.
+DEEPSPEED_HOST_ADAM_PARAMS_S = 1.5e9
+TORCH_HOST_ADAM_PARAMS_S = DEEPSPEED_HOST_ADAM_PARAMS_S / 5
 
 LADDER: tuple[Rung, ...] = (
     Rung("single", max_world=1),
@@ -50,7 +56,7 @@ LADDER: tuple[Rung, ...] = (
         param_comm_per_micro=2.0,
         pcie_per_step=4.0,
         pcie_per_micro=8.0,
-        host_adam=True,
+        host_adam_params_s=TORCH_HOST_ADAM_PARAMS_S,
     ),
     # gradient partitions to the host every micro-batch, updated fp32 partitions back per step
     Rung(
@@ -60,7 +66,7 @@ LADDER: tuple[Rung, ...] = (
         param_comm_per_micro=4.0,
         pcie_per_step=4.0,
         pcie_per_micro=4.0,
-        host_adam=True,
+        host_adam_params_s=DEEPSPEED_HOST_ADAM_PARAMS_S,
     ),
     # parameters streamed in for forward and backward, gradients out, every micro-batch
     Rung(
@@ -69,7 +75,7 @@ LADDER: tuple[Rung, ...] = (
         grads_every_micro=True,
         param_comm_per_micro=4.0,
         pcie_per_micro=12.0,
-        host_adam=True,
+        host_adam_params_s=DEEPSPEED_HOST_ADAM_PARAMS_S,
     ),
     Rung(
         "zero3_nvme",
@@ -78,7 +84,7 @@ LADDER: tuple[Rung, ...] = (
         grads_every_micro=True,
         param_comm_per_micro=4.0,
         pcie_per_micro=12.0,
-        host_adam=True,
+        host_adam_params_s=DEEPSPEED_HOST_ADAM_PARAMS_S,
         nvme_per_step=32.0,
     ),
 )
@@ -90,7 +96,6 @@ INTRA_NODE_BYTES_S = {"cuda": 150e9, "cpu": 2e9}  # NVLink-class / shared memory
 INTER_NODE_BYTES_S = {"cuda": 20e9, "cpu": 1e9}  # per device over the network
 PCIE_BYTES_S = 12e9
 NVME_BYTES_S = 3e9
-HOST_ADAM_PARAMS_S = 1.5e9  # per node, DeepSpeed CPU Adam over all cores
 BASE_UTILIZATION = 0.45  # fraction of peak FLOP/s a well-fed step reaches
 SATURATION_TOKENS = 512  # tokens per micro-batch at which utilisation is half its base
 # A rung later on the ladder must be predicted this much faster to be chosen over an earlier one:
@@ -196,8 +201,8 @@ def step_time_s(
     comm = ring * comm_bytes / bandwidth
     per_rank = n / world
     offload = (rung.pcie_per_step + rung.pcie_per_micro * grad_accum) * per_rank / pcie
-    if rung.host_adam:
-        offload += per_rank * min(hw.devices_per_node, world) / HOST_ADAM_PARAMS_S
+    if rung.host_adam_params_s:
+        offload += per_rank * min(hw.devices_per_node, world) / rung.host_adam_params_s
     offload += rung.nvme_per_step * per_rank / nvme
     return compute + comm + offload
 
