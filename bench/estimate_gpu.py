@@ -1,0 +1,283 @@
+"""The memory estimate against real steps of the engine: peak allocated and reserved bytes.
+
+    python -m bench.estimate_gpu                 # the GPU grid (CUDA required), ~3-5 min on an H100
+    python -m bench.estimate_gpu --cpu-smoke     # the same code path on a tiny grid on the CPU
+    python -m bench.estimate_gpu --only 3,7      # some runs of the grid (numbers as printed)
+
+Every run is a fresh process (`--run JSON`): one rank (a process group of one), the engine's own
+backend for the strategy (`single`, `fsdp`, `zero3_offload`, ...), two micro-batches per
+optimizer step (the planner's accumulation case) and two steps; the second step is measured from
+`torch.cuda.reset_peak_memory_stats` to its end, so AdamW's state already exists, as in the
+estimate. Compared: the estimate's `peak_tensor_bytes` with `torch.cuda.max_memory_allocated`
+and its `total_bytes` with `max_memory_reserved` plus the CUDA context (measured once per run as
+the device's used memory before the model, `torch.cuda.mem_get_info`). The table prints last;
+with `$OUT` set, `$OUT/estimate_gpu.json` holds every run's details. Target (issue 4): the
+estimate within +-10% of the measured peak and never more than 5% under it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import MODELS, machine
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Run:
+    model: str  # a key of bench.common.MODELS
+    strategy: str
+    micro_batch_size: int
+    seq_len: int
+    activation_checkpointing: str
+    grad_accum: int = 2
+    precision: str = "bf16"
+
+
+# >= 12 real runs: two sizes, micro-batch 1..4, seq 1024..4096, every checkpointing level,
+# single / fsdp / zero3_offload at world 1 (and zero3 once).
+GPU_GRID = (
+    Run("llama-1b", "single", 1, 2048, "none"),
+    Run("llama-1b", "single", 4, 2048, "full"),
+    Run("llama-1b", "single", 2, 4096, "selective"),
+    Run("llama-1b", "single", 4, 1024, "none"),
+    Run("llama-1b", "fsdp", 1, 4096, "none"),
+    Run("llama-1b", "fsdp", 4, 2048, "full"),
+    Run("llama-1b", "fsdp", 2, 2048, "selective"),
+    Run("llama-1b", "zero3_offload", 1, 2048, "none"),
+    Run("llama-1b", "zero3_offload", 4, 2048, "full"),
+    Run("llama-1b", "zero3", 2, 2048, "full"),
+    Run("llama-3b", "single", 1, 1024, "full"),
+    Run("llama-3b", "fsdp", 2, 2048, "full"),
+    Run("llama-3b", "zero3_offload", 2, 4096, "full"),
+)
+CPU_SMOKE_GRID = (
+    Run("llama-tiny", "single", 2, 128, "none"),
+    Run("llama-tiny", "fsdp", 1, 128, "full"),
+    Run("llama-tiny", "zero3_offload", 1, 128, "full"),
+)
+
+
+def estimate_for(run: Run, device_type: str, device_memory_bytes: int) -> dict[str, Any]:
+    """What `oomless estimate` says for this run (pure; no device touched)."""
+    from launcher.estimate import estimate
+    from launcher.model_shape import model_shape
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shape = model_shape(_job(run, device_type, Path(tmp)).model)
+    est = estimate(
+        shape,
+        strategy=run.strategy,
+        world_size=1,
+        devices_per_node=1,
+        micro_batch_size=run.micro_batch_size,
+        seq_len=run.seq_len,
+        activation_checkpointing=run.activation_checkpointing,
+        precision=run.precision,
+        device=device_type,
+        grad_accum=run.grad_accum,
+    )
+    return {
+        "peak_tensor_bytes": est.peak_tensor_bytes,
+        "total_bytes": est.device_total_bytes,
+        "breakdown": est.device_breakdown,
+        "peak_phase": max(est.phases, key=est.phases.get),
+        "device_memory_bytes": device_memory_bytes,
+    }
+
+
+def _job(run: Run, device_type: str, tmp: Path) -> Any:
+    from launcher.config import build_config
+
+    data = tmp / "d.jsonl"
+    data.write_text('{"text": "x"}\n')
+    return build_config(
+        {
+            "model": {"config": MODELS[run.model], "tokenizer": str(tmp)},
+            "data": {"path": str(data), "seq_len": run.seq_len},
+            "train": {
+                "global_batch_size": run.micro_batch_size * run.grad_accum,
+                "micro_batch_size": run.micro_batch_size,
+            },
+            "precision": run.precision,
+            "memory": {"activation_checkpointing": run.activation_checkpointing},
+            "strategy": run.strategy,
+            "hardware": {"device": device_type, "devices_per_node": 1},
+        }
+    )
+
+
+def measure(run: Run, device_type: str) -> dict[str, Any]:
+    """Two optimizer steps of the engine in this process; the second one's peaks."""
+    import torch
+    import torch.distributed as dist
+
+    from bench.common import make_batches
+    from bench.engine_vs_plain import OPTIM
+    from trainer.backends import BackendContext, build_backend
+    from trainer.model import HFModelFactory
+    from trainer.step import train_step
+
+    device = torch.device(device_type)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+        torch.zeros(1, device=device)  # the CUDA context, before anything of ours
+        free, total = torch.cuda.mem_get_info()
+        context_bytes = total - free
+    else:
+        context_bytes = 0
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _job(run, device.type, Path(tmp))
+        ctx = BackendContext(
+            cfg, device, 0, 0, 1, run.precision, run.activation_checkpointing,
+            run.micro_batch_size, run.grad_accum,
+        )  # fmt: skip
+        backend = build_backend(run.strategy, ctx)
+        model = backend.setup(HFModelFactory(cfg.model, seed=0), OPTIM)
+        batches = make_batches(run.model, run.grad_accum, run.micro_batch_size, run.seq_len)
+        train_step(model, backend, batches, device)  # creates the optimizer state
+        backend.reset_peak()
+        start = time.perf_counter()
+        train_step(model, backend, batches, device)
+        step_s = time.perf_counter() - start
+    out: dict[str, Any] = {"step_s": round(step_s, 3), "context_bytes": context_bytes}
+    if device.type == "cuda":
+        out["max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        out["max_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    dist.destroy_process_group()
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_one(index: int, run: Run, device_type: str, timeout_s: float) -> dict[str, Any]:
+    """`measure` in a fresh process (ZeRO-3 patches torch.nn.functional.linear for good, and
+    every run starts from an empty allocator), then the estimate beside it."""
+    argv = [sys.executable, "-m", "bench.estimate_gpu", "--run", json.dumps(asdict(run))]
+    argv += ["--device", device_type]
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"index": index, "run": asdict(run), "error": f"timed out after {timeout_s:.0f} s"}
+    wall_s = round(time.perf_counter() - started, 1)
+    result: dict[str, Any] = {"index": index, "run": asdict(run), "wall_s": wall_s}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        result["error"] = f"exit {proc.returncode}: {' | '.join(tail)}"
+        return result
+    result["measured"] = json.loads(lines[-1])
+    device_memory = 0
+    if device_type == "cuda":
+        import torch
+
+        device_memory = torch.cuda.get_device_properties(0).total_memory
+    result["estimate"] = estimate_for(run, device_type, device_memory)
+    return result
+
+
+def errors(result: dict[str, Any]) -> dict[str, float | None]:
+    """Relative errors of the estimate: peak vs max allocated, total vs reserved + context."""
+    est, got = result.get("estimate"), result.get("measured", {})
+    if not est or "max_allocated_bytes" not in got:
+        return {"peak": None, "total": None}
+    allocated = got["max_allocated_bytes"]
+    reserved = got["max_reserved_bytes"] + got["context_bytes"]
+    return {
+        "peak": (est["peak_tensor_bytes"] - allocated) / allocated,
+        "total": (est["total_bytes"] - reserved) / reserved,
+    }
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    def gib(n: int | None) -> str:
+        return f"{n / GIB:7.2f}" if n is not None else "    n/a"
+
+    def pct(x: float | None) -> str:
+        return f"{x:+7.1%}" if x is not None else "    n/a"
+
+    lines = [
+        f"{'#':>2} {'model':<10} {'strategy':<14}{'mb':>3}{'seq':>6} {'ckpt':<10}"
+        f"{'est peak':>9}{'alloc':>8}{'err':>8}{'est tot':>9}{'resv+ctx':>9}{'err':>8}",
+    ]
+    for r in results:
+        k, run = r["index"], r["run"]
+        est, got = r.get("estimate") or {}, r.get("measured") or {}
+        err = errors(r)
+        reserved = got.get("max_reserved_bytes")
+        if reserved is not None:
+            reserved += got["context_bytes"]
+        line = (
+            f"{k:>2} {run['model']:<10} {run['strategy']:<14}{run['micro_batch_size']:>3}"
+            f"{run['seq_len']:>6} {run['activation_checkpointing']:<10}"
+            f"{gib(est.get('peak_tensor_bytes'))} {gib(got.get('max_allocated_bytes'))}"
+            f"{pct(err['peak'])} {gib(est.get('total_bytes'))}  {gib(reserved)}{pct(err['total'])}"
+        )
+        if "error" in r:
+            line += f"  FAILED: {r['error']}"
+        lines.append(line)
+    peaks = [e for r in results if (e := errors(r)["peak"]) is not None]
+    if peaks:
+        lines.append(
+            f"peak vs max_memory_allocated over {len(peaks)} runs: median |error| "
+            f"{statistics.median(abs(e) for e in peaks):.1%}, max |error| "
+            f"{max(abs(e) for e in peaks):.1%}, most under {min(peaks):+.1%} "
+            f"(target: within 10%, never more than 5% under)"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.estimate_gpu", description=__doc__)
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny grid on the CPU")
+    parser.add_argument("--only", default="", help="comma-separated run numbers of the grid")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds per run")
+    parser.add_argument("--device", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one run, in-process
+    args = parser.parse_args(argv)
+    if args.run:
+        print(json.dumps(measure(Run(**json.loads(args.run)), args.device or "cuda")))
+        return 0
+    device_type = "cpu" if args.cpu_smoke else "cuda"
+    if device_type == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("no CUDA device: run with --cpu-smoke for the CPU path", file=sys.stderr)
+            return 2
+    grid = CPU_SMOKE_GRID if args.cpu_smoke else GPU_GRID
+    picked = [int(k) for k in args.only.split(",") if k] or range(len(grid))
+    results = []
+    for k in picked:
+        results.append(run_one(k, grid[k], device_type, args.timeout))
+        print(f"run {k}: {json.dumps(results[-1])}", file=sys.stderr, flush=True)
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        path = Path(out_dir) / "estimate_gpu.json"
+        path.write_text(json.dumps({"machine": machine(), "runs": results}, indent=2))
+    print(table(results))
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
