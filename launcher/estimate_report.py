@@ -80,9 +80,12 @@ def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, 
     return out
 
 
+MIB = 1024**2
+
+
 def render_traces(rows: list[Estimate], traced: dict[str, dict[str, Any]]) -> str:
     lines = [
-        "traced (one step under FakeTensorMode) vs analytic peak tensor bytes, GiB per device:",
+        "traced (one step under FakeTensorMode) vs analytic peak tensor bytes, MiB per device:",
         f"{'strategy':<22}{'micro':>6} {'ckpt':<10}{'accum':>6}{'traced':>9}{'analytic':>10}"
         f"{'error':>8}",
     ]
@@ -94,7 +97,7 @@ def render_traces(rows: list[Estimate], traced: dict[str, dict[str, Any]]) -> st
         tb, ab = t["traced_peak_tensor_bytes"], t["analytic_peak_tensor_bytes"]
         lines.append(
             f"{r.strategy:<22}{r.micro_batch_size:>6} {r.activation_checkpointing:<10}"
-            f"{t['grad_accum']:>6}{tb / GIB:9.2f}{ab / GIB:10.2f}{(ab - tb) / tb:+8.1%}"
+            f"{t['grad_accum']:>6}{tb / MIB:9.1f}{ab / MIB:10.1f}{(ab - tb) / tb:+8.1%}"
         )
     return "\n".join(lines)
 

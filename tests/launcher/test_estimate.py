@@ -3,6 +3,8 @@ says for the shipped presets, and the model types it refuses."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from launcher.config import ConfigError, ModelConfig
@@ -164,3 +166,53 @@ def test_an_unmodelled_block_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="gpt_neox") as err:
         _estimate(shape, "single", 1, seq=512)
     assert "\n" not in str(err.value)
+
+
+def test_estimate_json_on_the_8b_preset_is_interfaces_shape(capsys, monkeypatch):
+    from launcher.cli import main
+    from tests.conftest import REPO
+
+    monkeypatch.chdir(REPO)
+    args = ["configs/models/llama-3.1-8b.yaml", "hardware.devices_per_node=8"]
+    args += ["hardware.device_memory=80GiB", "hardware.host_memory=1TiB", "--json"]
+    assert main(["estimate", *args]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == {
+        "params": 8030261248, "layers": 32, "hidden_size": 4096, "vocab_size": 128256
+    }  # fmt: skip
+    assert out["hardware"]["device_memory_bytes"] == 80 * GIB
+    rows = {s["name"]: s for s in out["strategies"]}
+    assert "single" not in rows and rows["ddp"]["fits"] is False  # 16N = 120 GiB per replica
+    zero3 = rows["zero3"]
+    assert zero3["fits"] and zero3["world_size"] == 8
+    parts = {"params", "grads", "optimizer", "activations", "temporary", "runtime_overhead"}
+    assert set(zero3["device"]["breakdown"]) == parts
+    assert zero3["device"]["peak_tensor_bytes"] < zero3["device"]["total_bytes"] < 72 * GIB
+
+
+def test_estimate_trace_prints_traced_and_analytic_side_by_side(tmp_path, tiny_llama_config):
+    from tests.conftest import PYTHON, REPO, python_env, run_bounded
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "x"}\n')
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        json.dumps(
+            {
+                "model": {"config": tiny_llama_config},
+                "data": {"path": str(data), "seq_len": 128},
+                "train": {"global_batch_size": 8, "micro_batch_size": 2},
+                "memory": {"activation_checkpointing": "none"},
+                "strategy": "fsdp",
+                "hardware": {"device": "cuda", "devices_per_node": 2, "device_memory": "1GiB",
+                             "host_memory": "8GiB"},
+            }
+        )
+    )  # fmt: skip
+    argv = [PYTHON, "-m", "launcher.cli", "estimate", str(job), "--trace"]
+    proc = run_bounded(argv, timeout=300, cwd=REPO, env=python_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = proc.stdout.splitlines()[-1].split()
+    assert row[:4] == ["fsdp", "2", "none", "2"]  # strategy, micro, checkpointing, accumulation
+    traced, analytic, error = float(row[4]), float(row[5]), float(row[6].rstrip("%"))
+    assert traced > 0 and analytic > 0 and -5 <= error <= 10
