@@ -140,7 +140,7 @@ def measure(run: Run, device_type: str) -> dict[str, Any]:
         context_bytes = total - free
     else:
         context_bytes = 0
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _job(run, device.type, Path(tmp))
         ctx = BackendContext(
