@@ -261,6 +261,17 @@ def medians(times: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def paired_ratio(first: list[float], second: list[float]) -> tuple[float, float, float]:
+    """Median and quartiles of first[i] / second[i]: the times of one round, taken back to back.
+
+    Under a load that drifts over minutes, the ratio within a round moves less than either side,
+    so its spread says how far the medians' ratio can be trusted.
+    """
+    ratios = [a / b for a, b in zip(first, second, strict=True)]
+    q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return median, q1, q3
+
+
 def flops_per_token(model: str, num_params: int, seq: int) -> float:
     """Training FLOPs per token: 6N + attention's 12 x layers x hidden x seq (the engine's MFU)."""
     shape = MODELS[model]

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine
+from bench.common import machine, paired_ratio
 
 TARGET = 1.05  # oomless step time at most 5% above its peer's
 
@@ -58,8 +58,9 @@ def run_benchmarks(quick: bool, precision: str, work: Path) -> dict[str, Any]:
 def markdown(results: dict[str, Any]) -> str:
     """The comparison table: tokens/s medians, oomless/peer step-time ratio, target."""
     rows = [
-        "| comparison | oomless tokens/s | peer tokens/s | oomless / peer step time | target |",
-        "|---|---|---|---|---|",
+        "| comparison | oomless tokens/s | peer tokens/s | oomless / peer step time "
+        "(medians) | per round: median [quartiles] | target |",
+        "|---|---|---|---|---|---|",
     ]
     single = results["single"]
     for peer, label, target in (
@@ -98,9 +99,11 @@ def _row(label: str, result: dict[str, Any], peer: str, target: str) -> str:
     tps = result["tokens_per_s"]
     ratio = result["oomless_over"][peer]
     rounds = result["rounds"]
+    times = result.get("round_s") or result["step_s"]
+    median, q1, q3 = paired_ratio(times["oomless"], times[peer])
     return (
         f"| {label} | {tps['oomless']:,.0f} | {tps[peer]:,.0f} | {ratio:.3f} "
-        f"({rounds} rounds) | {target} |"
+        f"({rounds} rounds) | {median:.3f} [{q1:.3f}, {q3:.3f}] | {target} |"
     )
 
 
@@ -115,7 +118,11 @@ def main() -> None:
         help="of every contender; fp32 by default: CPUs without AVX512-BF16/AMX run bf16 "
         "matmuls an order of magnitude slower than fp32",
     )
+    p.add_argument("--table", type=Path, help="only print the table of this results file")
     args = p.parse_args()
+    if args.table:
+        print(markdown(json.loads(args.table.read_text())))
+        return
     before = machine()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
