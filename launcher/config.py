@@ -275,6 +275,10 @@ class RunConfig(_Section):
 class FsdpConfig(_Section):
     reshard_after_forward: bool = True
     hybrid: bool = False
+    # Gradient accumulation: false keeps unsharded fp32 gradients on every rank until the last
+    # micro-batch and reduce-scatters once (least communication, 4 bytes per parameter more);
+    # true reduce-scatters after every micro-batch. auto: the planner picks false if it fits.
+    reduce_every_micro_batch: bool | Literal["auto"] = "auto"
 
 
 class DeepSpeedConfig(_Section):

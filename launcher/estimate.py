@@ -343,12 +343,15 @@ def estimate(
     device: str = "cuda",
     grad_accum: int = 2,
     packed: bool = True,
+    fsdp_reduce_every_micro_batch: bool = False,
 ) -> Estimate:
     """Peak bytes on one device and on one host for a training step of this configuration.
 
     `grad_accum`: micro-batches per optimizer step on this rank; every value above 1 costs the
     same (later micro-batches run with the earlier ones' gradients alive). `packed`: windows hold
     several documents (data.pack), so attention gets a block-causal mask.
+    `fsdp_reduce_every_micro_batch`: FSDP reduce-scatters after every micro-batch and accumulates
+    sharded gradients, instead of accumulating unsharded ones under no-sync.
     """
     if shape.model_type not in MODELLED_TYPES:
         raise ConfigError(
@@ -440,7 +443,11 @@ def estimate(
             head=4 * head_n,
             root_at_embedding=4 * root_n + root_unsharded,
         )
-        first, later = (no_sync, sync) if accumulating else (sync, sync)
+        if fsdp_reduce_every_micro_batch:  # later micro-batches add to the sharded grads
+            first = replace(sync, held=0, released_per_layer=0)
+            later = replace(first, held=on_device["grads"], per_layer=0)
+        else:
+            first, later = (no_sync, sync) if accumulating else (sync, sync)
     elif strategy.startswith("zero"):
         stage = 2 if strategy == "zero2" else 3
         offload_opt = strategy in ("zero3_offload", "zero3_offload_params", "zero3_nvme")

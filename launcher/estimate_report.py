@@ -129,6 +129,10 @@ def estimates_for(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[Estim
                 activation_checkpointing="full" if ac == "auto" else ac,
                 precision=cfg.precision,
                 device=hw.device,
+                grad_accum=max(1, per_rank // micro),
+                fsdp_reduce_every_micro_batch=(
+                    rung.name.startswith("fsdp") and cfg.fsdp.reduce_every_micro_batch is not False
+                ),
             )
         )
     return out

@@ -11,6 +11,7 @@ recomputation, sharding and offload move.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ class Rung:
     param_comm_per_micro: float = 0.0  # parameter gathers, every micro-batch
     pcie_per_step: float = 0.0  # host <-> device once per step
     pcie_per_micro: float = 0.0  # host <-> device every micro-batch
+    offloaded_grads: float = 0.0  # gradients to the host, each time they are reduced
     host_adam_params_s: float = 0.0  # AdamW on the host: parameters per second per node
     nvme_per_step: float = 0.0
 
@@ -49,32 +51,33 @@ LADDER: tuple[Rung, ...] = (
     Rung("zero1", grad_comm=8.0),
     Rung("zero2", grad_comm=8.0, grads_every_micro=True),
     Rung("zero3", grad_comm=4.0, grads_every_micro=True, param_comm_per_micro=4.0),
-    # fp32 shards copied in for the forward's and the backward's gathers; grads out at the step
+    # fp32 shards copied in for the forward's and the backward's gathers
     Rung(
         "fsdp_offload",
         grad_comm=4.0,
         param_comm_per_micro=2.0,
-        pcie_per_step=4.0,
         pcie_per_micro=8.0,
+        offloaded_grads=4.0,
         host_adam_params_s=TORCH_HOST_ADAM_PARAMS_S,
     ),
-    # gradient partitions to the host every micro-batch, updated fp32 partitions back per step
+    # updated fp32 partitions back to the device once per step
     Rung(
         "zero3_offload",
         grad_comm=4.0,
         grads_every_micro=True,
         param_comm_per_micro=4.0,
         pcie_per_step=4.0,
-        pcie_per_micro=4.0,
+        offloaded_grads=4.0,
         host_adam_params_s=DEEPSPEED_HOST_ADAM_PARAMS_S,
     ),
-    # parameters streamed in for forward and backward, gradients out, every micro-batch
+    # parameters streamed in for forward and backward every micro-batch
     Rung(
         "zero3_offload_params",
         grad_comm=4.0,
         grads_every_micro=True,
         param_comm_per_micro=4.0,
-        pcie_per_micro=12.0,
+        pcie_per_micro=8.0,
+        offloaded_grads=4.0,
         host_adam_params_s=DEEPSPEED_HOST_ADAM_PARAMS_S,
     ),
     Rung(
@@ -83,7 +86,8 @@ LADDER: tuple[Rung, ...] = (
         grad_comm=4.0,
         grads_every_micro=True,
         param_comm_per_micro=4.0,
-        pcie_per_micro=12.0,
+        pcie_per_micro=8.0,
+        offloaded_grads=4.0,
         host_adam_params_s=DEEPSPEED_HOST_ADAM_PARAMS_S,
         nvme_per_step=32.0,
     ),
@@ -138,6 +142,7 @@ class Plan:
     step_time_s: float
     reasons: list[str] = field(default_factory=list)
     alternatives: list[Alternative] = field(default_factory=list)
+    fsdp_reduce_every_micro_batch: bool | None = None  # fsdp rungs only
 
     def to_json(self, hw: Hardware, headroom: float, command: list[str]) -> dict[str, Any]:
         """INTERFACE.md's `plan --json`."""
@@ -150,6 +155,11 @@ class Plan:
             "grad_accum": self.grad_accum,
             "activation_checkpointing": self.activation_checkpointing,
             "predicted_step_time_s": self.step_time_s,
+            **(
+                {"fsdp_reduce_every_micro_batch": self.fsdp_reduce_every_micro_batch}
+                if self.fsdp_reduce_every_micro_batch is not None
+                else {}
+            ),
             "estimate": self.estimate.to_json(hw, headroom),
             "reasons": list(self.reasons),
             "alternatives": [a.to_json() for a in self.alternatives],
@@ -169,9 +179,16 @@ def rung_world(rung: Rung, hw: Hardware) -> int | None:
 
 
 def step_time_s(
-    shape: ModelShape, rung: Rung, hw: Hardware, cfg: JobConfig, micro: int, ac: str
+    shape: ModelShape,
+    rung: Rung,
+    hw: Hardware,
+    cfg: JobConfig,
+    micro: int,
+    ac: str,
+    reduce_every_micro: bool = False,
 ) -> float:
-    """Predicted seconds per optimizer step (compute + recompute + communication + offload)."""
+    """Predicted seconds per optimizer step (compute + recompute + communication + offload);
+    `reduce_every_micro`: FSDP reduce-scatters after every micro-batch."""
     seq = cfg.data.seq_len
     world = hw.world_size
     tokens = cfg.train.global_batch_size * seq
@@ -194,13 +211,18 @@ def step_time_s(
         bandwidth = given.inter_node_bandwidth or INTER_NODE_BYTES_S[hw.device]
     pcie, nvme = given.pcie_bandwidth or PCIE_BYTES_S, given.nvme_bandwidth or NVME_BYTES_S
     gather_scale = c / 2 if rung.name.startswith("fsdp") else 1.0
-    grad_reductions = grad_accum if rung.grads_every_micro else 1
+    grad_reductions = grad_accum if rung.grads_every_micro or reduce_every_micro else 1
     comm_bytes = n * (
         rung.grad_comm * grad_reductions + rung.param_comm_per_micro * gather_scale * grad_accum
     )
     comm = ring * comm_bytes / bandwidth
     per_rank = n / world
-    offload = (rung.pcie_per_step + rung.pcie_per_micro * grad_accum) * per_rank / pcie
+    pcie_bytes = (
+        rung.pcie_per_step
+        + rung.pcie_per_micro * grad_accum
+        + rung.offloaded_grads * grad_reductions
+    )
+    offload = pcie_bytes * per_rank / pcie
     if rung.host_adam_params_s:
         offload += per_rank * min(hw.devices_per_node, world) / rung.host_adam_params_s
     offload += rung.nvme_per_step * per_rank / nvme
@@ -219,6 +241,7 @@ def _estimate(
     micro: int,
     ac: str,
     memory_scale: float,
+    reduce_every_micro: bool = False,
 ) -> Estimate:
     est = estimate(
         shape,
@@ -230,6 +253,8 @@ def _estimate(
         activation_checkpointing=ac,
         precision=cfg.precision,
         device=hw.device,
+        grad_accum=max(1, cfg.train.global_batch_size // (hw.world_size * micro)),
+        fsdp_reduce_every_micro_batch=reduce_every_micro,
     )
     if memory_scale == 1.0:
         return est
@@ -254,6 +279,16 @@ class _Candidate:
     ac: str
     estimate: Estimate
     time_s: float
+    reduce_every_micro: bool = False
+
+
+def _reduce_variants(rung: Rung, cfg: JobConfig) -> tuple[bool, ...]:
+    """FSDP's gradient accumulation: unsharded under no-sync (False) or sharded, reducing after
+    every micro-batch (True); both are tried under `fsdp.reduce_every_micro_batch: auto`."""
+    if not rung.name.startswith("fsdp"):
+        return (False,)
+    chosen = cfg.fsdp.reduce_every_micro_batch
+    return (False, True) if chosen == "auto" else (chosen,)
 
 
 def _best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale) -> tuple[_Candidate | None, str]:
@@ -265,16 +300,16 @@ def _best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale) -> tuple[_Candi
         acs = (cfg.memory.activation_checkpointing,)
     best: _Candidate | None = None
     smallest: Estimate | None = None
-    for ac in acs:
+    for every, ac in itertools.product(_reduce_variants(rung, cfg), acs):
         for micro in micros:
-            est = _estimate(shape, rung, hw, cfg, micro, ac, memory_scale)
+            est = _estimate(shape, rung, hw, cfg, micro, ac, memory_scale, every)
             if smallest is None or est.device_total_bytes < smallest.device_total_bytes:
                 smallest = est
             if not est.fits(hw, cfg.memory.headroom):
                 continue
-            t = step_time_s(shape, rung, hw, cfg, micro, ac)
+            t = step_time_s(shape, rung, hw, cfg, micro, ac, every)
             if best is None or t < best.time_s:
-                best = _Candidate(rung, micro, ac, est, t)
+                best = _Candidate(rung, micro, ac, est, t, every)
             break  # smaller micro-batches at this checkpointing level are only slower
     why = "" if best else (smallest.why_not(hw, cfg.memory.headroom) or "does not fit")
     return best, why
@@ -359,6 +394,12 @@ def make_plan(
         f"micro-batch {chosen.micro} x accumulation {per_rank // chosen.micro} x {world} ranks = "
         f"global batch {gbs}; activation checkpointing {chosen.ac}",
     ]
+    if chosen.reduce_every_micro and per_rank // chosen.micro > 1:
+        reasons.append(
+            f"{chosen.rung.name} reduce-scatters gradients after every micro-batch and "
+            "accumulates them sharded (unsharded accumulation holds 4 bytes per parameter more "
+            "on every device)"
+        )
     if chosen is not fastest:
         reasons.append(
             f"{len(candidates)} rungs fit; {chosen.rung.name} ({chosen.time_s:.3g} s predicted) "
@@ -392,6 +433,9 @@ def make_plan(
         step_time_s=chosen.time_s,
         reasons=reasons,
         alternatives=alternatives,
+        fsdp_reduce_every_micro_batch=(
+            chosen.reduce_every_micro if chosen.rung.name.startswith("fsdp") else None
+        ),
     )
 
 
@@ -401,7 +445,8 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
     micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 1
     ac = cfg.memory.activation_checkpointing
     ac = "full" if ac == "auto" else ac
-    est = _estimate(shape, rung, hw, cfg, micro, ac, memory_scale)
+    every = _reduce_variants(rung, cfg)[-1]  # the smaller footprint
+    est = _estimate(shape, rung, hw, cfg, micro, ac, memory_scale, every)
     return Plan(
         strategy=name,
         world_size=hw.world_size,
@@ -411,12 +456,13 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
         grad_accum=per_rank // micro,
         activation_checkpointing=ac,
         estimate=est,
-        step_time_s=step_time_s(shape, rung, hw, cfg, micro, ac),
+        step_time_s=step_time_s(shape, rung, hw, cfg, micro, ac, every),
         reasons=[
             f"strategy {name} is forced by the config, but the estimate says it will not fit: "
             f"{est.why_not(hw, cfg.memory.headroom)}"
         ],
         alternatives=rejected,
+        fsdp_reduce_every_micro_batch=every if rung.name.startswith("fsdp") else None,
     )
 
 
@@ -449,7 +495,7 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected) -
         )
         if cfg.train.global_batch_size % bigger.world_size:
             continue
-        est = _estimate(shape, LADDER[2], bigger, cfg, 1, "full", 1.0)  # fsdp
+        est = _estimate(shape, LADDER[2], bigger, cfg, 1, "full", 1.0, True)  # fsdp
         if est.fits(bigger, cfg.memory.headroom):
             offers.append(
                 f"fsdp would fit on {bigger.world_size} such devices "
@@ -464,6 +510,15 @@ def apply_plan(cfg: JobConfig, plan: Plan, hw: Hardware) -> JobConfig:
     return cfg.model_copy(
         update={
             "strategy": plan.strategy,
+            **(
+                {
+                    "fsdp": cfg.fsdp.model_copy(
+                        update={"reduce_every_micro_batch": plan.fsdp_reduce_every_micro_batch}
+                    )
+                }
+                if plan.fsdp_reduce_every_micro_batch is not None
+                else {}
+            ),
             "train": cfg.train.model_copy(update={"micro_batch_size": plan.micro_batch_size}),
             "memory": cfg.memory.model_copy(
                 update={"activation_checkpointing": plan.activation_checkpointing}

@@ -59,10 +59,11 @@ def trace_step(
     precision: str = "bf16",
     attn_implementation: str = "sdpa",
     reshard_after_forward: bool = True,
+    reduce_every_micro_batch: bool = False,
 ) -> Trace:
     """Peak live tensor bytes on one device for a steady-state training step (the second one):
-    `grad_accum` micro-batches, all but the last under the backend's no-sync, as the engine runs
-    them."""
+    `grad_accum` micro-batches, all but the last under the backend's no-sync (unless FSDP
+    reduces every micro-batch), as the engine runs them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if strategy not in TRACEABLE:
@@ -89,7 +90,8 @@ def trace_step(
             for i in range(grad_accum):
                 if tracker is not None:
                     tracker.reset_mod_stats()  # its per-module stats allow one call per module
-                with _no_sync(model, strategy, last=i == grad_accum - 1):
+                last = reduce_every_micro_batch or i == grad_accum - 1
+                with _no_sync(model, strategy, last=last):
                     with compute():
                         loss_sum = loss_sum_of(model, batch)
                     (loss_sum / (micro_batch_size * seq_len)).backward()

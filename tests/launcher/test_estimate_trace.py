@@ -187,3 +187,29 @@ def test_phi3_and_gemma_blocks_are_modelled_too(arch, case):
     block saves, so the estimate covers them; gpt_neox is refused (test_estimate.py)."""
     err = relative_error(arch, "medium", *case)
     assert -0.05 <= err <= 0.10, f"{arch} {case}: {err:+.1%}"
+
+
+@pytest.mark.parametrize(
+    "arch, size, world, micro, seq, ckpt",
+    [("llama", "medium", 4, 2, 1024, "none"), ("mistral", "medium", 8, 4, 512, "full")],
+)
+def test_fsdp_reducing_every_micro_batch_matches_the_trace(arch, size, world, micro, seq, ckpt):
+    """fsdp.reduce_every_micro_batch: sharded accumulation, no unsharded fp32 gradients held;
+    the trace shows the lower peak and the estimate follows it."""
+    config = hf_config(arch, size)
+    shape = _shape_of(json.dumps(config, sort_keys=True))
+    peaks = {}
+    for every in (False, True):
+        traced = trace_step(
+            config, strategy="fsdp", world_size=world, micro_batch_size=micro, seq_len=seq,
+            activation_checkpointing=ckpt, grad_accum=3, reduce_every_micro_batch=every,
+        )  # fmt: skip
+        analytic = estimate(
+            shape, strategy="fsdp", world_size=world, devices_per_node=world,
+            micro_batch_size=micro, seq_len=seq, activation_checkpointing=ckpt,
+            precision="bf16", grad_accum=3, fsdp_reduce_every_micro_batch=every,
+        )  # fmt: skip
+        err = (analytic.peak_tensor_bytes - traced.peak_bytes) / traced.peak_bytes
+        assert -0.05 <= err <= 0.10, f"reduce every micro-batch {every}: {err:+.1%}"
+        peaks[every] = (traced.peak_bytes, analytic.peak_tensor_bytes)
+    assert peaks[True][0] < peaks[False][0] and peaks[True][1] < peaks[False][1]

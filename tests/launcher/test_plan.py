@@ -119,3 +119,23 @@ def test_bandwidths_from_the_config_drive_the_cost_model():
     pcie3_job = _job("llama-3.1-8b", strategy="zero3_offload", hardware={"pcie_bandwidth": "6GB"})
     pcie3 = make_plan(pcie3_job, one).step_time_s
     assert pcie3 > pcie4
+
+
+def test_fsdp_accumulates_sharded_when_unsharded_gradients_cost_more():
+    """8B on 8x80 GiB at seq 4096: unsharded fp32 accumulation holds 4 bytes per parameter on
+    every device, which forces fsdp to a slower micro-batch/recompute; reducing after every
+    micro-batch is faster overall, and the resolved config says which the ranks run."""
+    from launcher.plan import apply_plan
+
+    hw = _hw({"devices": 8, "device_memory": "80GiB", "host": "1TiB"})
+    cfg = _job("llama-3.1-8b")
+    plan = make_plan(cfg, hw)
+    assert plan.strategy == "fsdp" and plan.fsdp_reduce_every_micro_batch is True
+    assert plan.grad_accum > 1 and any("after every micro-batch" in r for r in plan.reasons)
+    assert apply_plan(cfg, plan, hw).fsdp.reduce_every_micro_batch is True
+    assert plan.to_json(hw, cfg.memory.headroom, [])["fsdp_reduce_every_micro_batch"] is True
+    # pinned to unsharded accumulation, fsdp's best is slower than the plan above
+    pinned = make_plan(_job("llama-3.1-8b", fsdp={"reduce_every_micro_batch": False}), hw)
+    fsdp = next(a for a in pinned.alternatives if a.strategy == "fsdp")
+    assert pinned.step_time_s * fsdp.relative_step_time > plan.step_time_s * 1.01
+    assert pinned.fsdp_reduce_every_micro_batch in (None, False)

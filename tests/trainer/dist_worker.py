@@ -14,6 +14,8 @@ RUNS: dict[str, list[str]] = {
     "ddp_fp32": ["strategy=ddp"],
     "fsdp_fp32": ["strategy=fsdp", "run.checkpoint_every=4"],
     "fsdp_offload_fp32": ["strategy=fsdp_offload"],
+    # gradients reduce-scattered after each of the 2 micro-batches, accumulated sharded
+    "fsdp_every_micro_fp32": ["strategy=fsdp", "fsdp.reduce_every_micro_batch=true"],
     # HSDP: the two ranks as two "nodes" of one device each: replicate x shard = 2 x 1
     "fsdp_hybrid_fp32": [
         "strategy=fsdp",

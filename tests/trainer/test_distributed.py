@@ -107,6 +107,7 @@ TWO_PROCESS_FP32 = [
     "ddp_fp32",
     "fsdp_fp32",
     "fsdp_offload_fp32",
+    "fsdp_every_micro_fp32",
     "fsdp_hybrid_fp32",
     "zero1_fp32",
     "zero2_fp32",

@@ -85,6 +85,9 @@ class FsdpBackend:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
+        if self.ctx.cfg.fsdp.reduce_every_micro_batch is True:  # sharded accumulation
+            yield
+            return
         self.model.set_requires_gradient_sync(False)
         try:
             yield
