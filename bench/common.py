@@ -35,7 +35,7 @@ MODELS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 4096,
         "tie_word_embeddings": False,
     },
-    "llama-tiny": {  # 1.1M parameters: smoke runs of the GPU scripts on a CPU
+    "llama-tiny": {  # 0.6M parameters: smoke runs of the GPU scripts on a CPU
         "model_type": "llama",
         "vocab_size": 1024,
         "hidden_size": 128,
