@@ -71,7 +71,7 @@ def oomless(*argv: str, timeout_s: float) -> subprocess.CompletedProcess:
     )
 
 
-def memory_cap(config: Path, device: torch.device) -> dict[str, Any]:
+def memory_cap(config: Path, device_memory_bytes: int) -> dict[str, Any]:
     """The allocator cap halfway between the offload rungs' and the on-device rungs' peaks."""
     r = oomless("estimate", str(config), "--json", timeout_s=300)
     if r.returncode != 0:
@@ -83,12 +83,11 @@ def memory_cap(config: Path, device: torch.device) -> dict[str, Any]:
     if fails < 1.2 * fits:
         raise SystemExit(f"no room for a cap: on-device rungs need {fails}, offload {fits} bytes")
     cap = (fails + fits) // 2
-    total = torch.cuda.get_device_properties(device).total_memory
     return {
         "estimated_peak_bytes": peaks,
         "cap_bytes": cap,
-        "device_memory_bytes": total,
-        "device_memory_fraction": round(cap / total, 4),
+        "device_memory_bytes": device_memory_bytes,
+        "device_memory_fraction": round(cap / device_memory_bytes, 4),
     }
 
 
@@ -101,7 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config.write_text(yaml.safe_dump(tree, sort_keys=False))
     result: dict[str, Any] = {"device": device.type, "model": args.model, "seq_len": args.seq}
     if device.type == "cuda":
-        result |= memory_cap(config, device)
+        result |= memory_cap(config, torch.cuda.get_device_properties(device).total_memory)
         tree["debug"] = {"device_memory_fraction": result["device_memory_fraction"]}
         result["device_name"] = torch.cuda.get_device_name(device)
     else:  # nothing to cap: the OOM is injected, at every attempt of `single` from step 3 on

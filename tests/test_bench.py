@@ -122,3 +122,25 @@ def test_make_bench_table_gives_medians_and_per_round_ratios(tmp_path):
         in rows["`zero3_offload` x2 vs DeepSpeed by hand"]
     )
     assert "plan: fsdp_offload, micro-batch 2, checkpointing full" in r.stdout
+
+
+def test_escalation_cap_lies_between_the_offload_and_the_on_device_rungs(tmp_path):
+    """The GPU-only step of bench.escalation, on the real estimator: the cap it sets must stop
+    every rung that keeps all state on the device and leave room for the offload rungs."""
+    import argparse
+
+    import torch
+    import yaml
+
+    from bench.escalation import OFFLOAD, ON_DEVICE, job_tree, memory_cap
+
+    args = argparse.Namespace(model="llama-1b", steps=4, global_batch=4, seq=1024)
+    tree = job_tree(args, torch.device("cuda"), tmp_path / "run")
+    tree["hardware"] |= {"device_memory": "80GiB", "host_memory": "128GiB"}  # no GPU here
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(tree))
+    cap = memory_cap(config, device_memory_bytes=80 * 2**30)
+    peaks = cap["estimated_peak_bytes"]
+    assert max(peaks[name] for name in OFFLOAD) * 1.1 < cap["cap_bytes"]
+    assert cap["cap_bytes"] * 1.1 < min(peaks[name] for name in ON_DEVICE)
+    assert cap["device_memory_fraction"] == round(cap["cap_bytes"] / (80 * 2**30), 4)
