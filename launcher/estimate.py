@@ -16,7 +16,7 @@ i MLP width, V vocabulary, L layers, c bytes of the compute dtype (2 for bf16/fp
   linear function saves its fp32 input and no 16-bit weight copy.
 - Transients: the autocast weight-cast cache (a 16-bit copy of every weight used in forward),
   FSDP all-gathers of the current and prefetched layer plus the root and reduce-scatter buffers,
-  DeepSpeed buckets and the live/prefetched ZeRO-3 parameters, AdamW's foreach temporaries.
+  DeepSpeed buckets and the live/prefetched ZeRO-3 parameters (AdamW is fused: no temporaries).
 - Runtime overhead: a constant for the CUDA context and the allocator's fragmentation as a ratio.
 
 The breakdown lists the size of each part; the peak is the largest of the step's phases (end of
@@ -485,8 +485,7 @@ def estimate(
             gather_layer=gather_layer, gather_root=gather_root,
         )  # fmt: skip
         phases = {k: max(v, again[k]) for k, v in phases.items()}
-    foreach = on_device["params"] // 2 if on_device["optimizer"] and device != "cuda" else 0
-    phases["optimizer"] = base + grads_at_step + foreach
+    phases["optimizer"] = base + grads_at_step  # fused AdamW: no temporaries of its own
     peak = max(phases.values())
 
     activations = (

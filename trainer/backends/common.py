@@ -27,8 +27,9 @@ def autocast_context(device: torch.device, precision: str) -> AbstractContextMan
 def build_adamw(
     params: Iterable[nn.Parameter], optim: OptimizerSpec, device: torch.device
 ) -> torch.optim.AdamW:
-    """AdamW, fused on CUDA (one kernel for all params), foreach on CPU."""
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    """AdamW with torch's fused kernel (CUDA and CPU): one pass per tensor, no foreach
+    temporaries; on CPU also 1.2-4x faster than foreach (a 29M-parameter step here)."""
+    fast = {"fused": True}
     return torch.optim.AdamW(
         list(params),
         lr=optim.lr,
