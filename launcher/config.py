@@ -236,7 +236,7 @@ class InjectOomConfig(_Section):
     step: int = Field(ge=0)
     rank: int | None = Field(None, ge=0)
     times: int = Field(1, ge=0)
-    where: Literal["forward", "backward", "optimizer"] = "backward"
+    where: Literal["setup", "forward", "backward", "optimizer"] = "backward"
     strategies: list[str] | None = None
 
     @field_validator("strategies")

@@ -142,6 +142,28 @@ def test_at_micro_batch_1_the_back_off_recomputes_more_and_learns_the_same(tmp_p
         assert abs(x["loss"] - y["loss"]) <= 1e-6 * y["loss"], (x, y)
 
 
+def test_an_oom_while_setting_up_climbs_a_rung(tmp_path):
+    """Out of memory before the first step (sharding, optimizer state, loading a checkpoint):
+    reported and escalated like one in a step; the next rung trains."""
+    run_dir = tmp_path / "run"
+    r = oomless(
+        "train",
+        str(DEMO),
+        "train.steps=3",
+        "train.eval_every=0",
+        "run.save_final=false",
+        "hardware.device=cpu",
+        f"run.dir={run_dir}",
+        "debug.inject_oom={step: 0, where: setup, strategies: [single]}",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = (run_dir / "escalations.jsonl").read_text().splitlines()
+    (escalation,) = [json.loads(line) for line in lines]
+    assert escalation["from"] == "single" and escalation["to"] != "single"
+    assert escalation["reason"].startswith("out of memory in setup"), escalation
+    assert [m["strategy"] for m in metrics(run_dir)] == [escalation["to"]] * 3
+
+
 def test_persistent_oom_without_escalation_exits_75_with_a_report(tmp_path):
     run_dir = tmp_path / "run"
     r = oomless(

@@ -52,6 +52,7 @@ from trainer.oom import (
     OutOfMemoryInStep,
     StepAborted,
     free_memory,
+    is_oom,
     memory_summary,
     write_oom_report,
 )
@@ -91,7 +92,27 @@ def run_training(cfg: JobConfig) -> int:
     data = build_data(cfg, tokenizer)
     factory = HFModelFactory(cfg.model, cfg.train.seed)
     backend = build_backend(cfg.strategy, ctx)
-    model = backend.setup(factory, _optimizer_spec(cfg))
+    faults = FaultInjector(cfg.debug.inject_oom, cfg.strategy, rank)
+    split = BatchSplit(
+        cfg.train.global_batch_size // world_size, micro, ctx.activation_checkpointing
+    )
+    resume_from = resolve_resume(cfg)
+    start_step = 0
+    phase = "setup"
+    try:  # sharding, optimizer state, loading a checkpoint: an OOM here climbs a rung too
+        faults.at("setup")
+        model = backend.setup(factory, _optimizer_spec(cfg))
+        if resume_from is not None:
+            phase = "resume"
+            start_step = _resume(resume_from, backend, cfg, rank)
+    except Exception as err:
+        if not is_oom(err):
+            raise
+        # No agreement is possible here (the others may be in a collective of setup or load):
+        # this rank reports alone and leaves; torchrun stops the others.
+        measured = int(backend.memory_stats()["peak_device_bytes"])
+        _write_report(run_dir, phase, err, [rank], measured, 0, start_step, split, ctx)
+        return EXIT_OOM
     num_params = _num_params(factory)
     log.info(
         "%s: %s params, world %d, micro-batch %d x accumulation %d x %d ranks = global batch %d, "
@@ -107,10 +128,6 @@ def run_training(cfg: JobConfig) -> int:
         ctx.activation_checkpointing,
     )
 
-    start_step = 0
-    resume_from = resolve_resume(cfg)
-    if resume_from is not None:
-        start_step = _resume(resume_from, backend, cfg, rank)
     metrics = MetricsLog(run_dir, cfg.train.steps, enabled=rank == 0, log_every=cfg.train.log_every)
     if rank == 0:
         metrics.truncate_after(start_step)
@@ -119,10 +136,6 @@ def run_training(cfg: JobConfig) -> int:
 
     peak_flops = _device_peak_flops(device)
     flops_per_token = _flops_per_token(factory.hf_config, num_params, cfg.data.seq_len)
-    faults = FaultInjector(cfg.debug.inject_oom, cfg.strategy, rank)
-    split = BatchSplit(
-        cfg.train.global_batch_size // world_size, micro, ctx.activation_checkpointing
-    )
     for step in range(start_step, cfg.train.steps):
         backend.reset_peak()
         lr = lr_at(cfg.train, step)
