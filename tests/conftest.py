@@ -18,17 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # DeepSpeed JIT-builds its CPU ops (CPU Adam, shared-memory collectives) into torch's extensions
-# dir, guarded by a lock file. One dir per checkout's environment, so that two checkouts on one
-# machine do not rebuild each other's ops over and over; and a lock left by a build that a killed
-# test interrupted (older than any build takes) is removed, or every later DeepSpeed test would
-# wait on it until its timeout.
-EXTENSIONS_DIR = Path(
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-)
-STALE_LOCK_S = 900
-for _lock in EXTENSIONS_DIR.glob("*/lock"):
-    if time.time() - _lock.stat().st_mtime > STALE_LOCK_S:
-        _lock.unlink(missing_ok=True)
+# dir: one dir per checkout's environment, so that two checkouts on one machine do not rebuild
+# each other's ops over and over. (A lock left by a killed build is removed by the backend.)
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 TINY_LLAMA = {
     "model_type": "llama",

@@ -20,8 +20,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +54,7 @@ class DeepSpeedBackend:
         import deepspeed
 
         ctx = self.ctx
+        clear_stale_build_locks()
         # Adopt the process group the engine created (gloo on CPU, NCCL on CUDA).
         deepspeed.init_distributed(dist_backend="nccl" if ctx.device.type == "cuda" else "gloo")
         ds_config = build_deepspeed_config(
@@ -250,3 +253,28 @@ def _replay_cpu_adam_steps(optimizer: Any, num_steps: int) -> None:
             optimizer.opt_id, step, group["lr"], beta1, beta2, group["eps"],
             group["weight_decay"], group["bias_correction"], empty, empty, empty, empty,
         )  # fmt: skip
+
+
+STALE_BUILD_LOCK_S = 900  # far longer than DeepSpeed's op builds take (1-5 minutes)
+
+
+def clear_stale_build_locks(
+    root: Path | None = None, max_age_s: float = STALE_BUILD_LOCK_S
+) -> None:
+    """Remove build locks that a killed process left in torch's extensions dir.
+
+    DeepSpeed JIT-compiles its ops (CPU Adam, shared-memory collectives, async I/O) on first use
+    under a lock file that only a finishing build removes: a build interrupted by a signal or a
+    timeout leaves it, and every later start waits on it forever, silently.
+    """
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(root or get_default_build_root())
+    now = time.time()
+    for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:
+        try:
+            if now - lock.stat().st_mtime > max_age_s:
+                lock.unlink()
+                log.warning("removed a stale build lock left by a killed build: %s", lock)
+        except OSError:
+            continue  # gone already, or another process's
