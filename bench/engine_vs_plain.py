@@ -6,7 +6,8 @@ every round, several rounds, and the medians are compared.
 
 - `oomless`: what `run_training` runs per step: set_lr, `train_step` through the `single` backend
   (token-weighted accumulation, OOM agreement points), memory stats and the metrics line.
-- `plain`: the loop a person writes by hand (mean loss per micro-batch / accumulation, clip, step).
+- `plain`: the loop a person writes by hand (mean loss per micro-batch / accumulation, clip, step),
+  with the engine's AdamW (`build_adamw`: fused), so the optimizer kernel is not what differs.
 - `hf_trainer`: `transformers.Trainer` with equivalent TrainingArguments and no eval, saving or
   logging; it runs in its own thread, held at the end of every optimizer step by a callback, so
   a timed call covers exactly N of its steps including its data loading and bookkeeping.
@@ -40,7 +41,7 @@ from bench.common import (
     timed,
 )
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
-from trainer.backends.common import autocast_context
+from trainer.backends.common import autocast_context, build_adamw
 from trainer.metrics import MetricsLog
 from trainer.model import HFModelFactory
 from trainer.step import train_step
@@ -87,11 +88,7 @@ class PlainLoop:
 
     def __init__(self, args: argparse.Namespace, device: torch.device):
         self.model = build_hf_model(args.model).to(device)
-        fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps,
-            weight_decay=OPTIM.weight_decay, **fast,
-        )  # fmt: skip
+        self.opt = build_adamw(self.model.parameters(), OPTIM, device)  # the engine's AdamW
         self.device = device
         self.precision = args.precision
 

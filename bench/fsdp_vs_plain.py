@@ -4,10 +4,10 @@
         [--model llama-20m] [--rounds 16] [--precision bf16] [--device auto] [--json out.json]
 
 Both sides shard the same Llama shape per decoder layer and then the root, with the same
-mixed-precision policy, AdamW and clipping, on the same batches; their steps alternate
-(barrier to barrier), and rank 0 prints the medians and the ratio. The oomless side is
-`train_step` through `FsdpBackend` (the engine's per-step path: token-weighted accumulation,
-OOM agreement points, no_sync).
+mixed-precision policy, AdamW (the engine's own `build_adamw`: fused) and clipping, on the same
+batches; their steps alternate (barrier to barrier), and rank 0 prints the medians and the ratio.
+The oomless side is `train_step` through `FsdpBackend` (the engine's per-step path:
+token-weighted accumulation, OOM agreement points, no_sync).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from bench.common import (
 )
 from bench.engine_vs_plain import OPTIM
 from trainer.backends import BackendContext, build_backend
-from trainer.backends.common import COMPUTE_DTYPES
+from trainer.backends.common import COMPUTE_DTYPES, build_adamw
 from trainer.model import HFModelFactory, decoder_layers
 from trainer.step import train_step
 
@@ -54,12 +54,7 @@ def build_plain_fsdp(model_name: str, precision: str, device: torch.device):
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps,
-        weight_decay=OPTIM.weight_decay, **fast,
-    )  # fmt: skip
-    return model, opt
+    return model, build_adamw(model.parameters(), OPTIM, device)  # the engine's AdamW
 
 
 def plain_step(model, opt, batches, device: torch.device) -> None:
