@@ -582,6 +582,12 @@ def dump_config(cfg: JobConfig) -> str:
     return yaml.safe_dump(redact(cfg.to_dict()), sort_keys=False)
 
 
+# Written into the run dir by `python -m trainer` when a rank stops on a ConfigError (bad data
+# rows, an unusable strategy): torchrun reports every failed worker as exit 1, and this file
+# tells `oomless train` that it was bad input (exit 2) and what the line was.
+CONFIG_ERROR_FILE = "config-error.txt"
+
+
 def write_config(cfg: JobConfig, run_dir: str | Path) -> Path:
     out = Path(run_dir) / "config.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -259,12 +259,14 @@ def _forward_backward_peaks(
     grads: _GradFlow,
     gather_layer: int,
     gather_root: int,
+    root_kept: int = 0,
 ) -> dict[str, int]:
     """Live bytes at the points where one micro-batch's forward and backward peak.
 
     `ckpt`: the checkpointed layers; `base`: what lives through the whole step (parameters,
     optimizer state); `gather_*`: parameters a sharded strategy holds unsharded while a layer or
-    the root computes.
+    the root computes; `root_kept`: the part of it held from forward's end into backward
+    (FSDP2 does not reshard the root after forward).
     """
     num_layers, num_ckpt = shape.num_layers, len(ckpt)
     t, h, v = m.tokens, shape.hidden_size, shape.vocab_size
@@ -308,8 +310,8 @@ def _forward_backward_peaks(
     return {
         "forward": start + saved + mask_bool + cache + final + gather_root + logits,
         "layer_gather": start + saved + mask_bool + cache + gather_root + gather_layer,
-        "loss": start + saved + mask_kept + cache + final + logits + copy + 4 * rows_v,
-        "backward_start": start + saved + mask_kept + final + 12 * rows_v,
+        "loss": start + saved + mask_kept + cache + final + logits + copy + 4 * rows_v + root_kept,
+        "backward_start": start + saved + mask_kept + final + 12 * rows_v + root_kept,
         "backward_head": head + saved + final + 2 * m.c * t * v,
         "backward_layers": backward_layers,
         # the embedding's backward, with the last layer's reduce-scatter still in flight
@@ -388,7 +390,7 @@ def estimate(
     # Model states per rank, and how gradients come and go in the first and in a later
     # micro-batch of the step (accumulation).
     on_host: dict[str, int] = {}
-    gather_layer = gather_root = 0
+    gather_layer = gather_root = root_kept = 0
     if strategy in ("single", "ddp", "zero1"):
         if strategy == "zero1":
             dev, _ = zero_model_state_bytes(n, stage=1, world_size=w, param_bytes=4)
@@ -425,6 +427,7 @@ def estimate(
         grads_at_step = on_device["grads"]
         gather_layer = 2 * c * layer_n  # unsharded params + the all-gather output
         gather_root = c * root_n  # embeddings, norm, lm_head: unsharded through fwd and bwd
+        root_kept = gather_root
         # the root's 16-bit unsharded grads during the embedding's backward (tied: summed)
         root_unsharded = c * root_n + c * tied_embed
         sync = _GradFlow(
@@ -477,12 +480,12 @@ def estimate(
 
     phases = _forward_backward_peaks(
         shape, m, ckpt=ckpt, base=base, grads=first,
-        gather_layer=gather_layer, gather_root=gather_root,
+        gather_layer=gather_layer, gather_root=gather_root, root_kept=root_kept,
     )  # fmt: skip
     if accumulating:
         again = _forward_backward_peaks(
             shape, m, ckpt=ckpt, base=base, grads=later,
-            gather_layer=gather_layer, gather_root=gather_root,
+            gather_layer=gather_layer, gather_root=gather_root, root_kept=root_kept,
         )  # fmt: skip
         phases = {k: max(v, again[k]) for k, v in phases.items()}
     phases["optimizer"] = base + grads_at_step  # fused AdamW: no temporaries of its own

@@ -18,11 +18,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launcher.config import ConfigError, JobConfig, write_config
+from launcher.config import CONFIG_ERROR_FILE, ConfigError, JobConfig, write_config
 from launcher.plan import NoFitError
 
 log = logging.getLogger(__name__)
 
+EXIT_USAGE = 2
 EXIT_OOM = 75
 EXIT_SIGNAL = 143
 
@@ -45,7 +46,13 @@ def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
         _write_json(run_dir / "plan.json", plan_json)
         report_path = run_dir / "oom-report.json"
         report_path.unlink(missing_ok=True)
+        config_error = run_dir / CONFIG_ERROR_FILE
+        config_error.unlink(missing_ok=True)
         rc = _run(resolved, argv, env, spawn)
+        if rc not in (0, EXIT_OOM, EXIT_SIGNAL) and config_error.exists():
+            # a worker found bad input (data rows, an unusable strategy) after the launch
+            print(config_error.read_text().strip(), file=sys.stderr)
+            return EXIT_USAGE
         if rc not in (0, EXIT_OOM, EXIT_SIGNAL) and report_path.exists():
             rc = EXIT_OOM  # torchrun reports a failed worker as 1; the report says why
         if rc != EXIT_OOM or not cfg.escalation.enabled:

@@ -193,7 +193,7 @@ def _apply_fsdp(model: nn.Module, precision: str, reshard_after_forward: bool) -
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
         fully_shard(layer, **options)
-    fully_shard(model, **options)
+    fully_shard(model, **{**options, "reshard_after_forward": False})  # the root stays gathered
 
 
 @contextlib.contextmanager

@@ -258,3 +258,22 @@ def test_train_spawns_torchrun_for_two_cpu_processes(tmp_path, strategy):
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(run_dir / "final").config.model_type == "llama"
+
+
+@pytest.mark.slow
+def test_bad_input_found_by_the_workers_exits_2_with_its_line_last(tmp_path):
+    """torchrun reports a failed worker as exit 1; a config error found after the launch (here a
+    data row) still ends `oomless train` with exit 2 and the one line, last."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n')
+    run_dir = tmp_path / "run"
+    r = oomless(
+        "train", str(DEMO), f"data.path={data}", "strategy=ddp", "hardware.device=cpu",
+        "hardware.devices_per_node=2", f"run.dir={run_dir}",
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"config error: data.path: {data} row 2 has no 'completion' field; fix the row, "
+        "or set data.on_bad_row=skip to skip such rows"
+    )

@@ -47,6 +47,12 @@ RUNS: dict[str, list[str]] = {
     "zero3_fp32": ["strategy=zero3", "run.checkpoint_every=4"],
     "zero3_offload_fp32": ["strategy=zero3_offload", "run.checkpoint_every=4"],
     "zero3_offload_params_fp32": ["strategy=zero3_offload_params"],
+    # ZeRO-Infinity: parameters and optimizer state swapped through files (async_io, libaio)
+    "zero3_nvme_fp32": [
+        "strategy=zero3_nvme",
+        "deepspeed.nvme_path={work}/nvme_swap",
+        "run.checkpoint_every=4",
+    ],
     # 2N steps straight vs N, stop, resume (N = 4): the same rung on the same ranks; the resumed
     # runs write checkpoints/step_8 too, to compare their optimizer moments with the straight run's
     "fsdp_resumed": [
@@ -70,15 +76,27 @@ RUNS: dict[str, list[str]] = {
         "run.checkpoint_every=4",
         "run.resume={work}/fsdp_fp32/checkpoints/step_4",
     ],
+    # moments loaded into optimizer state that lives on NVMe
+    "zero3_nvme_from_fsdp": [
+        "strategy=zero3_nvme",
+        "deepspeed.nvme_path={work}/nvme_swap_resumed",
+        "run.checkpoint_every=4",
+        "run.resume={work}/fsdp_fp32/checkpoints/step_4",
+    ],
 }
 
 
 def main() -> int:
+    """argv: BASE_CONFIG WORK_DIR [SKIP]: SKIP is a comma-separated list of run names to leave
+    out (the zero3_nvme runs where DeepSpeed's async_io op cannot be built)."""
     base, work = sys.argv[1], Path(sys.argv[2])
+    skip = set(sys.argv[3].split(",")) if len(sys.argv) > 3 else set()
     from launcher.config import load_config
     from trainer.engine import run_training
 
     for name, overrides in RUNS.items():
+        if name in skip:
+            continue
         overrides = [o.replace("{work}", str(work)) for o in overrides]
         cfg = load_config(base, [*overrides, f"run.dir={work / name}"])
         code = run_training(cfg)

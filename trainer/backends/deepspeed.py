@@ -55,6 +55,8 @@ class DeepSpeedBackend:
 
         ctx = self.ctx
         clear_stale_build_locks()
+        if self.name == "zero3_nvme":
+            _require_async_io()
         # Adopt the process group the engine created (gloo on CPU, NCCL on CUDA).
         deepspeed.init_distributed(dist_backend="nccl" if ctx.device.type == "cuda" else "gloo")
         ds_config = build_deepspeed_config(
@@ -84,13 +86,21 @@ class DeepSpeedBackend:
         # ZeRO-3 hands its flat fp32 partitions to the base optimizer only during step().
         flat = getattr(self.optimizer, "fp32_partitioned_groups_flat", None)
         targets = flat if flat is not None else [p for g in base.param_groups for p in g["params"]]
-        for p in targets:
-            if not base.state.get(p):
-                base.state[p] = {
-                    "step": torch.zeros((), dtype=torch.float32) if tensor_step else 0,
-                    "exp_avg": torch.zeros_like(p),
-                    "exp_avg_sq": torch.zeros_like(p),
-                }
+        for i, p in enumerate(targets):
+            if base.state.get(p):
+                continue
+            # ZeRO-Infinity keeps a sub-group's partition and moments on NVMe: read the partition
+            # in, add the moments, and write both back (the swapper then tracks the moments).
+            swapped = flat is not None and self.optimizer._swappable_optimizer_subgroup(i)
+            if swapped:
+                self.optimizer._optimizer_states_and_gradient_swap_in(i)
+            base.state[p] = {
+                "step": torch.zeros((), dtype=torch.float32) if tensor_step else 0,
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
+            if swapped:
+                self.optimizer._optimizer_states_and_gradient_swap_out(i)
         link = getattr(self.optimizer, "_lazy_init_hp_params_optimizer_state", None)
         if link is not None:  # ZeRO-1/2: point each parameter's fragment at the new moments
             link()
@@ -253,6 +263,21 @@ def _replay_cpu_adam_steps(optimizer: Any, num_steps: int) -> None:
             optimizer.opt_id, step, group["lr"], beta1, beta2, group["eps"],
             group["weight_decay"], group["bias_correction"], empty, empty, empty, empty,
         )  # fmt: skip
+
+
+def _require_async_io() -> None:
+    """ZeRO-Infinity swaps through DeepSpeed's async_io op, which builds against libaio: say so in
+    one line before DeepSpeed fails on it deep inside its engine."""
+    from deepspeed.accelerator import get_accelerator
+
+    if not get_accelerator().create_op_builder("AsyncIOBuilder").is_compatible(verbose=False):
+        raise ConfigError(
+            "strategy",
+            "zero3_nvme needs DeepSpeed's async_io op, and libaio (library and headers) is not "
+            "installed here",
+            "install it (Debian/Ubuntu: apt-get install libaio-dev; RHEL: yum install "
+            "libaio-devel), or choose a strategy that offloads to host memory",
+        )
 
 
 STALE_BUILD_LOCK_S = 900  # far longer than DeepSpeed's op builds take (1-5 minutes)
