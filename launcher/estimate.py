@@ -176,8 +176,8 @@ class _Micro:
         return self.b * self.s
 
     @property
-    def loss_rows(self) -> int:
-        return self.b * (self.s - 1)
+    def loss_rows(self) -> int:  # the loss reads every position's logits (the last is ignored)
+        return self.b * self.s
 
 
 def layer_activation_bytes(shape: ModelShape, m: _Micro) -> int:

@@ -22,13 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from launcher.config import ModelConfig
 from trainer.backends import OptimizerSpec
 from trainer.backends.common import COMPUTE_DTYPES, build_adamw
-from trainer.loss import IGNORE_INDEX
+from trainer.loss import next_token_loss_sum
 from trainer.model import HFModelFactory, apply_activation_checkpointing, decoder_layers
 
 TRACEABLE = ("single", "fsdp")
@@ -142,14 +141,9 @@ def _no_sync(model: nn.Module, strategy: str, last: bool):
 
 def loss_sum_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The tensor part of `trainer.loss.compute_loss` (its token count is a data-dependent
-    `int()`, which fake tensors cannot answer); a test keeps the two equal on a real model."""
+    `int()`, which fake tensors cannot answer)."""
     logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
-    return F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.size(-1)),
-        batch["labels"][:, 1:].reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+    return next_token_loss_sum(logits, batch["labels"])
 
 
 def _autocast(precision: str):

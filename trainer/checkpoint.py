@@ -34,7 +34,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from launcher.config import ConfigError, JobConfig, ModelConfig, semantic_hash, write_config
-from trainer.dist import barrier, is_distributed
+from trainer.dist import all_reduce_max, barrier, is_distributed
 
 log = logging.getLogger(__name__)
 
@@ -292,6 +292,10 @@ def load_checkpoint(path: Path, template: dict[str, Any], cfg: JobConfig) -> dic
     stored = set(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
     flat = flatten_state(template)
     missing = sorted(k for k in flat if k.startswith("model/") and k not in stored)
+    # Ranks may ask for different keys (DeepSpeed: each rank its own parameters): all of them
+    # stop here together, before DCP's collectives, when any misses one.
+    if is_distributed() and all_reduce_max(len(missing), torch.device("cpu")) and not missing:
+        missing = ["model/(a weight another rank loads)"]
     if missing:
         raise ConfigError(
             "run.resume",

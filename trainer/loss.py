@@ -12,16 +12,25 @@ IGNORE_INDEX = -100
 def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """(sum of token losses, number of target tokens) for one micro-batch.
 
-    Labels are aligned with input_ids (not shifted); position t predicts labels[t + 1]. The logits
-    are upcast to fp32 for the loss, as HF does: the estimator counts that copy.
+    Labels are aligned with input_ids (not shifted); position t predicts labels[t + 1].
     """
     labels = batch["labels"]
     logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
-    targets = labels[:, 1:]
-    loss_sum = F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.size(-1)),
+    return next_token_loss_sum(logits, labels), int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of every position's prediction of the next label.
+
+    The labels are shifted (the last position predicts nothing), not the logits: the loss reads
+    the logits in place, so neither forward nor backward copies the tokens x vocab tensor for a
+    slice. 16-bit logits are upcast to fp32 for the loss, as HF does: the estimator counts that
+    copy.
+    """
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)),
         targets.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
-    return loss_sum, int((targets != IGNORE_INDEX).sum())

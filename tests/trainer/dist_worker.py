@@ -102,7 +102,44 @@ def main() -> int:
         code = run_training(cfg)
         if code != 0:
             return code
+    probe_deepspeed_state_split(base, work)
     return 0
+
+
+def probe_deepspeed_state_split(base: str, work: Path) -> None:
+    """What each rank keeps of the canonical state a ZeRO-3 checkpoint gathers (the full tensors
+    of its own parameters only), written to WORK_DIR/zero3_split_rank{R}.json."""
+    import json
+
+    import torch
+
+    from launcher.config import load_config
+    from trainer.backends import BackendContext, build_backend
+    from trainer.dist import env_rank
+    from trainer.engine import _optimizer_spec
+    from trainer.model import HFModelFactory
+
+    cfg = load_config(base, ["strategy=zero3", f"run.dir={work / 'zero3_split'}"])
+    rank, local_rank, world_size = env_rank()
+    ctx = BackendContext(
+        cfg=cfg,
+        device=torch.device("cpu"),
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        precision=cfg.precision,
+        activation_checkpointing="none",
+        micro_batch_size=cfg.train.micro_batch_size,
+        grad_accum=cfg.train.global_batch_size // (cfg.train.micro_batch_size * world_size),
+    )
+    backend = build_backend("zero3", ctx)
+    backend.setup(HFModelFactory(cfg.model, cfg.train.seed), _optimizer_spec(cfg))
+    state = backend.state_dict()
+    kept = {
+        "weights": {name: t.numel() for name, t in state["model"].items()},
+        "moments": sorted(state["optim"]),
+    }
+    (work / f"zero3_split_rank{rank}.json").write_text(json.dumps(kept))
 
 
 if __name__ == "__main__":

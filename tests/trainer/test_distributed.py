@@ -242,6 +242,23 @@ def test_resume_carries_the_optimizer_moments(runs, name, source, exact):
     assert all(float(got[k]) == 2 * RESUME_AT for k in got if k.endswith("/step"))
 
 
+def test_a_deepspeed_checkpoint_keeps_each_full_tensor_on_one_rank(runs):
+    """Gathering the canonical state, each rank keeps the full weights and moments of its own
+    parameters only, about half of the model each at world 2 (every rank keeping all of them
+    would need the whole fp32 model and its moments in host memory per rank)."""
+    parts = [json.loads((runs / f"zero3_split_rank{r}.json").read_text()) for r in (0, 1)]
+    everything = {
+        k.removeprefix("model/")
+        for k in _canonical(runs / "zero3_fp32" / f"checkpoints/step_{RESUME_AT}")
+        if k.startswith("model/")
+    }
+    names = [set(p["weights"]) for p in parts]
+    assert not names[0] & names[1] and names[0] | names[1] == everything
+    assert all(sorted(p["weights"]) == p["moments"] for p in parts)
+    sizes = [sum(p["weights"].values()) for p in parts]
+    assert all(0.4 <= n / sum(sizes) <= 0.6 for n in sizes), sizes
+
+
 def test_moment_comparison_catches_a_wrong_mapping(runs):
     """The check above can fail: swapped moments of two same-shaped parameters are caught."""
     state = _canonical(runs / "fsdp_fp32" / f"checkpoints/step_{2 * RESUME_AT}")

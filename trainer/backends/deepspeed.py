@@ -33,6 +33,7 @@ from launcher.config import ConfigError
 from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
 from trainer.backends.common import device_memory_stats, reset_device_peak
 from trainer.backends.deepspeed_config import STAGES, build_deepspeed_config
+from trainer.dist import all_reduce_max, all_reduce_sum
 from trainer.model import apply_activation_checkpointing, canonical_name
 
 log = logging.getLogger(__name__)
@@ -178,61 +179,109 @@ class DeepSpeedBackend:
     def _named_params(self) -> dict[str, nn.Parameter]:
         return {canonical_name(n): p for n, p in self.module.named_parameters()}
 
+    def _owners(self, params: dict[str, nn.Parameter]) -> list[int]:
+        """The rank that keeps each parameter's full tensors in the canonical state.
+
+        Gathering a full tensor is a collective every rank joins, but only its owner keeps it:
+        each rank then holds about 1/world of the model's weights and moments (greedy by size)
+        instead of all of them, which for a large model would not fit in host memory.
+        """
+        sizes = [int(getattr(p, "ds_numel", p.numel())) for p in params.values()]
+        load = [0] * self.ctx.world_size
+        owners = [0] * len(sizes)
+        for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+            owners[i] = min(range(len(load)), key=load.__getitem__)
+            load[owners[i]] += sizes[i]
+        return owners
+
     def state_dict(self) -> dict[str, Any]:
-        """Full fp32 weights and AdamW moments per parameter (a collective under ZeRO-3)."""
+        """Full fp32 weights and AdamW moments of the parameters this rank owns (`_owners`):
+        DCP writes each key once, from its owner."""
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         model: dict[str, torch.Tensor] = {}
         optim: dict[str, dict[str, torch.Tensor]] = {}
         step = torch.tensor(float(self.engine.global_steps))
-        for name, p in self._named_params().items():
-            model[name] = safe_get_full_fp32_param(p).detach().to("cpu", torch.float32)
+        params = self._named_params()
+        for (name, p), owner in zip(params.items(), self._owners(params), strict=True):
+            weight = safe_get_full_fp32_param(p)  # collectives: every rank joins ...
             moments = {
                 key: safe_get_full_optimizer_state(p, key) for key in ("exp_avg", "exp_avg_sq")
             }
+            if owner != self.ctx.rank:
+                continue  # ... and the owner keeps the result
+            model[name] = weight.detach().to("cpu", torch.float32)
             if all(v is not None for v in moments.values()):
                 optim[name] = {k: v.detach().to("cpu", torch.float32) for k, v in moments.items()}
                 optim[name]["step"] = step
         return {"model": model, "optim": optim, "scaler": {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """`state` holds this rank's owned parameters (`state_dict`'s template); each full
+        tensor goes from its owner to every rank, one parameter at a time, and every rank keeps
+        its partition."""
         import deepspeed
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-        for name, p in self._named_params().items():
-            value = state["model"][name].to(self.ctx.device)
+        ctx = self.ctx
+        params = self._named_params()
+        owners = self._owners(params)
+        # which parameters have moments in the checkpoint (a never-stepped one keeps fresh ones)
+        kept = [o == ctx.rank and n in state["optim"] for n, o in zip(params, owners, strict=True)]
+        has_moments = all_reduce_sum([float(k) for k in kept], torch.device("cpu"))
+        steps = [int(m["step"]) for m in state["optim"].values()]
+        num_steps = int(all_reduce_max(max(steps, default=0), torch.device("cpu")))
+        for (name, p), owner, moments in zip(params.items(), owners, has_moments, strict=True):
+            shape = tuple(getattr(p, "ds_shape", p.shape))
+            value = self._from_owner(state["model"].get(name), shape, owner)
             safe_set_full_fp32_param(p, value)  # the optimizer's fp32 master partition
             # ... and the weights forward uses, which DeepSpeed refreshes only at the next step
             gathered = (
-                deepspeed.zero.GatheredParameters([p], modifier_rank=0)
+                deepspeed.zero.GatheredParameters([p], modifier_rank=owner)
                 if self.stage == 3
                 else contextlib.nullcontext()
             )
             with gathered, torch.no_grad():
-                if self.stage < 3 or self.ctx.rank == 0:
+                if self.stage < 3 or ctx.rank == owner:
                     p.data.copy_(value)
-            moments = state["optim"].get(name)
+            del value
             if moments:
                 for key in ("exp_avg", "exp_avg_sq"):
-                    safe_set_full_optimizer_state(p, moments[key].to(self.ctx.device), key)
-        steps = [int(m["step"]) for m in state["optim"].values()]
-        if steps:
-            self.engine.global_steps = max(steps)
+                    mine = state["optim"][name][key] if ctx.rank == owner else None
+                    safe_set_full_optimizer_state(p, self._from_owner(mine, shape, owner), key)
+        if num_steps:
+            self.engine.global_steps = num_steps
             for param_state in self.optimizer.state.values():
                 if "step" in param_state:  # a tensor for torch AdamW, an int for CPU Adam
                     old = param_state["step"]
                     param_state["step"] = (
-                        torch.full_like(old, max(steps)) if torch.is_tensor(old) else max(steps)
+                        torch.full_like(old, num_steps) if torch.is_tensor(old) else num_steps
                     )
-            _replay_cpu_adam_steps(self.optimizer, max(steps))
+            _replay_cpu_adam_steps(self.optimizer, num_steps)
+
+    def _from_owner(
+        self, value: torch.Tensor | None, shape: tuple[int, ...], owner: int
+    ) -> torch.Tensor:
+        """The owner's full fp32 tensor, on every rank's device (a broadcast)."""
+        ctx = self.ctx
+        if ctx.rank == owner:
+            assert value is not None
+            out = value.to(ctx.device, torch.float32).contiguous()
+        else:
+            out = torch.empty(shape, dtype=torch.float32, device=ctx.device)
+        if ctx.world_size > 1:
+            torch.distributed.broadcast(out, src=owner)
+        return out
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full fp32 weights on rank 0 only (every rank joins each gather, one at a time)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        full = {
-            name: safe_get_full_fp32_param(p).detach().to("cpu", torch.float32)
-            for name, p in self._named_params().items()
-        }
+        full = {}
+        for name, p in self._named_params().items():
+            weight = safe_get_full_fp32_param(p)
+            if self.ctx.rank == 0:
+                full[name] = weight.detach().to("cpu", torch.float32)
         return full if self.ctx.rank == 0 else None
 
     def memory_stats(self) -> dict[str, int]:
