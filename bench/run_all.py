@@ -39,10 +39,10 @@ def run_benchmarks(quick: bool, precision: str, work: Path) -> dict[str, Any]:
     torchrun += ["--nproc_per_node", "2", "-m"]
     same = ["--device", "cpu", "--precision", precision]
     steps = {
-        "single": py + ["bench.engine_vs_plain", "--rounds", str(rounds.get("single", 12)), *same],
-        "fsdp": torchrun + ["bench.fsdp_vs_plain", "--rounds", str(rounds.get("fsdp", 16)), *same],
+        "single": py + ["bench.engine_vs_plain", "--rounds", str(rounds.get("single", 36)), *same],
+        "fsdp": torchrun + ["bench.fsdp_vs_plain", "--rounds", str(rounds.get("fsdp", 24)), *same],
         "zero3_offload": torchrun
-        + ["bench.zero3_vs_deepspeed", "--rounds", str(rounds.get("zero3", 8)), *same],
+        + ["bench.zero3_vs_deepspeed", "--rounds", str(rounds.get("zero3", 12)), *same],
         "plan": py + ["bench.plan_time", "--repeats", str(rounds.get("plan", 5))],
     }
     results: dict[str, Any] = {}
