@@ -16,9 +16,14 @@ def main(argv: list[str]) -> int:
     cfg = None
     try:
         cfg = load_config(argv[0])
+        from trainer.dist import shutdown_distributed
         from trainer.engine import run_training
+        from trainer.signals import EXIT_SIGNAL
 
-        return run_training(cfg)
+        code = run_training(cfg)
+        if code in (0, EXIT_SIGNAL):  # every rank got here together
+            shutdown_distributed()
+        return code
     except ConfigError as err:  # bad data rows, an unreachable model: one line, exit 2
         print(err, file=sys.stderr)
         if cfg is not None:

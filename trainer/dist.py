@@ -148,3 +148,12 @@ def all_reduce_max_many(values: list[float], device: torch.device) -> list[float
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
+
+
+def shutdown_distributed() -> None:
+    """Destroy the process group before the interpreter exits. Left to interpreter teardown, gloo's
+    worker threads can outlive Python and abort the process ("terminate called without an active
+    exception", SIGABRT) after a run that finished. Only after exits every rank agreed on: a rank
+    leaving alone (an OOM in the optimizer step) must not wait on peers here."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
