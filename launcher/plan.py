@@ -185,7 +185,7 @@ def step_time_s(
     cfg: JobConfig,
     micro: int,
     ac: str,
-    reduce_every_micro: bool = False,
+    reduce_every_micro: bool | None = False,
 ) -> float:
     """Predicted seconds per optimizer step (compute + recompute + communication + offload);
     `reduce_every_micro`: FSDP reduce-scatters after every micro-batch."""
@@ -241,7 +241,7 @@ def _estimate(
     micro: int,
     ac: str,
     memory_scale: float,
-    reduce_every_micro: bool = False,
+    reduce_every_micro: bool | None = False,
 ) -> Estimate:
     est = estimate(
         shape,
@@ -254,7 +254,7 @@ def _estimate(
         precision=cfg.precision,
         device=hw.device,
         grad_accum=max(1, cfg.train.global_batch_size // (hw.world_size * micro)),
-        fsdp_reduce_every_micro_batch=reduce_every_micro,
+        fsdp_reduce_every_micro_batch=bool(reduce_every_micro),
     )
     if memory_scale == 1.0:
         return est
@@ -279,14 +279,15 @@ class _Candidate:
     ac: str
     estimate: Estimate
     time_s: float
-    reduce_every_micro: bool = False
+    reduce_every_micro: bool | None = None  # fsdp rungs only
 
 
-def _reduce_variants(rung: Rung, cfg: JobConfig) -> tuple[bool, ...]:
+def _reduce_variants(rung: Rung, cfg: JobConfig) -> tuple[bool | None, ...]:
     """FSDP's gradient accumulation: unsharded under no-sync (False) or sharded, reducing after
-    every micro-batch (True); both are tried under `fsdp.reduce_every_micro_batch: auto`."""
+    every micro-batch (True); both are tried under `fsdp.reduce_every_micro_batch: auto`. Other
+    rungs have no such choice (None)."""
     if not rung.name.startswith("fsdp"):
-        return (False,)
+        return (None,)
     chosen = cfg.fsdp.reduce_every_micro_batch
     return (False, True) if chosen == "auto" else (chosen,)
 
@@ -433,9 +434,7 @@ def make_plan(
         step_time_s=chosen.time_s,
         reasons=reasons,
         alternatives=alternatives,
-        fsdp_reduce_every_micro_batch=(
-            chosen.reduce_every_micro if chosen.rung.name.startswith("fsdp") else None
-        ),
+        fsdp_reduce_every_micro_batch=chosen.reduce_every_micro,
     )
 
 
@@ -462,7 +461,7 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
             f"{est.why_not(hw, cfg.memory.headroom)}"
         ],
         alternatives=rejected,
-        fsdp_reduce_every_micro_batch=every if rung.name.startswith("fsdp") else None,
+        fsdp_reduce_every_micro_batch=every,
     )
 
 
