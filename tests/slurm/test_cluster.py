@@ -80,11 +80,22 @@ def _wait(job_id: str, run_dir: Path) -> dict[str, str]:
             return job
         time.sleep(1)
     subprocess.run(["scancel", job_id], timeout=30)
-    pytest.fail(f"job {job_id} not done in {JOB_TIMEOUT_S}s: {_log(run_dir)[-3000:]}")
+    pytest.fail(f"job {job_id} not done in {JOB_TIMEOUT_S}s: {_failure(run_dir)}")
 
 
 def _log(run_dir: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("slurm-*.out")))
+
+
+def _failure(run_dir: Path) -> str:
+    """What a failed job's log says first and last: with --kill-on-bad-exit the tail is the
+    other node's SIGTERM, and the cause is the first error above it."""
+    log = _log(run_dir)
+    first = min(
+        (i for i in (log.find(m) for m in ("Traceback", "terminate called", "error")) if i >= 0),
+        default=0,
+    )
+    return f"{log[max(first - 500, 0) : first + 2500]}\n...\n{log[-2000:]}"
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -99,7 +110,7 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
     run_dir = tmp_path_factory.mktemp("slurm") / "whole"
     job_id = _submit(run_dir)
     job = _wait(job_id, run_dir)
-    assert job["JobState"] == "COMPLETED", (job, _log(run_dir)[-3000:])
+    assert job["JobState"] == "COMPLETED", f"{job}\n{_failure(run_dir)}"
     assert job["ExitCode"] == "0:0"
     return _metrics(run_dir)
 
@@ -116,14 +127,14 @@ def test_usr1_checkpoints_requeues_and_resumes_bit_exact(uninterrupted, tmp_path
     job_id = _submit(run_dir)
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while len(_metrics(run_dir)) < 5:  # mid-run: a few steps done
-        assert _job(job_id).get("JobState") not in TERMINAL, _log(run_dir)[-3000:]
+        assert _job(job_id).get("JobState") not in TERMINAL, _failure(run_dir)
         assert time.monotonic() < deadline, "no training steps before the deadline"
         time.sleep(0.2)
     # Slurm's preemption/time-limit warning: USR1 to every task of the job's steps (torchrun).
     subprocess.run(["scancel", "--signal=USR1", job_id], check=True, timeout=30)
     job = _wait_requeued_and_done(job_id, run_dir, deadline)
     log = _log(run_dir)
-    assert job["JobState"] == "COMPLETED", (job, log[-3000:])
+    assert job["JobState"] == "COMPLETED", f"{job}\n{_failure(run_dir)}"
     assert int(job["Restarts"]) == 1, job
     assert "restart 1" in log, log[-3000:]
     assert list(run_dir.glob("checkpoints/step_*")), "no preemption checkpoint"
@@ -140,7 +151,7 @@ def _wait_requeued_and_done(job_id: str, run_dir: Path, deadline: float) -> dict
             return job
         time.sleep(1)
     subprocess.run(["scancel", job_id], timeout=30)
-    pytest.fail(f"job {job_id} not done after USR1: {_log(run_dir)[-3000:]}")
+    pytest.fail(f"job {job_id} not done after USR1: {_failure(run_dir)}")
 
 
 def test_two_node_losses_equal_a_two_process_local_run(uninterrupted, tmp_path):
