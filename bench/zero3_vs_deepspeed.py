@@ -210,3 +210,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from trainer.dist import exit_without_teardown
+
+    exit_without_teardown(0)  # a torchrun worker: gloo can abort at interpreter teardown

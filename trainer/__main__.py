@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
@@ -17,33 +16,19 @@ def main(argv: list[str]) -> int:
     cfg = None
     try:
         cfg = load_config(argv[0])
-        from trainer.dist import shutdown_distributed
+        from trainer.dist import exit_without_teardown, shutdown_distributed
         from trainer.engine import run_training
         from trainer.signals import EXIT_SIGNAL
 
         code = run_training(cfg)
         if code in (0, EXIT_SIGNAL):  # every rank got here together
             shutdown_distributed()
-        _exit_without_teardown(code)
+        exit_without_teardown(code)
     except ConfigError as err:  # bad data rows, an unreachable model: one line, exit 2
         print(err, file=sys.stderr)
         if cfg is not None:
             _leave_for_launcher(Path(cfg.run.dir), str(err))
         return 2
-
-
-def _exit_without_teardown(code: int) -> None:
-    """End the process once the run's files are written, skipping the interpreter's teardown.
-
-    Even after destroy_process_group, gloo's threads can be destroyed unjoined while C++ statics
-    unwind ("terminate called without an active exception"): SIGABRT after the last step, which
-    torchrun reports as a failed run and srun --kill-on-bad-exit as a failed job (1 in 14 Slurm
-    test jobs here). Every file the run writes is closed by now; only the streams need a flush.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _leave_for_launcher(run_dir: Path, line: str) -> None:

@@ -143,4 +143,6 @@ def probe_deepspeed_state_split(base: str, work: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.dist import exit_without_teardown
+
+    exit_without_teardown(main())

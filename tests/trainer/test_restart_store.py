@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 
 import pytest
@@ -57,4 +56,6 @@ def test_restarted_ranks_connect_after_a_rank_was_killed():
 
 
 if __name__ == "__main__":
-    sys.exit(_worker())
+    from trainer.dist import exit_without_teardown
+
+    exit_without_teardown(_worker())
