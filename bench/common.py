@@ -128,6 +128,7 @@ def job_config(
     device: torch.device,
     world_size: int = 1,
     activation_checkpointing: str = "none",
+    compile: bool = False,
 ) -> Any:
     """A resolved JobConfig for the engine's side of a comparison (data is never read)."""
     from launcher.config import build_config
@@ -141,6 +142,7 @@ def job_config(
             "train": {
                 "global_batch_size": micro * accum * world_size,
                 "micro_batch_size": micro,
+                "compile": compile,
             },
             "precision": precision,
             "memory": {"activation_checkpointing": activation_checkpointing},

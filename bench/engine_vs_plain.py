@@ -56,10 +56,13 @@ OPTIM = OptimizerSpec(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, gr
 class OomlessSingle:
     """The engine's per-step path on the `single` backend."""
 
-    def __init__(self, tmp: Path, args: argparse.Namespace, device: torch.device):
+    def __init__(
+        self, tmp: Path, args: argparse.Namespace, device: torch.device, compile: bool = False
+    ):
         cfg = job_config(
-            tmp, args.model, "single", args.precision, args.micro, args.accum, args.seq, device
-        )
+            tmp, args.model, "single", args.precision, args.micro, args.accum, args.seq, device,
+            compile=compile,
+        )  # fmt: skip
         ctx = BackendContext(cfg, device, 0, 0, 1, args.precision, "none", args.micro, args.accum)
         self.backend = build_backend("single", ctx)
         self.model = self.backend.setup(HFModelFactory(cfg.model, seed=0), OPTIM)
@@ -120,7 +123,9 @@ class HFTrainerStepper:
     next `run(n)`, so only one side computes at any moment and the timed span holds whole steps.
     """
 
-    def __init__(self, args: argparse.Namespace, device: torch.device, out_dir: Path):
+    def __init__(
+        self, args: argparse.Namespace, device: torch.device, out_dir: Path, compile: bool = False
+    ):
         from transformers import Trainer, TrainerCallback, TrainingArguments
 
         stepper = self
@@ -168,6 +173,7 @@ class HFTrainerStepper:
             dataloader_pin_memory=device.type == "cuda",
             remove_unused_columns=False,
             seed=0,
+            torch_compile=compile,
         )
         self.trainer = Trainer(
             model=build_hf_model(args.model), args=targs, train_dataset=dataset, callbacks=[Park()]
@@ -214,42 +220,61 @@ def main() -> None:
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--no-trainer", action="store_true", help="leave the HF Trainer out")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also oomless with train.compile and the Trainer with torch_compile",
+    )
     p.add_argument("--json", type=Path, help="write the raw numbers here")
     args = p.parse_args()
     device = resolve_device(args.device)
     batches = make_batches(args.model, args.accum, args.micro, args.seq)
-    contenders: dict[str, Any] = {}
     # Every contender builds and runs in a thread of its own, as the Trainer must (it is parked
     # between steps): none shares the main thread's malloc arena and OpenMP pool with another.
     # Sharing them cost the two main-thread contenders ~2.5% against the Trainer here.
-    own_oomless, own_plain = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
-    with tempfile.TemporaryDirectory() as tmp, own_oomless, own_plain:
-        oomless = own_oomless.submit(OomlessSingle, Path(tmp), args, device).result()
-        plain = own_plain.submit(PlainLoop, args, device).result()
+    sides: dict[str, tuple[ThreadPoolExecutor | None, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_dir = Path(tmp)
+        (tmp_dir / "o").mkdir()
+        (tmp_dir / "oc").mkdir()
 
-        def run_oomless(num_steps: int) -> None:
-            own_oomless.submit(oomless.run, batches, num_steps).result()
+        def own_thread(name: str, build: Any, *build_args: Any) -> None:
+            pool = ThreadPoolExecutor(1)
+            sides[name] = (pool, pool.submit(build, *build_args).result())
 
-        def run_plain(num_steps: int) -> None:
-            own_plain.submit(plain.run, batches, num_steps).result()
-
-        contenders["oomless"] = lambda: timed(lambda: run_oomless(args.steps), device)
-        contenders["plain"] = lambda: timed(lambda: run_plain(args.steps), device)
-        hf = None
+        own_thread("oomless", OomlessSingle, tmp_dir / "o", args, device)
+        own_thread("plain", PlainLoop, args, device)
+        if args.compile:
+            own_thread("oomless_compiled", OomlessSingle, tmp_dir / "oc", args, device, True)
         if not args.no_trainer:
-            hf = HFTrainerStepper(args, device, Path(tmp) / "hf")
-            contenders["hf_trainer"] = lambda: timed(lambda: hf.run(args.steps), device)
-        num_params = count_parameters(plain.model)
-        run_oomless(1)  # warm-up every side (the Trainer's set-up happens here)
-        run_plain(1)
-        if hf is not None:
-            hf.run(1)
+            sides["hf_trainer"] = (None, HFTrainerStepper(args, device, tmp_dir / "hf"))
+            if args.compile:
+                stepper = HFTrainerStepper(args, device, tmp_dir / "hfc", compile=True)
+                sides["hf_trainer_compiled"] = (None, stepper)
+
+        def runner(name: str) -> Any:
+            pool, side = sides[name]
+            if pool is None:  # a Trainer: its own thread already
+                return side.run
+            return lambda n: pool.submit(side.run, batches, n).result()
+
+        runs = {name: runner(name) for name in sides}
+        contenders = {
+            name: (lambda run=run: timed(lambda: run(args.steps), device))
+            for name, run in runs.items()
+        }
+        for run in runs.values():
+            run(1)  # warm-up every side (the Trainer's set-up and any compiling happen here)
         times = alternate(contenders, args.rounds)
-        if hf is not None:
-            hf.close()
+        for pool, side in sides.values():
+            if pool is None:
+                side.close()
+            else:
+                pool.shutdown()
+    num_params = count_parameters(sides["plain"][1].model)
     result = report(args, device, num_params, times)
-    if hf is not None:
-        result["hf_trainer_optim"] = hf.optimizer_name
+    if "hf_trainer" in sides:
+        result["hf_trainer_optim"] = sides["hf_trainer"][1].optimizer_name
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 
@@ -276,6 +301,12 @@ def report(
         "tokens_per_s": {name: tokens / s for name, s in med.items()},
         "oomless_over": {name: med["oomless"] / s for name, s in med.items() if name != "oomless"},
     }
+    if "oomless_compiled" in med:
+        result["oomless_compiled_over"] = {
+            name: med["oomless_compiled"] / s
+            for name, s in med.items()
+            if name != "oomless_compiled"
+        }
     result |= mfu(args.model, num_params, args.seq, device, result["tokens_per_s"])
     print(
         f"single, {num_params / 1e6:.1f}M params, {args.precision}, micro {args.micro} x accum "
@@ -283,6 +314,10 @@ def report(
         + ", ".join(f"{n} {t:,.0f} tok/s" for n, t in result["tokens_per_s"].items())
         + "; oomless step time / "
         + ", ".join(f"{n} {r:.3f}" for n, r in result["oomless_over"].items())
+        + "".join(
+            f"; oomless_compiled / {n} {r:.3f}"
+            for n, r in result.get("oomless_compiled_over", {}).items()
+        )
     )
     return result
 

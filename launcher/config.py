@@ -184,6 +184,7 @@ class TrainConfig(_Section):
     eval_batches: int = Field(8, ge=1)
     log_every: int = Field(1, ge=1)
     deterministic: bool = False
+    compile: bool = False  # torch.compile each decoder layer (single, ddp, fsdp rungs)
 
     @field_validator("micro_batch_size")
     @classmethod

@@ -93,6 +93,10 @@ def test_make_bench_table_gives_medians_and_per_round_ratios(tmp_path):
     single["tokens_per_s"]["hf_trainer"] = 500.0
     single["oomless_over"]["hf_trainer"] = 0.5
     single["step_s"]["hf_trainer"] = [2.0, 2.0, 2.0]
+    single["tokens_per_s"] |= {"oomless_compiled": 1250.0, "hf_trainer_compiled": 1000.0}
+    single["step_s"]["oomless_compiled"] = [0.8, 0.8, 0.8]
+    single["step_s"]["hf_trainer_compiled"] = [1.0, 0.8, 1.0]
+    single["oomless_compiled_over"] = {"hf_trainer": 0.4, "hf_trainer_compiled": 0.8}
     results = {
         "single": single,
         "fsdp": pair("plain", [1.1, 2.2, 3.3], [1.0, 2.0, 3.0]),
@@ -111,6 +115,10 @@ def test_make_bench_table_gives_medians_and_per_round_ratios(tmp_path):
     assert (
         "| 0.500 (3 rounds) | 0.500 [0.500, 0.500] | < 1.00 |"
         in rows["`single` vs transformers `Trainer`"]
+    )
+    assert (
+        "| 1,250 | 1,000 | 0.800 (3 rounds) | 0.800 [0.800, 1.000] | < 1.00 |"
+        in rows["`single` + `train.compile` vs `Trainer` + `torch_compile`"]
     )
     assert (
         "| 1.100 (3 rounds) | 1.100 [1.100, 1.100] | <= 1.05 |"

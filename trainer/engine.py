@@ -44,6 +44,7 @@ from trainer.model import (
     CHECKPOINTING_LEVELS,
     HFModelFactory,
     count_parameters,
+    num_compiled_layers,
     set_activation_checkpointing,
 )
 from trainer.oom import (
@@ -116,7 +117,7 @@ def run_training(cfg: JobConfig) -> int:
     num_params = _num_params(factory)
     log.info(
         "%s: %s params, world %d, micro-batch %d x accumulation %d x %d ranks = global batch %d, "
-        "%s, activation checkpointing %s",
+        "%s, activation checkpointing %s%s",
         cfg.strategy,
         f"{num_params:,}",
         world_size,
@@ -126,6 +127,7 @@ def run_training(cfg: JobConfig) -> int:
         cfg.train.global_batch_size,
         cfg.precision,
         ctx.activation_checkpointing,
+        f", {n} layers compiled" if (n := num_compiled_layers(model)) else "",
     )
 
     metrics = MetricsLog(run_dir, cfg.train.steps, enabled=rank == 0, log_every=cfg.train.log_every)

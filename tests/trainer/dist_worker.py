@@ -23,6 +23,12 @@ RUNS: dict[str, list[str]] = {
         "hardware.nodes=2",
         "hardware.devices_per_node=1",
     ],
+    # each decoder layer torch.compiled, inside its checkpoint wrapper and under fully_shard
+    "fsdp_compiled_fp32": [
+        "strategy=fsdp",
+        "train.compile=true",
+        "memory.activation_checkpointing=full",
+    ],
     "ddp_bf16": ["strategy=ddp", "precision=bf16"],
     "fsdp_bf16": ["strategy=fsdp", "precision=bf16"],
     "zero2_bf16": ["strategy=zero2", "precision=bf16"],

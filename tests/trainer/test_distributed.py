@@ -66,7 +66,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _single(base: Path, run_dir: Path, *overrides: str) -> None:
+def _single(base: Path, run_dir: Path, *overrides: str) -> str:
     r = run_bounded(
         [PYTHON, "-m", "launcher.cli", "train", str(base), "strategy=single",
          "hardware.devices_per_node=1", "train.micro_batch_size=8", f"run.dir={run_dir}",
@@ -74,6 +74,7 @@ def _single(base: Path, run_dir: Path, *overrides: str) -> None:
         env=python_env(), cwd=REPO, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
+    return r.stderr
 
 
 NVME_RUNS = ["zero3_nvme_fp32", "zero3_nvme_from_fsdp"]
@@ -109,6 +110,13 @@ def runs(tmp_path_factory) -> Path:
     left = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert not left, f"processes left behind: {left}"
     _single(base, work / "single_bf16", "precision=bf16")
+    log = _single(
+        base,
+        work / "single_compiled",
+        "train.compile=true",
+        "memory.activation_checkpointing=selective",
+    )
+    (work / "single_compiled" / "stderr.txt").write_text(log)
     # checkpoints of two-process runs resumed on one process (a process group of one for fsdp)
     for name, source, strategy in (
         ("single_from_fsdp", "fsdp_fp32", "single"),
@@ -128,6 +136,7 @@ TWO_PROCESS_FP32 = [
     "fsdp_offload_fp32",
     "fsdp_every_micro_fp32",
     "fsdp_hybrid_fp32",
+    "fsdp_compiled_fp32",
     "zero1_fp32",
     "zero2_fp32",
     "zero3_fp32",
@@ -146,6 +155,14 @@ def test_fp32_losses_match_one_process(runs, name):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: {name} {a} vs single {b}"
     assert got[-1] < got[0]
     assert all(m["world_size"] == 2 for m in _metrics(runs / name))
+
+
+def test_compiled_layers_learn_what_eager_layers_learn(runs):
+    """train.compile: the same losses as eager (fused kernels reorder fp32 sums, nothing more)."""
+    assert "2 layers compiled" in (runs / "single_compiled" / "stderr.txt").read_text()
+    ref, got = _losses(runs / "single_fp32"), _losses(runs / "single_compiled")
+    for step, (a, b) in enumerate(zip(got, ref, strict=True), start=1):
+        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: compiled {a} vs eager {b}"
 
 
 @pytest.mark.parametrize("name", ["ddp_bf16", "fsdp_bf16", "zero2_bf16", "zero3_offload_bf16"])

@@ -26,7 +26,7 @@ from trainer.backends.common import (
     reset_device_peak,
     set_lr,
 )
-from trainer.model import apply_activation_checkpointing, canonical_name
+from trainer.model import apply_activation_checkpointing, apply_compile, canonical_name
 
 
 class DdpBackend:
@@ -38,6 +38,8 @@ class DdpBackend:
     def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
         inner = factory.build(self.ctx.device)
         apply_activation_checkpointing(inner, self.ctx.activation_checkpointing)
+        if self.ctx.cfg.train.compile:
+            apply_compile(inner)
         inner.train()
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
         self.inner = inner

@@ -58,6 +58,9 @@ class DeepSpeedBackend:
         clear_stale_build_locks()
         if self.name == "zero3_nvme":
             _require_async_io()
+        if ctx.cfg.train.compile and ctx.rank == 0:
+            # ZeRO-3 gathers each layer's parameters in module hooks, which dynamo cannot trace
+            log.warning("train.compile is not applied under %s: its layers run eagerly", self.name)
         # Adopt the process group the engine created (gloo on CPU, NCCL on CUDA).
         deepspeed.init_distributed(dist_backend="nccl" if ctx.device.type == "cuda" else "gloo")
         ds_config = build_deepspeed_config(

@@ -37,7 +37,12 @@ from trainer.backends.common import (
     load_canonical_optim_state,
     reset_device_peak,
 )
-from trainer.model import apply_activation_checkpointing, canonical_name, decoder_layers
+from trainer.model import (
+    apply_activation_checkpointing,
+    apply_compile,
+    canonical_name,
+    decoder_layers,
+)
 
 
 class FsdpBackend:
@@ -51,6 +56,8 @@ class FsdpBackend:
         ctx = self.ctx
         model = factory.build("meta")
         apply_activation_checkpointing(model, ctx.activation_checkpointing)
+        if ctx.cfg.train.compile:
+            apply_compile(model)
         options: dict[str, Any] = {"reshard_after_forward": ctx.cfg.fsdp.reshard_after_forward}
         dtype = COMPUTE_DTYPES.get(ctx.precision)
         if dtype is not None:

@@ -24,7 +24,7 @@ from trainer.backends.common import (
     reset_device_peak,
     set_lr,
 )
-from trainer.model import apply_activation_checkpointing, canonical_name
+from trainer.model import apply_activation_checkpointing, apply_compile, canonical_name
 
 
 class SingleBackend:
@@ -38,6 +38,8 @@ class SingleBackend:
     def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
         model = factory.build(self.ctx.device)
         apply_activation_checkpointing(model, self.ctx.activation_checkpointing)
+        if self.ctx.cfg.train.compile:
+            apply_compile(model)
         model.train()
         self.model = model
         self.optimizer = build_adamw(model.parameters(), optim, self.ctx.device)
