@@ -12,11 +12,15 @@ every round, several rounds, and the medians are compared.
   logging; it runs in its own thread, held at the end of every optimizer step by a callback, so
   a timed call covers exactly N of its steps including its data loading and bookkeeping.
 
+- with `--compile`, two more: `oomless_compiled` (`train.compile: true`: each decoder layer
+  compiled) and `hf_trainer_compiled` (`TrainingArguments(torch_compile=True)`); compiling happens
+  in the untimed warm-up step.
+
 Each contender runs in a thread of its own (the Trainer has to), so that none shares a thread's
 allocator arena and OpenMP pool with another.
 
     python -m bench.engine_vs_plain [--model llama-20m] [--rounds 10] [--steps 2] \
-        [--precision bf16] [--no-trainer] [--device auto] [--json out.json]
+        [--precision bf16] [--no-trainer] [--compile] [--device auto] [--json out.json]
 """
 
 from __future__ import annotations
