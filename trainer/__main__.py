@@ -16,14 +16,10 @@ def main(argv: list[str]) -> int:
     cfg = None
     try:
         cfg = load_config(argv[0])
-        from trainer.dist import exit_without_teardown, shutdown_distributed
+        from trainer.dist import exit_without_teardown
         from trainer.engine import run_training
-        from trainer.signals import EXIT_SIGNAL
 
-        code = run_training(cfg)
-        if code in (0, EXIT_SIGNAL):  # every rank got here together
-            shutdown_distributed()
-        exit_without_teardown(code)
+        exit_without_teardown(run_training(cfg))
     except ConfigError as err:  # bad data rows, an unreachable model: one line, exit 2
         print(err, file=sys.stderr)
         if cfg is not None:

@@ -152,22 +152,14 @@ def barrier() -> None:
         dist.barrier()
 
 
-def shutdown_distributed() -> None:
-    """Destroy the process group before the interpreter exits. Left to interpreter teardown, gloo's
-    worker threads can outlive Python and abort the process ("terminate called without an active
-    exception", SIGABRT) after a run that finished. Only after exits every rank agreed on: a rank
-    leaving alone (an OOM in the optimizer step) must not wait on peers here."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def exit_without_teardown(code: int) -> NoReturn:
     """End a torchrun worker once its files are written, skipping the interpreter's teardown.
 
-    Even after destroy_process_group, gloo's threads can be destroyed unjoined while C++ statics
-    unwind ("terminate called without an active exception"): SIGABRT after the last step, which
-    torchrun reports as a failed run and srun --kill-on-bad-exit as a failed job (2 of ~20 two-node
-    Slurm test jobs here). Only the streams need a flush: the run's files are closed by now.
+    Left to the interpreter, gloo's threads can be destroyed unjoined while C++ statics unwind,
+    even after destroy_process_group ("terminate called without an active exception"): SIGABRT
+    after the last step, which torchrun reports as a failed run and srun --kill-on-bad-exit as a
+    failed job (2 of ~20 two-node Slurm test jobs here). Only the streams need a flush: the run's
+    files are closed by now, and the peers need no goodbye (they exit the same way).
     """
     logging.shutdown()
     sys.stdout.flush()

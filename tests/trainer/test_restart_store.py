@@ -23,7 +23,7 @@ def _worker() -> int:
     import torch
     import torch.distributed as dist
 
-    from trainer.dist import init_distributed, shutdown_distributed
+    from trainer.dist import init_distributed
 
     attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
     if attempt == 1 and rank == 1:
@@ -37,7 +37,6 @@ def _worker() -> int:
         os.kill(os.getpid(), signal.SIGKILL)
     if attempt == 0:
         dist.barrier()  # fails when rank 1 is gone; torchrun restarts both
-    shutdown_distributed()  # as python -m trainer does after a run every rank finished
     return 0
 
 
