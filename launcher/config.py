@@ -159,6 +159,8 @@ class DataConfig(_Section):
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     messages_field: str = "messages"
+    # .txt files: a file is one document | blocks between blank lines | every non-blank line
+    text_unit: Literal["document", "paragraph", "line"] = "document"
     eval_path: str | None = None
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     pack: bool = True
@@ -459,7 +461,11 @@ def build_config(tree: dict[str, Any]) -> JobConfig:
 
 def _check_paths(cfg: JobConfig) -> None:
     def looks_local(p: str) -> bool:
-        return p.startswith(("/", "./", "../", "~")) or Path(p).suffix != ""
+        return (
+            p.startswith(("/", "./", "../", "~"))
+            or Path(p).suffix != ""
+            or _has_local_parent(Path(p))
+        )
 
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
         if value and looks_local(value) and not Path(value).expanduser().exists():
@@ -560,6 +566,15 @@ def _resolve_relative(tree: dict[str, Any], base: Path) -> None:
             tree[section][key] = str(Path(value).resolve())
         elif (base / value).exists():
             tree[section][key] = str((base / value).resolve())
+        elif not _has_local_parent(Path(value)) and _has_local_parent(base / value, base):
+            # `data/train` beside the job file, missing: a local path, named in full in the error
+            tree[section][key] = str((base / value).resolve())
+
+
+def _has_local_parent(path: Path, base: Path | None = None) -> bool:
+    """`data/train` whose `data/` exists here: meant as a local path, not a hub id."""
+    parent = path.parent
+    return parent != (base or Path(".")) and parent != Path(".") and parent.is_dir()
 
 
 _SECRET_RE = re.compile(

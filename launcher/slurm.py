@@ -20,6 +20,7 @@ from pathlib import Path
 from string import Template
 
 from launcher.config import ConfigError, JobConfig, write_config
+from launcher.preflight import check_data, check_run_dir, ensure_run_dir
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "submit.sbatch.tmpl"
 GIB = 1024**3
@@ -76,14 +77,18 @@ def submit_command(cfg: JobConfig, dry_run: bool) -> int:
 
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": _abs(cfg.run.dir)})})
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
+    run_dir = Path(cfg.run.dir)
+    if not dry_run:
+        check_run_dir(run_dir)
     resolved, plan_json = resolve_plan(cfg)
-    run_dir = Path(resolved.run.dir)
     script = render_sbatch(resolved, plan_json, run_dir, sys.executable)
     if dry_run:
         sys.stdout.write(script)
         return 0
     if shutil.which("sbatch") is None:
         raise ConfigError("submit", "sbatch is not on PATH", "run on a Slurm login node")
+    check_data(resolved)  # bad data stops here, not in the queue
+    ensure_run_dir(run_dir)
     write_config(resolved, run_dir)
     _write_json(run_dir / "plan.json", plan_json)
     path = run_dir / "submit.sbatch"

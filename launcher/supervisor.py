@@ -20,6 +20,7 @@ from typing import Any
 
 from launcher.config import CONFIG_ERROR_FILE, ConfigError, JobConfig, write_config
 from launcher.plan import NoFitError
+from launcher.preflight import check_data, check_run_dir, ensure_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ EXIT_SIGNAL = 143
 def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": _abs(cfg.run.dir)})})
     run_dir = Path(cfg.run.dir)
+    if not dry_run:
+        check_run_dir(run_dir)
     failed: list[str] = []
     memory_scale = 1.0
     attempt = 0
@@ -42,6 +45,9 @@ def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
             print(json.dumps(plan_json, indent=2))
             print(" ".join(argv))
             return 0
+        if attempt == 0:  # bad input stops here, before anything is written or launched
+            check_data(resolved)
+            ensure_run_dir(run_dir)
         write_config(resolved, run_dir)
         _write_json(run_dir / "plan.json", plan_json)
         report_path = run_dir / "oom-report.json"
