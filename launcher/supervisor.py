@@ -69,6 +69,9 @@ def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
             return rc
         report = _read_json(run_dir / "oom-report.json")
         failed.append(resolved.strategy)
+        left_forced = cfg.strategy if cfg.strategy != "auto" else None
+        if left_forced:  # a forced rung is where the ladder starts: climb from it
+            cfg, failed = climb_from_forced(cfg, failed)
         memory_scale = max(memory_scale, _measured_over_estimated(report))
         try:
             next_cfg, _ = resolve_plan(cfg, exclude=failed, memory_scale=memory_scale)
@@ -80,20 +83,37 @@ def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
             "from": resolved.strategy,
             "to": next_cfg.strategy,
             "reason": f"out of memory in {report.get('phase', '?')} at micro-batch "
-            f"{report.get('micro_batch_size')}",
+            f"{report.get('micro_batch_size')}"
+            + (f"; left the forced strategy {left_forced}" if left_forced else ""),
             "estimated_peak_bytes": report.get("estimated_peak_bytes"),
             "measured_peak_bytes": report.get("measured_peak_bytes"),
         }
         with (run_dir / "escalations.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
         log.warning(
-            "escalating %s -> %s after out of memory at step %s; resuming from the newest "
+            "escalating %s -> %s after out of memory at step %s%s; resuming from the newest "
             "checkpoint",
             record["from"],
             record["to"],
             record["step"],
+            f", leaving the forced strategy {left_forced} (escalation.enabled=false stops "
+            "there instead)"
+            if left_forced
+            else "",
         )
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
+
+
+def climb_from_forced(cfg: JobConfig, failed: list[str]) -> tuple[JobConfig, list[str]]:
+    """After a forced rung ran out of memory: plan `auto` over the rungs above it on the ladder
+    (the same math; only where the bytes live changes)."""
+    from launcher.plan import LADDER
+
+    names = [rung.name for rung in LADDER]
+    below = names[: names.index(cfg.strategy) + 1]
+    return cfg.model_copy(update={"strategy": "auto"}), sorted(
+        set(failed) | set(below), key=names.index
+    )
 
 
 def resolve_plan(

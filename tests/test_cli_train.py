@@ -164,11 +164,39 @@ def test_an_oom_while_setting_up_climbs_a_rung(tmp_path):
     assert [m["strategy"] for m in metrics(run_dir)] == [escalation["to"]] * 3
 
 
-def test_persistent_oom_without_escalation_exits_75_with_a_report(tmp_path):
+def test_a_forced_strategy_is_where_escalation_starts(tmp_path):
+    """`strategy: single` that runs out of memory for good climbs to a higher rung (same math)
+    and says that it left the forced rung; the run ends where it would have ended."""
     run_dir = tmp_path / "run"
     r = oomless(
         "train",
         str(DEMO),
+        "strategy=single",
+        "train.steps=3",
+        "train.eval_every=0",
+        "run.checkpoint_every=1",
+        "run.save_final=false",
+        "hardware.device=cpu",
+        f"run.dir={run_dir}",
+        "debug.inject_oom={step: 2, times: 0, where: forward, strategies: [single]}",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = (run_dir / "escalations.jsonl").read_text().splitlines()
+    (escalation,) = [json.loads(x) for x in lines]
+    assert escalation["from"] == "single" and escalation["to"] != "single"
+    assert escalation["reason"].endswith("; left the forced strategy single"), escalation
+    said = f"escalating single -> {escalation['to']} after out of memory at step 2, leaving the "
+    assert said + "forced strategy single" in r.stderr, r.stderr[-3000:]
+    assert [m["strategy"] for m in metrics(run_dir)] == ["single"] + [escalation["to"]] * 2
+
+
+def test_persistent_oom_without_escalation_exits_75_with_a_report(tmp_path):
+    """escalation.enabled=false: a forced rung that runs out of memory stops there."""
+    run_dir = tmp_path / "run"
+    r = oomless(
+        "train",
+        str(DEMO),
+        "strategy=single",
         "train.steps=4",
         "train.global_batch_size=4",
         "train.micro_batch_size=2",
