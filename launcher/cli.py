@@ -13,7 +13,7 @@ from launcher.config import ConfigError, dump_config, load_config
 from launcher.logs import setup_logging
 from launcher.plan import NoFitError
 
-EXIT_OK, EXIT_USAGE, EXIT_NO_FIT, EXIT_OOM, EXIT_SIGNAL = 0, 2, 3, 75, 143
+EXIT_OK, EXIT_USAGE, EXIT_NO_FIT, EXIT_OOM, EXIT_INTERRUPTED = 0, 2, 3, 75, 130
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     except NoFitError as err:
         print(f"oomless: {err}", file=sys.stderr)
         return EXIT_NO_FIT
-    except KeyboardInterrupt:
-        return EXIT_SIGNAL
+    except KeyboardInterrupt:  # before the engine runs: nothing to checkpoint (143 promises one)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # output piped into `head` and friends
         sys.stderr.close()
         return EXIT_OK

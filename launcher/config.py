@@ -239,7 +239,7 @@ class InjectOomConfig(_Section):
     step: int = Field(ge=0)
     rank: int | None = Field(None, ge=0)
     times: int = Field(1, ge=0)
-    where: Literal["setup", "forward", "backward", "optimizer"] = "backward"
+    where: Literal["setup", "forward", "backward", "optimizer", "eval"] = "backward"
     strategies: list[str] | None = None
 
     @field_validator("strategies")
@@ -251,8 +251,17 @@ class InjectOomConfig(_Section):
         return v
 
 
+class SlowRank0Config(_Section):
+    """Seconds added to rank 0's serial work (tests of the waiting ranks)."""
+
+    tokenize_s: float = Field(0.0, ge=0)
+    checkpoint_s: float = Field(0.0, ge=0)
+    final_save_s: float = Field(0.0, ge=0)
+
+
 class DebugConfig(_Section):
     inject_oom: InjectOomConfig | None = None
+    slow_rank0: SlowRank0Config | None = None
     crash_in_save: int | None = Field(None, ge=1)  # SIGKILL at the N-th point inside saves
     # cap the CUDA allocator at this fraction of each device (emulates a smaller card, so an
     # out-of-memory and the escalation after it are real; bench/gpu_validate.sh); inert on CPU

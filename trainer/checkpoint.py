@@ -34,7 +34,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from launcher.config import ConfigError, JobConfig, ModelConfig, semantic_hash, write_config
-from trainer.dist import all_reduce_max, barrier, is_distributed
+from trainer.dist import after_rank0, all_reduce_max, barrier, is_distributed, slow_down
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,9 @@ class Checkpointer:
         final = self.root / f"step_{step}"
         crash("shards and rng written")
         barrier()
-        if self.rank == 0:
+
+        def complete_on_rank0() -> None:  # the others wait on it, not on dist.timeout_s
+            slow_down(cfg, "checkpoint_s")
             write_config(cfg, tmp)
             crash("config written")
             if self.tokenizer is not None:
@@ -258,7 +260,10 @@ class Checkpointer:
             _write_latest(self.root, final.name, crash)
             _prune(self.root, cfg.run.keep_checkpoints)
             crash("pruned")
-        barrier()
+
+        after_rank0(
+            f"writing checkpoint {final.name}", complete_on_rank0, clock_s=cfg.dist.timeout_s
+        )
         return final
 
 

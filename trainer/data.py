@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from launcher.config import ConfigError, DataConfig, JobConfig, ModelConfig
-from trainer.dist import barrier, env_rank
+from trainer.dist import after_rank0, slow_down
 from trainer.loss import IGNORE_INDEX
 from trainer.rows import bad_row_error, data_files, field, messages, no_rows_error, read_rows
 
@@ -405,13 +405,19 @@ def tokenize_all(cfg: JobConfig, tokenizer: Any) -> tuple[Documents, Documents |
 def build_data(cfg: JobConfig, tokenizer: Any) -> DataBundle:
     """Tokenise (rank 0 first, others then read its cache), split off eval, pack."""
     data = cfg.data
-    rank, _, _ = env_rank()
-    result = None
-    for turn in (0, 1):  # rank 0 tokenises and caches; the others read the cache after it
-        if (rank == 0) == (turn == 0):
-            result = tokenize_all(cfg, tokenizer)
-        barrier()
-    train_docs, eval_docs = result
+
+    def tokenize_first() -> tuple[Documents, Documents | None]:
+        slow_down(cfg, "tokenize_s")
+        return tokenize_all(cfg, tokenizer)
+
+    # rank 0 tokenises and caches; the others then read the cache (the launcher has usually
+    # tokenised already; under srun on a cold cache this is the long part)
+    train_docs, eval_docs = after_rank0(
+        "tokenising the data",
+        tokenize_first,
+        lambda: tokenize_all(cfg, tokenizer),
+        clock_s=cfg.dist.timeout_s,
+    )
     pad_id = tokenizer.pad_token_id
     split_docs = data.format == "text"
     train_windows = pack(train_docs, data.seq_len, pad_id, split_docs, data.pack)

@@ -6,11 +6,14 @@ process is rank 0 of a world of 1 and no process group is created.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
+import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -18,6 +21,7 @@ import torch.distributed as dist
 from launcher.config import JobConfig
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def env_rank() -> tuple[int, int, int]:
@@ -150,6 +154,65 @@ def all_reduce_max_many(values: list[float], device: torch.device) -> list[float
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
+
+
+_rank0_turns = itertools.count()
+POLL_S = 0.1
+
+
+def after_rank0(
+    what: str, work: Callable[[], T], then: Callable[[], T] | None = None, *, clock_s: float
+) -> T | None:
+    """Rank 0 runs `work` alone (tokenising, a checkpoint's fsync, the final save); the other
+    ranks wait for it to finish, then run `then`.
+
+    They wait on the work itself, not on a clock: a key in the process group's store that rank 0
+    sets when it is done (or failed), polled without a deadline but the job's. A barrier would time
+    out after `dist.timeout_s` (`clock_s`) whatever the work's size; here, past that time the
+    waiting ranks say what they wait for, and again every minute or `clock_s`, whichever is longer.
+    Every rank calls this in the same order (the keys count the calls).
+    """
+    if not is_distributed():
+        return work()
+    key = f"oomless/after_rank0/{next(_rank0_turns)}"
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        try:
+            result = work()
+        except BaseException:
+            store.set(key, "failed")
+            raise
+        store.set(key, "done")
+        return result
+    _wait_for_key(store, key, what, clock_s)
+    return then() if then is not None else None
+
+
+def slow_down(cfg: JobConfig, what: str) -> None:
+    """`debug.slow_rank0.<what>`: make rank 0's serial work take that much longer (tests)."""
+    slow = cfg.debug.slow_rank0
+    if slow is not None and getattr(slow, what):
+        time.sleep(getattr(slow, what))
+
+
+def _wait_for_key(store: dist.Store, key: str, what: str, clock_s: float) -> None:
+    start = time.monotonic()
+    next_note_s = clock_s
+    while not store.check([key]):
+        time.sleep(POLL_S)
+        waited_s = time.monotonic() - start
+        if waited_s >= next_note_s:
+            log.warning(
+                "waiting for rank 0 to finish %s: %.0f s so far (past dist.timeout_s=%g, "
+                "which does not apply here); no deadline but the job's",
+                what,
+                waited_s,
+                clock_s,
+            )
+            next_note_s = waited_s + max(60.0, clock_s)
+    if store.get(key) == b"failed":
+        log.error("rank 0 failed while %s; stopping (its error says why)", what)
+        raise SystemExit(1)
 
 
 def exit_without_teardown(code: int) -> NoReturn:

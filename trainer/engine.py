@@ -30,12 +30,13 @@ from trainer.checkpoint import (
 )
 from trainer.data import build_data, build_tokenizer
 from trainer.dist import (
+    after_rank0,
     all_reduce_max,
     all_reduce_sum,
-    barrier,
     env_rank,
     init_distributed,
     resolve_device,
+    slow_down,
 )
 from trainer.evaluate import evaluate
 from trainer.export import save_hf_model
@@ -173,7 +174,11 @@ def run_training(cfg: JobConfig) -> int:
                 flops_per_token * result.num_tokens / result.step_time_s / (peak_flops * world_size)
             )
         if _due(step + 1, cfg.train.eval_every, cfg.train.steps) and data.eval is not None:
-            record.update(_evaluate_with_backoff(model, backend, data.eval, split, ctx))
+            try:
+                record.update(_evaluate_with_backoff(model, backend, data.eval, split, ctx, faults))
+            except OutOfMemoryGaveUp as err:  # at eval batch 1: climb a rung, like a step
+                _report_oom(run_dir, err, step, split, backend, ctx)
+                return EXIT_OOM
         metrics.write(record)
 
         last = step + 1 == cfg.train.steps
@@ -189,8 +194,10 @@ def run_training(cfg: JobConfig) -> int:
     checkpointer.finish()
 
     if cfg.run.save_final:
-        weights = backend.full_model_state_dict()
-        if rank == 0:
+        weights = backend.full_model_state_dict()  # a collective: every rank joins
+
+        def save_final() -> None:  # rank 0 alone; the others wait on it, not on a clock
+            slow_down(cfg, "final_save_s")
             assert weights is not None
             out = save_hf_model(
                 factory.hf_config,
@@ -200,7 +207,8 @@ def run_training(cfg: JobConfig) -> int:
                 cfg.model.trust_remote_code,
             )
             log.info("saved the trained model to %s", out)
-        barrier()
+
+        after_rank0("saving the final model", save_final, clock_s=cfg.dist.timeout_s)
     return 0
 
 
@@ -297,9 +305,16 @@ def _step_with_backoff(
 
 
 def _evaluate_with_backoff(
-    model: torch.nn.Module, backend: Backend, eval_set: Any, split: BatchSplit, ctx: BackendContext
+    model: torch.nn.Module,
+    backend: Backend,
+    eval_set: Any,
+    split: BatchSplit,
+    ctx: BackendContext,
+    faults: FaultInjector,
 ) -> dict[str, float]:
-    """Evaluate; an OOM halves the eval batch and starts the evaluation over."""
+    """Evaluate; an OOM halves the eval batch and starts the evaluation over; at eval batch 1
+    it gives up like a training step (OutOfMemoryGaveUp: report, exit 75, climb)."""
+    num_backoffs = 0
     while True:
         batches = eval_set.batches(split.eval_batch_size, ctx.rank, ctx.world_size)
         try:
@@ -308,11 +323,13 @@ def _evaluate_with_backoff(
                 itertools.islice(batches, ctx.cfg.train.eval_batches),
                 backend.compute_context,
                 ctx.device,
+                faults,
             )
-        except StepAborted:
+        except StepAborted as err:
             free_memory(ctx.device)
             if split.eval_batch_size == 1:
-                raise
+                raise OutOfMemoryGaveUp(err, num_backoffs) from None
+            num_backoffs += 1
             split.eval_batch_size //= 2
             log.warning("eval: out of memory; eval batch halved to %d", split.eval_batch_size)
 
