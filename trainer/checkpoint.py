@@ -34,7 +34,14 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from launcher.config import ConfigError, JobConfig, ModelConfig, semantic_hash, write_config
-from trainer.dist import after_rank0, all_reduce_max, barrier, is_distributed, slow_down
+from trainer.dist import (
+    after_rank0,
+    all_reduce_max,
+    barrier,
+    is_distributed,
+    slow_down,
+    wait_for_future,
+)
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +239,9 @@ class Checkpointer:
             return
         future, step, tmp, trainer_state = self._pending
         self._pending = None
-        future.result()
+        wait_for_future(
+            future, f"the background write of checkpoint step_{step}", self.cfg.dist.timeout_s
+        )
         self._complete(step, tmp, trainer_state)
 
     def _complete(self, step: int, tmp: Path, trainer_state: dict[str, Any]) -> Path:

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,15 +40,54 @@ def _rendezvous_env() -> dict[str, str]:
     if world_size == 1:
         env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     else:  # srun tasks: the job's first node, a port derived from the job id
-        import subprocess
-
-        nodes = subprocess.run(
-            ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
-            capture_output=True, text=True, check=True,
-        ).stdout.split()  # fmt: skip
         port = 20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000
-        env |= {"MASTER_ADDR": nodes[0], "MASTER_PORT": str(port)}
+        env |= {
+            "MASTER_ADDR": slurm_head_node(os.environ["SLURM_JOB_NODELIST"]),
+            "MASTER_PORT": str(port),
+        }
     return env
+
+
+SCONTROL_TIMEOUT_S = 60
+
+
+def slurm_head_node(nodelist: str, timeout_s: float = SCONTROL_TIMEOUT_S) -> str:
+    """The first host of a Slurm node list (`scontrol show hostnames`), within `timeout_s`: an
+    unresponsive slurmctld fails the start in one line instead of hanging it."""
+    import subprocess
+
+    argv = ["scontrol", "show", "hostnames", nodelist]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(
+            f"'{' '.join(argv)}' did not answer in {timeout_s:.0f} s (is slurmctld reachable?)"
+        ) from None
+    hosts = out.stdout.split()
+    if out.returncode != 0 or not hosts:
+        raise RuntimeError(f"'{' '.join(argv)}' failed: {out.stderr.strip()[:200]}")
+    return hosts[0]
+
+
+def wait_for_future(future: Any, what: str, timeout_s: float, progress_s: float = 60.0) -> Any:
+    """`future.result()` with a progress line every `progress_s` and a bound: background work
+    (an async checkpoint's writes) that does not finish in `timeout_s` raises TimeoutError
+    naming it, instead of blocking the run forever on a stuck file system."""
+    import concurrent.futures
+
+    start = time.monotonic()
+    while True:
+        waited_s = time.monotonic() - start
+        left_s = timeout_s - waited_s
+        if left_s <= 0:
+            raise TimeoutError(
+                f"{what} did not finish in {timeout_s:.0f} s (dist.timeout_s): the file system "
+                "is stuck or too slow; the unfinished checkpoint is never loaded"
+            )
+        try:
+            return future.result(timeout=min(progress_s, left_s))
+        except concurrent.futures.TimeoutError:
+            log.warning("still waiting for %s: %.0f s so far", what, time.monotonic() - start)
 
 
 def resolve_device(cfg: JobConfig, local_rank: int) -> torch.device:
