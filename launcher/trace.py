@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from launcher.config import ModelConfig
 from trainer.backends import OptimizerSpec
 from trainer.backends.common import COMPUTE_DTYPES, build_adamw
+from trainer.config import ModelConfig
 from trainer.loss import next_token_loss_sum
 from trainer.model import HFModelFactory, apply_activation_checkpointing, decoder_layers
 
