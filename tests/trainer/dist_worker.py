@@ -1,5 +1,6 @@
 """Runs the two-process trainings of tests/trainer/dist_runs.py one after another in ONE torchrun
-launch (each torchrun start costs seconds, and the process group is reused): `torchrun ... dist_worker.py BASE_CONFIG WORK_DIR`.
+launch (each torchrun start costs seconds, and the process group is reused):
+`torchrun ... dist_worker.py BASE_CONFIG WORK_DIR`.
 
 Every run is the real engine (`run_training`) with its own run dir under WORK_DIR; the test reads
 their metrics.jsonl files and checkpoints afterwards.
