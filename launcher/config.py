@@ -590,9 +590,7 @@ CONFIG_ERROR_FILE = "config-error.txt"
 
 
 def write_config(cfg: JobConfig, run_dir: str | Path) -> Path:
-    out = Path(run_dir) / "config.yaml"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".yaml.tmp")
-    tmp.write_text(dump_config(cfg))
-    tmp.replace(out)
-    return out
+    """run_dir/config.yaml, replaced in one rename after an fsync (0600: it holds paths)."""
+    from trainer.files import write_atomic
+
+    return write_atomic(Path(run_dir) / "config.yaml", dump_config(cfg))

@@ -20,6 +20,7 @@ from typing import Any
 
 from launcher.config import CONFIG_ERROR_FILE, ConfigError, JobConfig, write_config
 from launcher.plan import NoFitError
+from trainer.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,4 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps(obj, indent=2) + "\n")

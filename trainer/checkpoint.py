@@ -30,10 +30,9 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-import yaml
 from safetensors.torch import load_file, save_file
 
-from launcher.config import ConfigError, JobConfig, ModelConfig, semantic_hash, write_config
+from launcher.config import ConfigError, JobConfig, semantic_hash, write_config
 from trainer.dist import all_reduce_max, barrier, is_distributed
 
 log = logging.getLogger(__name__)
@@ -382,6 +381,7 @@ def _write_latest(root: Path, name: str, after_each: Callable[[str], None]) -> N
     with tmp.open("rb") as f:
         os.fsync(f.fileno())
     tmp.replace(root / "latest")
+    _fsync_dir(root)
     after_each("latest replaced")
 
 
@@ -398,34 +398,6 @@ def _prune(root: Path, keep: int) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Export
-
-
-def export_command(checkpoint: str, out_dir: str) -> int:
-    """`oomless export CHECKPOINT OUT`: an HF model directory from any strategy's checkpoint."""
-    from trainer.export import save_hf_model
-    from trainer.model import load_hf_config
-
-    path = Path(checkpoint)
-    if path.is_dir() and (path / "checkpoints").is_dir():
-        path = find_latest(path) or path
-    if not is_complete(path):
-        raise ConfigError(
-            "CHECKPOINT", f"'{checkpoint}' is not a complete checkpoint", "give checkpoints/step_N"
-        )
-    model_cfg = ModelConfig.model_validate(
-        yaml.safe_load((path / "config.yaml").read_text())["model"]
-    )
-    weights = read_full_weights(path)
-    tokenizer = None
-    if (path / "tokenizer").is_dir():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
-    out = save_hf_model(
-        load_hf_config(model_cfg), weights, out_dir, tokenizer, model_cfg.trust_remote_code
-    )
-    print(f"wrote {out} ({len(weights)} tensors) from {path}")
-    return 0
 
 
 def read_full_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -198,6 +198,7 @@ def run_training(cfg: JobConfig) -> int:
                 run_dir / "final",
                 tokenizer,
                 cfg.model.trust_remote_code,
+                replace=True,  # final/ is this run's own output
             )
             log.info("saved the trained model to %s", out)
         barrier()
