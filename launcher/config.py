@@ -337,29 +337,90 @@ class JobConfig(_Section):
         return self.model_dump(mode="json")
 
 
-# Keys whose value changes what is learned: a checkpoint refuses to resume when they differ.
-# Strategy, world size, micro-batch, checkpointing and run bookkeeping may change freely.
-_SEMANTIC_KEYS = ("model", "data", "precision")
-_SEMANTIC_TRAIN_KEYS = (
-    "global_batch_size",
-    "lr",
-    "min_lr_ratio",
-    "schedule",
-    "warmup_steps",
-    "weight_decay",
-    "betas",
-    "eps",
-    "grad_clip",
-    "seed",
-    "steps",
+# What a resume may change. MATH_KEYS decide what is learned: a checkpoint refuses to resume
+# when one of them differs (the message names each key and its two values), and so does a change
+# of the training data's content (the tokenised data's fingerprint, trainer/data.py). Every other
+# key may change and the change is logged: train.steps (extending a finished run; the schedule
+# is then computed over the new total), strategy, world size, micro-batch, checkpointing,
+# data.cache_dir, data.on_bad_row (a skipped row changes the data's fingerprint),
+# model.attn_implementation, model.tokenizer's path (its tokens are in the fingerprint), eval and
+# logging settings, run bookkeeping.
+MATH_KEYS = (
+    "model.name_or_path",
+    "model.config",
+    "model.revision",
+    "data.path",
+    "data.format",
+    "data.seq_len",
+    "data.text_field",
+    "data.prompt_field",
+    "data.completion_field",
+    "data.messages_field",
+    "data.eval_fraction",
+    "data.pack",
+    "data.append_eos",
+    "precision",
+    "train.global_batch_size",
+    "train.lr",
+    "train.min_lr_ratio",
+    "train.schedule",
+    "train.warmup_steps",
+    "train.weight_decay",
+    "train.betas",
+    "train.eps",
+    "train.grad_clip",
+    "train.seed",
 )
+_ABSENT = object()
+
+
+def _get_dotted(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _ABSENT
+        tree = tree[part]
+    return tree
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict) or prefix in MATH_KEYS:
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def resume_differences(saved: dict[str, Any], cfg: JobConfig) -> tuple[list[str], list[str]]:
+    """(math keys that differ, other keys that differ) between a checkpoint's saved config tree
+    and `cfg`, each as 'key: old -> new'. Keys the saved tree lacks (an older version) are
+    skipped."""
+    new = json.loads(json.dumps(cfg.to_dict()))
+
+    def show(key: str, old: Any, value: Any) -> str:
+        return f"{key}: {json.dumps(old, default=str)} -> {json.dumps(value, default=str)}"
+
+    math = []
+    for key in MATH_KEYS:
+        old, value = _get_dotted(saved, key), _get_dotted(new, key)
+        if old is not _ABSENT and old != value:
+            math.append(show(key, old, value))
+    old_leaves, new_leaves = _leaves(saved), _leaves(new)
+    other = [
+        show(key, old_leaves[key], value)
+        for key, value in new_leaves.items()
+        if key not in MATH_KEYS
+        and key != "run.resume"
+        and key in old_leaves
+        and old_leaves[key] != value
+    ]
+    return math, other
 
 
 def semantic_hash(cfg: JobConfig) -> str:
-    """Hash of what determines the learned result (not where bytes live)."""
+    """Hash of what determines the learned result (MATH_KEYS; not where bytes live)."""
     d = cfg.to_dict()
-    picked = {k: d[k] for k in _SEMANTIC_KEYS}
-    picked["train"] = {k: d["train"][k] for k in _SEMANTIC_TRAIN_KEYS}
+    picked = {key: _get_dotted(d, key) for key in MATH_KEYS}
     blob = json.dumps(picked, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 

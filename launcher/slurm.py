@@ -109,7 +109,7 @@ def _refuse_line_breaks(cfg: JobConfig, run_dir: Path, python: str) -> None:
 
 def submit_command(cfg: JobConfig, dry_run: bool) -> int:
     """`oomless submit`: plan, write run dir + submit.sbatch, sbatch it, print the job id."""
-    from launcher.supervisor import _abs, _write_json, resolve_plan
+    from launcher.supervisor import _abs, _write_json, check_resume, resolve_plan
 
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": _abs(cfg.run.dir)})})
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
@@ -121,6 +121,7 @@ def submit_command(cfg: JobConfig, dry_run: bool) -> int:
         return 0
     if shutil.which("sbatch") is None:
         raise ConfigError("submit", "sbatch is not on PATH", "run on a Slurm login node")
+    check_resume(resolved)  # before anything is written into run.dir
     write_config(resolved, run_dir)
     _write_json(run_dir / "plan.json", plan_json)
     path = write_atomic(run_dir / "submit.sbatch", script)  # 0600: it holds paths and commands

@@ -37,6 +37,8 @@ def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
     attempt = 0
     while True:
         resolved, plan_json = resolve_plan(cfg, exclude=failed, memory_scale=memory_scale)
+        if attempt == 0:
+            check_resume(resolved)  # before anything is written into run.dir
         argv, env, spawn = launch_spec(resolved, run_dir / "config.yaml")
         plan_json["command"] = argv
         if dry_run:
@@ -89,6 +91,23 @@ def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
             record["step"],
         )
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
+
+
+def check_resume(cfg: JobConfig) -> None:
+    """ConfigError (exit 2) when the checkpoint this run would resume was trained with other
+    math or on other data; the changes that keep the math are logged."""
+    from trainer.checkpoint import check_resumable, resolve_resume
+
+    path = resolve_resume(cfg)
+    if path is None:
+        return
+
+    def fingerprint() -> str:
+        from trainer.data import train_data_fingerprint
+
+        return train_data_fingerprint(cfg)
+
+    check_resumable(path, cfg, fingerprint, announce=True)
 
 
 def resolve_plan(

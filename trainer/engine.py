@@ -105,7 +105,7 @@ def run_training(cfg: JobConfig) -> int:
         model = backend.setup(factory, _optimizer_spec(cfg))
         if resume_from is not None:
             phase = "resume"
-            start_step = _resume(resume_from, backend, cfg, rank)
+            start_step = _resume(resume_from, backend, cfg, rank, data.fingerprint)
     except Exception as err:
         if not is_oom(err):
             raise
@@ -134,7 +134,7 @@ def run_training(cfg: JobConfig) -> int:
     if rank == 0:
         metrics.truncate_after(start_step)
     stop = StopSignals()
-    checkpointer = Checkpointer(run_dir, cfg, tokenizer, rank)
+    checkpointer = Checkpointer(run_dir, cfg, tokenizer, rank, data.fingerprint)
 
     peak_flops = _device_peak_flops(device)
     flops_per_token = _flops_per_token(factory.hf_config, num_params, cfg.data.seq_len)
@@ -400,9 +400,9 @@ def _write_report(
     )
 
 
-def _resume(path: Path, backend: Backend, cfg: JobConfig, rank: int) -> int:
+def _resume(path: Path, backend: Backend, cfg: JobConfig, rank: int, data_fingerprint: str) -> int:
     """Load a checkpoint of any strategy and world size into this backend; returns its step."""
-    state = load_checkpoint(path, load_template(backend.state_dict()), cfg)
+    state = load_checkpoint(path, load_template(backend.state_dict()), cfg, data_fingerprint)
     backend_state = state["backend"]
     backend_state["scaler"] = state.get("scaler") or {}
     backend.load_state_dict(backend_state)
