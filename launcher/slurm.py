@@ -121,6 +121,9 @@ def submit_command(cfg: JobConfig, dry_run: bool) -> int:
         return 0
     if shutil.which("sbatch") is None:
         raise ConfigError("submit", "sbatch is not on PATH", "run on a Slurm login node")
+    from trainer.run_lock import check_run_lock
+
+    check_run_lock(run_dir)  # a live job's config, plan and script stay as they are
     check_resume(resolved)  # before anything is written into run.dir
     write_config(resolved, run_dir)
     _write_json(run_dir / "plan.json", plan_json)

@@ -31,6 +31,15 @@ EXIT_SIGNAL = 143
 
 def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": _abs(cfg.run.dir)})})
+    if dry_run:
+        return _train(cfg, dry_run=True)
+    from trainer.run_lock import acquire_run_lock
+
+    with acquire_run_lock(cfg.run.dir):  # one run per run.dir, for the life of this one
+        return _train(cfg, dry_run=False)
+
+
+def _train(cfg: JobConfig, dry_run: bool) -> int:
     run_dir = Path(cfg.run.dir)
     failed: list[str] = []
     memory_scale = 1.0
@@ -150,9 +159,10 @@ def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> i
         finally:
             _release_device_memory()
     from launcher.launch import run_command
+    from trainer.run_lock import LOCK_OWNER_ENV
 
     log.info("launching: %s", " ".join(argv))
-    return run_command(argv, env)
+    return run_command(argv, dict(env, **{LOCK_OWNER_ENV: str(os.getpid())}))
 
 
 def _release_device_memory() -> None:
