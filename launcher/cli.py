@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from launcher.config import ConfigError, dump_config, load_config
-from launcher.logs import setup_logging
 from launcher.plan import NoFitError
-
-EXIT_OK, EXIT_USAGE, EXIT_NO_FIT, EXIT_OOM, EXIT_INTERRUPTED = 0, 2, 3, 75, 130
+from trainer.config import ConfigError, dump_config, load_config
+from trainer.contract import EXIT_CUT_OFF, EXIT_NO_FIT, EXIT_OK, EXIT_USAGE
+from trainer.logs import setup_logging
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,6 +45,14 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("export", help="checkpoint -> HF model dir")
     sp.add_argument("checkpoint")
     sp.add_argument("out_dir")
+    sp.add_argument(
+        "--overwrite", action="store_true", help="replace the contents of a non-empty OUT_DIR"
+    )
+    sp.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let the model's own Python code run (never taken from the checkpoint)",
+    )
     sp = sub.add_parser("report", help="plots of a run (loss curves, memory breakdown)")
     sp.add_argument("run_dir")
     return p
@@ -53,9 +60,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
-        from trainer.checkpoint import export_command
+        from trainer.export import export_command
 
-        return export_command(args.checkpoint, args.out_dir)
+        return export_command(args.checkpoint, args.out_dir, args.overwrite, args.trust_remote_code)
     if args.command == "report":
         from launcher.report import report_command
 
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"oomless: {err}", file=sys.stderr)
         return EXIT_NO_FIT
     except KeyboardInterrupt:  # before the engine runs: nothing to checkpoint (143 promises one)
-        return EXIT_INTERRUPTED
+        return EXIT_CUT_OFF
     except BrokenPipeError:  # output piped into `head` and friends
         sys.stderr.close()
         return EXIT_OK

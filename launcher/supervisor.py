@@ -18,39 +18,58 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launcher.config import CONFIG_ERROR_FILE, ConfigError, JobConfig, write_config
 from launcher.plan import NoFitError
 from launcher.preflight import check_data, check_run_dir, ensure_run_dir
+from trainer.config import ConfigError, JobConfig, write_config
+from trainer.contract import (
+    CONFIG_ERROR_FILE,
+    CONFIG_FILE,
+    ESCALATIONS_FILE,
+    EXIT_OOM,
+    EXIT_SIGNAL,
+    EXIT_USAGE,
+    OOM_REPORT_FILE,
+    PLAN_FILE,
+)
+from trainer.files import write_atomic
 
 log = logging.getLogger(__name__)
-
-EXIT_USAGE = 2
-EXIT_OOM = 75
-EXIT_SIGNAL = 143
 
 
 def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": _abs(cfg.run.dir)})})
+    if dry_run:
+        return _train(cfg, dry_run=True)
+    from trainer.run_lock import acquire_run_lock, check_run_lock
+
+    # bad input stops here, before anything is written into run.dir or launched
+    check_run_dir(cfg.run.dir)
+    check_run_lock(cfg.run.dir)  # a live run there: say so before the data's seconds
+    check_data(cfg)
+    ensure_run_dir(cfg.run.dir)
+
+    with acquire_run_lock(cfg.run.dir):  # one run per run.dir, for the life of this one
+        return _train(cfg, dry_run=False)
+
+
+def _train(cfg: JobConfig, dry_run: bool) -> int:
     run_dir = Path(cfg.run.dir)
-    if not dry_run:
-        check_run_dir(run_dir)
     failed: list[str] = []
     memory_scale = 1.0
     attempt = 0
     while True:
         resolved, plan_json = resolve_plan(cfg, exclude=failed, memory_scale=memory_scale)
-        argv, env, spawn = launch_spec(resolved, run_dir / "config.yaml")
+        if attempt == 0:
+            check_resume(resolved)  # before anything is written into run.dir
+        argv, env, spawn = launch_spec(resolved, run_dir / CONFIG_FILE)
         plan_json["command"] = argv
         if dry_run:
             print(json.dumps(plan_json, indent=2))
             print(" ".join(argv))
             return 0
-        if attempt == 0:  # bad input stops here, before anything is written or launched
-            check_data(resolved)
-            ensure_run_dir(run_dir)
         write_config(resolved, run_dir)
-        _write_json(run_dir / "plan.json", plan_json)
-        report_path = run_dir / "oom-report.json"
+        _write_json(run_dir / PLAN_FILE, plan_json)
+        report_path = run_dir / OOM_REPORT_FILE
         report_path.unlink(missing_ok=True)
         config_error = run_dir / CONFIG_ERROR_FILE
         config_error.unlink(missing_ok=True)
@@ -67,7 +86,7 @@ def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
         if attempt > cfg.escalation.max_attempts:
             log.error("out of memory; escalation.max_attempts=%d reached", attempt - 1)
             return rc
-        report = _read_json(run_dir / "oom-report.json")
+        report = _read_json(run_dir / OOM_REPORT_FILE)
         failed.append(resolved.strategy)
         left_forced = cfg.strategy if cfg.strategy != "auto" else None
         if left_forced:  # a forced rung is where the ladder starts: climb from it
@@ -88,7 +107,7 @@ def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
             "estimated_peak_bytes": report.get("estimated_peak_bytes"),
             "measured_peak_bytes": report.get("measured_peak_bytes"),
         }
-        with (run_dir / "escalations.jsonl").open("a") as f:
+        with (run_dir / ESCALATIONS_FILE).open("a") as f:
             f.write(json.dumps(record) + "\n")
         log.warning(
             "escalating %s -> %s after out of memory at step %s%s; resuming from the newest "
@@ -107,13 +126,29 @@ def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
 def climb_from_forced(cfg: JobConfig, failed: list[str]) -> tuple[JobConfig, list[str]]:
     """After a forced rung ran out of memory: plan `auto` over the rungs above it on the ladder
     (the same math; only where the bytes live changes)."""
-    from launcher.plan import LADDER
+    from trainer.strategies import names
 
-    names = [rung.name for rung in LADDER]
-    below = names[: names.index(cfg.strategy) + 1]
-    return cfg.model_copy(update={"strategy": "auto"}), sorted(
-        set(failed) | set(below), key=names.index
-    )
+    ladder = list(names())
+    below = ladder[: ladder.index(cfg.strategy) + 1]
+    exclude = sorted(set(failed) | set(below), key=ladder.index)
+    return cfg.model_copy(update={"strategy": "auto"}), exclude
+
+
+def check_resume(cfg: JobConfig) -> None:
+    """ConfigError (exit 2) when the checkpoint this run would resume was trained with other
+    math or on other data; the changes that keep the math are logged."""
+    from trainer.checkpoint import check_resumable, resolve_resume
+
+    path = resolve_resume(cfg)
+    if path is None:
+        return
+
+    def fingerprint() -> str:
+        from trainer.data import train_data_fingerprint
+
+        return train_data_fingerprint(cfg)
+
+    check_resumable(path, cfg, fingerprint, announce=True)
 
 
 def resolve_plan(
@@ -156,9 +191,10 @@ def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> i
         finally:
             _release_device_memory()
     from launcher.launch import run_command
+    from trainer.run_lock import LOCK_OWNER_ENV
 
     log.info("launching: %s", " ".join(argv))
-    return run_command(argv, env)
+    return run_command(argv, dict(env, **{LOCK_OWNER_ENV: str(os.getpid())}))
 
 
 def _release_device_memory() -> None:
@@ -193,6 +229,4 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps(obj, indent=2) + "\n")

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from launcher.config import ConfigError, DataConfig, JobConfig, ModelConfig
+from trainer.config import ConfigError, DataConfig, JobConfig, ModelConfig
 from trainer.dist import after_rank0, slow_down
 from trainer.loss import IGNORE_INDEX
 from trainer.rows import bad_row_error, data_files, field, messages, no_rows_error, read_rows
@@ -371,25 +371,47 @@ def _pad_rows(batch: dict[str, torch.Tensor] | None, n: int, w: Windows) -> dict
 class DataBundle:
     train: TrainStream
     eval: EvalSet | None
+    fingerprint: str  # of the tokenised training data (checkpoints refuse a resume on other data)
 
 
-def data_cache_dir(data: DataConfig) -> Path:
+def docs_fingerprint(docs: Documents) -> str:
+    """Hash of tokenised documents: what the model learns from, whatever path or cache it came
+    through."""
+    h = hashlib.sha256()
+    for name in ("tokens", "targets", "offsets"):
+        h.update(np.ascontiguousarray(getattr(docs, name)).tobytes())
+    return h.hexdigest()[:16]
+
+
+def train_data_fingerprint(cfg: JobConfig) -> str:
+    """`docs_fingerprint` of data.path, in this process (from the tokenised cache when there)."""
+    data = cfg.data
+    cache_dir = _cache_dir(data)
+    docs = tokenize_source(data.path, "data.path", data, build_tokenizer(cfg.model), cache_dir)
+    return docs_fingerprint(docs)
+
+
+def _cache_dir(data: DataConfig) -> Path:
     return Path(data.cache_dir or Path.home() / ".cache" / "oomless" / "data").expanduser()
 
 
 def tokenize_all(cfg: JobConfig, tokenizer: Any) -> tuple[Documents, Documents | None]:
-    """(training documents, eval documents or None): every source tokenised (or read from the
-    cache) and the eval split taken. The launcher calls it before the launch, so bad data stops
-    there and the ranks find the cache warm."""
+    """(training documents, eval documents or None) as read: every source tokenised, or read
+    from the cache. The launcher calls it before the launch, so bad data stops there and the
+    ranks find the cache warm."""
     data = cfg.data
     sources = [("data.path", data.path)] + (
         [("data.eval_path", data.eval_path)] if data.eval_path else []
     )
-    docs = {
-        key: tokenize_source(path, key, data, tokenizer, data_cache_dir(data))
-        for key, path in sources
-    }
-    train_docs, eval_docs = docs["data.path"], docs.get("data.eval_path")
+    docs = {key: tokenize_source(p, key, data, tokenizer, _cache_dir(data)) for key, p in sources}
+    return docs["data.path"], docs.get("data.eval_path")
+
+
+def split_eval(
+    cfg: JobConfig, train_docs: Documents, eval_docs: Documents | None
+) -> tuple[Documents, Documents | None]:
+    """Hold out `data.eval_fraction` of the training documents when there is no eval_path."""
+    data = cfg.data
     if eval_docs is None and data.eval_fraction > 0:
         order = np.random.default_rng([cfg.train.seed, 7]).permutation(train_docs.num_docs)
         num_eval = max(1, round(data.eval_fraction * train_docs.num_docs))
@@ -418,6 +440,8 @@ def build_data(cfg: JobConfig, tokenizer: Any) -> DataBundle:
         lambda: tokenize_all(cfg, tokenizer),
         clock_s=cfg.dist.timeout_s,
     )
+    fingerprint = docs_fingerprint(train_docs)
+    train_docs, eval_docs = split_eval(cfg, train_docs, eval_docs)
     pad_id = tokenizer.pad_token_id
     split_docs = data.format == "text"
     train_windows = pack(train_docs, data.seq_len, pad_id, split_docs, data.pack)
@@ -433,4 +457,4 @@ def build_data(cfg: JobConfig, tokenizer: Any) -> DataBundle:
     eval_set = None
     if eval_docs is not None:
         eval_set = EvalSet(pack(eval_docs, data.seq_len, pad_id, False, data.pack))
-    return DataBundle(TrainStream(train_windows, cfg.train.seed), eval_set)
+    return DataBundle(TrainStream(train_windows, cfg.train.seed), eval_set, fingerprint)

@@ -16,12 +16,11 @@ import signal
 
 import torch
 
+from trainer.contract import EXIT_CUT_OFF, EXIT_SIGNAL
 from trainer.dist import all_reduce_max, all_reduce_max_many
 
 log = logging.getLogger(__name__)
 
-EXIT_SIGNAL = 143
-EXIT_CUT_OFF = 130  # stopped by repeated signals before the stop checkpoint was complete
 _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 

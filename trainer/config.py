@@ -17,6 +17,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from trainer import strategies
+from trainer.contract import CONFIG_FILE
+from trainer.units import parse_size
+
 
 class _YamlLoader(yaml.SafeLoader):
     """`yaml.safe_load` without YAML 1.1's base-60 numbers: `time: 12:00:00` stays a string.
@@ -52,76 +56,12 @@ def read_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
 
 
-STRATEGIES = (
-    "single",
-    "ddp",
-    "fsdp",
-    "fsdp_offload",
-    "zero1",
-    "zero2",
-    "zero3",
-    "zero3_offload",
-    "zero3_offload_params",
-    "zero3_nvme",
-)
-Strategy = Literal[
-    "auto",
-    "single",
-    "ddp",
-    "fsdp",
-    "fsdp_offload",
-    "zero1",
-    "zero2",
-    "zero3",
-    "zero3_offload",
-    "zero3_offload_params",
-    "zero3_nvme",
-]
-AcLevel = Literal["none", "selective", "full"]
-
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
 class ConfigError(ValueError):
     """A bad config value. `str()` is the one line the user sees: key, problem, fix."""
 
     def __init__(self, key: str, problem: str, fix: str):
         self.key, self.problem, self.fix = key, problem, fix
         super().__init__(f"config error: {key}: {problem}; {fix}")
-
-
-def parse_size(value: int | float | str) -> int:
-    """'80GiB' -> 85899345920. Bare numbers are bytes."""
-    if isinstance(value, bool):
-        raise ValueError("expected a size such as 80GiB")
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError("must be positive")
-        return int(value)
-    m = _SIZE_RE.match(str(value))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _SIZE_UNITS:
-        raise ValueError(f"'{value}' is not a size; write it like 80GiB, 512GB or 24GiB")
-    size = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    if size <= 0:
-        raise ValueError("must be positive")
-    return size
-
-
-def format_size(num_bytes: int) -> str:
-    return f"{num_bytes / 2**30:.2f}GiB"
 
 
 _SLURM_TIME_RE = re.compile(r"^(\d+|\d+:\d{2}(:\d{2})?|\d+-\d{1,2}(:\d{2}(:\d{2})?)?)$")
@@ -246,8 +186,10 @@ class InjectOomConfig(_Section):
     @classmethod
     def _known(cls, v: list[str] | None) -> list[str] | None:
         for name in v or []:
-            if name not in STRATEGIES:
-                raise ValueError(f"unknown strategy '{name}'; use one of {', '.join(STRATEGIES)}")
+            if name not in strategies.names():
+                raise ValueError(
+                    f"unknown strategy '{name}'; use one of {', '.join(strategies.names())}"
+                )
         return v
 
 
@@ -334,7 +276,7 @@ class JobConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
-    strategy: Strategy = "auto"
+    strategy: str = "auto"  # auto or a row of trainer/strategies.py
     hardware: HardwareConfig = Field(default_factory=HardwareConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
     run: RunConfig = Field(default_factory=RunConfig)
@@ -344,33 +286,104 @@ class JobConfig(_Section):
     escalation: EscalationConfig = Field(default_factory=EscalationConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
 
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, v: str) -> str:
+        allowed = ("auto", *strategies.names())
+        if v not in allowed:
+            close = difflib.get_close_matches(v, allowed, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ValueError(f"'{v}' is not a strategy; {hint}use one of {', '.join(allowed)}")
+        return v
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
 
-# Keys whose value changes what is learned: a checkpoint refuses to resume when they differ.
-# Strategy, world size, micro-batch, checkpointing and run bookkeeping may change freely.
-_SEMANTIC_KEYS = ("model", "data", "precision")
-_SEMANTIC_TRAIN_KEYS = (
-    "global_batch_size",
-    "lr",
-    "min_lr_ratio",
-    "schedule",
-    "warmup_steps",
-    "weight_decay",
-    "betas",
-    "eps",
-    "grad_clip",
-    "seed",
-    "steps",
+# What a resume may change. MATH_KEYS decide what is learned: a checkpoint refuses to resume
+# when one of them differs (the message names each key and its two values), and so does a change
+# of the training data's content (the tokenised data's fingerprint, trainer/data.py). Every other
+# key may change and the change is logged: train.steps (extending a finished run; the schedule
+# is then computed over the new total), strategy, world size, micro-batch, checkpointing,
+# data.cache_dir, data.on_bad_row (a skipped row changes the data's fingerprint),
+# model.attn_implementation, model.tokenizer's path (its tokens are in the fingerprint), eval and
+# logging settings, run bookkeeping.
+MATH_KEYS = (
+    "model.name_or_path",
+    "model.config",
+    "model.revision",
+    "data.path",
+    "data.format",
+    "data.seq_len",
+    "data.text_field",
+    "data.prompt_field",
+    "data.completion_field",
+    "data.messages_field",
+    "data.eval_fraction",
+    "data.pack",
+    "data.append_eos",
+    "precision",
+    "train.global_batch_size",
+    "train.lr",
+    "train.min_lr_ratio",
+    "train.schedule",
+    "train.warmup_steps",
+    "train.weight_decay",
+    "train.betas",
+    "train.eps",
+    "train.grad_clip",
+    "train.seed",
 )
+_ABSENT = object()
+
+
+def _get_dotted(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _ABSENT
+        tree = tree[part]
+    return tree
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict) or prefix in MATH_KEYS:
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def resume_differences(saved: dict[str, Any], cfg: JobConfig) -> tuple[list[str], list[str]]:
+    """(math keys that differ, other keys that differ) between a checkpoint's saved config tree
+    and `cfg`, each as 'key: old -> new'. Keys the saved tree lacks (an older version) are
+    skipped."""
+    new = json.loads(json.dumps(cfg.to_dict()))
+
+    def show(key: str, old: Any, value: Any) -> str:
+        return f"{key}: {json.dumps(old, default=str)} -> {json.dumps(value, default=str)}"
+
+    math = []
+    for key in MATH_KEYS:
+        old, value = _get_dotted(saved, key), _get_dotted(new, key)
+        if old is not _ABSENT and old != value:
+            math.append(show(key, old, value))
+    old_leaves, new_leaves = _leaves(saved), _leaves(new)
+    other = [
+        show(key, old_leaves[key], value)
+        for key, value in new_leaves.items()
+        if key not in MATH_KEYS
+        and key != "run.resume"
+        and key in old_leaves
+        and old_leaves[key] != value
+    ]
+    return math, other
 
 
 def semantic_hash(cfg: JobConfig) -> str:
-    """Hash of what determines the learned result (not where bytes live)."""
+    """Hash of what determines the learned result (MATH_KEYS; not where bytes live)."""
     d = cfg.to_dict()
-    picked = {k: d[k] for k in _SEMANTIC_KEYS}
-    picked["train"] = {k: d["train"][k] for k in _SEMANTIC_TRAIN_KEYS}
+    picked = {key: _get_dotted(d, key) for key in MATH_KEYS}
     blob = json.dumps(picked, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -462,6 +475,7 @@ def build_config(tree: dict[str, Any]) -> JobConfig:
         cfg = JobConfig.model_validate(tree)
     except ValidationError as err:
         raise _explain(err) from None
+    _check_no_secrets(cfg.to_dict())
     _check_across_sections(cfg)
     _check_paths(cfg)
     _check_positions(cfg)
@@ -498,14 +512,17 @@ def _check_across_sections(cfg: JobConfig) -> None:
             f"{micro} does not divide train.global_batch_size={train.global_batch_size}",
             "use a divisor of the global batch, or auto",
         )
-    if cfg.strategy == "zero3_nvme" and not cfg.deepspeed.nvme_path:
-        raise ConfigError(
-            "strategy", "zero3_nvme needs deepspeed.nvme_path", "set deepspeed.nvme_path=/nvme/dir"
-        )
-    if cfg.strategy == "single" and (hw.nodes > 1 or (hw.devices_per_node or 1) > 1):
+    rung = strategies.row(cfg.strategy) if cfg.strategy != "auto" else None
+    if rung and rung.needs_nvme and not cfg.deepspeed.nvme_path:
         raise ConfigError(
             "strategy",
-            "single runs one process, but hardware.nodes x devices_per_node is above 1",
+            f"{rung.name} needs deepspeed.nvme_path",
+            "set deepspeed.nvme_path=/nvme/dir",
+        )
+    if rung and rung.max_world == 1 and (hw.nodes > 1 or (hw.devices_per_node or 1) > 1):
+        raise ConfigError(
+            "strategy",
+            f"{rung.name} runs one process, but hardware.nodes x devices_per_node is above 1",
             "use ddp, fsdp or a zero rung, or strategy=auto",
         )
     world = hw.nodes * hw.devices_per_node if hw.devices_per_node else None
@@ -526,7 +543,7 @@ def _check_across_sections(cfg: JobConfig) -> None:
 
 def _check_positions(cfg: JobConfig) -> None:
     """data.seq_len within the model's positions, where the shape is known offline."""
-    from launcher.model_shape import hf_config_dict
+    from trainer.hf_config import hf_config_dict
 
     try:
         hf = hf_config_dict(cfg.model)
@@ -586,37 +603,81 @@ def _has_local_parent(path: Path, base: Path | None = None) -> bool:
     return parent != (base or Path(".")) and parent != Path(".") and parent.is_dir()
 
 
-_SECRET_RE = re.compile(
-    r"^((hf|hub|auth|access|api)_)?token$|secret|password|api_?key", re.IGNORECASE
+# Secrets come from the environment only (docs/config.md names the variables): a config value
+# that holds one is refused, so that no run file, checkpoint, sbatch script or log line carries
+# it, and the workers read exactly the config that was validated (nothing is redacted).
+SECRET_ENV_VARS = ("HF_TOKEN", "WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN")
+_SECRET_KEY_RE = re.compile(
+    r"^((hf|hub|auth|access|api)_)?token$|secret|password|passwd|api_?key", re.IGNORECASE
+)
+_TOKEN_VALUE_RES = (
+    (re.compile(r"\bhf_[A-Za-z0-9]{20,}"), "a Hugging Face token", "HF_TOKEN"),
+    (re.compile(r"\bsk-[A-Za-z0-9_-]{20,}"), "an API key", "the variable its tool reads"),
+    (re.compile(r"\b(gh[pousr]|github_pat)_[A-Za-z0-9_]{20,}"), "a GitHub token", "GH_TOKEN"),
+    (re.compile(r"\bAKIA[0-9A-Z]{16}\b"), "an AWS access key", "AWS_ACCESS_KEY_ID"),
+)
+# NAME=VALUE where NAME says token/key/secret/password and VALUE is a literal (not `$VAR`)
+_ASSIGNED_SECRET_RE = re.compile(
+    r"\b([A-Za-z_]*(?:TOKEN|KEY|SECRET|PASSWORD|PASSWD)[A-Za-z_]*)\s*=\s*"
+    r"['\"]?([^\s'\"$][^\s'\"]{11,})",
+    re.IGNORECASE,
 )
 
 
-def redact(tree: Any) -> Any:
-    """Drop values of keys that look like secrets (never written to run dirs or logs)."""
+def _check_no_secrets(tree: Any, key: str = "") -> None:
+    """ConfigError naming the first config value that holds a secret (never the secret itself)."""
     if isinstance(tree, dict):
-        return {
-            k: ("<redacted>" if _SECRET_RE.search(str(k)) and v else redact(v))
-            for k, v in tree.items()
-        }
-    if isinstance(tree, list):
-        return [redact(v) for v in tree]
-    return tree
+        for k, v in tree.items():
+            child = f"{key}.{k}" if key else str(k)
+            if _SECRET_KEY_RE.search(str(k)) and v not in (None, "", [], {}):
+                raise _secret_error(child, "holds a secret", _env_var_for(child))
+            _check_no_secrets(v, child)
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            _check_no_secrets(v, f"{key}[{i}]")
+    elif isinstance(tree, str):
+        for pattern, what, env in _TOKEN_VALUE_RES:
+            if pattern.search(tree):
+                raise _secret_error(key, f"holds what looks like {what}", env)
+        m = _ASSIGNED_SECRET_RE.search(tree)
+        if m and _looks_random(m.group(2)):
+            raise _secret_error(key, f"sets {m.group(1)} to a literal secret", m.group(1))
+
+
+def _env_var_for(key: str) -> str:
+    for hint, env in (("wandb", "WANDB_API_KEY"), ("mlflow", "MLFLOW_TRACKING_TOKEN")):
+        if hint in key.lower():
+            return env
+    if re.search(r"\b(hf|hub|huggingface)", key.lower()):
+        return "HF_TOKEN"
+    return f"the variable its library reads ({', '.join(SECRET_ENV_VARS)}, ...)"
+
+
+def _looks_random(value: str) -> bool:
+    """Letters and digits mixed, as in keys and tokens (not a path or a word)."""
+    return (
+        any(c.isdigit() for c in value)
+        and any(c.isalpha() for c in value)
+        and "/" not in value
+        and len(set(value)) >= 8
+    )
+
+
+def _secret_error(key: str, problem: str, env: str) -> ConfigError:
+    return ConfigError(
+        key,
+        f"{problem}; config values end up in run files, checkpoints and logs",
+        f"put it in the environment as {env} and remove it from the config "
+        "(docs/config.md#secrets)",
+    )
 
 
 def dump_config(cfg: JobConfig) -> str:
-    return yaml.safe_dump(redact(cfg.to_dict()), sort_keys=False)
-
-
-# Written into the run dir by `python -m trainer` when a rank stops on a ConfigError (bad data
-# rows, an unusable strategy): torchrun reports every failed worker as exit 1, and this file
-# tells `oomless train` that it was bad input (exit 2) and what the line was.
-CONFIG_ERROR_FILE = "config-error.txt"
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
 def write_config(cfg: JobConfig, run_dir: str | Path) -> Path:
-    out = Path(run_dir) / "config.yaml"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".yaml.tmp")
-    tmp.write_text(dump_config(cfg))
-    tmp.replace(out)
-    return out
+    """run_dir/config.yaml, replaced in one rename after an fsync (0600: it holds paths)."""
+    from trainer.files import write_atomic
+
+    return write_atomic(Path(run_dir) / CONFIG_FILE, dump_config(cfg))
