@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from string import Template
 
+from launcher.preflight import check_data, check_run_dir, ensure_run_dir
 from trainer.config import ConfigError, JobConfig, write_config
 from trainer.contract import CONFIG_FILE, PLAN_FILE
 from trainer.files import write_atomic
@@ -114,8 +115,10 @@ def submit_command(cfg: JobConfig, dry_run: bool) -> int:
 
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": _abs(cfg.run.dir)})})
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
+    run_dir = Path(cfg.run.dir)
+    if not dry_run:
+        check_run_dir(run_dir)
     resolved, plan_json = resolve_plan(cfg)
-    run_dir = Path(resolved.run.dir)
     script = render_sbatch(resolved, plan_json, run_dir, sys.executable)
     if dry_run:
         sys.stdout.write(script)
@@ -126,6 +129,8 @@ def submit_command(cfg: JobConfig, dry_run: bool) -> int:
 
     check_run_lock(run_dir)  # a live job's config, plan and script stay as they are
     check_resume(resolved)  # before anything is written into run.dir
+    check_data(resolved)  # bad data stops here, not in the queue
+    ensure_run_dir(run_dir)
     write_config(resolved, run_dir)
     _write_json(run_dir / PLAN_FILE, plan_json)
     path = write_atomic(run_dir / "submit.sbatch", script)  # 0600: it holds paths and commands

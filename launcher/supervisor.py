@@ -10,6 +10,7 @@ global batch, optimizer, schedule and precision stay as configured.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher.plan import NoFitError
+from launcher.preflight import check_data, check_run_dir, ensure_run_dir
+from trainer import strategies
 from trainer.config import ConfigError, JobConfig, write_config
 from trainer.contract import (
     CONFIG_ERROR_FILE,
@@ -37,16 +40,17 @@ log = logging.getLogger(__name__)
 
 def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": _abs(cfg.run.dir)})})
-    if dry_run:
-        return _train(cfg, dry_run=True)
-    from trainer.run_lock import acquire_run_lock
-
-    with acquire_run_lock(cfg.run.dir):  # one run per run.dir, for the life of this one
-        return _train(cfg, dry_run=False)
+    with contextlib.ExitStack() as held:  # the run-dir lock, once the input has been checked
+        return _train(cfg, dry_run, held)
 
 
-def _train(cfg: JobConfig, dry_run: bool) -> int:
+def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
     run_dir = Path(cfg.run.dir)
+    if not dry_run:
+        from trainer.run_lock import check_run_lock
+
+        check_run_dir(run_dir)
+        check_run_lock(run_dir)  # a live run's files stay as they are; it is taken after checks
     failed: list[str] = []
     memory_scale = 1.0
     attempt = 0
@@ -60,6 +64,13 @@ def _train(cfg: JobConfig, dry_run: bool) -> int:
             print(json.dumps(plan_json, indent=2))
             print(" ".join(argv))
             return 0
+        if attempt == 0:  # bad input stops here, before anything is written or launched
+            check_data(resolved)
+            ensure_run_dir(run_dir)
+            from trainer.run_lock import acquire_run_lock
+
+            # one run per run.dir, for the life of this one
+            held.enter_context(acquire_run_lock(run_dir))
         write_config(resolved, run_dir)
         _write_json(run_dir / PLAN_FILE, plan_json)
         report_path = run_dir / OOM_REPORT_FILE
@@ -81,6 +92,9 @@ def _train(cfg: JobConfig, dry_run: bool) -> int:
             return rc
         report = _read_json(run_dir / OOM_REPORT_FILE)
         failed.append(resolved.strategy)
+        left_forced = cfg.strategy if cfg.strategy != "auto" else None
+        if left_forced:  # a forced rung is where the ladder starts: climb from it
+            cfg, failed = climb_from_forced(cfg, failed)
         memory_scale = max(memory_scale, _measured_over_estimated(report))
         try:
             next_cfg, _ = resolve_plan(cfg, exclude=failed, memory_scale=memory_scale)
@@ -92,18 +106,23 @@ def _train(cfg: JobConfig, dry_run: bool) -> int:
             "from": resolved.strategy,
             "to": next_cfg.strategy,
             "reason": f"out of memory in {report.get('phase', '?')} at micro-batch "
-            f"{report.get('micro_batch_size')}",
+            f"{report.get('micro_batch_size')}"
+            + (f"; left the forced strategy {left_forced}" if left_forced else ""),
             "estimated_peak_bytes": report.get("estimated_peak_bytes"),
             "measured_peak_bytes": report.get("measured_peak_bytes"),
         }
         with (run_dir / ESCALATIONS_FILE).open("a") as f:
             f.write(json.dumps(record) + "\n")
         log.warning(
-            "escalating %s -> %s after out of memory at step %s; resuming from the newest "
+            "escalating %s -> %s after out of memory at step %s%s; resuming from the newest "
             "checkpoint",
             record["from"],
             record["to"],
             record["step"],
+            f", leaving the forced strategy {left_forced} (escalation.enabled=false stops "
+            "there instead)"
+            if left_forced
+            else "",
         )
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
 
@@ -123,6 +142,16 @@ def check_resume(cfg: JobConfig) -> None:
         return train_data_fingerprint(cfg)
 
     check_resumable(path, cfg, fingerprint, announce=True)
+
+
+def climb_from_forced(cfg: JobConfig, failed: list[str]) -> tuple[JobConfig, list[str]]:
+    """After a forced rung ran out of memory: plan `auto` over the rungs above it on the ladder
+    (the same math; only where the bytes live changes)."""
+    names = list(strategies.names())
+    below = names[: names.index(cfg.strategy) + 1]
+    return cfg.model_copy(update={"strategy": "auto"}), sorted(
+        set(failed) | set(below), key=names.index
+    )
 
 
 def resolve_plan(

@@ -18,6 +18,7 @@ BOTTOM = (
     "trainer.gpus",
     "trainer.hf_config",
     "trainer.logs",
+    "trainer.rows",
     "trainer.run_lock",
     "trainer.strategies",
     "trainer.units",
@@ -31,6 +32,7 @@ LAUNCHER_RUNS_ENGINE = {
     # a resume's compatibility (the checkpoint's config and data fingerprint), before launch
     ("launcher.supervisor", "trainer.checkpoint"),
     ("launcher.supervisor", "trainer.data"),
+    ("launcher.preflight", "trainer.data"),  # the data tokenised once, before launch
     ("launcher.trace", "trainer.backends"),  # the traced step runs the backends' own code
     ("launcher.trace", "trainer.backends.common"),
     ("launcher.trace", "trainer.backends.fsdp"),

@@ -99,6 +99,8 @@ class DataConfig(_Section):
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     messages_field: str = "messages"
+    # .txt files: a file is one document | blocks between blank lines | every non-blank line
+    text_unit: Literal["document", "paragraph", "line"] = "document"
     eval_path: str | None = None
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     pack: bool = True
@@ -177,7 +179,7 @@ class InjectOomConfig(_Section):
     step: int = Field(ge=0)
     rank: int | None = Field(None, ge=0)
     times: int = Field(1, ge=0)
-    where: Literal["setup", "forward", "backward", "optimizer"] = "backward"
+    where: Literal["setup", "forward", "backward", "optimizer", "eval"] = "backward"
     strategies: list[str] | None = None
 
     @field_validator("strategies")
@@ -191,8 +193,17 @@ class InjectOomConfig(_Section):
         return v
 
 
+class SlowRank0Config(_Section):
+    """Seconds added to rank 0's serial work (tests of the waiting ranks)."""
+
+    tokenize_s: float = Field(0.0, ge=0)
+    checkpoint_s: float = Field(0.0, ge=0)
+    final_save_s: float = Field(0.0, ge=0)
+
+
 class DebugConfig(_Section):
     inject_oom: InjectOomConfig | None = None
+    slow_rank0: SlowRank0Config | None = None
     crash_in_save: int | None = Field(None, ge=1)  # SIGKILL at the N-th point inside saves
     # cap the CUDA allocator at this fraction of each device (emulates a smaller card, so an
     # out-of-memory and the escalation after it are real; bench/gpu_validate.sh); inert on CPU
@@ -473,7 +484,11 @@ def build_config(tree: dict[str, Any]) -> JobConfig:
 
 def _check_paths(cfg: JobConfig) -> None:
     def looks_local(p: str) -> bool:
-        return p.startswith(("/", "./", "../", "~")) or Path(p).suffix != ""
+        return (
+            p.startswith(("/", "./", "../", "~"))
+            or Path(p).suffix != ""
+            or _has_local_parent(Path(p))
+        )
 
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
         if value and looks_local(value) and not Path(value).expanduser().exists():
@@ -577,6 +592,15 @@ def _resolve_relative(tree: dict[str, Any], base: Path) -> None:
             tree[section][key] = str(Path(value).resolve())
         elif (base / value).exists():
             tree[section][key] = str((base / value).resolve())
+        elif not _has_local_parent(Path(value)) and _has_local_parent(base / value, base):
+            # `data/train` beside the job file, missing: a local path, named in full in the error
+            tree[section][key] = str((base / value).resolve())
+
+
+def _has_local_parent(path: Path, base: Path | None = None) -> bool:
+    """`data/train` whose `data/` exists here: meant as a local path, not a hub id."""
+    parent = path.parent
+    return parent != (base or Path(".")) and parent != Path(".") and parent.is_dir()
 
 
 # Secrets come from the environment only (docs/config.md names the variables): a config value
