@@ -82,7 +82,7 @@ def trace_step(
         model.to_empty(device=device)
         if strategy == "single" and hasattr(model, "tie_weights"):
             model.tie_weights()  # to_empty made fake copies of tied weights: one tensor again
-        optimizer = build_adamw(model.parameters(), _SPEC, torch.device("cuda"))
+        optimizer = build_adamw(model.parameters(), _SPEC)
         batch = _batch(hf_config["vocab_size"], micro_batch_size, seq_len)
         compute = _autocast(precision) if strategy == "single" else contextlib.nullcontext
 
