@@ -25,11 +25,12 @@ import sys
 from pathlib import Path
 from string import Template
 
-from launcher.config import ConfigError, JobConfig, write_config
+from trainer.config import ConfigError, JobConfig, write_config
+from trainer.contract import CONFIG_FILE, PLAN_FILE
 from trainer.files import write_atomic
+from trainer.units import GIB
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "submit.sbatch.tmpl"
-GIB = 1024**3
 CPUS_PER_RANK = 8
 MIN_MEM_BYTES = 16 * GIB
 
@@ -75,7 +76,7 @@ def render_sbatch(cfg: JobConfig, plan_json: dict, run_dir: Path, python: str) -
         PYTHON=_in_single_quotes(shlex.quote(python)),
         PROCS_PER_NODE=per_node,
         MAX_RESTARTS=cfg.dist.max_restarts,
-        CONFIG=_in_single_quotes(shlex.quote(str(run_dir / "config.yaml"))),
+        CONFIG=_in_single_quotes(shlex.quote(str(run_dir / CONFIG_FILE))),
     )
 
 
@@ -126,7 +127,7 @@ def submit_command(cfg: JobConfig, dry_run: bool) -> int:
     check_run_lock(run_dir)  # a live job's config, plan and script stay as they are
     check_resume(resolved)  # before anything is written into run.dir
     write_config(resolved, run_dir)
-    _write_json(run_dir / "plan.json", plan_json)
+    _write_json(run_dir / PLAN_FILE, plan_json)
     path = write_atomic(run_dir / "submit.sbatch", script)  # 0600: it holds paths and commands
     out = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
     if out.returncode != 0:

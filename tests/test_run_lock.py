@@ -13,9 +13,9 @@ import time
 import psutil
 import pytest
 
-from launcher.config import ConfigError
 from tests.conftest import PYTHON, REPO, kill_tree, python_env, run_bounded
 from tests.test_cli_train import DEMO
+from trainer.config import ConfigError
 from trainer.run_lock import LOCK_FILE, acquire_run_lock
 
 

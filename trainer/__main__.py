@@ -6,7 +6,8 @@ import os
 import sys
 from pathlib import Path
 
-from launcher.config import CONFIG_ERROR_FILE, ConfigError, load_config
+from trainer.config import ConfigError, load_config
+from trainer.contract import CONFIG_ERROR_FILE
 from trainer.run_lock import acquire_run_lock, die_with_parent, exit_if_orphaned
 
 

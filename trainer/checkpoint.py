@@ -32,7 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
-from launcher.config import (
+from trainer.config import (
     ConfigError,
     JobConfig,
     read_yaml,

@@ -8,8 +8,8 @@ import stat
 import yaml
 
 from launcher.cli import main
-from launcher.config import load_config, write_config
-from tests.launcher.test_config import _job
+from tests.trainer.test_config import _job
+from trainer.config import load_config, write_config
 
 HF = "hf_" + "aBcDeFgHiJkLmNoPqRsTuVwXyZ012345"  # split so that scanners leave this file alone
 WANDB = "0123456789abcdef" * 2 + "89abcdef"
