@@ -28,6 +28,8 @@ LAUNCHER_RUNS_ENGINE = {
     ("launcher.cli", "trainer.export"),  # oomless export
     ("launcher.model_shape", "trainer.model"),  # the decoder layers of a meta-device model
     ("launcher.plan_report", "trainer.backends.deepspeed_config"),  # --emit deepspeed
+    ("launcher.supervisor", "trainer.checkpoint"),  # resume compatibility, before any write
+    ("launcher.supervisor", "trainer.data"),  # ... and the training data's fingerprint
     ("launcher.supervisor", "trainer.engine"),  # the in-process run
     # a resume's compatibility (the checkpoint's config and data fingerprint), before launch
     ("launcher.supervisor", "trainer.checkpoint"),

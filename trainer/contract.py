@@ -23,6 +23,8 @@ ESCALATIONS_FILE = "escalations.jsonl"
 # strategy): torchrun reports every failed worker as exit 1, and this file tells `oomless train`
 # that it was bad input (exit 2) and what the line was.
 CONFIG_ERROR_FILE = "config-error.txt"
+# Held for the life of a run (pid, host, Slurm job): a second start on the run.dir exits 2.
+RUN_LOCK_FILE = "run.lock"
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_LINK = "latest"
 FINAL_DIR = "final"
