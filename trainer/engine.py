@@ -39,6 +39,7 @@ from trainer.dist import (
 )
 from trainer.evaluate import evaluate
 from trainer.export import save_hf_model
+from trainer.levers import MemoryLevers, concrete_lever
 from trainer.metrics import MetricsLog
 from trainer.model import (
     CHECKPOINTING_LEVELS,
@@ -114,10 +115,17 @@ def run_training(cfg: JobConfig) -> int:
         measured = int(backend.memory_stats()["peak_device_bytes"])
         _write_report(run_dir, phase, err, [rank], measured, 0, start_step, split, ctx)
         return EXIT_OOM
+    levers = MemoryLevers(
+        model,
+        device,
+        chunked_loss=concrete_lever(cfg.memory.chunked_loss),
+        offload_activations=concrete_lever(cfg.memory.offload_activations),
+        loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
+    )
     num_params = _num_params(factory)
     log.info(
         "%s: %s params, world %d, micro-batch %d x accumulation %d x %d ranks = global batch %d, "
-        "%s, activation checkpointing %s%s",
+        "%s, activation checkpointing %s, chunked loss %s, activation offload %s%s",
         cfg.strategy,
         f"{num_params:,}",
         world_size,
@@ -127,6 +135,8 @@ def run_training(cfg: JobConfig) -> int:
         cfg.train.global_batch_size,
         cfg.precision,
         ctx.activation_checkpointing,
+        "on" if levers.chunked_loss else "off",
+        "on" if levers.offload_activations else "off",
         f", {n} layers compiled" if (n := num_compiled_layers(model)) else "",
     )
 
@@ -144,7 +154,7 @@ def run_training(cfg: JobConfig) -> int:
         backend.set_lr(lr)
         faults.step = step
         try:
-            result = _step_with_backoff(model, backend, data, split, step, ctx, faults)
+            result = _step_with_backoff(model, backend, data, split, step, ctx, faults, levers)
         except OutOfMemoryGaveUp as err:
             _report_oom(run_dir, err, step, split, backend, ctx)
             return EXIT_OOM
@@ -167,6 +177,7 @@ def run_training(cfg: JobConfig) -> int:
             "micro_batch_size": micro,
             "grad_accum": grad_accum,
             "activation_checkpointing": split.activation_checkpointing,
+            **levers.record(),
         }
         if peak_flops:
             record["mfu"] = (
@@ -249,9 +260,11 @@ def _step_with_backoff(
     step: int,
     ctx: BackendContext,
     faults: FaultInjector,
+    levers: MemoryLevers,
 ):
     """Run the step; on an OOM on any rank, all ranks halve the micro-batch and redo it; at
-    micro-batch 1 they raise the activation checkpointing level instead, up to `full`."""
+    micro-batch 1 they switch on chunked loss, then activation offload, then raise the
+    activation checkpointing level, up to `full` (each keeps the math)."""
     num_backoffs = 0
     while True:
         batches = data.train.micro_batches(
@@ -264,6 +277,16 @@ def _step_with_backoff(
             backend.drop_grads()
             free_memory(ctx.device)
             smaller = _halved(split.micro_batch_size, split.per_rank)
+            if smaller is None and (lever := levers.next_off()) is not None:
+                num_backoffs += 1
+                log.warning(
+                    "step %d: out of memory in %s at micro-batch 1; retrying with %s on",
+                    step + 1,
+                    err.phase,
+                    lever.replace("_", " "),
+                )
+                levers.set(lever, True)
+                continue
             if smaller is None:  # at micro-batch 1: recompute more layers, if any are left
                 level = split.activation_checkpointing
                 if level == CHECKPOINTING_LEVELS[-1]:

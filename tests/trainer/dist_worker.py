@@ -29,6 +29,27 @@ RUNS: dict[str, list[str]] = {
         "train.compile=true",
         "memory.activation_checkpointing=full",
     ],
+    # the exact memory levers (compared with fsdp_fp32 and zero3_fp32): chunked loss over
+    # 6 chunks of a micro-batch's 128 positions, activation offload, both with full recomputation
+    # (ZeRO-3 leaves out offload alone, to save a DeepSpeed start: the both-levers run has it)
+    **{
+        f"{strategy}_{name}": [f"strategy={strategy}", *levers]
+        for strategy in ("fsdp", "zero3")
+        for name, levers in (
+            ("chunked_loss", ["memory.chunked_loss=true", "memory.loss_chunk_tokens=24"]),
+            ("offload_activations", ["memory.offload_activations=true"]),
+            (
+                "both_levers_full",
+                [
+                    "memory.chunked_loss=true",
+                    "memory.loss_chunk_tokens=24",
+                    "memory.offload_activations=true",
+                    "memory.activation_checkpointing=full",
+                ],
+            ),
+        )
+        if (strategy, name) != ("zero3", "offload_activations")
+    },
     "ddp_bf16": ["strategy=ddp", "precision=bf16"],
     "fsdp_bf16": ["strategy=fsdp", "precision=bf16"],
     "zero2_bf16": ["strategy=zero2", "precision=bf16"],
