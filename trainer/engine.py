@@ -39,7 +39,7 @@ from trainer.dist import (
 )
 from trainer.evaluate import evaluate
 from trainer.export import save_hf_model
-from trainer.levers import MemoryLevers, concrete_lever
+from trainer.levers import LEVER_NAMES, MemoryLevers, concrete_lever
 from trainer.metrics import MetricsLog
 from trainer.model import (
     CHECKPOINTING_LEVELS,
@@ -122,6 +122,7 @@ def run_training(cfg: JobConfig) -> int:
         offload_activations=concrete_lever(cfg.memory.offload_activations),
         loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
     )
+    split.levers = levers
     num_params = _num_params(factory)
     log.info(
         "%s: %s params, world %d, micro-batch %d x accumulation %d x %d ranks = global batch %d, "
@@ -228,6 +229,7 @@ class BatchSplit:
     micro_batch_size: int
     activation_checkpointing: str = "none"
     eval_batch_size: int = 0
+    levers: MemoryLevers | None = None  # chunked loss, activation offload: set once built
 
     def __post_init__(self) -> None:
         self.eval_batch_size = self.eval_batch_size or self.micro_batch_size
@@ -275,6 +277,7 @@ def _step_with_backoff(
         except StepAborted as err:
             del batches
             backend.drop_grads()
+            levers.drop_partial_step()
             free_memory(ctx.device)
             smaller = _halved(split.micro_batch_size, split.per_rank)
             if smaller is None and (lever := levers.next_off()) is not None:
@@ -283,7 +286,7 @@ def _step_with_backoff(
                     "step %d: out of memory in %s at micro-batch 1; retrying with %s on",
                     step + 1,
                     err.phase,
-                    lever.replace("_", " "),
+                    LEVER_NAMES[lever],
                 )
                 levers.set(lever, True)
                 continue
@@ -400,6 +403,7 @@ def _write_report(
         "world_size": ctx.world_size,
         "micro_batch_size": split.micro_batch_size,
         "activation_checkpointing": split.activation_checkpointing,
+        **(split.levers.state() if split.levers else {}),
         "num_backoffs": num_backoffs,
         "ranks": ranks,
         "error": str(error),

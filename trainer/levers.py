@@ -14,6 +14,7 @@ from trainer.model import set_offload_activations
 from trainer.offload import ActivationOffload
 
 LEVERS = ("chunked_loss", "offload_activations")  # the order the OOM back-off tries them in
+LEVER_NAMES = {"chunked_loss": "chunked loss", "offload_activations": "activation offload"}
 
 
 def concrete_lever(value: Any) -> bool:
@@ -52,9 +53,16 @@ class MemoryLevers:
         """The first lever still off, in the back-off's order."""
         return next((lever for lever in LEVERS if not getattr(self, lever)), None)
 
+    def drop_partial_step(self) -> None:
+        """After an aborted step: forget what its forward offloaded (never brought back)."""
+        self.offload.drop()
+
+    def state(self) -> dict[str, bool]:
+        return {lever: getattr(self, lever) for lever in LEVERS}
+
     def record(self) -> dict[str, Any]:
         """For the metrics line: what is in force, and the bytes offloaded since the last call."""
-        out: dict[str, Any] = {lever: getattr(self, lever) for lever in LEVERS}
+        out: dict[str, Any] = self.state()
         if self.offload_activations:
             out["offloaded_bytes"] = self.offload.offloaded_bytes
             out["restored_bytes"] = self.offload.restored_bytes

@@ -64,6 +64,14 @@ class ActivationOffload:
     def reset_counts(self) -> None:
         self.offloaded_bytes = self.restored_bytes = 0
 
+    def drop(self) -> None:
+        """Forget a forward whose backward will not run (an aborted step): its host copies,
+        the copies in flight, and the counts."""
+        if self.cuda:
+            self._retire(wait=True)
+        self._by_layer.clear()
+        self.reset_counts()
+
     @contextlib.contextmanager
     def layer(self, index: int) -> Iterator[None]:
         """Offload what autograd saves inside this context: decoder layer `index`'s forward."""
