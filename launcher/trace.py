@@ -27,8 +27,15 @@ from torch import nn
 from launcher.config import ModelConfig
 from trainer.backends import OptimizerSpec
 from trainer.backends.common import COMPUTE_DTYPES, build_adamw
-from trainer.loss import next_token_loss_sum
-from trainer.model import HFModelFactory, apply_activation_checkpointing, decoder_layers
+from trainer.chunked_loss import apply_chunked_loss
+from trainer.loss import loss_sum_of  # compute_loss's tensors (its token count is an int())
+from trainer.model import (
+    HFModelFactory,
+    apply_activation_checkpointing,
+    decoder_layers,
+    set_offload_activations,
+)
+from trainer.offload import ActivationOffload
 
 TRACEABLE = ("single", "fsdp")
 _SPEC = OptimizerSpec(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, grad_clip=1.0)
@@ -59,6 +66,9 @@ def trace_step(
     attn_implementation: str = "sdpa",
     reshard_after_forward: bool = True,
     reduce_every_micro_batch: bool = False,
+    chunked_loss: bool = False,
+    offload_activations: bool = False,
+    loss_chunk_tokens: int | None = None,
 ) -> Trace:
     """Peak live tensor bytes on one device for a steady-state training step (the second one):
     `grad_accum` micro-batches, all but the last under the backend's no-sync (unless FSDP
@@ -81,6 +91,9 @@ def trace_step(
         model.to_empty(device=device)
         if strategy == "single" and hasattr(model, "tie_weights"):
             model.tie_weights()  # to_empty made fake copies of tied weights: one tensor again
+        apply_chunked_loss(model, chunked_loss, loss_chunk_tokens)
+        if offload_activations:  # host copies on meta: not counted as the device's
+            set_offload_activations(model, ActivationOffload(device, host=torch.device("meta")))
         optimizer = build_adamw(model.parameters(), _SPEC, torch.device("cuda"))
         batch = _batch(hf_config["vocab_size"], micro_batch_size, seq_len)
         compute = _autocast(precision) if strategy == "single" else contextlib.nullcontext
@@ -104,7 +117,7 @@ def trace_step(
         with tracker:
             step(tracker)
         snapshot = tracker.get_tracker_snapshot("peak")
-    dev = next(iter(snapshot))
+    dev = next(d for d in snapshot if torch.device(d).type == device.type)
     breakdown = {getattr(k, "name", k).lower(): int(v) for k, v in snapshot[dev].items()}
     return Trace(
         strategy=strategy,
@@ -137,13 +150,6 @@ def _no_sync(model: nn.Module, strategy: str, last: bool):
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def loss_sum_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The tensor part of `trainer.loss.compute_loss` (its token count is a data-dependent
-    `int()`, which fake tensors cannot answer)."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
-    return next_token_loss_sum(logits, batch["labels"])
 
 
 def _autocast(precision: str):

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 MIN_OFFLOAD_BYTES = 1024
+_PLAIN_TENSORS = (torch.Tensor, FakeTensor)  # FakeTensor: the estimator's trace
 DEFAULT_MAX_IN_FLIGHT_BYTES = 1 << 30
 
 
@@ -45,8 +47,12 @@ class ActivationOffload:
         device: torch.device,
         min_bytes: int = MIN_OFFLOAD_BYTES,
         max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
+        host: torch.device | None = None,
     ):
+        """`host`: where copies go on a CPU device (the trace keeps them on `meta`, so that its
+        CPU stand-in for the device does not count them)."""
         self.device = device
+        self.host = host or torch.device("cpu")
         self.min_bytes = min_bytes
         self.max_in_flight_bytes = max_in_flight_bytes
         self.cuda = device.type == "cuda"
@@ -86,7 +92,7 @@ class ActivationOffload:
             if not self._offloadable(tensor):
                 return tensor
             key = (
-                tensor.untyped_storage().data_ptr(),
+                tensor.untyped_storage()._cdata,  # the storage itself (fake ones have no data)
                 tensor.storage_offset(),
                 tuple(tensor.shape),
                 tensor.stride(),
@@ -97,16 +103,21 @@ class ActivationOffload:
                 seen[key] = (tensor, self._copy_out(tensor, index))
             return seen[key][1]
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
-            yield
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                yield
+        finally:
+            # every saved tensor's hook object keeps `pack`, and so `seen`, alive until backward
+            seen.clear()
         self._retire(wait=False)
 
     def _offloadable(self, tensor: torch.Tensor) -> bool:
         return (
             not isinstance(tensor, nn.Parameter)
+            and not isinstance(tensor._base, nn.Parameter)  # a weight's transpose for a matmul
             and tensor.device == self.device
             and tensor.layout == torch.strided
-            and type(tensor) is torch.Tensor  # not DTensor or other subclasses
+            and type(tensor) in _PLAIN_TENSORS  # not DTensor, NF4 or other subclasses
             and tensor.numel() * tensor.element_size() >= self.min_bytes
         )
 
@@ -114,7 +125,7 @@ class ActivationOffload:
         num_bytes = tensor.numel() * tensor.element_size()
         self.offloaded_bytes += num_bytes
         if not self.cuda:
-            saved = _Saved(tensor.detach().to("cpu", copy=True), tensor.device, layer)
+            saved = _Saved(tensor.detach().to(self.host, copy=True), tensor.device, layer)
         else:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             self._out_stream.wait_stream(torch.cuda.current_stream(self.device))
