@@ -24,18 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from launcher.config import ModelConfig
 from trainer.backends import OptimizerSpec
 from trainer.backends.common import COMPUTE_DTYPES, build_adamw
-from trainer.chunked_loss import apply_chunked_loss
+from trainer.config import ModelConfig
+from trainer.levers import MemoryLevers
 from trainer.loss import loss_sum_of  # compute_loss's tensors (its token count is an int())
-from trainer.model import (
-    HFModelFactory,
-    apply_activation_checkpointing,
-    decoder_layers,
-    set_offload_activations,
-)
-from trainer.offload import ActivationOffload
+from trainer.model import HFModelFactory, apply_activation_checkpointing, decoder_layers
 
 TRACEABLE = ("single", "fsdp")
 _SPEC = OptimizerSpec(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, grad_clip=1.0)
@@ -91,9 +85,14 @@ def trace_step(
         model.to_empty(device=device)
         if strategy == "single" and hasattr(model, "tie_weights"):
             model.tie_weights()  # to_empty made fake copies of tied weights: one tensor again
-        apply_chunked_loss(model, chunked_loss, loss_chunk_tokens)
-        if offload_activations:  # host copies on meta: not counted as the device's
-            set_offload_activations(model, ActivationOffload(device, host=torch.device("meta")))
+        MemoryLevers(
+            model,
+            device,
+            chunked_loss,
+            offload_activations,
+            loss_chunk_tokens,
+            offload_host=torch.device("meta"),  # host copies: not counted as the device's
+        )
         optimizer = build_adamw(model.parameters(), _SPEC, torch.device("cuda"))
         batch = _batch(hf_config["vocab_size"], micro_batch_size, seq_len)
         compute = _autocast(precision) if strategy == "single" else contextlib.nullcontext

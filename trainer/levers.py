@@ -32,10 +32,13 @@ class MemoryLevers:
         chunked_loss: bool,
         offload_activations: bool,
         loss_chunk_tokens: int | None = None,
+        offload_host: torch.device | None = None,
     ):
+        """`offload_host`: where offloaded copies go from a CPU device (the estimator's trace:
+        `meta`, so that its CPU stand-in for the device does not count them)."""
         self.model = model
         self.loss_chunk_tokens = loss_chunk_tokens
-        self.offload = ActivationOffload(device)
+        self.offload = ActivationOffload(device, host=offload_host)
         self.chunked_loss = self.offload_activations = False
         self.set("chunked_loss", chunked_loss)
         self.set("offload_activations", offload_activations)

@@ -118,7 +118,7 @@ def main() -> int:
     out (the zero3_nvme runs where DeepSpeed's async_io op cannot be built)."""
     base, work = sys.argv[1], Path(sys.argv[2])
     skip = set(sys.argv[3].split(",")) if len(sys.argv) > 3 else set()
-    from launcher.config import load_config
+    from trainer.config import load_config
     from trainer.engine import run_training
 
     for name, overrides in RUNS.items():
@@ -140,8 +140,8 @@ def probe_deepspeed_state_split(base: str, work: Path) -> None:
 
     import torch
 
-    from launcher.config import load_config
     from trainer.backends import BackendContext, build_backend
+    from trainer.config import load_config
     from trainer.dist import env_rank
     from trainer.engine import _optimizer_spec
     from trainer.model import HFModelFactory

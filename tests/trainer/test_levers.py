@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher.config import build_config
 from tests.conftest import TINY_LLAMA
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
+from trainer.config import build_config
 from trainer.levers import MemoryLevers
 from trainer.loss import IGNORE_INDEX
 from trainer.model import HFModelFactory
