@@ -25,19 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from trainer.strategies import loss_chunk_tokens
+
 IGNORE_INDEX = -100
-# Logit elements per chunk when no chunk size is configured: 2^26 (256 MiB in fp32), about 512
-# tokens of a 128k vocabulary, so a 4096-token micro-batch goes in 8 chunks (torchtitan's count).
-CHUNK_LOGIT_ELEMENTS = 1 << 26
-
-
-def loss_chunk_tokens(vocab_size: int, configured: int | None = None) -> int:
-    """Tokens per chunk: `memory.loss_chunk_tokens`, or what keeps a chunk's logits near
-    CHUNK_LOGIT_ELEMENTS. The estimator sizes the loss phase from the same number."""
-    if configured:
-        return configured
-    return max(1, CHUNK_LOGIT_ELEMENTS // max(vocab_size, 1))
-
 
 LogitTransform = Callable[[torch.Tensor], torch.Tensor]
 
@@ -114,7 +104,7 @@ class ChunkedLossHead(nn.Linear):
             hidden, self.weight, self.bias, self._targets, self.chunk_tokens, self.transform
         )
         self._loss_sum = loss_sum
-        return (loss_sum * 0).reshape(1, 1, 1)
+        return loss_sum.reshape(1, 1, 1) * 0  # a new tensor, not a view (FSDP2 warns on views)
 
     @contextlib.contextmanager
     def loss_targets(self, targets: torch.Tensor) -> Iterator[None]:
