@@ -57,6 +57,17 @@ MODELS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 4096,
         "tie_word_embeddings": False,
     },
+    "llama3-1b": {  # 1.2B parameters, Llama-3.2-1B's shape (128k vocabulary, tied): the levers
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+    },
     "llama-3b": {  # 3.2B parameters, Llama-3.2-3B's shape with a 32k vocabulary
         "model_type": "llama",
         "vocab_size": 32000,

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from launcher.estimate import Estimate, estimate
+from launcher.estimate_levers import smallest_levers
 from launcher.hardware import Hardware, detect_hardware
 from launcher.model_shape import ModelShape, model_shape
 from launcher.plan import _best_for_rung, rung_world
@@ -60,6 +61,9 @@ def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, 
             grad_accum=grad_accum,
             precision=cfg.precision,
             attn_implementation=cfg.model.attn_implementation,
+            chunked_loss=row.chunked_loss,
+            offload_activations=row.offload_activations,
+            loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
         )
         analytic = estimate(
             shape,
@@ -72,6 +76,9 @@ def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, 
             precision=cfg.precision,
             device=hw.device,
             grad_accum=grad_accum,
+            chunked_loss=row.chunked_loss,
+            offload_activations=row.offload_activations,
+            loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
         )
         out[row.strategy] = {
             "grad_accum": grad_accum,
@@ -117,6 +124,7 @@ def estimates_for(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[Estim
             continue
         micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 1
         ac = cfg.memory.activation_checkpointing
+        levers = smallest_levers(cfg.memory.chunked_loss, cfg.memory.offload_activations)
         out.append(
             estimate(
                 shape,
@@ -132,6 +140,9 @@ def estimates_for(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[Estim
                 fsdp_reduce_every_micro_batch=(
                     rung.engine == "fsdp" and cfg.fsdp.reduce_every_micro_batch is not False
                 ),
+                chunked_loss=levers.chunked_loss,
+                offload_activations=levers.offload_activations,
+                loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
             )
         )
     return out

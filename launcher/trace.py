@@ -28,7 +28,8 @@ from trainer.backends import OptimizerSpec
 from trainer.backends.common import COMPUTE_DTYPES, build_adamw
 from trainer.backends.fsdp import apply_fsdp, gradient_sync
 from trainer.config import ModelConfig
-from trainer.loss import next_token_loss_sum
+from trainer.levers import MemoryLevers
+from trainer.loss import loss_sum_of  # compute_loss's tensors (its token count is an int())
 from trainer.model import HFModelFactory, apply_activation_checkpointing
 
 TRACEABLE = ("single", "fsdp")
@@ -60,6 +61,9 @@ def trace_step(
     attn_implementation: str = "sdpa",
     reshard_after_forward: bool = True,
     reduce_every_micro_batch: bool = False,
+    chunked_loss: bool = False,
+    offload_activations: bool = False,
+    loss_chunk_tokens: int | None = None,
 ) -> Trace:
     """Peak live tensor bytes on one device for a steady-state training step (the second one):
     `grad_accum` micro-batches, all but the last under the backend's no-sync (unless FSDP
@@ -82,6 +86,14 @@ def trace_step(
         model.to_empty(device=device)
         if strategy == "single" and hasattr(model, "tie_weights"):
             model.tie_weights()  # to_empty made fake copies of tied weights: one tensor again
+        MemoryLevers(
+            model,
+            device,
+            chunked_loss,
+            offload_activations,
+            loss_chunk_tokens,
+            offload_host=torch.device("meta"),  # host copies: not counted as the device's
+        )
         optimizer = build_adamw(model.parameters(), _SPEC)
         batch = _batch(hf_config["vocab_size"], micro_batch_size, seq_len)
         compute = _autocast(precision) if strategy == "single" else contextlib.nullcontext
@@ -108,7 +120,7 @@ def trace_step(
         with tracker:
             step(tracker)
         snapshot = tracker.get_tracker_snapshot("peak")
-    dev = next(iter(snapshot))
+    dev = next(d for d in snapshot if torch.device(d).type == device.type)
     breakdown = {getattr(k, "name", k).lower(): int(v) for k, v in snapshot[dev].items()}
     return Trace(
         strategy=strategy,
@@ -128,13 +140,6 @@ def _init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) ->
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def loss_sum_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The tensor part of `trainer.loss.compute_loss` (its token count is a data-dependent
-    `int()`, which fake tensors cannot answer)."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
-    return next_token_loss_sum(logits, batch["labels"])
 
 
 def _autocast(precision: str):

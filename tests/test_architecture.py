@@ -38,6 +38,7 @@ LAUNCHER_RUNS_ENGINE = {
     ("launcher.trace", "trainer.backends"),  # the traced step runs the backends' own code
     ("launcher.trace", "trainer.backends.common"),
     ("launcher.trace", "trainer.backends.fsdp"),
+    ("launcher.trace", "trainer.levers"),  # chunked loss and activation offload, traced
     ("launcher.trace", "trainer.loss"),
     ("launcher.trace", "trainer.model"),
 }

@@ -145,6 +145,11 @@ class TrainConfig(_Section):
 
 class MemoryConfig(_Section):
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
+    # Exact levers (docs/memory.md): the LM head and loss over chunks of tokens; the decoder
+    # layers' saved activations in host memory between forward and backward. auto: the planner.
+    chunked_loss: Literal["auto"] | bool = "auto"
+    offload_activations: Literal["auto"] | bool = "auto"
+    loss_chunk_tokens: int | None = Field(None, ge=1)  # tokens per chunk; None: by vocabulary
     headroom: float = Field(0.10, ge=0.0, lt=0.9)
 
 

@@ -41,6 +41,7 @@ from trainer.dist import (
 from trainer.evaluate import evaluate
 from trainer.export import save_hf_model
 from trainer.gpus import peak_flops_for
+from trainer.levers import LEVER_NAMES, MemoryLevers, concrete_lever
 from trainer.logs import setup_logging
 from trainer.metrics import MetricsLog
 from trainer.model import (
@@ -144,8 +145,20 @@ def _setup(cfg: JobConfig) -> _Run | int:
         measured = int(backend.memory_stats()["peak_device_bytes"])
         _write_report(run_dir, phase, err, [rank], measured, 0, start_step, split, ctx)
         return EXIT_OOM
+    split.levers = _memory_levers(cfg, model, device)
     return _Run(
         cfg, ctx, run_dir, backend, model, factory, tokenizer, data, split, faults, start_step
+    )
+
+
+def _memory_levers(cfg: JobConfig, model: torch.nn.Module, device: torch.device) -> MemoryLevers:
+    """Chunked loss and activation offload as the resolved config says (`auto`: off)."""
+    return MemoryLevers(
+        model,
+        device,
+        chunked_loss=concrete_lever(cfg.memory.chunked_loss),
+        offload_activations=concrete_lever(cfg.memory.offload_activations),
+        loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
     )
 
 
@@ -212,7 +225,7 @@ def _log_start(run: _Run, num_params: int) -> None:
     cfg, ctx = run.cfg, run.ctx
     log.info(
         "%s: %s params, world %d, micro-batch %d x accumulation %d x %d ranks = global batch %d, "
-        "%s, activation checkpointing %s%s",
+        "%s, activation checkpointing %s, chunked loss %s, activation offload %s%s",
         cfg.strategy,
         f"{num_params:,}",
         ctx.world_size,
@@ -222,6 +235,8 @@ def _log_start(run: _Run, num_params: int) -> None:
         cfg.train.global_batch_size,
         cfg.precision,
         ctx.activation_checkpointing,
+        "on" if run.split.levers.chunked_loss else "off",
+        "on" if run.split.levers.offload_activations else "off",
         f", {n} layers compiled" if (n := num_compiled_layers(run.model)) else "",
     )
 
@@ -244,6 +259,7 @@ def _step_record(
         "micro_batch_size": split.micro_batch_size,
         "grad_accum": split.grad_accum,
         "activation_checkpointing": split.activation_checkpointing,
+        **split.levers.record(),
     }
 
 
@@ -281,6 +297,7 @@ class BatchSplit:
     micro_batch_size: int
     activation_checkpointing: str = "none"
     eval_batch_size: int = 0
+    levers: MemoryLevers | None = None  # chunked loss, activation offload: set once built
 
     def __post_init__(self) -> None:
         self.eval_batch_size = self.eval_batch_size or self.micro_batch_size
@@ -315,7 +332,8 @@ def _step_with_backoff(
     faults: FaultInjector,
 ):
     """Run the step; on an OOM on any rank, all ranks halve the micro-batch and redo it; at
-    micro-batch 1 they raise the activation checkpointing level instead, up to `full`."""
+    micro-batch 1 they switch on chunked loss, then activation offload, then raise the
+    activation checkpointing level, up to `full` (each keeps the math)."""
     num_backoffs = 0
     while True:
         batches = data.train.micro_batches(
@@ -326,8 +344,19 @@ def _step_with_backoff(
         except StepAborted as err:
             del batches
             backend.drop_grads()
+            split.levers.drop_partial_step()
             free_memory(ctx.device)
             smaller = _halved(split.micro_batch_size, split.per_rank)
+            if smaller is None and (lever := split.levers.next_off()) is not None:
+                num_backoffs += 1
+                log.warning(
+                    "step %d: out of memory in %s at micro-batch 1; retrying with %s on",
+                    step + 1,
+                    err.phase,
+                    LEVER_NAMES[lever],
+                )
+                split.levers.set(lever, True)
+                continue
             if smaller is None:  # at micro-batch 1: recompute more layers, if any are left
                 level = split.activation_checkpointing
                 if level == AC_LEVELS[-1]:
@@ -450,6 +479,7 @@ def _write_report(
         "world_size": ctx.world_size,
         "micro_batch_size": split.micro_batch_size,
         "activation_checkpointing": split.activation_checkpointing,
+        **(split.levers.state() if split.levers else {}),
         "num_backoffs": num_backoffs,
         "ranks": ranks,
         "error": str(error),
