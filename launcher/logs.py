@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-_NOISY = ("httpx", "urllib3", "filelock", "datasets", "torch.distributed", "DeepSpeed")
+_NOISY = ("httpx", "urllib3", "filelock", "datasets", "torch.distributed", "DeepSpeed", "mlflow")
 
 
 class _RankFilter(logging.Filter):

@@ -61,6 +61,7 @@ from trainer.schedule import lr_at
 from trainer.signals import EXIT_SIGNAL, StopSignals
 from trainer.slurm_requeue import requeue_if_preempted
 from trainer.step import train_step
+from trainer.trackers import Trackers
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ def run_training(cfg: JobConfig) -> int:
         metrics.truncate_after(start_step)
     stop = StopSignals()
     checkpointer = Checkpointer(run_dir, cfg, tokenizer, rank)
+    trackers = Trackers.start(cfg.run.trackers, run_dir, cfg.run.name, start_step, rank == 0)
 
     peak_flops = _device_peak_flops(device)
     flops_per_token = _flops_per_token(factory.hf_config, num_params, cfg.data.seq_len)
@@ -147,10 +149,10 @@ def run_training(cfg: JobConfig) -> int:
             result = _step_with_backoff(model, backend, data, split, step, ctx, faults)
         except OutOfMemoryGaveUp as err:
             _report_oom(run_dir, err, step, split, backend, ctx)
-            return EXIT_OOM
+            return trackers.closed(EXIT_OOM)
         except OutOfMemoryInStep as err:  # this rank alone; no collective may follow
             _report_oom_alone(run_dir, err, step, split, backend, ctx)
-            return EXIT_OOM
+            return trackers.closed(EXIT_OOM)
         micro, grad_accum = split.micro_batch_size, split.grad_accum
         stopping, peak_bytes = stop.agreed_with(backend.memory_stats()["peak_device_bytes"], device)
         record = {
@@ -175,6 +177,7 @@ def run_training(cfg: JobConfig) -> int:
         if _due(step + 1, cfg.train.eval_every, cfg.train.steps) and data.eval is not None:
             record.update(_evaluate_with_backoff(model, backend, data.eval, split, ctx))
         metrics.write(record)
+        trackers.log(record)
 
         last = step + 1 == cfg.train.steps
         if stopping or (_due(step + 1, cfg.run.checkpoint_every, cfg.train.steps) and not last):
@@ -185,8 +188,9 @@ def run_training(cfg: JobConfig) -> int:
             log.warning("stopped by %s after step %d; checkpoint written", stop.name, step + 1)
             if rank == 0:  # preempted under Slurm (SIGUSR1): back in the queue, resumes there
                 requeue_if_preempted(stop.signum, rank)
-            return EXIT_SIGNAL
+            return trackers.closed(EXIT_SIGNAL)
     checkpointer.finish()
+    trackers.close(0)
 
     if cfg.run.save_final:
         weights = backend.full_model_state_dict()
