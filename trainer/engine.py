@@ -57,6 +57,7 @@ from trainer.oom import (
     memory_summary,
     write_oom_report,
 )
+from trainer.profile import ProfileWindow
 from trainer.schedule import lr_at
 from trainer.signals import EXIT_SIGNAL, StopSignals
 from trainer.slurm_requeue import requeue_if_preempted
@@ -137,6 +138,8 @@ def run_training(cfg: JobConfig) -> int:
     stop = StopSignals()
     checkpointer = Checkpointer(run_dir, cfg, tokenizer, rank)
     trackers = Trackers.start(cfg.run.trackers, run_dir, cfg.run.name, start_step, rank == 0)
+    optimizer = getattr(backend, "optimizer", None)
+    window = ProfileWindow(cfg.debug.profile, run_dir, rank, device, model, optimizer)
 
     peak_flops = _device_peak_flops(device)
     flops_per_token = _flops_per_token(factory.hf_config, num_params, cfg.data.seq_len)
@@ -146,13 +149,15 @@ def run_training(cfg: JobConfig) -> int:
         backend.set_lr(lr)
         faults.step = step
         try:
+            window.begin(step)
             result = _step_with_backoff(model, backend, data, split, step, ctx, faults)
         except OutOfMemoryGaveUp as err:
             _report_oom(run_dir, err, step, split, backend, ctx)
-            return trackers.closed(EXIT_OOM)
+            return _ended(EXIT_OOM, trackers, window)
         except OutOfMemoryInStep as err:  # this rank alone; no collective may follow
             _report_oom_alone(run_dir, err, step, split, backend, ctx)
-            return trackers.closed(EXIT_OOM)
+            return _ended(EXIT_OOM, trackers, window)
+        profiled = window.end(step)
         micro, grad_accum = split.micro_batch_size, split.grad_accum
         stopping, peak_bytes = stop.agreed_with(backend.memory_stats()["peak_device_bytes"], device)
         record = {
@@ -170,6 +175,8 @@ def run_training(cfg: JobConfig) -> int:
             "grad_accum": grad_accum,
             "activation_checkpointing": split.activation_checkpointing,
         }
+        if profiled:  # its time includes the profiler's overhead: not throughput
+            record["profiled"] = True
         if peak_flops:
             record["mfu"] = (
                 flops_per_token * result.num_tokens / result.step_time_s / (peak_flops * world_size)
@@ -188,7 +195,7 @@ def run_training(cfg: JobConfig) -> int:
             log.warning("stopped by %s after step %d; checkpoint written", stop.name, step + 1)
             if rank == 0:  # preempted under Slurm (SIGUSR1): back in the queue, resumes there
                 requeue_if_preempted(stop.signum, rank)
-            return trackers.closed(EXIT_SIGNAL)
+            return _ended(EXIT_SIGNAL, trackers, window)
     checkpointer.finish()
     trackers.close(0)
 
@@ -206,6 +213,13 @@ def run_training(cfg: JobConfig) -> int:
             log.info("saved the trained model to %s", out)
         barrier()
     return 0
+
+
+def _ended(code: int, trackers: Trackers, window: ProfileWindow) -> int:
+    """Close what watches the run when it ends early; returns the exit code."""
+    window.close()
+    trackers.close(code)
+    return code
 
 
 @dataclass

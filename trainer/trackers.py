@@ -280,11 +280,6 @@ class Trackers:
         self._each("event", self.step, text)
         self._save_state()
 
-    def closed(self, exit_code: int) -> int:
-        """Close, and return the run's exit code (for `return trackers.closed(code)`)."""
-        self.close(exit_code)
-        return exit_code
-
     def close(self, exit_code: int) -> None:
         if self._handler is not None:
             logging.getLogger("trainer").removeHandler(self._handler)
