@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from launcher.config import build_config  # noqa: E402
 from trainer.backends import BackendContext, OptimizerSpec, build_backend  # noqa: E402
 from trainer.checkpoint import Checkpointer  # noqa: E402
+from trainer.config import build_config  # noqa: E402
 from trainer.model import HFModelFactory, count_parameters  # noqa: E402
 from trainer.step import train_step  # noqa: E402
 

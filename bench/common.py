@@ -131,7 +131,7 @@ def job_config(
     compile: bool = False,
 ) -> Any:
     """A resolved JobConfig for the engine's side of a comparison (data is never read)."""
-    from launcher.config import build_config
+    from trainer.config import build_config
 
     data = tmp / "d.jsonl"
     data.write_text('{"text": "x"}\n')
@@ -170,7 +170,8 @@ def largest_model_that_fits(
     import psutil
 
     from launcher.hardware import Hardware
-    from launcher.plan import LADDER, NoFitError, make_plan
+    from launcher.plan import NoFitError, make_plan
+    from trainer import strategies
 
     if device.type == "cuda":
         device_bytes = torch.cuda.get_device_properties(device).total_memory
@@ -179,7 +180,7 @@ def largest_model_that_fits(
     hw = Hardware(
         device.type, 1, 1, device_bytes // num_copies, psutil.virtual_memory().total // num_copies
     )
-    others = [rung.name for rung in LADDER if rung.name != strategy]
+    others = [name for name in strategies.names() if name != strategy]
     fits = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in candidates:
@@ -308,7 +309,7 @@ def mfu(
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    from launcher.hardware import peak_flops_for
+    from trainer.gpus import peak_flops_for
 
     return peak_flops_for(torch.cuda.get_device_name(device))
 

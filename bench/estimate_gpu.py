@@ -99,7 +99,7 @@ def estimate_for(run: Run, device_type: str, device_memory_bytes: int) -> dict[s
 
 
 def _job(run: Run, device_type: str, tmp: Path) -> Any:
-    from launcher.config import build_config
+    from trainer.config import build_config
 
     data = tmp / "d.jsonl"
     data.write_text('{"text": "x"}\n')

@@ -47,10 +47,10 @@ def cli_seconds(repeats: int) -> tuple[list[float], dict[str, Any]]:
 
 
 def in_process_seconds(num_calls: int) -> list[float]:
-    from launcher.config import load_config
     from launcher.hardware import detect_hardware
     from launcher.model_shape import model_shape
     from launcher.plan import NoFitError, make_plan
+    from trainer.config import load_config
 
     cfg = load_config(PRESET, OVERRIDES)
     hw = detect_hardware(cfg.hardware)

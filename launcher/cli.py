@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from launcher.config import ConfigError, dump_config, load_config
-from launcher.logs import setup_logging
 from launcher.plan import NoFitError
-
-EXIT_OK, EXIT_USAGE, EXIT_NO_FIT, EXIT_OOM, EXIT_SIGNAL = 0, 2, 3, 75, 143
+from trainer.config import ConfigError, dump_config, load_config
+from trainer.contract import EXIT_NO_FIT, EXIT_OK, EXIT_SIGNAL, EXIT_USAGE
+from trainer.logs import setup_logging
 
 
 class _Parser(argparse.ArgumentParser):

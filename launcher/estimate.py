@@ -31,30 +31,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from launcher.config import ConfigError
 from launcher.hardware import Hardware
 from launcher.model_shape import ModelShape
+from trainer import strategies
+from trainer.config import ConfigError
+from trainer.strategies import DEEPSPEED_BUCKET_ELEMENTS, Strategy, checkpointed_layers
+from trainer.units import GIB
 
-GIB = 1024**3
 CUDA_CONTEXT_BYTES = int(0.75 * GIB)  # CUDA context + cuBLAS/cuDNN workspaces, measured typical
 FRAGMENTATION_RATIO = 0.08  # caching-allocator slack over peak tensor bytes
 CPU_PROCESS_BYTES = int(1.0 * GIB)  # python + torch + transformers in a CPU process (RSS)
 HOST_PROCESS_BYTES = int(2.0 * GIB)  # per rank on the host: libraries, dataloader, pinned staging
-DEEPSPEED_BUCKET_ELEMENTS = 50_000_000  # reduce/allgather/prefetch bucket (trainer's DS config)
 ZERO_OFFLOAD_PINNED_RATIO = 1.0  # pinned host gradient buffer per offloaded fp32 partition
 
-STRATEGIES = (
-    "single",
-    "ddp",
-    "fsdp",
-    "fsdp_offload",
-    "zero1",
-    "zero2",
-    "zero3",
-    "zero3_offload",
-    "zero3_offload_params",
-    "zero3_nvme",
-)
 # Decoder blocks the activation model describes (RMSNorm, rotary, SDPA, gated MLP), checked
 # against traced steps in tests/launcher/test_estimate_trace.py
 MODELLED_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma")
@@ -332,6 +321,237 @@ def _forward_backward_peaks(
     }
 
 
+@dataclass(frozen=True)
+class _ModelStates:
+    """One rank's model states for a rung, and how its gradients come and go in the first and in
+    a later micro-batch of a step (accumulation)."""
+
+    on_device: dict[str, int]  # params, grads, optimizer
+    on_host: dict[str, int]  # per rank
+    base: int  # device bytes alive through the whole step
+    grads_at_step: int  # gradient bytes alive at the optimizer step
+    first: _GradFlow
+    later: _GradFlow
+    gather_layer: int = 0  # unsharded parameters while a layer computes
+    gather_root: int = 0  # ... while the root (embeddings, norm, head) computes
+    root_kept: int = 0  # part of gather_root held from forward's end into backward
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """Parameter counts and per-rank factors every model-state function uses."""
+
+    n: int  # all parameters
+    w: int  # ranks
+    c: int  # compute dtype bytes
+    layer_n: int
+    root_n: int
+    head_n: int  # lm_head (or the tied embedding) + final norm
+    embed_n: int
+    tied_embed: int  # the embedding's parameters when tied to the head, else 0
+    accumulating: bool
+    bucket: int  # DeepSpeed's fp32 reduce bucket
+
+    @classmethod
+    def of(cls, shape: ModelShape, w: int, c: int, grad_accum: int) -> _Sizes:
+        embed_n = shape.num_embedding_params
+        return cls(
+            n=shape.num_params,
+            w=w,
+            c=c,
+            layer_n=shape.num_layer_params,
+            root_n=shape.num_root_params,
+            head_n=_head_params(shape) + shape.hidden_size,
+            embed_n=embed_n,
+            tied_embed=embed_n if shape.tied_embeddings else 0,
+            accumulating=grad_accum > 1,
+            bucket=4 * min(DEEPSPEED_BUCKET_ELEMENTS, shape.num_params),
+        )
+
+
+def _replicated_states(row: Strategy, z: _Sizes, shape: ModelShape, fsdp_every: bool):
+    """single, ddp and ZeRO-1: full fp32 parameters and gradients on every rank."""
+    n, w = z.n, z.w
+    if row.zero_stage == 1:
+        dev, _ = zero_model_state_bytes(n, stage=1, world_size=w, param_bytes=4)
+        on_device = {k: dev[k] for k in ("params", "grads", "optimizer")}
+    else:
+        on_device = {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
+    base = on_device["params"] + on_device["optimizer"]
+    # AccumulateGrad: the first gradient of a weight becomes its .grad (fp32, from the 16-bit
+    # one autocast's backward makes); a tied embedding's is summed out of place.
+    untied_embed = z.embed_n - z.tied_embed
+    first = _GradFlow(
+        held=0,
+        per_layer=4 * z.layer_n,
+        in_layer=4 * z.layer_n,
+        head=4 * z.head_n,
+        root_at_embedding=4 * z.head_n + 4 * untied_embed + 8 * z.tied_embed,
+    )
+    later = _GradFlow(held=4 * n, root_at_embedding=4 * z.embed_n)
+    grads_at_step = on_device["grads"]
+    if row.engine == "ddp":  # gradient_as_bucket_view: the buckets hold the grads for good
+        base += on_device["grads"]
+        first = later = _GradFlow(root_at_embedding=4 * z.embed_n)
+        grads_at_step = 0
+    if row.zero_stage == 1:  # the boundary reduces the full grads through the bucket
+        first = replace(first, reduce_root=4 * n + z.bucket)
+        later = replace(later, reduce_root=z.bucket)
+    return _ModelStates(on_device, {}, base, grads_at_step, first, later)
+
+
+def _fsdp_states(row: Strategy, z: _Sizes, shape: ModelShape, fsdp_every: bool):
+    """FSDP2: everything sharded over the ranks (on the host under CPUOffloadPolicy); 16-bit
+    gathers per layer; the root stays gathered from forward into backward."""
+    n, w, c, layer_n, root_n = z.n, z.w, z.c, z.layer_n, z.root_n
+    shard = {"params": 4 * n // w, "grads": 4 * n // w, "optimizer": 8 * n // w}
+    on_device, on_host = dict(shard), {}
+    if row.offloads:  # fp32 params, grads and AdamW on the host
+        on_device, on_host = {"params": 0, "grads": 0, "optimizer": 0}, dict(shard)
+    # the root's 16-bit unsharded grads during the embedding's backward (tied: summed)
+    root_unsharded = c * root_n + c * z.tied_embed
+    sync = _GradFlow(
+        held=4 * n if z.accumulating else 0,  # no_sync kept unsharded fp32 grads till now
+        per_layer=on_device["grads"] and 4 * layer_n // w,
+        head=c * z.head_n,
+        root_at_embedding=root_unsharded,
+        in_layer=c * layer_n,  # its 16-bit unsharded grads, before the reduce-scatter
+        released_per_layer=4 * layer_n if z.accumulating else 0,
+        reduce_root=_reduce_scatter_bytes(root_n, c, w),
+        pending_reduce=4 * layer_n,
+    )
+    no_sync = _GradFlow(  # unsharded fp32 gradient accumulation on every rank
+        per_layer=4 * layer_n,
+        in_layer=4 * layer_n,
+        head=4 * z.head_n,
+        root_at_embedding=4 * root_n + root_unsharded,
+    )
+    if fsdp_every:  # later micro-batches add to the sharded grads
+        first = replace(sync, held=0, released_per_layer=0)
+        later = replace(first, held=on_device["grads"], per_layer=0)
+    else:
+        first, later = (no_sync, sync) if z.accumulating else (sync, sync)
+    return _ModelStates(
+        on_device,
+        on_host,
+        base=on_device["params"] + on_device["optimizer"],
+        grads_at_step=on_device["grads"],
+        first=first,
+        later=later,
+        gather_layer=2 * c * layer_n,  # unsharded params + the all-gather output
+        gather_root=c * root_n,  # embeddings, norm, lm_head: unsharded through fwd and bwd
+        root_kept=c * root_n,
+    )
+
+
+def _zero_states(row: Strategy, z: _Sizes, shape: ModelShape, fsdp_every: bool):
+    """DeepSpeed ZeRO-2/3 and its offload rungs (ZeRO-1 accounts like a replica)."""
+    if row.zero_stage == 1:
+        return _replicated_states(row, z, shape, fsdp_every)
+    dev, host = zero_model_state_bytes(
+        z.n,
+        stage=row.zero_stage,
+        world_size=z.w,
+        param_bytes=4,  # fp32 parameters, 16-bit compute by autocast
+        offload_optimizer=row.optimizer_at != "device",
+        offload_params=row.params_at != "device",
+    )
+    on_device = {k: dev[k] for k in ("params", "grads", "optimizer")}
+    if row.needs_nvme:  # states on NVMe; the host keeps swap buffers
+        host = {"nvme_buffers": 2 * 16 * z.layer_n}
+    # a layer's fp32 grads live until DeepSpeed's hooks copy them into the bucket
+    flow = _GradFlow(in_layer=4 * z.layer_n, root_at_embedding=4 * z.embed_n)
+    gather_layer = gather_root = 0
+    if row.zero_stage == 3:  # the gathered fp32 layer and the prefetched one; root matrices
+        gather_layer = 4 * z.layer_n + min(z.bucket, 4 * z.layer_n)
+        gather_root = 4 * _head_params(shape)
+    return _ModelStates(
+        on_device,
+        host,
+        base=sum(on_device.values()) + z.bucket,  # grads are reduced through the bucket
+        grads_at_step=0,
+        first=flow,
+        later=flow,
+        gather_layer=gather_layer,
+        gather_root=gather_root,
+    )
+
+
+# Model-state accounting per engine (the `engine` column of trainer/strategies.py)
+_MODEL_STATES = {
+    "single": _replicated_states,
+    "ddp": _replicated_states,
+    "fsdp": _fsdp_states,
+    "deepspeed": _zero_states,
+}
+
+
+def _micro(row: Strategy, micro_batch_size: int, seq_len: int, precision: str, packed: bool):
+    c = 4 if precision == "fp32" else 2
+    fsdp = row.engine == "fsdp"
+    return _Micro(
+        b=micro_batch_size,
+        s=seq_len,
+        c=c,
+        r=c if fsdp else 4,
+        autocast=precision != "fp32" and not fsdp,
+        masked=packed,
+        zero3_linear=row.zero_stage == 3,
+    )
+
+
+def _step_phases(shape: ModelShape, m: _Micro, states: _ModelStates, ckpt, accumulating: bool):
+    """Live bytes at each peak point of the step: the first micro-batch, a later one (with the
+    accumulated gradients alive), and the optimizer step."""
+
+    def micro_batch(grads: _GradFlow) -> dict[str, int]:
+        return _forward_backward_peaks(
+            shape, m, ckpt=ckpt, base=states.base, grads=grads,
+            gather_layer=states.gather_layer, gather_root=states.gather_root,
+            root_kept=states.root_kept,
+        )  # fmt: skip
+
+    phases = micro_batch(states.first)
+    if accumulating:
+        again = micro_batch(states.later)
+        phases = {k: max(v, again[k]) for k, v in phases.items()}
+    phases["optimizer"] = states.base + states.grads_at_step  # fused AdamW: no temporaries
+    return phases
+
+
+def _activation_bytes(shape: ModelShape, m: _Micro, ckpt: frozenset[int]) -> int:
+    """What the breakdown lists as activations: saved tensors of every layer, the final
+    hidden state and the loss's tensors."""
+    num_ckpt = len(ckpt)
+    return (
+        (shape.num_layers - num_ckpt) * layer_activation_bytes(shape, m)
+        + num_ckpt * m.r * m.tokens * shape.hidden_size
+        + _final_bytes(shape, m)
+        + loss_bytes(shape, m.b, m.s, m.c)
+    )
+
+
+def _runtime_overhead(device: str, peak: int, persistent: int) -> int:
+    if device != "cuda":
+        return CPU_PROCESS_BYTES
+    # Model states are allocated once, in large blocks; the allocator's slack grows with what
+    # is allocated and freed every step (activations, gathers, buffers).
+    return CUDA_CONTEXT_BYTES + int(FRAGMENTATION_RATIO * max(0, peak - persistent))
+
+
+def _host_bytes(
+    row: Strategy, states: _ModelStates, n: int, ranks_here: int, device_bytes: int, device: str
+) -> dict[str, int]:
+    """Host memory per node: every rank's offloaded states, the initial full fp32 state dict
+    the model factory builds on the host (rank 0 only for sharded rungs), process baseline."""
+    host = {k: v * ranks_here for k, v in states.on_host.items()}
+    host["initial_weights"] = 4 * n * (1 if row.shards_params else ranks_here)
+    host["processes"] = HOST_PROCESS_BYTES * ranks_here
+    if device == "cpu":  # the "device" is host memory too
+        host["device_memory_of_cpu_ranks"] = device_bytes * ranks_here
+    return host
+
+
 def estimate(
     shape: ModelShape,
     *,
@@ -355,168 +575,28 @@ def estimate(
     `fsdp_reduce_every_micro_batch`: FSDP reduce-scatters after every micro-batch and accumulates
     sharded gradients, instead of accumulating unsharded ones under no-sync.
     """
-    if shape.model_type not in MODELLED_TYPES:
-        raise ConfigError(
-            "model.model_type",
-            f"the memory estimate models {', '.join(MODELLED_TYPES)} decoder blocks, not "
-            f"{shape.model_type} (its activations are not checked against a trace)",
-            "use one of these architectures (planning other blocks needs their activation "
-            "model first)",
-        )
-    n = shape.num_params
+    _check_modelled(shape)
+    row = strategies.row(strategy)
     w = max(1, world_size)
-    c = 4 if precision == "fp32" else 2
-    mixed = precision != "fp32"
-    layer_n, root_n = shape.num_layer_params, shape.num_root_params
-    ckpt = frozenset(checkpointed(shape.num_layers, activation_checkpointing))
-    num_ckpt = len(ckpt)
-    sharded_fsdp = strategy in ("fsdp", "fsdp_offload")
-    m = _Micro(
-        b=micro_batch_size,
-        s=seq_len,
-        c=c,
-        r=c if sharded_fsdp else 4,
-        autocast=mixed and not sharded_fsdp,
-        masked=packed,
-        zero3_linear=strategy.startswith("zero3"),
-    )
-    accumulating = grad_accum > 1
-    head_n = _head_params(shape) + shape.hidden_size  # lm_head (or the tied embedding) + norm
-    embed_n = shape.num_embedding_params
-    untied_embed = 0 if shape.tied_embeddings else embed_n
-    tied_embed = embed_n if shape.tied_embeddings else 0
-    bucket = 4 * min(DEEPSPEED_BUCKET_ELEMENTS, n)  # DeepSpeed's reduce bucket, fp32
-
-    # Model states per rank, and how gradients come and go in the first and in a later
-    # micro-batch of the step (accumulation).
-    on_host: dict[str, int] = {}
-    gather_layer = gather_root = root_kept = 0
-    if strategy in ("single", "ddp", "zero1"):
-        if strategy == "zero1":
-            dev, _ = zero_model_state_bytes(n, stage=1, world_size=w, param_bytes=4)
-            on_device = {k: dev[k] for k in ("params", "grads", "optimizer")}
-        else:
-            on_device = {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
-        base = on_device["params"] + on_device["optimizer"]
-        # AccumulateGrad: the first gradient of a weight becomes its .grad (fp32, from the
-        # 16-bit one autocast's backward makes); a tied embedding's is summed out of place.
-        first = _GradFlow(
-            held=0,
-            per_layer=4 * layer_n,
-            in_layer=4 * layer_n,
-            head=4 * head_n,
-            root_at_embedding=4 * head_n + 4 * untied_embed + 8 * tied_embed,
-        )
-        later = _GradFlow(held=4 * n, root_at_embedding=4 * embed_n)
-        grads_at_step = on_device["grads"]
-        if strategy == "ddp":  # gradient_as_bucket_view: the buckets hold the grads for good
-            base += on_device["grads"]
-            first = later = _GradFlow(root_at_embedding=4 * embed_n)
-            grads_at_step = 0
-        if strategy == "zero1":  # the boundary reduces the full grads through the bucket
-            first = replace(first, reduce_root=4 * n + bucket)
-            later = replace(later, reduce_root=bucket)
-    elif sharded_fsdp:
-        shard = {"params": 4 * n // w, "grads": 4 * n // w, "optimizer": 8 * n // w}
-        if strategy == "fsdp":
-            on_device = dict(shard)
-        else:  # CPUOffloadPolicy: fp32 params, grads and AdamW on the host
-            on_device = {"params": 0, "grads": 0, "optimizer": 0}
-            on_host = dict(shard)
-        base = on_device["params"] + on_device["optimizer"]
-        grads_at_step = on_device["grads"]
-        gather_layer = 2 * c * layer_n  # unsharded params + the all-gather output
-        gather_root = c * root_n  # embeddings, norm, lm_head: unsharded through fwd and bwd
-        root_kept = gather_root
-        # the root's 16-bit unsharded grads during the embedding's backward (tied: summed)
-        root_unsharded = c * root_n + c * tied_embed
-        sync = _GradFlow(
-            held=4 * n if accumulating else 0,  # no_sync kept unsharded fp32 grads till now
-            per_layer=on_device["grads"] and 4 * layer_n // w,
-            head=c * head_n,
-            root_at_embedding=root_unsharded,
-            in_layer=c * layer_n,  # its 16-bit unsharded grads, before the reduce-scatter
-            released_per_layer=4 * layer_n if accumulating else 0,
-            reduce_root=_reduce_scatter_bytes(root_n, c, w),
-            pending_reduce=4 * layer_n,
-        )
-        no_sync = _GradFlow(  # unsharded fp32 gradient accumulation on every rank
-            per_layer=4 * layer_n,
-            in_layer=4 * layer_n,
-            head=4 * head_n,
-            root_at_embedding=4 * root_n + root_unsharded,
-        )
-        if fsdp_reduce_every_micro_batch:  # later micro-batches add to the sharded grads
-            first = replace(sync, held=0, released_per_layer=0)
-            later = replace(first, held=on_device["grads"], per_layer=0)
-        else:
-            first, later = (no_sync, sync) if accumulating else (sync, sync)
-    elif strategy.startswith("zero"):
-        stage = 2 if strategy == "zero2" else 3
-        offload_opt = strategy in ("zero3_offload", "zero3_offload_params", "zero3_nvme")
-        offload_params = strategy in ("zero3_offload_params", "zero3_nvme")
-        dev, host = zero_model_state_bytes(
-            n,
-            stage=stage,
-            world_size=w,
-            param_bytes=4,  # fp32 parameters, 16-bit compute by autocast
-            offload_optimizer=offload_opt,
-            offload_params=offload_params,
-        )
-        on_device = {k: dev[k] for k in ("params", "grads", "optimizer")}
-        on_host = host
-        if strategy == "zero3_nvme":  # states on NVMe; the host keeps swap buffers
-            on_host = {"nvme_buffers": 2 * 16 * layer_n}
-        # grads are reduced into their partition (or sent to the host) through the bucket
-        base = sum(on_device.values()) + bucket
-        grads_at_step = 0
-        # a layer's fp32 grads live until DeepSpeed's hooks copy them into the bucket
-        first = later = _GradFlow(in_layer=4 * layer_n, root_at_embedding=4 * embed_n)
-        if stage == 3:  # the gathered fp32 layer and the prefetched one; root matrices in use
-            gather_layer = 4 * layer_n + min(bucket, 4 * layer_n)
-            gather_root = 4 * _head_params(shape)
-    else:
-        raise ValueError(f"unknown strategy {strategy}")
-
-    phases = _forward_backward_peaks(
-        shape, m, ckpt=ckpt, base=base, grads=first,
-        gather_layer=gather_layer, gather_root=gather_root, root_kept=root_kept,
-    )  # fmt: skip
-    if accumulating:
-        again = _forward_backward_peaks(
-            shape, m, ckpt=ckpt, base=base, grads=later,
-            gather_layer=gather_layer, gather_root=gather_root, root_kept=root_kept,
-        )  # fmt: skip
-        phases = {k: max(v, again[k]) for k, v in phases.items()}
-    phases["optimizer"] = base + grads_at_step  # fused AdamW: no temporaries of its own
+    m = _micro(row, micro_batch_size, seq_len, precision, packed)
+    z = _Sizes.of(shape, w, m.c, grad_accum)
+    states = _MODEL_STATES[row.engine](row, z, shape, fsdp_reduce_every_micro_batch)
+    ckpt = frozenset(checkpointed_layers(shape.num_layers, activation_checkpointing))
+    phases = _step_phases(shape, m, states, ckpt, z.accumulating)
     peak = max(phases.values())
 
-    activations = (
-        (shape.num_layers - num_ckpt) * layer_activation_bytes(shape, m)
-        + num_ckpt * m.r * m.tokens * shape.hidden_size
-        + _final_bytes(shape, m)
-        + loss_bytes(shape, micro_batch_size, seq_len, c)
-    )
-    persistent = base + grads_at_step
+    activations = _activation_bytes(shape, m, ckpt)
+    persistent = states.base + states.grads_at_step
     temporary = max(0, peak - persistent - activations)
-    breakdown = {**on_device, "activations": activations, "temporary": temporary}
-    if device == "cuda":
-        # Model states are allocated once, in large blocks; the allocator's slack grows with
-        # what is allocated and freed every step (activations, gathers, buffers).
-        overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION_RATIO * max(0, peak - persistent))
-    else:
-        overhead = CPU_PROCESS_BYTES
-    breakdown["runtime_overhead"] = overhead
-
-    # Host memory per node: every rank's offloaded states, the initial full fp32 state dict the
-    # model factory builds on the host (rank 0 only for sharded rungs), process baseline.
+    overhead = _runtime_overhead(device, peak, persistent)
+    breakdown = {
+        **states.on_device,
+        "activations": activations,
+        "temporary": temporary,
+        "runtime_overhead": overhead,
+    }
     ranks_here = min(devices_per_node, w)
-    host = {k: v * ranks_here for k, v in on_host.items()}
-    sharded_load = strategy not in ("single", "ddp", "zero1", "zero2")
-    host["initial_weights"] = 4 * n * (1 if sharded_load else ranks_here)
-    host["processes"] = HOST_PROCESS_BYTES * ranks_here
-    if device == "cpu":  # the "device" is host memory too
-        host["device_memory_of_cpu_ranks"] = (peak + overhead) * ranks_here
+    host = _host_bytes(row, states, shape.num_params, ranks_here, peak + overhead, device)
     return Estimate(
         strategy=strategy,
         world_size=w,
@@ -531,16 +611,18 @@ def estimate(
     )
 
 
+def _check_modelled(shape: ModelShape) -> None:
+    if shape.model_type not in MODELLED_TYPES:
+        raise ConfigError(
+            "model.model_type",
+            f"the memory estimate models {', '.join(MODELLED_TYPES)} decoder blocks, not "
+            f"{shape.model_type} (its activations are not checked against a trace)",
+            "use one of these architectures (planning other blocks needs their activation "
+            "model first)",
+        )
+
+
 def _reduce_scatter_bytes(num_params: int, c: int, w: int) -> int:
     """FSDP2 reducing one unit: its 16-bit unsharded grads, the fp32 reduce-scatter input and
     output (the grads are freed while the output is made)."""
     return 4 * num_params + max(c * num_params, c * num_params // 2 + 4 * num_params // w)
-
-
-def checkpointed(num_layers: int, level: str) -> list[int]:
-    """As trainer.model.checkpointed_layer_indices (not imported: the estimate stays torch-free)."""
-    if level == "full":
-        return list(range(num_layers))
-    if level == "selective":
-        return list(range(0, num_layers, 2))
-    return []

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from launcher.config import JobConfig
-from launcher.estimate import GIB, STRATEGIES, Estimate, estimate
+from launcher.estimate import Estimate, estimate
 from launcher.hardware import Hardware, detect_hardware
 from launcher.model_shape import ModelShape, model_shape
-from launcher.plan import LADDER, _best_for_rung, rung_world
+from launcher.plan import _best_for_rung, rung_world
+from trainer import strategies
+from trainer.config import JobConfig
+from trainer.units import GIB, MIB
 
 
 def estimate_command(cfg: JobConfig, as_json: bool, trace: bool) -> int:
@@ -80,9 +82,6 @@ def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, 
     return out
 
 
-MIB = 1024**2
-
-
 def render_traces(rows: list[Estimate], traced: dict[str, dict[str, Any]]) -> str:
     lines = [
         "traced (one step under FakeTensorMode) vs analytic peak tensor bytes, MiB per device:",
@@ -106,11 +105,11 @@ def estimates_for(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[Estim
     """One estimate per strategy runnable on this world size: the config's micro-batch and
     checkpointing where concrete, else what the planner would choose (or its smallest footprint
     when nothing fits)."""
-    names = STRATEGIES if cfg.strategy == "auto" else (cfg.strategy,)
     per_rank = max(1, cfg.train.global_batch_size // hw.world_size)
     out = []
-    for rung in LADDER:
-        if rung.name not in names or rung_world(rung, hw) is None:
+    for rung in strategies.rows():
+        forced_other = cfg.strategy not in ("auto", rung.name)
+        if forced_other or rung_world(rung, hw) is None:
             continue
         best, _ = _best_for_rung(shape, rung, hw, cfg, per_rank, 1.0)
         if best is not None:
@@ -131,7 +130,7 @@ def estimates_for(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[Estim
                 device=hw.device,
                 grad_accum=max(1, per_rank // micro),
                 fsdp_reduce_every_micro_batch=(
-                    rung.name.startswith("fsdp") and cfg.fsdp.reduce_every_micro_batch is not False
+                    rung.engine == "fsdp" and cfg.fsdp.reduce_every_micro_batch is not False
                 ),
             )
         )

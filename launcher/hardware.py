@@ -13,14 +13,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.config import HardwareConfig
+from trainer.config import HardwareConfig
+from trainer.gpus import peak_flops_for
+from trainer.units import GIB
 
 log = logging.getLogger(__name__)
 
-GiB = 2**30
 # Planning for GPUs on a machine without one, with sizes the config leaves out: an 80 GiB device,
 # and host RAM twice the node's GPU memory (how GPU servers are usually sized).
-ASSUMED_GPU_MEMORY = 80 * GiB
+ASSUMED_GPU_MEMORY = 80 * GIB
 ASSUMED_HOST_PER_GPU_MEMORY = 2
 
 
@@ -47,32 +48,6 @@ class DeviceProbe:
     cuda_memory_bytes: int
     cuda_name: str
     host_memory_bytes: int
-
-
-# Dense bf16 tensor-core peak per device (vendor datasheets), for MFU and the cost model.
-_PEAK_BF16_FLOPS = {
-    "H200": 989e12,
-    "H100 SXM": 989e12,
-    "H100 NVL": 835e12,
-    "H100 PCIe": 756e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "A10G": 70e12,
-    "A10": 125e12,
-    "RTX 4090": 165e12,
-    "RTX 3090": 71e12,
-    "V100": 125e12,  # fp16 tensor cores (no bf16)
-}
-
-
-def peak_flops_for(device_name: str) -> float | None:
-    """Peak bf16 FLOP/s of a known GPU (longest matching name wins), else None."""
-    for key in sorted(_PEAK_BF16_FLOPS, key=len, reverse=True):
-        if key.lower() in device_name.lower():
-            return _PEAK_BF16_FLOPS[key]
-    return None
 
 
 def gpu_driver_present(dev: Path = Path("/dev")) -> bool:
@@ -131,7 +106,7 @@ def detect_hardware(
         device_memory = ASSUMED_GPU_MEMORY
         log.warning(
             "no GPU visible here: planning for %d GiB per device; set hardware.device_memory",
-            device_memory // GiB,
+            device_memory // GIB,
         )
     if hw.host_memory is not None:
         host = hw.host_memory
@@ -140,7 +115,7 @@ def detect_hardware(
         log.warning(
             "no GPU visible here: planning for %d GiB host memory per node (%dx its GPU memory); "
             "set hardware.host_memory",
-            host // GiB,
+            host // GIB,
             ASSUMED_HOST_PER_GPU_MEMORY,
         )
     else:

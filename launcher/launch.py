@@ -12,10 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.config import JobConfig
+from trainer.config import JobConfig
+from trainer.contract import EXIT_SIGNAL
 
 RDZV_PORT = 29500
-EXIT_SIGNAL = 143
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 

@@ -17,13 +17,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from launcher.config import ConfigError, ModelConfig
+from trainer.config import ModelConfig
+from trainer.hf_config import PRESETS, hf_config_dict, preset_index
 
 log = logging.getLogger(__name__)
 SHAPE_CACHE_VERSION = 1  # bump when what a shape holds or how it is counted changes
-PRESETS = Path(__file__).resolve().parents[1] / "configs" / "models"
 
 
 @dataclass(frozen=True)
@@ -45,35 +43,6 @@ class ModelShape:
     @property
     def num_embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
-
-
-def hf_config_dict(model_cfg: ModelConfig) -> dict[str, Any]:
-    """The HF config as a dict, without network access."""
-    if model_cfg.config is not None:
-        return dict(model_cfg.config)
-    name = model_cfg.name_or_path
-    assert name is not None
-    local = Path(name).expanduser()
-    if (local / "config.json").is_file():
-        return json.loads((local / "config.json").read_text())
-    preset = _preset_index().get(name) or _preset_index().get(name.lower())
-    if preset is not None:
-        return json.loads((PRESETS / preset).read_text())
-    raise ConfigError(
-        "model.name_or_path",
-        f"'{name}' is neither a local model dir nor a shipped preset, so its shape is unknown "
-        "offline",
-        f"give a local dir with config.json, an inline model.config, or one of: "
-        f"{', '.join(sorted(_preset_index()))}",
-    )
-
-
-@lru_cache(maxsize=1)
-def _preset_index() -> dict[str, str]:
-    index = PRESETS / "index.yaml"
-    if not index.is_file():
-        return {}
-    return {str(k): str(v) for k, v in (yaml.safe_load(index.read_text()) or {}).items()}
 
 
 def model_shape(
@@ -117,7 +86,7 @@ def _shipped_shapes() -> dict[str, dict[str, Any]]:
 def preset_shapes() -> dict[str, dict[str, Any]]:
     """Every preset's shape computed now, keyed as `configs/models/shapes.json` keys them."""
     shapes = {}
-    for file in sorted(set(_preset_index().values())):
+    for file in sorted(set(preset_index().values())):
         config_json = json.dumps(json.loads((PRESETS / file).read_text()), sort_keys=True)
         shapes[_config_digest(config_json)] = {
             "preset": file,

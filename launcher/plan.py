@@ -15,84 +15,13 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from launcher.config import ConfigError, JobConfig
-from launcher.estimate import GIB, Estimate, estimate
+from launcher.estimate import Estimate, estimate
 from launcher.hardware import Hardware
 from launcher.model_shape import ModelShape, model_shape
-
-
-@dataclass(frozen=True)
-class Rung:
-    name: str
-    min_world: int = 1
-    max_world: int | None = None
-    needs_nvme: bool = False
-    # cost model: bytes moved per rank per step, as multiples of N (interconnect) or N / W (PCIe)
-    grad_comm: float = 0.0  # gradient reduction, once per step or (ZeRO-2/3) per micro-batch
-    grads_every_micro: bool = False  # ZeRO-2/3 reduce every micro-batch (no no_sync)
-    param_comm_per_micro: float = 0.0  # parameter gathers, every micro-batch
-    pcie_per_step: float = 0.0  # host <-> device once per step
-    pcie_per_micro: float = 0.0  # host <-> device every micro-batch
-    offloaded_grads: float = 0.0  # gradients to the host, each time they are reduced
-    host_adam_params_s: float = 0.0  # AdamW on the host: parameters per second per node
-    nvme_per_step: float = 0.0
-
-
-# AdamW on the host, parameters per second per node over all cores: DeepSpeed's CPU Adam (AVX,
-# fused), and torch's AdamW on CPU tensors (FSDP2's CPUOffloadPolicy), which the ZeRO-Offload
-# paper (Ren et al. 2021, sec. 5.1) measures 5.1-6.5x slower.
-DEEPSPEED_HOST_ADAM_PARAMS_S = 1.5e9
-TORCH_HOST_ADAM_PARAMS_S = DEEPSPEED_HOST_ADAM_PARAMS_S / 5
-
-LADDER: tuple[Rung, ...] = (
-    Rung("single", max_world=1),
-    Rung("ddp", min_world=2, grad_comm=8.0),
-    Rung("fsdp", grad_comm=4.0, param_comm_per_micro=2.0),  # x c/2: 16-bit gathers
-    Rung("zero1", grad_comm=8.0),
-    Rung("zero2", grad_comm=8.0, grads_every_micro=True),
-    Rung("zero3", grad_comm=4.0, grads_every_micro=True, param_comm_per_micro=4.0),
-    # fp32 shards copied in for the forward's and the backward's gathers
-    Rung(
-        "fsdp_offload",
-        grad_comm=4.0,
-        param_comm_per_micro=2.0,
-        pcie_per_micro=8.0,
-        offloaded_grads=4.0,
-        host_adam_params_s=TORCH_HOST_ADAM_PARAMS_S,
-    ),
-    # updated fp32 partitions back to the device once per step
-    Rung(
-        "zero3_offload",
-        grad_comm=4.0,
-        grads_every_micro=True,
-        param_comm_per_micro=4.0,
-        pcie_per_step=4.0,
-        offloaded_grads=4.0,
-        host_adam_params_s=DEEPSPEED_HOST_ADAM_PARAMS_S,
-    ),
-    # parameters streamed in for forward and backward every micro-batch
-    Rung(
-        "zero3_offload_params",
-        grad_comm=4.0,
-        grads_every_micro=True,
-        param_comm_per_micro=4.0,
-        pcie_per_micro=8.0,
-        offloaded_grads=4.0,
-        host_adam_params_s=DEEPSPEED_HOST_ADAM_PARAMS_S,
-    ),
-    Rung(
-        "zero3_nvme",
-        needs_nvme=True,
-        grad_comm=4.0,
-        grads_every_micro=True,
-        param_comm_per_micro=4.0,
-        pcie_per_micro=8.0,
-        offloaded_grads=4.0,
-        host_adam_params_s=DEEPSPEED_HOST_ADAM_PARAMS_S,
-        nvme_per_step=32.0,
-    ),
-)
-CHECKPOINTING = ("none", "selective", "full")
+from trainer import strategies
+from trainer.config import ConfigError, JobConfig
+from trainer.strategies import AC_LEVELS, Strategy
+from trainer.units import GIB
 
 # Cost-model constants (docs/planner.md): effective bandwidths and rates, not peaks. The
 # bandwidths are defaults for the `hardware.*_bandwidth` keys.
@@ -171,7 +100,7 @@ class NoFitError(Exception):
     """Nothing fits on the hardware given (exit 3); the message says what would."""
 
 
-def rung_world(rung: Rung, hw: Hardware) -> int | None:
+def rung_world(rung: Strategy, hw: Hardware) -> int | None:
     world = hw.world_size
     if world < rung.min_world or (rung.max_world is not None and world > rung.max_world):
         return None
@@ -180,7 +109,7 @@ def rung_world(rung: Rung, hw: Hardware) -> int | None:
 
 def step_time_s(
     shape: ModelShape,
-    rung: Rung,
+    rung: Strategy,
     hw: Hardware,
     cfg: JobConfig,
     micro: int,
@@ -210,7 +139,7 @@ def step_time_s(
     else:
         bandwidth = given.inter_node_bandwidth or INTER_NODE_BYTES_S[hw.device]
     pcie, nvme = given.pcie_bandwidth or PCIE_BYTES_S, given.nvme_bandwidth or NVME_BYTES_S
-    gather_scale = c / 2 if rung.name.startswith("fsdp") else 1.0
+    gather_scale = c / 2 if rung.engine == "fsdp" else 1.0
     grad_reductions = grad_accum if rung.grads_every_micro or reduce_every_micro else 1
     comm_bytes = n * (
         rung.grad_comm * grad_reductions + rung.param_comm_per_micro * gather_scale * grad_accum
@@ -235,7 +164,7 @@ def _divisors_desc(n: int) -> list[int]:
 
 def _estimate(
     shape: ModelShape,
-    rung: Rung,
+    rung: Strategy,
     hw: Hardware,
     cfg: JobConfig,
     micro: int,
@@ -274,7 +203,7 @@ def _estimate(
 
 @dataclass(frozen=True)
 class _Candidate:
-    rung: Rung
+    rung: Strategy
     micro: int
     ac: str
     estimate: Estimate
@@ -282,11 +211,11 @@ class _Candidate:
     reduce_every_micro: bool | None = None  # fsdp rungs only
 
 
-def _reduce_variants(rung: Rung, cfg: JobConfig) -> tuple[bool | None, ...]:
+def _reduce_variants(rung: Strategy, cfg: JobConfig) -> tuple[bool | None, ...]:
     """FSDP's gradient accumulation: unsharded under no-sync (False) or sharded, reducing after
     every micro-batch (True); both are tried under `fsdp.reduce_every_micro_batch: auto`. Other
     rungs have no such choice (None)."""
-    if not rung.name.startswith("fsdp"):
+    if rung.engine != "fsdp":
         return (None,)
     chosen = cfg.fsdp.reduce_every_micro_batch
     return (False, True) if chosen == "auto" else (chosen,)
@@ -296,7 +225,7 @@ def _best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale) -> tuple[_Candi
     micros = _divisors_desc(per_rank)
     if isinstance(cfg.train.micro_batch_size, int):
         micros = [cfg.train.micro_batch_size]
-    acs = CHECKPOINTING
+    acs = AC_LEVELS
     if cfg.memory.activation_checkpointing != "auto":
         acs = (cfg.memory.activation_checkpointing,)
     best: _Candidate | None = None
@@ -326,6 +255,44 @@ def make_plan(
 ) -> Plan:
     """The plan for this job on this hardware (raises NoFitError or ConfigError)."""
     shape = shape or model_shape(cfg.model)
+    per_rank = _per_rank_batch(cfg, hw)
+    forced = cfg.strategy if cfg.strategy != "auto" else None
+    rungs = [r for r in strategies.rows() if not forced or r.name == forced]
+    candidates, rejected = _walk_ladder(rungs, shape, hw, cfg, per_rank, exclude, memory_scale)
+    if forced and not candidates:
+        if rejected and " rank" in (rejected[0].why_not or ""):
+            raise ConfigError("strategy", f"{forced} {rejected[0].why_not}", "pick another rung")
+        if forced in exclude:
+            raise NoFitError(f"strategy {forced} ran out of memory and is forced by the config")
+        return _forced_plan(cfg, hw, shape, forced, per_rank, rejected, memory_scale)
+    if not candidates:
+        raise NoFitError(_what_would_fit(cfg, hw, shape, rejected))
+    ranked = _rank(candidates)
+    chosen = ranked[0]
+    alternatives = [
+        Alternative(
+            cand.rung.name, True, None, round(cand.time_s / chosen.time_s, 3), cand.micro, cand.ac
+        )
+        for cand in ranked
+    ] + rejected
+    return Plan(
+        strategy=chosen.rung.name,
+        world_size=hw.world_size,
+        nodes=hw.nodes,
+        devices_per_node=hw.devices_per_node,
+        micro_batch_size=chosen.micro,
+        grad_accum=per_rank // chosen.micro,
+        activation_checkpointing=chosen.ac,
+        estimate=chosen.estimate,
+        step_time_s=chosen.time_s,
+        reasons=_reasons(cfg, hw, ranked, memory_scale),
+        alternatives=alternatives,
+        fsdp_reduce_every_micro_batch=chosen.reduce_every_micro,
+    )
+
+
+def _per_rank_batch(cfg: JobConfig, hw: Hardware) -> int:
+    """Sequences per rank per optimizer step; the global batch must split evenly."""
     world = hw.world_size
     gbs = cfg.train.global_batch_size
     if gbs % world:
@@ -343,57 +310,61 @@ def make_plan(
             f"({gbs} over {world} ranks)",
             f"use one of {', '.join(map(str, sorted(_divisors_desc(per_rank))))} or auto",
         )
-    forced = cfg.strategy if cfg.strategy != "auto" else None
+    return per_rank
+
+
+def _walk_ladder(rungs, shape, hw, cfg, per_rank, exclude, memory_scale):
+    """Each rung's best fitting candidate, and why the others were turned down."""
     candidates: list[_Candidate] = []
     rejected: list[Alternative] = []
-    for rung in LADDER:
-        if forced and rung.name != forced:
-            continue
-        if rung.name in exclude:
-            rejected.append(Alternative(rung.name, False, "ran out of memory in this run", None))
-            continue
-        if rung_world(rung, hw) is None:
-            need = f"{rung.min_world}+ ranks" if rung.max_world is None else "exactly 1 rank"
-            rejected.append(Alternative(rung.name, False, f"needs {need}, has {world}", None))
-            continue
-        if rung.needs_nvme and not cfg.deepspeed.nvme_path:
-            rejected.append(Alternative(rung.name, False, "needs deepspeed.nvme_path", None))
-            continue
-        best, why = _best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale)
-        if best is None:
-            rejected.append(Alternative(rung.name, False, why, None))
-        else:
-            candidates.append(best)
-    if forced and not candidates:
-        if rejected and " rank" in (rejected[0].why_not or ""):
-            raise ConfigError("strategy", f"{forced} {rejected[0].why_not}", "pick another rung")
-        if forced in exclude:
-            raise NoFitError(f"strategy {forced} ran out of memory and is forced by the config")
-        return _forced_plan(cfg, hw, shape, forced, per_rank, rejected, memory_scale)
-    if not candidates:
-        raise NoFitError(_what_would_fit(cfg, hw, shape, rejected))
-    candidates.sort(key=lambda cand: cand.time_s)  # stable: ladder order among equal times
-    fastest = candidates[0]
-    ladder = [rung.name for rung in LADDER]
+    for rung in rungs:
+        why = _why_not_tried(rung, hw, cfg, exclude)
+        if why is None:
+            best, why = _best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale)
+            if best is not None:
+                candidates.append(best)
+                continue
+        rejected.append(Alternative(rung.name, False, why, None))
+    return candidates, rejected
+
+
+def _why_not_tried(rung: Strategy, hw: Hardware, cfg: JobConfig, exclude) -> str | None:
+    if rung.name in exclude:
+        return "ran out of memory in this run"
+    if rung_world(rung, hw) is None:
+        need = f"{rung.min_world}+ ranks" if rung.max_world is None else "exactly 1 rank"
+        return f"needs {need}, has {hw.world_size}"
+    if rung.needs_nvme and not cfg.deepspeed.nvme_path:
+        return "needs deepspeed.nvme_path"
+    return None
+
+
+def _rank(candidates: list[_Candidate]) -> list[_Candidate]:
+    """Fastest first, except that a rung earlier on the ladder within SIMPLER_RUNG_MARGIN of
+    the fastest goes first (the cost model ranks coarsely; earlier rungs are simpler)."""
+    ranked = sorted(candidates, key=lambda cand: cand.time_s)  # stable: ladder order on ties
+    fastest = ranked[0]
+    ladder = strategies.names()
     chosen = min(
-        (c for c in candidates if c.time_s <= fastest.time_s * (1 + SIMPLER_RUNG_MARGIN)),
+        (c for c in ranked if c.time_s <= fastest.time_s * (1 + SIMPLER_RUNG_MARGIN)),
         key=lambda cand: ladder.index(cand.rung.name),
     )
-    candidates.remove(chosen)
-    candidates.insert(0, chosen)
-    alternatives = [
-        Alternative(
-            cand.rung.name, True, None, round(cand.time_s / chosen.time_s, 3), cand.micro, cand.ac
-        )
-        for cand in candidates
-    ] + rejected
+    ranked.remove(chosen)
+    return [chosen, *ranked]
+
+
+def _reasons(cfg: JobConfig, hw: Hardware, ranked: list[_Candidate], memory_scale: float):
+    """The plan's reasons, in words: what fits, the batch geometry, why this rung."""
+    chosen, world = ranked[0], hw.world_size
+    per_rank = cfg.train.global_batch_size // world
+    est = chosen.estimate
     reasons = [
-        f"{chosen.rung.name} fits: {chosen.estimate.device_total_bytes / GIB:.1f} GiB of "
+        f"{chosen.rung.name} fits: {est.device_total_bytes / GIB:.1f} GiB of "
         f"{hw.device_memory_bytes / GIB:.1f} GiB per device (headroom {cfg.memory.headroom:.0%})"
-        f", {chosen.estimate.host_total_bytes / GIB:.1f} GiB of {hw.host_memory_bytes / GIB:.0f}"
+        f", {est.host_total_bytes / GIB:.1f} GiB of {hw.host_memory_bytes / GIB:.0f}"
         " GiB host per node",
         f"micro-batch {chosen.micro} x accumulation {per_rank // chosen.micro} x {world} ranks = "
-        f"global batch {gbs}; activation checkpointing {chosen.ac}",
+        f"global batch {cfg.train.global_batch_size}; activation checkpointing {chosen.ac}",
     ]
     if chosen.reduce_every_micro and per_rank // chosen.micro > 1:
         reasons.append(
@@ -401,46 +372,34 @@ def make_plan(
             "accumulates them sharded (unsharded accumulation holds 4 bytes per parameter more "
             "on every device)"
         )
-    if chosen is not fastest:
+    fastest = min(ranked, key=lambda cand: cand.time_s)
+    if fastest is not chosen and fastest.time_s < chosen.time_s:
         reasons.append(
-            f"{len(candidates)} rungs fit; {chosen.rung.name} ({chosen.time_s:.3g} s predicted) "
+            f"{len(ranked)} rungs fit; {chosen.rung.name} ({chosen.time_s:.3g} s predicted) "
             f"is within {SIMPLER_RUNG_MARGIN:.0%} of the fastest, {fastest.rung.name} "
             f"({fastest.time_s:.3g} s), and comes earlier on the ladder (simpler, fewer moving "
             "parts); the cost model does not resolve finer differences"
         )
-    elif len(candidates) > 1:
-        runner_up = candidates[1]
+    elif len(ranked) > 1:
+        runner_up = ranked[1]
         if runner_up.time_s > chosen.time_s * 1.001:
             reasons.append(
-                f"fastest predicted step of {len(candidates)} rungs that fit: "
+                f"fastest predicted step of {len(ranked)} rungs that fit: "
                 f"{chosen.time_s:.3g} s vs {runner_up.time_s:.3g} s on {runner_up.rung.name}"
             )
         else:
             reasons.append(
-                f"{len(candidates)} rungs fit; {chosen.rung.name} ties {runner_up.rung.name} on "
+                f"{len(ranked)} rungs fit; {chosen.rung.name} ties {runner_up.rung.name} on "
                 "predicted step time and comes first on the ladder (simpler, fewer moving parts)"
             )
     if memory_scale != 1.0:
         reasons.append(f"estimates scaled by {memory_scale:.2f} from a measured out-of-memory")
-    return Plan(
-        strategy=chosen.rung.name,
-        world_size=world,
-        nodes=hw.nodes,
-        devices_per_node=hw.devices_per_node,
-        micro_batch_size=chosen.micro,
-        grad_accum=per_rank // chosen.micro,
-        activation_checkpointing=chosen.ac,
-        estimate=chosen.estimate,
-        step_time_s=chosen.time_s,
-        reasons=reasons,
-        alternatives=alternatives,
-        fsdp_reduce_every_micro_batch=chosen.reduce_every_micro,
-    )
+    return reasons
 
 
 def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan:
     """`strategy: NAME` that the estimate says will not fit: run it anyway, smallest footprint."""
-    rung = next(r for r in LADDER if r.name == name)
+    rung = strategies.row(name)
     micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 1
     ac = cfg.memory.activation_checkpointing
     ac = "full" if ac == "auto" else ac
@@ -474,14 +433,16 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected) -
         "strategy"
     )
     offers = []
-    for name in ("zero3_offload", "zero3_offload_params"):
-        rung = next(r for r in LADDER if r.name == name)
+    host_offload = [r for r in strategies.rows() if r.engine == "deepspeed" and r.offloads]
+    for rung in [r for r in host_offload if not r.needs_nvme]:
+        name = rung.name
         est = _estimate(shape, rung, hw, cfg, 1, "full", 1.0)
         device_ok = est.device_total_bytes <= hw.device_memory_bytes * (1 - cfg.memory.headroom)
         if device_ok and per_rank >= 1:
             need = est.host_total_bytes / (1 - cfg.memory.headroom)
             offers.append(f"{name} would fit with {need / GIB:.0f} GiB host memory per node")
             break
+    fsdp = next(r for r in strategies.rows() if r.engine == "fsdp" and not r.offloads)
     for world_mult in (2, 4, 8, 16, 32, 64, 128):
         bigger = Hardware(
             hw.device,
@@ -494,10 +455,10 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected) -
         )
         if cfg.train.global_batch_size % bigger.world_size:
             continue
-        est = _estimate(shape, LADDER[2], bigger, cfg, 1, "full", 1.0, True)  # fsdp
+        est = _estimate(shape, fsdp, bigger, cfg, 1, "full", 1.0, True)
         if est.fits(bigger, cfg.memory.headroom):
             offers.append(
-                f"fsdp would fit on {bigger.world_size} such devices "
+                f"{fsdp.name} would fit on {bigger.world_size} such devices "
                 f"({bigger.nodes} nodes x {bigger.devices_per_node})"
             )
             break

@@ -6,9 +6,11 @@ import json
 import sys
 from pathlib import Path
 
-from launcher.config import ConfigError, JobConfig
-from launcher.estimate import GIB
 from launcher.plan import Plan
+from trainer import strategies
+from trainer.config import ConfigError, JobConfig
+from trainer.contract import CONFIG_FILE
+from trainer.units import GIB
 
 
 def plan_command(cfg: JobConfig, as_json: bool, emit: str | None) -> int:
@@ -41,14 +43,14 @@ def plan_command(cfg: JobConfig, as_json: bool, emit: str | None) -> int:
 
 
 def _config_path(cfg: JobConfig) -> str:
-    return str(Path(cfg.run.dir) / "config.yaml")
+    return str(Path(cfg.run.dir) / CONFIG_FILE)
 
 
 def deepspeed_config_json(plan: Plan, resolved: JobConfig) -> str:
     """The DeepSpeed config our backend would use for this plan (a ZeRO rung), as JSON."""
-    from trainer.backends.deepspeed_config import STAGES, build_deepspeed_config
+    from trainer.backends.deepspeed_config import build_deepspeed_config
 
-    if plan.strategy not in STAGES:
+    if strategies.row(plan.strategy).engine != "deepspeed":
         raise ConfigError(
             "--emit deepspeed",
             f"the plan runs '{plan.strategy}', not a DeepSpeed ZeRO rung",
@@ -92,6 +94,10 @@ def render_plan(plan: Plan, device_bytes: int, host_bytes: int, argv: list[str])
     return "\n".join(lines)
 
 
+_ACCELERATE_TYPES = {"single": "NO", "ddp": "MULTI_GPU", "fsdp": "FSDP", "deepspeed": "DEEPSPEED"}
+_ACCELERATE_PLACES = {"device": "none", "cpu": "cpu", "nvme": "nvme"}
+
+
 def accelerate_config(plan: Plan, cfg: JobConfig) -> str:
     """An `accelerate launch --config_file` YAML for users who run their own script."""
     import yaml
@@ -105,34 +111,24 @@ def accelerate_config(plan: Plan, cfg: JobConfig) -> str:
         "mixed_precision": mixed,
         "use_cpu": cfg.hardware.device == "cpu",
     }
-    if plan.strategy == "single":
-        out["distributed_type"] = "NO"
-    elif plan.strategy == "ddp":
-        out["distributed_type"] = "MULTI_GPU"
-    elif plan.strategy.startswith("fsdp"):
-        out["distributed_type"] = "FSDP"
+    rung = strategies.row(plan.strategy)
+    out["distributed_type"] = _ACCELERATE_TYPES[rung.engine]
+    if rung.engine == "fsdp":
         out["fsdp_config"] = {
             "fsdp_version": 2,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_reshard_after_forward": cfg.fsdp.reshard_after_forward,
-            "fsdp_offload_params": plan.strategy == "fsdp_offload",
+            "fsdp_offload_params": rung.offloads,
             "fsdp_activation_checkpointing": plan.activation_checkpointing != "none",
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         }
-    else:
-        stage = {"zero1": 1, "zero2": 2}.get(plan.strategy, 3)
-        offload_opt = plan.strategy in ("zero3_offload", "zero3_offload_params")
-        out["distributed_type"] = "DEEPSPEED"
+    if rung.engine == "deepspeed":
         out["deepspeed_config"] = {
-            "zero_stage": stage,
+            "zero_stage": rung.zero_stage,
             "gradient_accumulation_steps": plan.grad_accum,
             "gradient_clipping": cfg.train.grad_clip,
-            "offload_optimizer_device": "nvme"
-            if plan.strategy == "zero3_nvme"
-            else ("cpu" if offload_opt else "none"),
-            "offload_param_device": "nvme"
-            if plan.strategy == "zero3_nvme"
-            else ("cpu" if plan.strategy == "zero3_offload_params" else "none"),
-            "zero3_init_flag": stage == 3,
+            "offload_optimizer_device": _ACCELERATE_PLACES[rung.optimizer_at],
+            "offload_param_device": _ACCELERATE_PLACES[rung.params_at],
+            "zero3_init_flag": rung.zero_stage == 3,
         }
     return yaml.safe_dump(out, sort_keys=False)

@@ -12,15 +12,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from launcher.config import ConfigError
+from trainer.config import ConfigError
+from trainer.contract import METRICS_FILE, PLAN_FILE
+from trainer.units import GIB
 
-GIB = 1024**3
 _PARTS = ("params", "grads", "optimizer", "activations", "temporary", "runtime_overhead")
 
 
 def report_command(run_dir: str) -> int:
     root = Path(run_dir)
-    metrics_path = root / "metrics.jsonl"
+    metrics_path = root / METRICS_FILE
     if not metrics_path.is_file():
         raise ConfigError("RUN_DIR", f"'{root}' has no metrics.jsonl", "give a run directory")
     import matplotlib
@@ -28,10 +29,12 @@ def report_command(run_dir: str) -> int:
     matplotlib.use("Agg")
     records = _read_jsonl(metrics_path)
     written = [plot_loss(records, root / "loss.png")]
-    plan_path = root / "plan.json"
+    plan_path = root / PLAN_FILE
     if plan_path.is_file():
         written.append(plot_memory(json.loads(plan_path.read_text()), records, root / "memory.png"))
-    if (root / "profile" / "rank0.trace.json").is_file():  # a run with debug.profile
+    from trainer.profile import trace_path
+
+    if trace_path(root, 0).is_file():  # a run with debug.profile
         from launcher.timeline import plot_memory_timeline
 
         written.append(plot_memory_timeline(root, records, root / "memory_timeline.png"))

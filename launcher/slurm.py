@@ -19,10 +19,11 @@ import sys
 from pathlib import Path
 from string import Template
 
-from launcher.config import ConfigError, JobConfig, write_config
+from trainer.config import ConfigError, JobConfig, write_config
+from trainer.contract import CONFIG_FILE, PLAN_FILE
+from trainer.units import GIB
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "submit.sbatch.tmpl"
-GIB = 1024**3
 CPUS_PER_RANK = 8
 MIN_MEM_BYTES = 16 * GIB
 
@@ -66,7 +67,7 @@ def render_sbatch(cfg: JobConfig, plan_json: dict, run_dir: Path, python: str) -
         PYTHON=shlex.quote(python),
         PROCS_PER_NODE=per_node,
         MAX_RESTARTS=cfg.dist.max_restarts,
-        CONFIG=shlex.quote(str(run_dir / "config.yaml")),
+        CONFIG=shlex.quote(str(run_dir / CONFIG_FILE)),
     )
 
 
@@ -85,7 +86,7 @@ def submit_command(cfg: JobConfig, dry_run: bool) -> int:
     if shutil.which("sbatch") is None:
         raise ConfigError("submit", "sbatch is not on PATH", "run on a Slurm login node")
     write_config(resolved, run_dir)
-    _write_json(run_dir / "plan.json", plan_json)
+    _write_json(run_dir / PLAN_FILE, plan_json)
     path = run_dir / "submit.sbatch"
     path.write_text(script)
     out = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)

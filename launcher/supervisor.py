@@ -18,14 +18,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launcher.config import CONFIG_ERROR_FILE, ConfigError, JobConfig, write_config
 from launcher.plan import NoFitError
+from trainer.config import ConfigError, JobConfig, write_config
+from trainer.contract import (
+    CONFIG_ERROR_FILE,
+    CONFIG_FILE,
+    ESCALATIONS_FILE,
+    EXIT_OOM,
+    EXIT_SIGNAL,
+    EXIT_USAGE,
+    OOM_REPORT_FILE,
+    PLAN_FILE,
+)
 
 log = logging.getLogger(__name__)
-
-EXIT_USAGE = 2
-EXIT_OOM = 75
-EXIT_SIGNAL = 143
 
 
 def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
@@ -36,15 +42,15 @@ def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
     attempt = 0
     while True:
         resolved, plan_json = resolve_plan(cfg, exclude=failed, memory_scale=memory_scale)
-        argv, env, spawn = launch_spec(resolved, run_dir / "config.yaml")
+        argv, env, spawn = launch_spec(resolved, run_dir / CONFIG_FILE)
         plan_json["command"] = argv
         if dry_run:
             print(json.dumps(plan_json, indent=2))
             print(" ".join(argv))
             return 0
         write_config(resolved, run_dir)
-        _write_json(run_dir / "plan.json", plan_json)
-        report_path = run_dir / "oom-report.json"
+        _write_json(run_dir / PLAN_FILE, plan_json)
+        report_path = run_dir / OOM_REPORT_FILE
         report_path.unlink(missing_ok=True)
         config_error = run_dir / CONFIG_ERROR_FILE
         config_error.unlink(missing_ok=True)
@@ -61,7 +67,7 @@ def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
         if attempt > cfg.escalation.max_attempts:
             log.error("out of memory; escalation.max_attempts=%d reached", attempt - 1)
             return rc
-        report = _read_json(run_dir / "oom-report.json")
+        report = _read_json(run_dir / OOM_REPORT_FILE)
         failed.append(resolved.strategy)
         memory_scale = max(memory_scale, _measured_over_estimated(report))
         try:
@@ -78,7 +84,7 @@ def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
             "estimated_peak_bytes": report.get("estimated_peak_bytes"),
             "measured_peak_bytes": report.get("measured_peak_bytes"),
         }
-        with (run_dir / "escalations.jsonl").open("a") as f:
+        with (run_dir / ESCALATIONS_FILE).open("a") as f:
             f.write(json.dumps(record) + "\n")
         log.warning(
             "escalating %s -> %s after out of memory at step %s; resuming from the newest "

@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.contract import CONFIG_FILE
 from trainer.phases import MARKER, OPTIMIZER
+from trainer.profile import trace_path
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +98,14 @@ def measured_timeline(trace_path: Path) -> Timeline:
 def predicted_phases(run_dir: Path, record: dict[str, Any]) -> list[tuple[str, int]] | None:
     """The estimate's live bytes per phase for the profiled step's shape, from a FakeTensor
     trace of one step; None for strategies the trace does not cover."""
-    from launcher.config import load_config
-    from launcher.model_shape import hf_config_dict
     from launcher.trace import TRACEABLE, trace_step
+    from trainer.config import load_config
+    from trainer.hf_config import hf_config_dict
 
     strategy = record["strategy"]
     if strategy not in TRACEABLE:
         return None
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = load_config(run_dir / CONFIG_FILE)
     every = cfg.fsdp.reduce_every_micro_batch
     traced = trace_step(
         hf_config_dict(cfg.model),
@@ -139,7 +141,7 @@ def plot_memory_timeline(run_dir: Path, records: list[dict[str, Any]], out: Path
     """memory_timeline.png (and .json with the plotted numbers) from rank 0's trace."""
     import matplotlib.pyplot as plt
 
-    timeline = measured_timeline(run_dir / "profile" / "rank0.trace.json")
+    timeline = measured_timeline(trace_path(run_dir, 0))
     record = next((r for r in records if r["step"] == timeline.step), records[-1])
     predicted = predicted_phases(run_dir, record)
     if predicted is not None:

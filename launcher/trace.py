@@ -24,11 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from launcher.config import ModelConfig
 from trainer.backends import OptimizerSpec
 from trainer.backends.common import COMPUTE_DTYPES, build_adamw
+from trainer.backends.fsdp import apply_fsdp, gradient_sync
+from trainer.config import ModelConfig
 from trainer.loss import next_token_loss_sum
-from trainer.model import HFModelFactory, apply_activation_checkpointing, decoder_layers
+from trainer.model import HFModelFactory, apply_activation_checkpointing
 from trainer.phases import OPTIMIZER, STEP, phase_markers
 
 TRACEABLE = ("single", "fsdp")
@@ -79,7 +80,7 @@ def trace_step(
     with contextlib.ExitStack() as stack:
         if strategy == "fsdp":
             stack.enter_context(_fake_process_group(world_size))
-            _apply_fsdp(model, precision, reshard_after_forward)
+            apply_fsdp(model, precision=precision, reshard_after_forward=reshard_after_forward)
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         model.to_empty(device=device)
         if strategy == "single" and hasattr(model, "tie_weights"):
@@ -94,7 +95,10 @@ def trace_step(
                 if tracker is not None:
                     tracker.reset_mod_stats()  # its per-module stats allow one call per module
                 last = reduce_every_micro_batch or i == grad_accum - 1
-                with _no_sync(model, strategy, last=last):
+                sync = (
+                    contextlib.nullcontext() if strategy != "fsdp" else gradient_sync(model, last)
+                )
+                with sync:
                     with compute():
                         loss_sum = loss_sum_of(model, batch)
                     (loss_sum / (micro_batch_size * seq_len)).backward()
@@ -154,19 +158,6 @@ def _init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     optimizer.zero_grad(set_to_none=True)
 
 
-@contextlib.contextmanager
-def _no_sync(model: nn.Module, strategy: str, last: bool):
-    """As trainer/backends/fsdp.py's no_sync: no reduce-scatter before the last micro-batch."""
-    if strategy != "fsdp" or last:
-        yield
-        return
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
 def loss_sum_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The tensor part of `trainer.loss.compute_loss` (its token count is a data-dependent
     `int()`, which fake tensors cannot answer)."""
@@ -203,19 +194,6 @@ def _tracker(strategy: str, model: nn.Module, optimizer: torch.optim.Optimizer, 
     tracker = MemTracker()
     tracker.track_external(model, optimizer, *batch.values())
     return tracker
-
-
-def _apply_fsdp(model: nn.Module, precision: str, reshard_after_forward: bool) -> None:
-    """As trainer/backends/fsdp.py: each decoder layer, then the root; bf16 params, fp32 reduce."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    options: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
-    dtype = COMPUTE_DTYPES.get(precision)
-    if dtype is not None:
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for layer in decoder_layers(model):
-        fully_shard(layer, **options)
-    fully_shard(model, **{**options, "reshard_after_forward": False})  # the root stays gathered
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ import os
 import sys
 from pathlib import Path
 
-from launcher.config import CONFIG_ERROR_FILE, ConfigError, load_config
+from trainer.config import ConfigError, load_config
+from trainer.contract import CONFIG_ERROR_FILE
 
 
 def main(argv: list[str]) -> int:

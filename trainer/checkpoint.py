@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from safetensors.torch import load_file, save_file
 
-from launcher.config import ConfigError, JobConfig, ModelConfig, semantic_hash, write_config
+from trainer.config import ConfigError, JobConfig, ModelConfig, semantic_hash, write_config
 from trainer.dist import all_reduce_max, barrier, is_distributed
 
 log = logging.getLogger(__name__)

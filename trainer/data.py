@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from launcher.config import ConfigError, DataConfig, JobConfig, ModelConfig
+from trainer.config import ConfigError, DataConfig, JobConfig, ModelConfig
 from trainer.dist import barrier, env_rank
 from trainer.loss import IGNORE_INDEX
 

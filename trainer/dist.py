@@ -15,7 +15,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from launcher.config import JobConfig
+from trainer import strategies
+from trainer.config import JobConfig
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,9 @@ def init_distributed(cfg: JobConfig, device: torch.device) -> None:
     host tensors (offloaded states, flags) also work.
     """
     _, _, world_size = env_rank()
-    if dist.is_initialized() or (world_size == 1 and cfg.strategy == "single"):
+    if dist.is_initialized() or (
+        world_size == 1 and strategies.row(cfg.strategy).engine == "single"
+    ):
         return
     if "MASTER_ADDR" not in os.environ:  # a group of one, or srun tasks without torchrun
         os.environ.update(_rendezvous_env())

@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 
-from launcher.config import JobConfig
-from launcher.logs import setup_logging
 from trainer.backends import Backend, BackendContext, OptimizerSpec, build_backend
 from trainer.checkpoint import (
     Checkpointer,
@@ -28,6 +26,8 @@ from trainer.checkpoint import (
     resolve_resume,
     restore_rng,
 )
+from trainer.config import JobConfig
+from trainer.contract import EXIT_OOM, EXIT_SIGNAL, FINAL_DIR, PLAN_FILE
 from trainer.data import build_data, build_tokenizer
 from trainer.dist import (
     all_reduce_max,
@@ -39,16 +39,16 @@ from trainer.dist import (
 )
 from trainer.evaluate import evaluate
 from trainer.export import save_hf_model
+from trainer.gpus import peak_flops_for
+from trainer.logs import setup_logging
 from trainer.metrics import MetricsLog
 from trainer.model import (
-    CHECKPOINTING_LEVELS,
     HFModelFactory,
     count_parameters,
     num_compiled_layers,
     set_activation_checkpointing,
 )
 from trainer.oom import (
-    EXIT_OOM,
     FaultInjector,
     OutOfMemoryInStep,
     StepAborted,
@@ -59,9 +59,10 @@ from trainer.oom import (
 )
 from trainer.profile import ProfileWindow
 from trainer.schedule import lr_at
-from trainer.signals import EXIT_SIGNAL, StopSignals
+from trainer.signals import StopSignals
 from trainer.slurm_requeue import requeue_if_preempted
 from trainer.step import train_step
+from trainer.strategies import AC_LEVELS
 from trainer.trackers import Trackers
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,35 @@ log = logging.getLogger(__name__)
 
 def run_training(cfg: JobConfig) -> int:
     """Train as the resolved config says, on this rank. Returns the process exit code."""
+    run = _setup(cfg)
+    if isinstance(run, int):  # out of memory while setting up
+        return run
+    code = _train(run)
+    if code == 0 and cfg.run.save_final:
+        _save_final(run)
+    return code
+
+
+@dataclass
+class _Run:
+    """What one rank's training holds from setup to the end."""
+
+    cfg: JobConfig
+    ctx: BackendContext
+    run_dir: Path
+    backend: Backend
+    model: torch.nn.Module
+    factory: HFModelFactory
+    tokenizer: Any
+    data: Any
+    split: BatchSplit
+    faults: FaultInjector
+    start_step: int
+
+
+def _setup(cfg: JobConfig) -> _Run | int:
+    """Process group, data, model and backend, and the checkpoint to resume from; EXIT_OOM
+    (with a report) when that runs out of memory."""
     rank, local_rank, world_size = env_rank()
     setup_logging(rank, world_size)
     device = resolve_device(cfg, local_rank)
@@ -79,7 +109,6 @@ def run_training(cfg: JobConfig) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
 
     micro = _concrete_micro_batch(cfg)
-    grad_accum = cfg.train.global_batch_size // (micro * world_size)
     ctx = BackendContext(
         cfg=cfg,
         device=device,
@@ -89,7 +118,7 @@ def run_training(cfg: JobConfig) -> int:
         precision=cfg.precision,
         activation_checkpointing=_concrete_ac(cfg),
         micro_batch_size=micro,
-        grad_accum=grad_accum,
+        grad_accum=cfg.train.global_batch_size // (micro * world_size),
     )
     tokenizer = build_tokenizer(cfg.model)
     data = build_data(cfg, tokenizer)
@@ -116,73 +145,58 @@ def run_training(cfg: JobConfig) -> int:
         measured = int(backend.memory_stats()["peak_device_bytes"])
         _write_report(run_dir, phase, err, [rank], measured, 0, start_step, split, ctx)
         return EXIT_OOM
-    num_params = _num_params(factory)
-    log.info(
-        "%s: %s params, world %d, micro-batch %d x accumulation %d x %d ranks = global batch %d, "
-        "%s, activation checkpointing %s%s",
-        cfg.strategy,
-        f"{num_params:,}",
-        world_size,
-        micro,
-        grad_accum,
-        world_size,
-        cfg.train.global_batch_size,
-        cfg.precision,
-        ctx.activation_checkpointing,
-        f", {n} layers compiled" if (n := num_compiled_layers(model)) else "",
+    return _Run(
+        cfg, ctx, run_dir, backend, model, factory, tokenizer, data, split, faults, start_step
     )
 
-    metrics = MetricsLog(run_dir, cfg.train.steps, enabled=rank == 0, log_every=cfg.train.log_every)
-    if rank == 0:
-        metrics.truncate_after(start_step)
-    stop = StopSignals()
-    checkpointer = Checkpointer(run_dir, cfg, tokenizer, rank)
-    trackers = Trackers.start(cfg.run.trackers, run_dir, cfg.run.name, start_step, rank == 0)
-    optimizer = getattr(backend, "optimizer", None)
-    window = ProfileWindow(cfg.debug.profile, run_dir, rank, device, model, optimizer)
 
-    peak_flops = _device_peak_flops(device)
-    flops_per_token = _flops_per_token(factory.hf_config, num_params, cfg.data.seq_len)
-    for step in range(start_step, cfg.train.steps):
+def _train(run: _Run) -> int:
+    """The loop, from the resumed step to the last: 0, or EXIT_OOM / EXIT_SIGNAL."""
+    cfg, ctx, split, backend = run.cfg, run.ctx, run.split, run.backend
+    num_params = _num_params(run.factory)
+    _log_start(run, num_params)
+    metrics = MetricsLog(
+        run.run_dir, cfg.train.steps, enabled=ctx.rank == 0, log_every=cfg.train.log_every
+    )
+    if ctx.rank == 0:
+        metrics.truncate_after(run.start_step)
+    stop = StopSignals()
+    checkpointer = Checkpointer(run.run_dir, cfg, run.tokenizer, ctx.rank)
+    trackers = Trackers.start(
+        cfg.run.trackers, run.run_dir, cfg.run.name, run.start_step, ctx.rank == 0
+    )
+    optimizer = getattr(backend, "optimizer", None)
+    window = ProfileWindow(
+        cfg.debug.profile, run.run_dir, ctx.rank, ctx.device, run.model, optimizer
+    )
+    peak_flops = _device_peak_flops(ctx.device)
+    flops_per_token = _flops_per_token(run.factory.hf_config, num_params, cfg.data.seq_len)
+    for step in range(run.start_step, cfg.train.steps):
         backend.reset_peak()
         lr = lr_at(cfg.train, step)
         backend.set_lr(lr)
-        faults.step = step
+        run.faults.step = step
         try:
             window.begin(step)
-            result = _step_with_backoff(model, backend, data, split, step, ctx, faults)
+            result = _step_with_backoff(run.model, backend, run.data, split, step, ctx, run.faults)
         except OutOfMemoryGaveUp as err:
-            _report_oom(run_dir, err, step, split, backend, ctx)
+            _report_oom(run.run_dir, err, step, split, backend, ctx)
             return _ended(EXIT_OOM, trackers, window)
         except OutOfMemoryInStep as err:  # this rank alone; no collective may follow
-            _report_oom_alone(run_dir, err, step, split, backend, ctx)
+            _report_oom_alone(run.run_dir, err, step, split, backend, ctx)
             return _ended(EXIT_OOM, trackers, window)
         profiled = window.end(step)
-        micro, grad_accum = split.micro_batch_size, split.grad_accum
-        stopping, peak_bytes = stop.agreed_with(backend.memory_stats()["peak_device_bytes"], device)
-        record = {
-            "step": step + 1,
-            "loss": result.loss,
-            "lr": lr,
-            "grad_norm": result.grad_norm,
-            "tokens": result.num_tokens,
-            "tokens_per_s": result.num_tokens / result.step_time_s,
-            "step_time_s": result.step_time_s,
-            "peak_device_bytes": int(peak_bytes),
-            "strategy": cfg.strategy,
-            "world_size": world_size,
-            "micro_batch_size": micro,
-            "grad_accum": grad_accum,
-            "activation_checkpointing": split.activation_checkpointing,
-        }
+        stopping, peak_bytes = stop.agreed_with(
+            backend.memory_stats()["peak_device_bytes"], ctx.device
+        )
+        record = _step_record(step, lr, result, peak_bytes, split, ctx)
         if profiled:  # its time includes the profiler's overhead: not throughput
             record["profiled"] = True
         if peak_flops:
-            record["mfu"] = (
-                flops_per_token * result.num_tokens / result.step_time_s / (peak_flops * world_size)
-            )
-        if _due(step + 1, cfg.train.eval_every, cfg.train.steps) and data.eval is not None:
-            record.update(_evaluate_with_backoff(model, backend, data.eval, split, ctx))
+            mfu = flops_per_token * result.num_tokens / result.step_time_s
+            record["mfu"] = mfu / (peak_flops * ctx.world_size)
+        if _due(step + 1, cfg.train.eval_every, cfg.train.steps) and run.data.eval is not None:
+            record.update(_evaluate_with_backoff(run.model, backend, run.data.eval, split, ctx))
         metrics.write(record)
         trackers.log(record)
 
@@ -193,33 +207,73 @@ def run_training(cfg: JobConfig) -> int:
         if stopping:
             checkpointer.finish()
             log.warning("stopped by %s after step %d; checkpoint written", stop.name, step + 1)
-            if rank == 0:  # preempted under Slurm (SIGUSR1): back in the queue, resumes there
-                requeue_if_preempted(stop.signum, rank)
+            if ctx.rank == 0:  # preempted under Slurm (SIGUSR1): back in the queue, resumes there
+                requeue_if_preempted(stop.signum, ctx.rank)
             return _ended(EXIT_SIGNAL, trackers, window)
     checkpointer.finish()
-    trackers.close(0)
-
-    if cfg.run.save_final:
-        weights = backend.full_model_state_dict()
-        if rank == 0:
-            assert weights is not None
-            out = save_hf_model(
-                factory.hf_config,
-                weights,
-                run_dir / "final",
-                tokenizer,
-                cfg.model.trust_remote_code,
-            )
-            log.info("saved the trained model to %s", out)
-        barrier()
-    return 0
+    return _ended(0, trackers, window)
 
 
 def _ended(code: int, trackers: Trackers, window: ProfileWindow) -> int:
-    """Close what watches the run when it ends early; returns the exit code."""
+    """Close what watches the run (trackers, a profiler window left open); the exit code."""
     window.close()
     trackers.close(code)
     return code
+
+
+def _log_start(run: _Run, num_params: int) -> None:
+    cfg, ctx = run.cfg, run.ctx
+    log.info(
+        "%s: %s params, world %d, micro-batch %d x accumulation %d x %d ranks = global batch %d, "
+        "%s, activation checkpointing %s%s",
+        cfg.strategy,
+        f"{num_params:,}",
+        ctx.world_size,
+        ctx.micro_batch_size,
+        ctx.grad_accum,
+        ctx.world_size,
+        cfg.train.global_batch_size,
+        cfg.precision,
+        ctx.activation_checkpointing,
+        f", {n} layers compiled" if (n := num_compiled_layers(run.model)) else "",
+    )
+
+
+def _step_record(
+    step: int, lr: float, result: Any, peak_bytes: float, split: BatchSplit, ctx: BackendContext
+) -> dict[str, Any]:
+    """One line of metrics.jsonl."""
+    return {
+        "step": step + 1,
+        "loss": result.loss,
+        "lr": lr,
+        "grad_norm": result.grad_norm,
+        "tokens": result.num_tokens,
+        "tokens_per_s": result.num_tokens / result.step_time_s,
+        "step_time_s": result.step_time_s,
+        "peak_device_bytes": int(peak_bytes),
+        "strategy": ctx.cfg.strategy,
+        "world_size": ctx.world_size,
+        "micro_batch_size": split.micro_batch_size,
+        "grad_accum": split.grad_accum,
+        "activation_checkpointing": split.activation_checkpointing,
+    }
+
+
+def _save_final(run: _Run) -> None:
+    """The trained model as a Hugging Face directory (run.dir/final), written by rank 0."""
+    weights = run.backend.full_model_state_dict()
+    if run.ctx.rank == 0:
+        assert weights is not None
+        out = save_hf_model(
+            run.factory.hf_config,
+            weights,
+            run.run_dir / FINAL_DIR,
+            run.tokenizer,
+            run.cfg.model.trust_remote_code,
+        )
+        log.info("saved the trained model to %s", out)
+    barrier()
 
 
 @dataclass
@@ -284,9 +338,9 @@ def _step_with_backoff(
             smaller = _halved(split.micro_batch_size, split.per_rank)
             if smaller is None:  # at micro-batch 1: recompute more layers, if any are left
                 level = split.activation_checkpointing
-                if level == CHECKPOINTING_LEVELS[-1]:
+                if level == AC_LEVELS[-1]:
                     raise OutOfMemoryGaveUp(err, num_backoffs) from None
-                higher = CHECKPOINTING_LEVELS[CHECKPOINTING_LEVELS.index(level) + 1]
+                higher = AC_LEVELS[AC_LEVELS.index(level) + 1]
                 num_backoffs += 1
                 log.warning(
                     "step %d: out of memory in %s at micro-batch 1; retrying with activation "
@@ -386,7 +440,7 @@ def _write_report(
     split: BatchSplit,
     ctx: BackendContext,
 ) -> None:
-    plan_path = run_dir / "plan.json"
+    plan_path = run_dir / PLAN_FILE
     estimate = json.loads(plan_path.read_text()).get("estimate", {}) if plan_path.exists() else {}
     report = {
         "step": step + 1,
@@ -486,8 +540,6 @@ def _device_peak_flops(device: torch.device) -> float | None:
     """Peak bf16 FLOP/s of a known GPU (for MFU); None on CPU or an unknown device."""
     if device.type != "cuda":
         return None
-    from launcher.hardware import peak_flops_for
-
     return peak_flops_for(torch.cuda.get_device_name(device))
 
 

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainer.contract import METRICS_FILE
+
 log = logging.getLogger(__name__)
 
 
@@ -15,7 +17,7 @@ class MetricsLog:
     """Appends JSON lines on rank 0 and prints a progress line with an ETA."""
 
     def __init__(self, run_dir: Path, total_steps: int, enabled: bool, log_every: int = 1):
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS_FILE
         self.total_steps = total_steps
         self.enabled = enabled
         self.log_every = log_every

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from launcher.config import ConfigError, ModelConfig
+from trainer.config import ConfigError, ModelConfig
+from trainer.strategies import checkpointed_layers
 
 log = logging.getLogger(__name__)
 
@@ -121,18 +122,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return best
 
 
-def checkpointed_layer_indices(num_layers: int, level: str) -> list[int]:
-    """`full`: every layer; `selective`: every other layer (torchtitan's layer-level SAC)."""
-    if level == "full":
-        return list(range(num_layers))
-    if level == "selective":
-        return list(range(0, num_layers, 2))
-    return []
-
-
-CHECKPOINTING_LEVELS = ("none", "selective", "full")
-
-
 class _Recompute:
     """A wrapped layer's checkpoint_fn: non-reentrant recomputation while `enabled`."""
 
@@ -153,7 +142,7 @@ def apply_activation_checkpointing(model: nn.Module, level: str) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     layers = decoder_layers(model)
-    on = set(checkpointed_layer_indices(len(layers), level))
+    on = set(checkpointed_layers(len(layers), level))
     for i in range(len(layers)):
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_fn=_Recompute(i in on))
 
@@ -184,7 +173,7 @@ def set_activation_checkpointing(model: nn.Module, level: str) -> None:
     ]
     if not switches:
         raise ValueError("no switchable checkpointing: apply_activation_checkpointing first")
-    on = set(checkpointed_layer_indices(len(switches), level))
+    on = set(checkpointed_layers(len(switches), level))
     for i, switch in enumerate(switches):
         switch.enabled = i in on
 

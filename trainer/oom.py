@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from launcher.config import InjectOomConfig
+from trainer.config import InjectOomConfig
+from trainer.contract import OOM_REPORT_FILE
 from trainer.dist import all_reduce_max
 
 log = logging.getLogger(__name__)
 
-EXIT_OOM = 75
 _OOM_MESSAGES = ("out of memory", "cuda error: out of memory", "cublas_status_alloc_failed")
 
 
@@ -136,7 +136,7 @@ def memory_summary(device: torch.device) -> dict[str, Any]:
 
 def write_oom_report(run_dir: Path, report: dict[str, Any], rank: int = 0) -> Path:
     """Atomically (a temporary file per rank: ranks that failed alone may write at once)."""
-    path = run_dir / "oom-report.json"
+    path = run_dir / OOM_REPORT_FILE
     tmp = path.with_suffix(f".rank{rank}.tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     tmp.replace(path)

@@ -20,11 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.contract import PROFILE_DIR
 from trainer.phases import STEP, mark_in_profile, phase_markers
 
 log = logging.getLogger(__name__)
-
-PROFILE_DIR = "profile"
 
 
 def trace_path(run_dir: Path, rank: int) -> Path:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from launcher.config import TrainConfig
+from trainer.config import TrainConfig
 
 
 def lr_at(train: TrainConfig, step: int) -> float:

@@ -11,11 +11,11 @@ import signal
 
 import torch
 
+from trainer.contract import EXIT_SIGNAL
 from trainer.dist import all_reduce_max, all_reduce_max_many
 
 log = logging.getLogger(__name__)
 
-EXIT_SIGNAL = 143
 _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.contract import CONFIG_FILE, ESCALATIONS_FILE, PLAN_FILE, TRACKERS_FILE
+
 log = logging.getLogger(__name__)
 
-STATE_FILE = "trackers.json"
 PROJECT = "oomless"  # the W&B project, MLflow experiment and Trackio project unless set otherwise
 
 
@@ -230,13 +231,13 @@ class Trackers:
     ) -> Trackers:
         if not enabled or not names:
             return cls(run_dir, [], {})
-        state = _read_json(run_dir / STATE_FILE)
+        state = _read_json(run_dir / TRACKERS_FILE)
         run = TrackedRun(
             dir=run_dir,
             name=run_name or run_dir.name,
             start_step=start_step,
             config=_read_config(run_dir),
-            plan=_read_json(run_dir / "plan.json"),
+            plan=_read_json(run_dir / PLAN_FILE),
         )
         started = []
         for name in names:
@@ -301,10 +302,10 @@ class Trackers:
         for tracker in self.trackers:
             self.state[tracker.name] = getattr(tracker, "state", {})
         if self.trackers:
-            _write_json(self.run_dir / STATE_FILE, self.state)
+            _write_json(self.run_dir / TRACKERS_FILE, self.state)
 
     def _send_new_escalations(self) -> None:
-        path = self.run_dir / "escalations.jsonl"
+        path = self.run_dir / ESCALATIONS_FILE
         if not self.trackers or not path.exists():
             return
         lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
@@ -350,7 +351,7 @@ def _one_line(err: BaseException) -> str:
 
 def _read_config(run_dir: Path) -> dict[str, Any]:
     """run.dir/config.yaml as written by the launcher: secrets already redacted."""
-    path = run_dir / "config.yaml"
+    path = run_dir / CONFIG_FILE
     if not path.exists():
         return {}
     import yaml

@@ -6,7 +6,6 @@ import logging
 
 import pytest
 
-from launcher.config import HardwareConfig
 from launcher.hardware import (
     ASSUMED_GPU_MEMORY,
     DeviceProbe,
@@ -14,6 +13,7 @@ from launcher.hardware import (
     gpu_driver_present,
     peak_flops_for,
 )
+from trainer.config import HardwareConfig
 
 GiB = 2**30
 NO_GPU = DeviceProbe(0, 0, "cpu", 64 * GiB)

@@ -8,9 +8,9 @@ import sys
 import threading
 from pathlib import Path
 
-from launcher.config import build_config
 from launcher.launch import build_torchrun_command, run_command
 from tests.conftest import TINY_LLAMA
+from trainer.config import build_config
 
 
 def _cfg(**hardware):

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config import load_config
 from launcher.slurm import render_sbatch
 from tests.conftest import REPO
+from trainer.config import load_config
 
 GOLDEN = Path(__file__).parent / "golden"
 GIB = 1024**3

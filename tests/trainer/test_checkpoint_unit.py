@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from launcher.config import ConfigError, build_config
 from tests.conftest import TINY_LLAMA
 from trainer.checkpoint import (
     STATE_FILE,
@@ -21,6 +20,7 @@ from trainer.checkpoint import (
     save_checkpoint,
     unflatten_state,
 )
+from trainer.config import ConfigError, build_config
 
 
 def _state() -> dict:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.config import ConfigError
 from trainer.backends.deepspeed import _require_async_io
+from trainer.config import ConfigError
 
 
 def test_without_libaio_zero3_nvme_is_one_config_error(monkeypatch):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from launcher.config import build_config
 from tests.conftest import TINY_LLAMA
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
+from trainer.config import build_config
 from trainer.loss import IGNORE_INDEX
 from trainer.model import HFModelFactory, decoder_layers, set_activation_checkpointing
 from trainer.step import train_step

@@ -22,7 +22,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from launcher.config import JobConfig
+from trainer import strategies
+from trainer.config import JobConfig
 
 
 @dataclass(frozen=True)
@@ -102,22 +103,9 @@ class Backend(Protocol):
     def reset_peak(self) -> None: ...
 
 
-_MODULES: dict[str, tuple[str, str]] = {
-    "single": ("trainer.backends.single", "SingleBackend"),
-    "ddp": ("trainer.backends.ddp", "DdpBackend"),
-    "fsdp": ("trainer.backends.fsdp", "FsdpBackend"),
-    "fsdp_offload": ("trainer.backends.fsdp", "FsdpBackend"),
-    "zero1": ("trainer.backends.deepspeed", "DeepSpeedBackend"),
-    "zero2": ("trainer.backends.deepspeed", "DeepSpeedBackend"),
-    "zero3": ("trainer.backends.deepspeed", "DeepSpeedBackend"),
-    "zero3_offload": ("trainer.backends.deepspeed", "DeepSpeedBackend"),
-    "zero3_offload_params": ("trainer.backends.deepspeed", "DeepSpeedBackend"),
-    "zero3_nvme": ("trainer.backends.deepspeed", "DeepSpeedBackend"),
-}
-
-
 def build_backend(strategy: str, ctx: BackendContext) -> Backend:
-    """Import lazily: DeepSpeed is imported only when a DeepSpeed rung runs."""
-    module_name, class_name = _MODULES[strategy]
+    """The backend of the strategy's row, imported lazily: DeepSpeed is imported only when a
+    DeepSpeed rung runs."""
+    module_name, class_name = strategies.row(strategy).backend.split(":")
     cls: Callable[..., Backend] = getattr(importlib.import_module(module_name), class_name)
     return cls(strategy, ctx)

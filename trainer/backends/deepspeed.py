@@ -29,10 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from launcher.config import ConfigError
+from trainer import strategies
 from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
 from trainer.backends.common import device_memory_stats, reset_device_peak
-from trainer.backends.deepspeed_config import STAGES, build_deepspeed_config
+from trainer.backends.deepspeed_config import build_deepspeed_config
+from trainer.config import ConfigError
 from trainer.dist import all_reduce_max, all_reduce_sum
 from trainer.model import apply_activation_checkpointing, canonical_name
 
@@ -47,8 +48,9 @@ class DeepSpeedBackend:
             )
         self.name = strategy
         self.ctx = ctx
-        self.stage = STAGES[strategy]
-        self.offload_optimizer = strategy in ("zero3_offload", "zero3_offload_params", "zero3_nvme")
+        self.rung = strategies.row(strategy)
+        self.stage = self.rung.zero_stage
+        self.offload_optimizer = self.rung.optimizer_at != "device"
         self._accumulating = False
 
     def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
@@ -56,7 +58,7 @@ class DeepSpeedBackend:
 
         ctx = self.ctx
         clear_stale_build_locks()
-        if self.name == "zero3_nvme":
+        if self.rung.needs_nvme:
             _require_async_io()
         if ctx.cfg.train.compile and ctx.rank == 0:
             # ZeRO-3 gathers each layer's parameters in module hooks, which dynamo cannot trace
@@ -113,7 +115,7 @@ class DeepSpeedBackend:
         import deepspeed
         from transformers import AutoModelForCausalLM
 
-        remote = "cpu" if self.name == "zero3_offload_params" else None
+        remote = "cpu" if self.rung.params_at == "cpu" else None
         with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=remote):
             with torch.random.fork_rng(devices=[]):
                 model = AutoModelForCausalLM.from_config(factory.hf_config, dtype=torch.float32)

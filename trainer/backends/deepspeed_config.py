@@ -14,18 +14,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from launcher.config import JobConfig
+from trainer import strategies
+from trainer.config import JobConfig
+from trainer.strategies import DEEPSPEED_BUCKET_ELEMENTS
 
-BUCKET_ELEMENTS = 50_000_000  # reduce / allgather / prefetch buckets (launcher/estimate.py too)
 AUTOCAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
-STAGES = {
-    "zero1": 1,
-    "zero2": 2,
-    "zero3": 3,
-    "zero3_offload": 3,
-    "zero3_offload_params": 3,
-    "zero3_nvme": 3,
-}
 
 
 def build_deepspeed_config(
@@ -35,33 +28,30 @@ def build_deepspeed_config(
 
     train_batch_size = micro_batch_size x grad_accum x world_size; overrides merged last.
     """
-    strategy = cfg.strategy
-    stage = STAGES[strategy]
+    rung = strategies.row(cfg.strategy)
+    stage = rung.zero_stage
     pin = cfg.hardware.device == "cuda"
     zero: dict[str, Any] = {
         "stage": stage,
         "contiguous_gradients": True,
         "overlap_comm": False,
-        "reduce_bucket_size": BUCKET_ELEMENTS,
+        "reduce_bucket_size": DEEPSPEED_BUCKET_ELEMENTS,
     }
     if stage < 3:
-        zero["allgather_bucket_size"] = BUCKET_ELEMENTS
+        zero["allgather_bucket_size"] = DEEPSPEED_BUCKET_ELEMENTS
     else:
         zero |= {
-            "stage3_prefetch_bucket_size": BUCKET_ELEMENTS,
+            "stage3_prefetch_bucket_size": DEEPSPEED_BUCKET_ELEMENTS,
             "stage3_param_persistence_threshold": 100_000,
             "stage3_max_live_parameters": 1_000_000_000,
             "stage3_max_reuse_distance": 1_000_000_000,
             "stage3_gather_16bit_weights_on_model_save": False,
         }
-    if strategy in ("zero3_offload", "zero3_offload_params"):
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
-    if strategy == "zero3_offload_params":
-        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
-    if strategy == "zero3_nvme":
-        nvme = cfg.deepspeed.nvme_path
-        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": pin}
-        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": pin}
+    for key, place in (("offload_optimizer", rung.optimizer_at), ("offload_param", rung.params_at)):
+        if place != "device":
+            zero[key] = {"device": place, "pin_memory": pin}
+            if place == "nvme":
+                zero[key]["nvme_path"] = cfg.deepspeed.nvme_path
     config: dict[str, Any] = {
         "train_batch_size": micro_batch_size * grad_accum * world_size,
         "train_micro_batch_size_per_gpu": micro_batch_size,

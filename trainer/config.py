@@ -17,6 +17,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from trainer import strategies
+from trainer.contract import CONFIG_FILE
+from trainer.units import parse_size
+
 
 class _YamlLoader(yaml.SafeLoader):
     """`yaml.safe_load` without YAML 1.1's base-60 numbers: `time: 12:00:00` stays a string.
@@ -52,76 +56,12 @@ def read_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
 
 
-STRATEGIES = (
-    "single",
-    "ddp",
-    "fsdp",
-    "fsdp_offload",
-    "zero1",
-    "zero2",
-    "zero3",
-    "zero3_offload",
-    "zero3_offload_params",
-    "zero3_nvme",
-)
-Strategy = Literal[
-    "auto",
-    "single",
-    "ddp",
-    "fsdp",
-    "fsdp_offload",
-    "zero1",
-    "zero2",
-    "zero3",
-    "zero3_offload",
-    "zero3_offload_params",
-    "zero3_nvme",
-]
-AcLevel = Literal["none", "selective", "full"]
-
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
 class ConfigError(ValueError):
     """A bad config value. `str()` is the one line the user sees: key, problem, fix."""
 
     def __init__(self, key: str, problem: str, fix: str):
         self.key, self.problem, self.fix = key, problem, fix
         super().__init__(f"config error: {key}: {problem}; {fix}")
-
-
-def parse_size(value: int | float | str) -> int:
-    """'80GiB' -> 85899345920. Bare numbers are bytes."""
-    if isinstance(value, bool):
-        raise ValueError("expected a size such as 80GiB")
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError("must be positive")
-        return int(value)
-    m = _SIZE_RE.match(str(value))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _SIZE_UNITS:
-        raise ValueError(f"'{value}' is not a size; write it like 80GiB, 512GB or 24GiB")
-    size = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    if size <= 0:
-        raise ValueError("must be positive")
-    return size
-
-
-def format_size(num_bytes: int) -> str:
-    return f"{num_bytes / 2**30:.2f}GiB"
 
 
 _SLURM_TIME_RE = re.compile(r"^(\d+|\d+:\d{2}(:\d{2})?|\d+-\d{1,2}(:\d{2}(:\d{2})?)?)$")
@@ -244,8 +184,10 @@ class InjectOomConfig(_Section):
     @classmethod
     def _known(cls, v: list[str] | None) -> list[str] | None:
         for name in v or []:
-            if name not in STRATEGIES:
-                raise ValueError(f"unknown strategy '{name}'; use one of {', '.join(STRATEGIES)}")
+            if name not in strategies.names():
+                raise ValueError(
+                    f"unknown strategy '{name}'; use one of {', '.join(strategies.names())}"
+                )
         return v
 
 
@@ -335,7 +277,7 @@ class JobConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
-    strategy: Strategy = "auto"
+    strategy: str = "auto"  # auto or a row of trainer/strategies.py
     hardware: HardwareConfig = Field(default_factory=HardwareConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
     run: RunConfig = Field(default_factory=RunConfig)
@@ -344,6 +286,16 @@ class JobConfig(_Section):
     dist: DistConfig = Field(default_factory=DistConfig)
     escalation: EscalationConfig = Field(default_factory=EscalationConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, v: str) -> str:
+        allowed = ("auto", *strategies.names())
+        if v not in allowed:
+            close = difflib.get_close_matches(v, allowed, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ValueError(f"'{v}' is not a strategy; {hint}use one of {', '.join(allowed)}")
+        return v
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -495,14 +447,17 @@ def _check_across_sections(cfg: JobConfig) -> None:
             f"{micro} does not divide train.global_batch_size={train.global_batch_size}",
             "use a divisor of the global batch, or auto",
         )
-    if cfg.strategy == "zero3_nvme" and not cfg.deepspeed.nvme_path:
-        raise ConfigError(
-            "strategy", "zero3_nvme needs deepspeed.nvme_path", "set deepspeed.nvme_path=/nvme/dir"
-        )
-    if cfg.strategy == "single" and (hw.nodes > 1 or (hw.devices_per_node or 1) > 1):
+    rung = strategies.row(cfg.strategy) if cfg.strategy != "auto" else None
+    if rung and rung.needs_nvme and not cfg.deepspeed.nvme_path:
         raise ConfigError(
             "strategy",
-            "single runs one process, but hardware.nodes x devices_per_node is above 1",
+            f"{rung.name} needs deepspeed.nvme_path",
+            "set deepspeed.nvme_path=/nvme/dir",
+        )
+    if rung and rung.max_world == 1 and (hw.nodes > 1 or (hw.devices_per_node or 1) > 1):
+        raise ConfigError(
+            "strategy",
+            f"{rung.name} runs one process, but hardware.nodes x devices_per_node is above 1",
             "use ddp, fsdp or a zero rung, or strategy=auto",
         )
     world = hw.nodes * hw.devices_per_node if hw.devices_per_node else None
@@ -523,7 +478,7 @@ def _check_across_sections(cfg: JobConfig) -> None:
 
 def _check_positions(cfg: JobConfig) -> None:
     """data.seq_len within the model's positions, where the shape is known offline."""
-    from launcher.model_shape import hf_config_dict
+    from trainer.hf_config import hf_config_dict
 
     try:
         hf = hf_config_dict(cfg.model)
@@ -595,14 +550,8 @@ def dump_config(cfg: JobConfig) -> str:
     return yaml.safe_dump(redact(cfg.to_dict()), sort_keys=False)
 
 
-# Written into the run dir by `python -m trainer` when a rank stops on a ConfigError (bad data
-# rows, an unusable strategy): torchrun reports every failed worker as exit 1, and this file
-# tells `oomless train` that it was bad input (exit 2) and what the line was.
-CONFIG_ERROR_FILE = "config-error.txt"
-
-
 def write_config(cfg: JobConfig, run_dir: str | Path) -> Path:
-    out = Path(run_dir) / "config.yaml"
+    out = Path(run_dir) / CONFIG_FILE
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".yaml.tmp")
     tmp.write_text(dump_config(cfg))

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.config import ConfigError, load_config, parse_size
 from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env
+from trainer.config import ConfigError, load_config, parse_size
 
 TOKENIZER = str(REPO / "configs" / "demo" / "tokenizer")
 

@@ -1,0 +1,29 @@
+"""What processes outside this one rely on (INTERFACE.md): exit codes and run-dir file names.
+
+Torch-free: the launcher, the engine and the tests all read these names from here.
+"""
+
+from __future__ import annotations
+
+# Exit codes
+EXIT_OK = 0
+EXIT_USAGE = 2  # invalid config, data or usage: one line on stderr
+EXIT_NO_FIT = 3  # fits on no strategy of the hardware given
+EXIT_OOM = 75  # out of device memory after in-process recovery (the supervisor escalates)
+EXIT_SIGNAL = 143  # stopped by SIGTERM/SIGUSR1 after writing a checkpoint
+
+# Files under run.dir
+CONFIG_FILE = "config.yaml"  # the resolved config every rank runs
+PLAN_FILE = "plan.json"
+METRICS_FILE = "metrics.jsonl"
+OOM_REPORT_FILE = "oom-report.json"
+ESCALATIONS_FILE = "escalations.jsonl"
+# Written by `python -m trainer` when a rank stops on a ConfigError (bad data rows, an unusable
+# strategy): torchrun reports every failed worker as exit 1, and this file tells `oomless train`
+# that it was bad input (exit 2) and what the line was.
+CONFIG_ERROR_FILE = "config-error.txt"
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_LINK = "latest"
+FINAL_DIR = "final"
+TRACKERS_FILE = "trackers.json"  # the tracker run ids a resumed or escalated run continues
+PROFILE_DIR = "profile"  # debug.profile: rank{N}.trace.json, rank{N}.memory_snapshot.pickle

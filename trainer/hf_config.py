@@ -1,0 +1,49 @@
+"""The model's Hugging Face config as a plain dict, offline and without torch.
+
+Sources: an inline `model.config`, a local directory with `config.json`, or a hub id that names a
+preset shipped in `configs/models/` (`configs/models/index.yaml` maps hub ids to preset files).
+The config validator (positions), the launcher (shape, estimate) and the engine all read it here.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainer.config import ConfigError, ModelConfig
+
+PRESETS = Path(__file__).resolve().parents[1] / "configs" / "models"
+
+
+def hf_config_dict(model_cfg: ModelConfig) -> dict[str, Any]:
+    """The HF config as a dict, without network access."""
+    if model_cfg.config is not None:
+        return dict(model_cfg.config)
+    name = model_cfg.name_or_path
+    assert name is not None
+    local = Path(name).expanduser()
+    if (local / "config.json").is_file():
+        return json.loads((local / "config.json").read_text())
+    preset = preset_index().get(name) or preset_index().get(name.lower())
+    if preset is not None:
+        return json.loads((PRESETS / preset).read_text())
+    raise ConfigError(
+        "model.name_or_path",
+        f"'{name}' is neither a local model dir nor a shipped preset, so its shape is unknown "
+        "offline",
+        f"give a local dir with config.json, an inline model.config, or one of: "
+        f"{', '.join(sorted(preset_index()))}",
+    )
+
+
+@lru_cache(maxsize=1)
+def preset_index() -> dict[str, str]:
+    """Hub id -> preset file name in `configs/models/`."""
+    index = PRESETS / "index.yaml"
+    if not index.is_file():
+        return {}
+    return {str(k): str(v) for k, v in (yaml.safe_load(index.read_text()) or {}).items()}

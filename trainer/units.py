@@ -1,0 +1,40 @@
+"""Byte units and sizes as users write them ('80GiB', '512GB'). Torch-free."""
+
+from __future__ import annotations
+
+import re
+
+MIB = 2**20
+GIB = 2**30
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str) -> int:
+    """'80GiB' -> 85899345920. Bare numbers are bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 80GiB")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError("must be positive")
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"'{value}' is not a size; write it like 80GiB, 512GB or 24GiB")
+    size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError("must be positive")
+    return size
