@@ -22,6 +22,9 @@ def save_hf_model(
     of the weights is allocated.
     """
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards": the run prints its own lines
 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
