@@ -73,14 +73,25 @@ def run_command(argv: list[str], env: dict[str, str], output: TorchrunOutput | N
     """Run argv in its own session, forward stop signals to it, return its exit code. With
     `output`, its stderr goes through that filter (torchrun's own report into a file).
 
+    The child gets SIGTERM when this process dies (PR_SET_PDEATHSIG), even by SIGKILL.
     torchrun turns SIGTERM/SIGINT into a stop of its workers (which checkpoint and exit 143);
     SIGUSR1, which torchrun does not handle, is forwarded as SIGTERM. A run stopped that way
     returns 143 (INTERFACE.md: stopped by a signal after writing a checkpoint).
     """
+    from trainer.run_lock import die_with_parent
+
     child_env = dict(os.environ, **env)
+    # Its own session (a Ctrl-C reaches it once, through us), but it dies with us: a supervisor
+    # killed with SIGKILL sends torchrun SIGTERM, and torchrun stops the workers.
     stderr = subprocess.PIPE if output is not None else None
     proc = subprocess.Popen(
-        argv, env=child_env, start_new_session=True, stderr=stderr, text=True, bufsize=1
+        argv,
+        env=child_env,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+        stderr=stderr,
+        text=True,
+        bufsize=1,
     )
     pump = output.pump(proc.stderr) if output is not None and proc.stderr else None
     stopped = []

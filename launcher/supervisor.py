@@ -31,18 +31,30 @@ from trainer.contract import (
     PLAN_FILE,
     TORCHRUN_LOG,
 )
+from trainer.files import write_atomic
 
 log = logging.getLogger(__name__)
 
 
 def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": _abs(cfg.run.dir)})})
+    if dry_run:
+        return _train(cfg, dry_run=True)
+    from trainer.run_lock import acquire_run_lock
+
+    with acquire_run_lock(cfg.run.dir):  # one run per run.dir, for the life of this one
+        return _train(cfg, dry_run=False)
+
+
+def _train(cfg: JobConfig, dry_run: bool) -> int:
     run_dir = Path(cfg.run.dir)
     failed: list[str] = []
     memory_scale = 1.0
     attempt = 0
     while True:
         resolved, plan_json = resolve_plan(cfg, exclude=failed, memory_scale=memory_scale)
+        if attempt == 0:
+            check_resume(resolved)  # before anything is written into run.dir
         argv, env, spawn = launch_spec(resolved, run_dir / CONFIG_FILE)
         plan_json["command"] = argv
         if dry_run:
@@ -97,6 +109,23 @@ def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
 
 
+def check_resume(cfg: JobConfig) -> None:
+    """ConfigError (exit 2) when the checkpoint this run would resume was trained with other
+    math or on other data; the changes that keep the math are logged."""
+    from trainer.checkpoint import check_resumable, resolve_resume
+
+    path = resolve_resume(cfg)
+    if path is None:
+        return
+
+    def fingerprint() -> str:
+        from trainer.data import train_data_fingerprint
+
+        return train_data_fingerprint(cfg)
+
+    check_resumable(path, cfg, fingerprint, announce=True)
+
+
 def resolve_plan(
     cfg: JobConfig, exclude: list[str] | None = None, memory_scale: float = 1.0
 ) -> tuple[JobConfig, dict[str, Any]]:
@@ -138,10 +167,11 @@ def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> i
             _release_device_memory()
     from launcher.launch import run_command
     from launcher.torchrun_output import TorchrunOutput
+    from trainer.run_lock import LOCK_OWNER_ENV
 
     log.info("launching: %s", " ".join(argv))
     output = TorchrunOutput(Path(cfg.run.dir) / TORCHRUN_LOG, sys.stderr)
-    rc = run_command(argv, env, output)
+    rc = run_command(argv, dict(env, **{LOCK_OWNER_ENV: str(os.getpid())}), output)
     run_dir = Path(cfg.run.dir)
     explained = (run_dir / OOM_REPORT_FILE).exists() or (run_dir / CONFIG_ERROR_FILE).exists()
     if output.num_diverted and rc not in (0, EXIT_SIGNAL) and not explained:
@@ -182,6 +212,4 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps(obj, indent=2) + "\n")

@@ -14,18 +14,23 @@ REPO = Path(__file__).resolve().parents[1]
 BOTTOM = (
     "trainer.config",
     "trainer.contract",
+    "trainer.files",
     "trainer.gpus",
     "trainer.hf_config",
     "trainer.logs",
+    "trainer.run_lock",
     "trainer.strategies",
     "trainer.units",
 )
 # The few places where the launcher runs engine code, and why.
 LAUNCHER_RUNS_ENGINE = {
-    ("launcher.cli", "trainer.checkpoint"),  # oomless export
+    ("launcher.cli", "trainer.export"),  # oomless export
     ("launcher.model_shape", "trainer.model"),  # the decoder layers of a meta-device model
     ("launcher.plan_report", "trainer.backends.deepspeed_config"),  # --emit deepspeed
     ("launcher.supervisor", "trainer.engine"),  # the in-process run
+    # a resume's compatibility (the checkpoint's config and data fingerprint), before launch
+    ("launcher.supervisor", "trainer.checkpoint"),
+    ("launcher.supervisor", "trainer.data"),
     ("launcher.trace", "trainer.backends"),  # the traced step runs the backends' own code
     ("launcher.trace", "trainer.backends.common"),
     ("launcher.trace", "trainer.backends.fsdp"),

@@ -472,12 +472,34 @@ def _pad_rows(batch: dict[str, torch.Tensor] | None, n: int, w: Windows) -> dict
 class DataBundle:
     train: TrainStream
     eval: EvalSet | None
+    fingerprint: str  # of the tokenised training data (checkpoints refuse a resume on other data)
+
+
+def docs_fingerprint(docs: Documents) -> str:
+    """Hash of tokenised documents: what the model learns from, whatever path or cache it came
+    through."""
+    h = hashlib.sha256()
+    for name in ("tokens", "targets", "offsets"):
+        h.update(np.ascontiguousarray(getattr(docs, name)).tobytes())
+    return h.hexdigest()[:16]
+
+
+def train_data_fingerprint(cfg: JobConfig) -> str:
+    """`docs_fingerprint` of data.path, in this process (from the tokenised cache when there)."""
+    data = cfg.data
+    cache_dir = _cache_dir(data)
+    docs = tokenize_source(data.path, "data.path", data, build_tokenizer(cfg.model), cache_dir)
+    return docs_fingerprint(docs)
+
+
+def _cache_dir(data: DataConfig) -> Path:
+    return Path(data.cache_dir or Path.home() / ".cache" / "oomless" / "data").expanduser()
 
 
 def build_data(cfg: JobConfig, tokenizer: Any) -> DataBundle:
     """Tokenise (rank 0 first, others then read its cache), split off eval, pack."""
     data = cfg.data
-    cache_dir = Path(data.cache_dir or Path.home() / ".cache" / "oomless" / "data").expanduser()
+    cache_dir = _cache_dir(data)
     rank, _, _ = env_rank()
     sources = [("data.path", data.path)] + (
         [("data.eval_path", data.eval_path)] if data.eval_path else []
@@ -489,6 +511,7 @@ def build_data(cfg: JobConfig, tokenizer: Any) -> DataBundle:
                 docs[key] = tokenize_source(path, key, data, tokenizer, cache_dir)
         barrier()
     train_docs, eval_docs = docs["data.path"], docs.get("data.eval_path")
+    fingerprint = docs_fingerprint(train_docs)
     if eval_docs is None and data.eval_fraction > 0:
         order = np.random.default_rng([cfg.train.seed, 7]).permutation(train_docs.num_docs)
         num_eval = max(1, round(data.eval_fraction * train_docs.num_docs))
@@ -513,4 +536,4 @@ def build_data(cfg: JobConfig, tokenizer: Any) -> DataBundle:
     eval_set = None
     if eval_docs is not None:
         eval_set = EvalSet(pack(eval_docs, data.seq_len, pad_id, False, data.pack))
-    return DataBundle(TrainStream(train_windows, cfg.train.seed), eval_set)
+    return DataBundle(TrainStream(train_windows, cfg.train.seed), eval_set, fingerprint)

@@ -136,7 +136,7 @@ def _setup(cfg: JobConfig) -> _Run | int:
         model = backend.setup(factory, _optimizer_spec(cfg))
         if resume_from is not None:
             phase = "resume"
-            start_step = _resume(resume_from, backend, cfg, rank)
+            start_step = _resume(resume_from, backend, cfg, rank, data.fingerprint)
     except Exception as err:
         if not is_oom(err):
             raise
@@ -161,7 +161,7 @@ def _train(run: _Run) -> int:
     if ctx.rank == 0:
         metrics.truncate_after(run.start_step)
     stop = StopSignals()
-    checkpointer = Checkpointer(run.run_dir, cfg, run.tokenizer, ctx.rank)
+    checkpointer = Checkpointer(run.run_dir, cfg, run.tokenizer, ctx.rank, run.data.fingerprint)
     trackers = Trackers.start(
         cfg.run.trackers, run.run_dir, cfg.run.name, run.start_step, ctx.rank == 0
     )
@@ -271,6 +271,7 @@ def _save_final(run: _Run) -> None:
             run.run_dir / FINAL_DIR,
             run.tokenizer,
             run.cfg.model.trust_remote_code,
+            replace=True,  # final/ is this run's own output
         )
         log.info("saved the trained model to %s", out)
     barrier()
@@ -471,9 +472,9 @@ def _write_report(
     )
 
 
-def _resume(path: Path, backend: Backend, cfg: JobConfig, rank: int) -> int:
+def _resume(path: Path, backend: Backend, cfg: JobConfig, rank: int, data_fingerprint: str) -> int:
     """Load a checkpoint of any strategy and world size into this backend; returns its step."""
-    state = load_checkpoint(path, load_template(backend.state_dict()), cfg)
+    state = load_checkpoint(path, load_template(backend.state_dict()), cfg, data_fingerprint)
     backend_state = state["backend"]
     backend_state["scaler"] = state.get("scaler") or {}
     backend.load_state_dict(backend_state)

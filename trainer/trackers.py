@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.contract import CONFIG_FILE, ESCALATIONS_FILE, PLAN_FILE, TRACKERS_FILE
+from trainer.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -367,6 +368,4 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps(obj, indent=2) + "\n")
