@@ -59,6 +59,9 @@ def test_train_writes_config_metrics_and_a_loadable_model(tmp_path):
     first, last = sum(m["loss"] for m in lines[:3]) / 3, sum(m["loss"] for m in lines[-3:]) / 3
     assert last < first * 0.9, (first, last)
     assert "eta" in r.stderr  # the human progress line
+    # only oomless's own lines: no DeepSpeed accelerator line, no transformers progress bars
+    assert "Setting accelerator" not in r.stdout + r.stderr
+    assert "Writing model shards" not in r.stderr
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -28,3 +28,6 @@ RUN_LOCK_FILE = "run.lock"
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_LINK = "latest"
 FINAL_DIR = "final"
+TRACKERS_FILE = "trackers.json"  # the tracker run ids a resumed or escalated run continues
+TORCHRUN_LOG = "torchrun.log"  # torchrun's own lines and failure reports, kept out of the output
+PROFILE_DIR = "profile"  # debug.profile: rank{N}.trace.json, rank{N}.memory_snapshot.pickle
