@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import PYTHON, REPO, kill_tree, python_env, run_bounded
+from tests.conftest import PYTHON, REPO, kill_tree, oomless, python_env
 
 DEMO = REPO / "configs" / "demo.yaml"
 FIELDS = {
@@ -28,13 +28,6 @@ FIELDS = {
     "micro_batch_size",
     "grad_accum",
 }
-
-
-def oomless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """The CLI as a user runs it; on a timeout its whole process tree is killed."""
-    return run_bounded(
-        [PYTHON, "-m", "launcher.cli", *args], timeout=timeout, env=python_env(), cwd=REPO
-    )
 
 
 def metrics(run_dir: Path) -> list[dict]:
