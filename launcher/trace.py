@@ -70,7 +70,10 @@ def trace_step(
 ) -> Trace:
     """Peak live tensor bytes on one device for a steady-state training step (the second one):
     `grad_accum` micro-batches, all but the last under the backend's no-sync (unless FSDP
-    reduces every micro-batch), as the engine runs them."""
+    reduces every micro-batch), as the engine runs them.
+
+    One piece on purpose: build, shard, fake, track and run read in the order the engine does
+    them, and the step inside is the engine's step line for line."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if strategy not in TRACEABLE:

@@ -165,7 +165,10 @@ def _memory_levers(cfg: JobConfig, model: torch.nn.Module, device: torch.device)
 
 
 def _train(run: _Run) -> int:
-    """The loop, from the resumed step to the last: 0, or EXIT_OOM / EXIT_SIGNAL."""
+    """The loop, from the resumed step to the last: 0, or EXIT_OOM / EXIT_SIGNAL.
+
+    Longer than the others on purpose: what one step does, and every way it can end (an OOM,
+    a signal, the last step), reads top to bottom here, as nanoGPT's loop does."""
     cfg, ctx, split, backend = run.cfg, run.ctx, run.split, run.backend
     num_params = _num_params(run.factory)
     _log_start(run, num_params)
@@ -217,7 +220,7 @@ def _train(run: _Run) -> int:
                 )
             except OutOfMemoryGaveUp as err:  # at eval batch 1: climb a rung, like a step
                 _report_oom(run.run_dir, err, step, split, backend, ctx)
-                return EXIT_OOM
+                return _ended(EXIT_OOM, trackers, window)
         metrics.write(record)
         trackers.log(record)
 
