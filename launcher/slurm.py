@@ -193,9 +193,9 @@ def submit_command(cfg: JobConfig, dry_run: bool) -> int:
         raise ConfigError("submit", "sbatch is not on PATH", "run on a Slurm login node")
     from trainer.run_lock import check_run_lock
 
-    check_data(resolved)  # bad data stops here, not in the queue
     check_run_lock(run_dir)  # a live job's config, plan and script stay as they are
     check_resume(resolved)  # before anything is written into run.dir
+    check_data(resolved)  # bad data stops here, not in the queue
     ensure_run_dir(run_dir)
     write_config(resolved, run_dir)
     _write_json(run_dir / PLAN_FILE, plan_json)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import PYTHON, REPO, kill_tree, python_env, run_bounded
+from tests.conftest import PYTHON, REPO, kill_tree, oomless, python_env
 
 DEMO = REPO / "configs" / "demo.yaml"
 FIELDS = {
@@ -28,13 +28,6 @@ FIELDS = {
     "micro_batch_size",
     "grad_accum",
 }
-
-
-def oomless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """The CLI as a user runs it; on a timeout its whole process tree is killed."""
-    return run_bounded(
-        [PYTHON, "-m", "launcher.cli", *args], timeout=timeout, env=python_env(), cwd=REPO
-    )
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -59,6 +52,9 @@ def test_train_writes_config_metrics_and_a_loadable_model(tmp_path):
     first, last = sum(m["loss"] for m in lines[:3]) / 3, sum(m["loss"] for m in lines[-3:]) / 3
     assert last < first * 0.9, (first, last)
     assert "eta" in r.stderr  # the human progress line
+    # only oomless's own lines: no DeepSpeed accelerator line, no transformers progress bars
+    assert "Setting accelerator" not in r.stdout + r.stderr
+    assert "Writing model shards" not in r.stderr
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -109,9 +105,10 @@ def test_injected_oom_backs_off_and_learns_the_same(tmp_path):
         assert abs(x["loss"] - y["loss"]) <= 1e-5 * y["loss"], (x, y)
 
 
-def test_at_micro_batch_1_the_back_off_recomputes_more_and_learns_the_same(tmp_path):
-    """OOMs at step 3 three times: micro-batch 2 -> 1, then checkpointing none -> selective ->
-    full on the running model; the losses equal a run at micro-batch 1 without recomputation."""
+def test_at_micro_batch_1_the_back_off_pulls_the_exact_levers_and_learns_the_same(tmp_path):
+    """OOMs at step 3 five times: micro-batch 2 -> 1, then chunked loss, activation offload,
+    and checkpointing none -> selective -> full, on the running model; the losses equal a run at
+    micro-batch 1 without any of them."""
     common = [
         "train.steps=5",
         "train.global_batch_size=4",
@@ -128,10 +125,12 @@ def test_at_micro_batch_1_the_back_off_recomputes_more_and_learns_the_same(tmp_p
         *common,
         f"run.dir={a}",
         "train.micro_batch_size=2",
-        "debug.inject_oom={step: 3, times: 3, where: backward}",
+        "debug.inject_oom={step: 3, times: 5, where: backward}",
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "retrying with micro-batch 1 x accumulation 4" in r.stderr
+    assert "at micro-batch 1; retrying with chunked loss on" in r.stderr
+    assert "at micro-batch 1; retrying with activation offload on" in r.stderr
     assert "retrying with activation checkpointing selective (was none)" in r.stderr
     assert "retrying with activation checkpointing full (was selective)" in r.stderr
     r = oomless("train", str(DEMO), *common, f"run.dir={b}", "train.micro_batch_size=1")
@@ -139,6 +138,9 @@ def test_at_micro_batch_1_the_back_off_recomputes_more_and_learns_the_same(tmp_p
     ma, mb = metrics(a), metrics(b)
     assert [m["micro_batch_size"] for m in ma] == [2, 2, 1, 1, 1]
     assert [m["activation_checkpointing"] for m in ma] == ["none"] * 2 + ["full"] * 3
+    assert [m["chunked_loss"] for m in ma] == [False] * 2 + [True] * 3
+    assert [m["offload_activations"] for m in ma] == [False] * 2 + [True] * 3
+    assert all(m["offloaded_bytes"] == m["restored_bytes"] > 0 for m in ma[2:])
     for x, y in zip(ma, mb, strict=True):
         assert abs(x["loss"] - y["loss"]) <= 1e-6 * y["loss"], (x, y)
 
@@ -210,7 +212,9 @@ def test_persistent_oom_without_escalation_exits_75_with_a_report(tmp_path):
     report = json.loads((run_dir / "oom-report.json").read_text())
     assert report["step"] == 2 and report["phase"] == "forward"
     assert report["micro_batch_size"] == 1 and report["strategy"] == "single"
-    assert report["activation_checkpointing"] == "full" and report["num_backoffs"] == 3
+    # micro-batch 2 -> 1, chunked loss, activation offload, selective, full
+    assert report["activation_checkpointing"] == "full" and report["num_backoffs"] == 5
+    assert report["chunked_loss"] and report["offload_activations"]
     assert "Traceback" not in r.stderr
 
 

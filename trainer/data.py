@@ -386,12 +386,12 @@ def docs_fingerprint(docs: Documents) -> str:
 def train_data_fingerprint(cfg: JobConfig) -> str:
     """`docs_fingerprint` of data.path, in this process (from the tokenised cache when there)."""
     data = cfg.data
-    cache_dir = _cache_dir(data)
+    cache_dir = data_cache_dir(data)
     docs = tokenize_source(data.path, "data.path", data, build_tokenizer(cfg.model), cache_dir)
     return docs_fingerprint(docs)
 
 
-def _cache_dir(data: DataConfig) -> Path:
+def data_cache_dir(data: DataConfig) -> Path:
     return Path(data.cache_dir or Path.home() / ".cache" / "oomless" / "data").expanduser()
 
 
@@ -403,7 +403,9 @@ def tokenize_all(cfg: JobConfig, tokenizer: Any) -> tuple[Documents, Documents |
     sources = [("data.path", data.path)] + (
         [("data.eval_path", data.eval_path)] if data.eval_path else []
     )
-    docs = {key: tokenize_source(p, key, data, tokenizer, _cache_dir(data)) for key, p in sources}
+    docs = {
+        key: tokenize_source(p, key, data, tokenizer, data_cache_dir(data)) for key, p in sources
+    }
     return docs["data.path"], docs.get("data.eval_path")
 
 

@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
+from trainer.chunked_loss import IGNORE_INDEX, chunked_head
+
+__all__ = ["IGNORE_INDEX", "compute_loss", "loss_sum_of", "next_token_loss_sum", "shifted_targets"]
 
 
 def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -15,8 +17,24 @@ def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torc
     Labels are aligned with input_ids (not shifted); position t predicts labels[t + 1].
     """
     labels = batch["labels"]
-    logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
-    return next_token_loss_sum(logits, labels), int((labels[:, 1:] != IGNORE_INDEX).sum())
+    return loss_sum_of(model, batch), int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def loss_sum_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The summed loss of one micro-batch: from the whole logits tensor, or chunk by chunk
+    inside the output layer when chunked loss is on (`trainer.chunked_loss`)."""
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids")}
+    head = chunked_head(model)
+    if head is None:
+        return next_token_loss_sum(model(**inputs).logits, batch["labels"])
+    with head.loss_targets(shifted_targets(batch["labels"])):
+        carrier = model(**inputs).logits
+    return head.take_loss(carrier)
+
+
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """What each position predicts: the next label (the last position predicts nothing)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -27,10 +45,9 @@ def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     slice. 16-bit logits are upcast to fp32 for the loss, as HF does: the estimator counts that
     copy.
     """
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     return F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)),
-        targets.reshape(-1),
+        shifted_targets(labels).reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
