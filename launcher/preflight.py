@@ -1,9 +1,10 @@
 """Checks before anything is written into run.dir or launched: bad input exits 2 in one line.
 
 - `check_run_dir`: run.dir is a directory (or can become one) that this user can write.
-- `check_data`: every row of the local data reads and has its fields (torch-free, so a broken
-  file answers as fast as it is read), then the data is tokenised once into the cache, so a
-  problem only the tokenizer sees stops here too and the ranks start on a warm cache.
+- `check_rows`: every row of the local data reads and has its fields (torch-free, so a broken
+  file answers as fast as it is read; it runs before the plan).
+- `tokenize_data`: the data tokenised once into the cache, so a problem only the tokenizer sees
+  stops here too and the ranks start on a warm cache.
 """
 
 from __future__ import annotations
@@ -52,23 +53,23 @@ def ensure_run_dir(path: str | Path) -> None:
         ) from None
 
 
-def check_data(cfg: JobConfig, tokenize: bool = True) -> None:
-    """Read and check every row, then tokenise the data into the cache (see the module doc).
+def check_rows(cfg: JobConfig) -> None:
+    """Read every row of the local data and check its fields (torch-free: a broken file answers
+    as fast as it is read)."""
+    from trainer.rows import check_rows as check_data_rows
 
-    `tokenize=False` where this process is one of several tasks (srun): they would all write the
-    same cache at once, so the engine's rank 0 tokenises and the others wait for it."""
-    from trainer.rows import check_rows
+    check_data_rows(cfg.data)
 
-    start = time.perf_counter()
-    check_rows(cfg.data)
-    if not tokenize:
-        return
+
+def tokenize_data(cfg: JobConfig) -> None:
+    """Tokenise the data into the cache the ranks read (what only the tokenizer sees stops here)."""
     from trainer.data import build_tokenizer, split_eval, tokenize_all
 
+    start = time.perf_counter()
     tokenizer = build_tokenizer(cfg.model)
     train_docs, eval_docs = split_eval(cfg, *tokenize_all(cfg, tokenizer))
     log.info(
-        "data checked and tokenised in %.1f s: %d training documents%s",
+        "data tokenised in %.1f s: %d training documents%s",
         time.perf_counter() - start,
         train_docs.num_docs,
         f", {eval_docs.num_docs} eval documents" if eval_docs is not None else "",

@@ -28,7 +28,7 @@ from pathlib import Path
 from string import Template
 
 from launcher.plan import NoFitError
-from launcher.preflight import check_data, check_run_dir, ensure_run_dir
+from launcher.preflight import check_rows, check_run_dir, ensure_run_dir, tokenize_data
 from launcher.slurm_nodes import PartitionNodes, SlurmRequest, read_partition, size_request
 from trainer.config import ConfigError, JobConfig, write_config
 from trainer.contract import CONFIG_FILE, PLAN_FILE
@@ -182,6 +182,7 @@ def submit_command(cfg: JobConfig, dry_run: bool) -> int:
     run_dir = Path(cfg.run.dir)
     if not dry_run:
         check_run_dir(run_dir)
+        check_rows(cfg)  # torch-free, before the plan: a broken file answers at once
     resolved, plan_json = resolve_plan(cfg)
     _refuse_line_breaks(resolved, run_dir, sys.executable)
     request = _request_for_partition(resolved, plan_json, dry_run)
@@ -195,7 +196,7 @@ def submit_command(cfg: JobConfig, dry_run: bool) -> int:
 
     check_run_lock(run_dir)  # a live job's config, plan and script stay as they are
     check_resume(resolved)  # before anything is written into run.dir
-    check_data(resolved)  # bad data stops here, not in the queue
+    tokenize_data(resolved)  # what only the tokenizer sees stops here, not in the queue
     ensure_run_dir(run_dir)
     write_config(resolved, run_dir)
     _write_json(run_dir / PLAN_FILE, plan_json)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.plan import NoFitError
-from launcher.preflight import check_data, check_run_dir, ensure_run_dir
+from launcher.preflight import check_rows, check_run_dir, ensure_run_dir, tokenize_data
 from trainer import strategies
 from trainer.config import ConfigError, JobConfig, write_config
 from trainer.contract import (
@@ -54,6 +54,7 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
 
         check_run_dir(run_dir)
         check_run_lock(run_dir)  # a live run's files stay as they are; it is taken after checks
+        check_rows(cfg)  # torch-free: a broken data file answers before anything imports torch
     failed: list[str] = []
     memory_scale = 1.0
     attempt = 0
@@ -68,7 +69,8 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
             print(" ".join(argv))
             return 0
         if attempt == 0:  # bad input stops here, before anything is written or launched
-            check_data(resolved, tokenize=not _under_launcher())  # srun tasks: rank 0 tokenises
+            if not _under_launcher():  # srun tasks would write one cache at once: rank 0 does
+                tokenize_data(resolved)
             ensure_run_dir(run_dir)
             from trainer.run_lock import acquire_run_lock
 
