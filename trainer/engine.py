@@ -62,7 +62,7 @@ from trainer.oom import (
 from trainer.profile import ProfileWindow
 from trainer.schedule import lr_at
 from trainer.signals import StopSignals
-from trainer.slurm_requeue import requeue_if_preempted
+from trainer.slurm_requeue import after_stop
 from trainer.step import train_step
 from trainer.strategies import AC_LEVELS
 from trainer.trackers import Trackers
@@ -231,9 +231,9 @@ def _train(run: _Run) -> int:
         if stopping:
             checkpointer.finish()
             log.warning("stopped by %s after step %d; checkpoint written", stop.name, step + 1)
-            if ctx.rank == 0:  # preempted under Slurm (SIGUSR1): back in the queue, resumes there
-                requeue_if_preempted(stop.signum, ctx.rank)
-            return _ended(EXIT_SIGNAL, trackers, window)
+            # preempted under Slurm (SIGUSR1): back in the queue, resumes there
+            code = after_stop(stop.signum, ctx.rank, step + 1, run.run_dir, EXIT_SIGNAL)
+            return _ended(code, trackers, window)
     checkpointer.finish()
     return _ended(0, trackers, window)
 

@@ -262,7 +262,7 @@ class DeepSpeedBackend:
                     param_state["step"] = (
                         torch.full_like(old, num_steps) if torch.is_tensor(old) else num_steps
                     )
-            _replay_cpu_adam_steps(self.optimizer, num_steps)
+            _replay_cpu_adam_steps(self.optimizer.optimizer, num_steps)  # the base optimizer
 
     def _from_owner(
         self, value: torch.Tensor | None, shape: tuple[int, ...], owner: int
