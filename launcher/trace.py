@@ -28,7 +28,7 @@ from trainer.backends import OptimizerSpec
 from trainer.backends.common import COMPUTE_DTYPES, build_adamw
 from trainer.backends.fsdp import apply_fsdp, gradient_sync
 from trainer.config import ModelConfig
-from trainer.loss import next_token_loss_sum
+from trainer.loss import compute_loss
 from trainer.model import HFModelFactory, apply_activation_checkpointing
 from trainer.phases import OPTIMIZER, STEP, phase_markers
 
@@ -159,10 +159,8 @@ def _init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 def loss_sum_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The tensor part of `trainer.loss.compute_loss` (its token count is a data-dependent
-    `int()`, which fake tensors cannot answer)."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
-    return next_token_loss_sum(logits, batch["labels"])
+    """The engine's own loss (`trainer.loss.compute_loss`)."""
+    return compute_loss(model, batch)
 
 
 def _autocast(precision: str):

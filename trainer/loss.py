@@ -9,14 +9,14 @@ from torch import nn
 IGNORE_INDEX = -100
 
 
-def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """(sum of token losses, number of target tokens) for one micro-batch.
+def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The sum of token losses of one micro-batch (the step counts the target tokens once, for
+    the whole global batch, before any forward: no host sync here).
 
     Labels are aligned with input_ids (not shifted); position t predicts labels[t + 1].
     """
-    labels = batch["labels"]
     logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
-    return next_token_loss_sum(logits, labels), int((labels[:, 1:] != IGNORE_INDEX).sum())
+    return next_token_loss_sum(logits, batch["labels"])
 
 
 def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
