@@ -29,7 +29,7 @@ from trainer.backends.common import COMPUTE_DTYPES, build_adamw
 from trainer.backends.fsdp import apply_fsdp, gradient_sync
 from trainer.config import ModelConfig
 from trainer.levers import MemoryLevers
-from trainer.loss import loss_sum_of  # compute_loss's tensors (its token count is an int())
+from trainer.loss import compute_loss
 from trainer.model import HFModelFactory, apply_activation_checkpointing
 from trainer.phases import OPTIMIZER, STEP, phase_markers
 
@@ -115,7 +115,7 @@ def trace_step(
                 )
                 with sync:
                     with compute():
-                        loss_sum = loss_sum_of(model, batch)
+                        loss_sum = compute_loss(model, batch)
                     (loss_sum / (micro_batch_size * seq_len)).backward()
                     del loss_sum
             mark(OPTIMIZER)
