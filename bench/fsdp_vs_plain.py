@@ -54,7 +54,7 @@ def build_plain_fsdp(model_name: str, precision: str, device: torch.device):
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
-    return model, build_adamw(model.parameters(), OPTIM, device)  # the engine's AdamW
+    return model, build_adamw(model.parameters(), OPTIM)  # the engine's AdamW
 
 
 def plain_step(model, opt, batches, device: torch.device) -> None:

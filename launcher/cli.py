@@ -11,7 +11,7 @@ import sys
 
 from launcher.plan import NoFitError
 from trainer.config import ConfigError, dump_config, load_config
-from trainer.contract import EXIT_NO_FIT, EXIT_OK, EXIT_SIGNAL, EXIT_USAGE
+from trainer.contract import EXIT_INTERRUPTED, EXIT_NO_FIT, EXIT_OK, EXIT_USAGE
 from trainer.logs import setup_logging
 
 
@@ -45,6 +45,14 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("export", help="checkpoint -> HF model dir")
     sp.add_argument("checkpoint")
     sp.add_argument("out_dir")
+    sp.add_argument(
+        "--overwrite", action="store_true", help="replace the contents of a non-empty OUT_DIR"
+    )
+    sp.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let the model's own Python code run (never taken from the checkpoint)",
+    )
     sp = sub.add_parser("report", help="plots of a run (loss curves, memory breakdown)")
     sp.add_argument("run_dir")
     return p
@@ -52,9 +60,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
-        from trainer.checkpoint import export_command
+        from trainer.export import export_command
 
-        return export_command(args.checkpoint, args.out_dir)
+        return export_command(args.checkpoint, args.out_dir, args.overwrite, args.trust_remote_code)
     if args.command == "report":
         from launcher.report import report_command
 
@@ -93,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     except NoFitError as err:
         print(f"oomless: {err}", file=sys.stderr)
         return EXIT_NO_FIT
-    except KeyboardInterrupt:
-        return EXIT_SIGNAL
+    except KeyboardInterrupt:  # before the engine runs: nothing to checkpoint (143 promises one)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # output piped into `head` and friends
         sys.stderr.close()
         return EXIT_OK

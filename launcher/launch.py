@@ -68,12 +68,17 @@ def build_torchrun_command(
 def run_command(argv: list[str], env: dict[str, str]) -> int:
     """Run argv in its own session, forward stop signals to it, return its exit code.
 
+    The child gets SIGTERM when this process dies (PR_SET_PDEATHSIG), even by SIGKILL.
     torchrun turns SIGTERM/SIGINT into a stop of its workers (which checkpoint and exit 143);
     SIGUSR1, which torchrun does not handle, is forwarded as SIGTERM. A run stopped that way
     returns 143 (INTERFACE.md: stopped by a signal after writing a checkpoint).
     """
+    from trainer.run_lock import die_with_parent
+
     child_env = dict(os.environ, **env)
-    proc = subprocess.Popen(argv, env=child_env, start_new_session=True)
+    # Its own session (a Ctrl-C reaches it once, through us), but it dies with us: a supervisor
+    # killed with SIGKILL sends torchrun SIGTERM, and torchrun stops the workers.
+    proc = subprocess.Popen(argv, env=child_env, start_new_session=True, preexec_fn=die_with_parent)
     stopped = []
 
     def forward(signum: int, frame: object) -> None:

@@ -7,11 +7,17 @@ torchrun with a static rendezvous on the job's first node; `$SLURM_NODEID` is ex
 node. Preemption: `--signal=USR1` reaches the ranks `grace_s` before the end; they checkpoint,
 rank 0 requeues the job (trainer/slurm_requeue.py), and `run.resume: auto` continues from that
 checkpoint. docs/slurm.md has the user's side.
+
+Every value is quoted for the place it lands in: `#SBATCH` lines are split by sbatch itself (blanks
+separate, `"` and `\\` are its quoting), the script body by bash, and the command inside the
+single-quoted `bash -c '...'` by bash twice. A newline or NUL in any value could only start a new
+script line, so it is refused (exit 2).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import shlex
 import shutil
 import subprocess
@@ -19,8 +25,10 @@ import sys
 from pathlib import Path
 from string import Template
 
+from launcher.preflight import check_data, check_run_dir, ensure_run_dir
 from trainer.config import ConfigError, JobConfig, write_config
 from trainer.contract import CONFIG_FILE, PLAN_FILE
+from trainer.files import write_atomic
 from trainer.units import GIB
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "submit.sbatch.tmpl"
@@ -34,12 +42,13 @@ class _SbatchTemplate(Template):
 
 def render_sbatch(cfg: JobConfig, plan_json: dict, run_dir: Path, python: str) -> str:
     """The sbatch script for a resolved config and its plan (INTERFACE.md plan JSON)."""
+    _refuse_line_breaks(cfg, run_dir, python)
     hw = cfg.hardware
     per_node = hw.devices_per_node or 1
     host_bytes = plan_json.get("estimate", {}).get("host", {}).get("total_bytes") or 0
     mem_gib = max(MIN_MEM_BYTES, int(host_bytes * (1 + cfg.memory.headroom))) / GIB
     optional = [
-        f"#SBATCH --{key}={value}"
+        f"#SBATCH --{key}={_sbatch_value(value)}"
         for key, value in (
             ("partition", cfg.slurm.partition),
             ("account", cfg.slurm.account),
@@ -55,40 +64,76 @@ def render_sbatch(cfg: JobConfig, plan_json: dict, run_dir: Path, python: str) -
     ]
     return _SbatchTemplate(TEMPLATE.read_text()).substitute(
         SCRIPT=shlex.quote(str(run_dir / "submit.sbatch")),
-        JOB_NAME=Path(cfg.run.dir).name or "oomless",
+        JOB_NAME=_sbatch_value(Path(cfg.run.dir).name or "oomless"),
         NODES=hw.nodes,
         CPUS_PER_TASK=CPUS_PER_RANK * per_node,
         MEM=f"{math.ceil(mem_gib)}G",
         TIME=cfg.slurm.time,
-        RUN_DIR=str(run_dir),
+        OUTPUT=_sbatch_value(str(run_dir).replace("%", "%%") + "/slurm-%j.out"),
+        RUN_DIR=shlex.quote(str(run_dir)),
         GRACE_S=cfg.slurm.grace_s,
         OPTIONAL_SBATCH="\n".join(optional),
         SETUP="\n".join(cfg.slurm.setup),
-        PYTHON=shlex.quote(python),
+        PYTHON=_in_single_quotes(shlex.quote(python)),
         PROCS_PER_NODE=per_node,
         MAX_RESTARTS=cfg.dist.max_restarts,
-        CONFIG=shlex.quote(str(run_dir / CONFIG_FILE)),
+        CONFIG=_in_single_quotes(shlex.quote(str(run_dir / CONFIG_FILE))),
     )
+
+
+_SBATCH_PLAIN = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
+
+
+def _sbatch_value(value: str) -> str:
+    """VALUE for an `#SBATCH --opt=VALUE` line, as sbatch reads it back (one argument)."""
+    if _SBATCH_PLAIN.match(value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _in_single_quotes(shell_word: str) -> str:
+    """A shell word placed inside a single-quoted string: each `'` closes, escapes and reopens."""
+    return shell_word.replace("'", "'\\''")
+
+
+def _refuse_line_breaks(cfg: JobConfig, run_dir: Path, python: str) -> None:
+    values = {f"slurm.{k}": v for k, v in cfg.slurm.model_dump().items()}
+    values.update({"run.dir": str(run_dir), "python": python})
+    for key, value in values.items():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str) and ("\n" in item or "\r" in item or "\0" in item):
+                raise ConfigError(
+                    key,
+                    f"{item!r} holds a line break or NUL, which would become a script line",
+                    "give one line per list item (slurm.setup and slurm.extra are lists)",
+                )
 
 
 def submit_command(cfg: JobConfig, dry_run: bool) -> int:
     """`oomless submit`: plan, write run dir + submit.sbatch, sbatch it, print the job id."""
-    from launcher.supervisor import _abs, _write_json, resolve_plan
+    from launcher.supervisor import _abs, _write_json, check_resume, resolve_plan
 
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": _abs(cfg.run.dir)})})
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
+    run_dir = Path(cfg.run.dir)
+    if not dry_run:
+        check_run_dir(run_dir)
     resolved, plan_json = resolve_plan(cfg)
-    run_dir = Path(resolved.run.dir)
     script = render_sbatch(resolved, plan_json, run_dir, sys.executable)
     if dry_run:
         sys.stdout.write(script)
         return 0
     if shutil.which("sbatch") is None:
         raise ConfigError("submit", "sbatch is not on PATH", "run on a Slurm login node")
+    from trainer.run_lock import check_run_lock
+
+    check_run_lock(run_dir)  # a live job's config, plan and script stay as they are
+    check_resume(resolved)  # before anything is written into run.dir
+    check_data(resolved)  # bad data stops here, not in the queue
+    ensure_run_dir(run_dir)
     write_config(resolved, run_dir)
     _write_json(run_dir / PLAN_FILE, plan_json)
-    path = run_dir / "submit.sbatch"
-    path.write_text(script)
+    path = write_atomic(run_dir / "submit.sbatch", script)  # 0600: it holds paths and commands
     out = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
     if out.returncode != 0:
         print(f"oomless submit: sbatch failed: {out.stderr.strip()}", file=sys.stderr)

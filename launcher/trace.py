@@ -26,10 +26,11 @@ from torch import nn
 
 from trainer.backends import OptimizerSpec
 from trainer.backends.common import COMPUTE_DTYPES, build_adamw
+from trainer.backends.fsdp import apply_fsdp, gradient_sync
 from trainer.config import ModelConfig
 from trainer.levers import MemoryLevers
 from trainer.loss import loss_sum_of  # compute_loss's tensors (its token count is an int())
-from trainer.model import HFModelFactory, apply_activation_checkpointing, decoder_layers
+from trainer.model import HFModelFactory, apply_activation_checkpointing
 
 TRACEABLE = ("single", "fsdp")
 _SPEC = OptimizerSpec(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, grad_clip=1.0)
@@ -80,7 +81,7 @@ def trace_step(
     with contextlib.ExitStack() as stack:
         if strategy == "fsdp":
             stack.enter_context(_fake_process_group(world_size))
-            _apply_fsdp(model, precision, reshard_after_forward)
+            apply_fsdp(model, precision=precision, reshard_after_forward=reshard_after_forward)
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         model.to_empty(device=device)
         if strategy == "single" and hasattr(model, "tie_weights"):
@@ -93,7 +94,7 @@ def trace_step(
             loss_chunk_tokens,
             offload_host=torch.device("meta"),  # host copies: not counted as the device's
         )
-        optimizer = build_adamw(model.parameters(), _SPEC, torch.device("cuda"))
+        optimizer = build_adamw(model.parameters(), _SPEC)
         batch = _batch(hf_config["vocab_size"], micro_batch_size, seq_len)
         compute = _autocast(precision) if strategy == "single" else contextlib.nullcontext
 
@@ -102,7 +103,10 @@ def trace_step(
                 if tracker is not None:
                     tracker.reset_mod_stats()  # its per-module stats allow one call per module
                 last = reduce_every_micro_batch or i == grad_accum - 1
-                with _no_sync(model, strategy, last=last):
+                sync = (
+                    contextlib.nullcontext() if strategy != "fsdp" else gradient_sync(model, last)
+                )
+                with sync:
                     with compute():
                         loss_sum = loss_sum_of(model, batch)
                     (loss_sum / (micro_batch_size * seq_len)).backward()
@@ -138,19 +142,6 @@ def _init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     optimizer.zero_grad(set_to_none=True)
 
 
-@contextlib.contextmanager
-def _no_sync(model: nn.Module, strategy: str, last: bool):
-    """As trainer/backends/fsdp.py's no_sync: no reduce-scatter before the last micro-batch."""
-    if strategy != "fsdp" or last:
-        yield
-        return
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
 def _autocast(precision: str):
     dtype = COMPUTE_DTYPES.get(precision)
     if dtype is None:
@@ -180,19 +171,6 @@ def _tracker(strategy: str, model: nn.Module, optimizer: torch.optim.Optimizer, 
     tracker = MemTracker()
     tracker.track_external(model, optimizer, *batch.values())
     return tracker
-
-
-def _apply_fsdp(model: nn.Module, precision: str, reshard_after_forward: bool) -> None:
-    """As trainer/backends/fsdp.py: each decoder layer, then the root; bf16 params, fp32 reduce."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    options: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
-    dtype = COMPUTE_DTYPES.get(precision)
-    if dtype is not None:
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for layer in decoder_layers(model):
-        fully_shard(layer, **options)
-    fully_shard(model, **{**options, "reshard_after_forward": False})  # the root stays gathered
 
 
 @contextlib.contextmanager

@@ -14,18 +14,27 @@ REPO = Path(__file__).resolve().parents[1]
 BOTTOM = (
     "trainer.config",
     "trainer.contract",
+    "trainer.files",
     "trainer.gpus",
     "trainer.hf_config",
     "trainer.logs",
+    "trainer.rows",
+    "trainer.run_lock",
     "trainer.strategies",
     "trainer.units",
 )
 # The few places where the launcher runs engine code, and why.
 LAUNCHER_RUNS_ENGINE = {
-    ("launcher.cli", "trainer.checkpoint"),  # oomless export
+    ("launcher.cli", "trainer.export"),  # oomless export
     ("launcher.model_shape", "trainer.model"),  # the decoder layers of a meta-device model
     ("launcher.plan_report", "trainer.backends.deepspeed_config"),  # --emit deepspeed
+    ("launcher.supervisor", "trainer.checkpoint"),  # resume compatibility, before any write
+    ("launcher.supervisor", "trainer.data"),  # ... and the training data's fingerprint
     ("launcher.supervisor", "trainer.engine"),  # the in-process run
+    # a resume's compatibility (the checkpoint's config and data fingerprint), before launch
+    ("launcher.supervisor", "trainer.checkpoint"),
+    ("launcher.supervisor", "trainer.data"),
+    ("launcher.preflight", "trainer.data"),  # the data tokenised once, before launch
     ("launcher.trace", "trainer.backends"),  # the traced step runs the backends' own code
     ("launcher.trace", "trainer.backends.common"),
     ("launcher.trace", "trainer.backends.fsdp"),
@@ -77,3 +86,40 @@ def test_the_bottom_layer_and_planning_import_no_torch():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_a_rung_is_one_row_and_one_backend(monkeypatch, capsys):
+    """A row added to the table (no other module edited) is a strategy the config accepts, a rung
+    `oomless plan` weighs and explains, and a backend the registry builds."""
+    from launcher.cli import main
+    from trainer import strategies
+    from trainer.backends import build_backend
+    from trainer.config import load_config
+
+    wide = strategies.Strategy(
+        "fsdp_wide", "fsdp", "tests.fake_rung:EchoBackend", "a test rung", min_world=64
+    )
+    twin = strategies.Strategy(
+        "fsdp_twin", "fsdp", "tests.fake_rung:EchoBackend", "another test rung",
+        grad_comm=4.0, param_comm_per_micro=2.0,
+    )  # fmt: skip
+    monkeypatch.setattr(strategies, "TABLE", [*strategies.TABLE, wide, twin])
+    monkeypatch.chdir(REPO)
+    preset = ["configs/models/llama-3.1-8b.yaml", "hardware.devices_per_node=8"]
+    preset += ["hardware.device=cuda", "hardware.device_memory=80GiB", "hardware.host_memory=1TiB"]
+
+    assert main(["plan", *preset]) == 0
+    rungs = capsys.readouterr().out.split("rungs:")[1]
+    assert "fsdp_wide              no     needs 64+ ranks, has 8" in rungs
+    twin_line = next(line for line in rungs.splitlines() if "fsdp_twin" in line)
+    assert "fits" in twin_line and "step time" in twin_line
+
+    assert main(["plan", *preset, "strategy=fsdp_twin", "--json"]) == 0
+    assert '"strategy": "fsdp_twin"' in capsys.readouterr().out
+    cfg = load_config(preset[0], [*preset[1:], "strategy=fsdp_twin"])
+    backend = build_backend(cfg.strategy, ctx=None)
+    assert type(backend).__name__ == "EchoBackend" and backend.name == "fsdp_twin"
+
+    monkeypatch.setattr(strategies, "TABLE", strategies.TABLE[:-2])
+    assert main(["plan", *preset, "strategy=fsdp_twin"]) == 2
+    assert "'fsdp_twin' is not a strategy" in capsys.readouterr().err

@@ -8,19 +8,32 @@ from pathlib import Path
 
 from trainer.config import ConfigError, load_config
 from trainer.contract import CONFIG_ERROR_FILE
+from trainer.run_lock import acquire_run_lock, die_with_parent, exit_if_orphaned
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m trainer RESOLVED_CONFIG", file=sys.stderr)
         return 2
+    # A rank dies with its parent (torchrun, or srun's task): never trains on as an orphan.
+    parent = os.getppid()
+    die_with_parent()
+    exit_if_orphaned(parent)
     cfg = None
     try:
         cfg = load_config(argv[0])
+        # Global rank 0 holds run.dir for the run (a Slurm job, a torchrun started by hand);
+        # under `oomless train` the supervisor's lock is recognised and kept by the supervisor.
+        lock = acquire_run_lock(cfg.run.dir) if os.environ.get("RANK", "0") == "0" else None
         from trainer.dist import exit_without_teardown
         from trainer.engine import run_training
 
-        exit_without_teardown(run_training(cfg))
+        try:
+            code = run_training(cfg)
+        finally:
+            if lock is not None:
+                lock.release()
+        exit_without_teardown(code)
     except ConfigError as err:  # bad data rows, an unreachable model: one line, exit 2
         print(err, file=sys.stderr)
         if cfg is not None:

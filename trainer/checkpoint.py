@@ -30,11 +30,24 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-import yaml
 from safetensors.torch import load_file, save_file
 
-from trainer.config import ConfigError, JobConfig, ModelConfig, semantic_hash, write_config
-from trainer.dist import all_reduce_max, barrier, is_distributed
+from trainer.config import (
+    ConfigError,
+    JobConfig,
+    read_yaml,
+    resume_differences,
+    semantic_hash,
+    write_config,
+)
+from trainer.dist import (
+    after_rank0,
+    all_reduce_max,
+    barrier,
+    is_distributed,
+    slow_down,
+    wait_for_future,
+)
 
 log = logging.getLogger(__name__)
 
@@ -196,9 +209,17 @@ class Checkpointer:
     state, rename, `latest`) at the next `save` or at `finish`.
     """
 
-    def __init__(self, run_dir: Path, cfg: JobConfig, tokenizer: Any, rank: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: JobConfig,
+        tokenizer: Any,
+        rank: int,
+        data_fingerprint: str | None = None,
+    ):
         self.root = checkpoints_dir(run_dir)
         self.cfg = cfg
+        self.data_fingerprint = data_fingerprint
         self.tokenizer = tokenizer
         self.rank = rank
         self._pending: tuple[Any, int, Path, dict[str, Any]] | None = None
@@ -232,7 +253,9 @@ class Checkpointer:
             return
         future, step, tmp, trainer_state = self._pending
         self._pending = None
-        future.result()
+        wait_for_future(
+            future, f"the background write of checkpoint step_{step}", self.cfg.dist.timeout_s
+        )
         self._complete(step, tmp, trainer_state)
 
     def _complete(self, step: int, tmp: Path, trainer_state: dict[str, Any]) -> Path:
@@ -240,7 +263,9 @@ class Checkpointer:
         final = self.root / f"step_{step}"
         crash("shards and rng written")
         barrier()
-        if self.rank == 0:
+
+        def complete_on_rank0() -> None:  # the others wait on it, not on dist.timeout_s
+            slow_down(cfg, "checkpoint_s")
             write_config(cfg, tmp)
             crash("config written")
             if self.tokenizer is not None:
@@ -248,6 +273,8 @@ class Checkpointer:
                 crash("tokenizer written")
             _fsync_tree(tmp, lambda name: crash(f"fsync {name}"))
             state = dict(trainer_state, step=step, config_hash=semantic_hash(cfg))
+            if self.data_fingerprint is not None:
+                state["data_fingerprint"] = self.data_fingerprint
             _write_json_durably(tmp / STATE_FILE, state)
             crash("trainer state written")
             if final.exists():
@@ -258,7 +285,10 @@ class Checkpointer:
             _write_latest(self.root, final.name, crash)
             _prune(self.root, cfg.run.keep_checkpoints)
             crash("pruned")
-        barrier()
+
+        after_rank0(
+            f"writing checkpoint {final.name}", complete_on_rank0, clock_s=cfg.dist.timeout_s
+        )
         return final
 
 
@@ -275,20 +305,52 @@ def save_checkpoint(
     return Checkpointer(run_dir, cfg, tokenizer, rank).save(step, backend_state, trainer_state)
 
 
-def load_checkpoint(path: Path, template: dict[str, Any], cfg: JobConfig) -> dict[str, Any]:
-    """Fill the backend's template from a checkpoint; returns the trainer state.
-
-    Refuses a checkpoint whose training semantics (model, data, optimizer, schedule, batch,
-    precision, seed) differ from the config's; strategy, world size and micro-batch may change.
-    """
+def check_resumable(
+    path: Path,
+    cfg: JobConfig,
+    data_fingerprint: str | Callable[[], str] | None = None,
+    announce: bool = False,
+) -> dict[str, Any]:
+    """The checkpoint's trainer state, or a ConfigError when resuming it with `cfg` would change
+    what is learned: a MATH_KEYS value (each named with both values) or the training data's
+    content (`data_fingerprint`, a callable is only called when the checkpoint holds one).
+    Other changes are allowed; with `announce` they are logged."""
     state = json.loads((path / STATE_FILE).read_text())
-    if state["config_hash"] != semantic_hash(cfg):
+    saved = (
+        read_yaml((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else {}
+    )
+    math, other = resume_differences(saved or {}, cfg)
+    fix = "resume with the values it was trained with, or set run.resume=never (or a new run.dir)"
+    if math:
         raise ConfigError(
             "run.resume",
-            f"checkpoint {path} was written by a run with different training settings",
-            "resume with the original model/data/train/precision keys, or set run.resume=never "
-            "(or a new run.dir)",
+            f"checkpoint {path} was trained with different settings ({'; '.join(math)})",
+            fix,
         )
+    saved_fingerprint = state.get("data_fingerprint")
+    if saved_fingerprint is not None and data_fingerprint is not None:
+        now = data_fingerprint() if callable(data_fingerprint) else data_fingerprint
+        if now != saved_fingerprint:
+            raise ConfigError(
+                "run.resume",
+                f"checkpoint {path} was trained on other data: the tokenised content of "
+                f"data.path changed (fingerprint {saved_fingerprint} -> {now})",
+                fix,
+            )
+    if other and announce:
+        log.info("resuming %s with changed settings that keep the math: %s", path, "; ".join(other))
+    return state
+
+
+def load_checkpoint(
+    path: Path, template: dict[str, Any], cfg: JobConfig, data_fingerprint: str | None = None
+) -> dict[str, Any]:
+    """Fill the backend's template from a checkpoint; returns the trainer state.
+
+    Refuses a checkpoint trained with other math (`check_resumable`); strategy, world size,
+    micro-batch and the other keys outside MATH_KEYS may change.
+    """
+    state = check_resumable(path, cfg, data_fingerprint)
     stored = set(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
     flat = flatten_state(template)
     missing = sorted(k for k in flat if k.startswith("model/") and k not in stored)
@@ -382,6 +444,7 @@ def _write_latest(root: Path, name: str, after_each: Callable[[str], None]) -> N
     with tmp.open("rb") as f:
         os.fsync(f.fileno())
     tmp.replace(root / "latest")
+    _fsync_dir(root)
     after_each("latest replaced")
 
 
@@ -398,34 +461,6 @@ def _prune(root: Path, keep: int) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Export
-
-
-def export_command(checkpoint: str, out_dir: str) -> int:
-    """`oomless export CHECKPOINT OUT`: an HF model directory from any strategy's checkpoint."""
-    from trainer.export import save_hf_model
-    from trainer.model import load_hf_config
-
-    path = Path(checkpoint)
-    if path.is_dir() and (path / "checkpoints").is_dir():
-        path = find_latest(path) or path
-    if not is_complete(path):
-        raise ConfigError(
-            "CHECKPOINT", f"'{checkpoint}' is not a complete checkpoint", "give checkpoints/step_N"
-        )
-    model_cfg = ModelConfig.model_validate(
-        yaml.safe_load((path / "config.yaml").read_text())["model"]
-    )
-    weights = read_full_weights(path)
-    tokenizer = None
-    if (path / "tokenizer").is_dir():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
-    out = save_hf_model(
-        load_hf_config(model_cfg), weights, out_dir, tokenizer, model_cfg.trust_remote_code
-    )
-    print(f"wrote {out} ({len(weights)} tensors) from {path}")
-    return 0
 
 
 def read_full_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -99,6 +99,8 @@ class DataConfig(_Section):
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     messages_field: str = "messages"
+    # .txt files: a file is one document | blocks between blank lines | every non-blank line
+    text_unit: Literal["document", "paragraph", "line"] = "document"
     eval_path: str | None = None
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     pack: bool = True
@@ -182,7 +184,7 @@ class InjectOomConfig(_Section):
     step: int = Field(ge=0)
     rank: int | None = Field(None, ge=0)
     times: int = Field(1, ge=0)
-    where: Literal["setup", "forward", "backward", "optimizer"] = "backward"
+    where: Literal["setup", "forward", "backward", "optimizer", "eval"] = "backward"
     strategies: list[str] | None = None
 
     @field_validator("strategies")
@@ -196,8 +198,17 @@ class InjectOomConfig(_Section):
         return v
 
 
+class SlowRank0Config(_Section):
+    """Seconds added to rank 0's serial work (tests of the waiting ranks)."""
+
+    tokenize_s: float = Field(0.0, ge=0)
+    checkpoint_s: float = Field(0.0, ge=0)
+    final_save_s: float = Field(0.0, ge=0)
+
+
 class DebugConfig(_Section):
     inject_oom: InjectOomConfig | None = None
+    slow_rank0: SlowRank0Config | None = None
     crash_in_save: int | None = Field(None, ge=1)  # SIGKILL at the N-th point inside saves
     # cap the CUDA allocator at this fraction of each device (emulates a smaller card, so an
     # out-of-memory and the escalation after it are real; bench/gpu_validate.sh); inert on CPU
@@ -294,29 +305,90 @@ class JobConfig(_Section):
         return self.model_dump(mode="json")
 
 
-# Keys whose value changes what is learned: a checkpoint refuses to resume when they differ.
-# Strategy, world size, micro-batch, checkpointing and run bookkeeping may change freely.
-_SEMANTIC_KEYS = ("model", "data", "precision")
-_SEMANTIC_TRAIN_KEYS = (
-    "global_batch_size",
-    "lr",
-    "min_lr_ratio",
-    "schedule",
-    "warmup_steps",
-    "weight_decay",
-    "betas",
-    "eps",
-    "grad_clip",
-    "seed",
-    "steps",
+# What a resume may change. MATH_KEYS decide what is learned: a checkpoint refuses to resume
+# when one of them differs (the message names each key and its two values), and so does a change
+# of the training data's content (the tokenised data's fingerprint, trainer/data.py). Every other
+# key may change and the change is logged: train.steps (extending a finished run; the schedule
+# is then computed over the new total), strategy, world size, micro-batch, checkpointing,
+# data.cache_dir, data.on_bad_row (a skipped row changes the data's fingerprint),
+# model.attn_implementation, model.tokenizer's path (its tokens are in the fingerprint), eval and
+# logging settings, run bookkeeping.
+MATH_KEYS = (
+    "model.name_or_path",
+    "model.config",
+    "model.revision",
+    "data.path",
+    "data.format",
+    "data.seq_len",
+    "data.text_field",
+    "data.prompt_field",
+    "data.completion_field",
+    "data.messages_field",
+    "data.eval_fraction",
+    "data.pack",
+    "data.append_eos",
+    "precision",
+    "train.global_batch_size",
+    "train.lr",
+    "train.min_lr_ratio",
+    "train.schedule",
+    "train.warmup_steps",
+    "train.weight_decay",
+    "train.betas",
+    "train.eps",
+    "train.grad_clip",
+    "train.seed",
 )
+_ABSENT = object()
+
+
+def _get_dotted(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _ABSENT
+        tree = tree[part]
+    return tree
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict) or prefix in MATH_KEYS:
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def resume_differences(saved: dict[str, Any], cfg: JobConfig) -> tuple[list[str], list[str]]:
+    """(math keys that differ, other keys that differ) between a checkpoint's saved config tree
+    and `cfg`, each as 'key: old -> new'. Keys the saved tree lacks (an older version) are
+    skipped."""
+    new = json.loads(json.dumps(cfg.to_dict()))
+
+    def show(key: str, old: Any, value: Any) -> str:
+        return f"{key}: {json.dumps(old, default=str)} -> {json.dumps(value, default=str)}"
+
+    math = []
+    for key in MATH_KEYS:
+        old, value = _get_dotted(saved, key), _get_dotted(new, key)
+        if old is not _ABSENT and old != value:
+            math.append(show(key, old, value))
+    old_leaves, new_leaves = _leaves(saved), _leaves(new)
+    other = [
+        show(key, old_leaves[key], value)
+        for key, value in new_leaves.items()
+        if key not in MATH_KEYS
+        and key != "run.resume"
+        and key in old_leaves
+        and old_leaves[key] != value
+    ]
+    return math, other
 
 
 def semantic_hash(cfg: JobConfig) -> str:
-    """Hash of what determines the learned result (not where bytes live)."""
+    """Hash of what determines the learned result (MATH_KEYS; not where bytes live)."""
     d = cfg.to_dict()
-    picked = {k: d[k] for k in _SEMANTIC_KEYS}
-    picked["train"] = {k: d["train"][k] for k in _SEMANTIC_TRAIN_KEYS}
+    picked = {key: _get_dotted(d, key) for key in MATH_KEYS}
     blob = json.dumps(picked, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -408,6 +480,7 @@ def build_config(tree: dict[str, Any]) -> JobConfig:
         cfg = JobConfig.model_validate(tree)
     except ValidationError as err:
         raise _explain(err) from None
+    _check_no_secrets(cfg.to_dict())
     _check_across_sections(cfg)
     _check_paths(cfg)
     _check_positions(cfg)
@@ -416,7 +489,11 @@ def build_config(tree: dict[str, Any]) -> JobConfig:
 
 def _check_paths(cfg: JobConfig) -> None:
     def looks_local(p: str) -> bool:
-        return p.startswith(("/", "./", "../", "~")) or Path(p).suffix != ""
+        return (
+            p.startswith(("/", "./", "../", "~"))
+            or Path(p).suffix != ""
+            or _has_local_parent(Path(p))
+        )
 
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
         if value and looks_local(value) and not Path(value).expanduser().exists():
@@ -520,33 +597,92 @@ def _resolve_relative(tree: dict[str, Any], base: Path) -> None:
             tree[section][key] = str(Path(value).resolve())
         elif (base / value).exists():
             tree[section][key] = str((base / value).resolve())
+        elif not _has_local_parent(Path(value)) and _has_local_parent(base / value, base):
+            # `data/train` beside the job file, missing: a local path, named in full in the error
+            tree[section][key] = str((base / value).resolve())
 
 
-_SECRET_RE = re.compile(
-    r"^((hf|hub|auth|access|api)_)?token$|secret|password|api_?key", re.IGNORECASE
+def _has_local_parent(path: Path, base: Path | None = None) -> bool:
+    """`data/train` whose `data/` exists here: meant as a local path, not a hub id."""
+    parent = path.parent
+    return parent != (base or Path(".")) and parent != Path(".") and parent.is_dir()
+
+
+# Secrets come from the environment only (docs/config.md names the variables): a config value
+# that holds one is refused, so that no run file, checkpoint, sbatch script or log line carries
+# it, and the workers read exactly the config that was validated (nothing is redacted).
+SECRET_ENV_VARS = ("HF_TOKEN", "WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN")
+_SECRET_KEY_RE = re.compile(
+    r"^((hf|hub|auth|access|api)_)?token$|secret|password|passwd|api_?key", re.IGNORECASE
+)
+_TOKEN_VALUE_RES = (
+    (re.compile(r"\bhf_[A-Za-z0-9]{20,}"), "a Hugging Face token", "HF_TOKEN"),
+    (re.compile(r"\bsk-[A-Za-z0-9_-]{20,}"), "an API key", "the variable its tool reads"),
+    (re.compile(r"\b(gh[pousr]|github_pat)_[A-Za-z0-9_]{20,}"), "a GitHub token", "GH_TOKEN"),
+    (re.compile(r"\bAKIA[0-9A-Z]{16}\b"), "an AWS access key", "AWS_ACCESS_KEY_ID"),
+)
+# NAME=VALUE where NAME says token/key/secret/password and VALUE is a literal (not `$VAR`)
+_ASSIGNED_SECRET_RE = re.compile(
+    r"\b([A-Za-z_]*(?:TOKEN|KEY|SECRET|PASSWORD|PASSWD)[A-Za-z_]*)\s*=\s*"
+    r"['\"]?([^\s'\"$][^\s'\"]{11,})",
+    re.IGNORECASE,
 )
 
 
-def redact(tree: Any) -> Any:
-    """Drop values of keys that look like secrets (never written to run dirs or logs)."""
+def _check_no_secrets(tree: Any, key: str = "") -> None:
+    """ConfigError naming the first config value that holds a secret (never the secret itself)."""
     if isinstance(tree, dict):
-        return {
-            k: ("<redacted>" if _SECRET_RE.search(str(k)) and v else redact(v))
-            for k, v in tree.items()
-        }
-    if isinstance(tree, list):
-        return [redact(v) for v in tree]
-    return tree
+        for k, v in tree.items():
+            child = f"{key}.{k}" if key else str(k)
+            if _SECRET_KEY_RE.search(str(k)) and v not in (None, "", [], {}):
+                raise _secret_error(child, "holds a secret", _env_var_for(child))
+            _check_no_secrets(v, child)
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            _check_no_secrets(v, f"{key}[{i}]")
+    elif isinstance(tree, str):
+        for pattern, what, env in _TOKEN_VALUE_RES:
+            if pattern.search(tree):
+                raise _secret_error(key, f"holds what looks like {what}", env)
+        m = _ASSIGNED_SECRET_RE.search(tree)
+        if m and _looks_random(m.group(2)):
+            raise _secret_error(key, f"sets {m.group(1)} to a literal secret", m.group(1))
+
+
+def _env_var_for(key: str) -> str:
+    for hint, env in (("wandb", "WANDB_API_KEY"), ("mlflow", "MLFLOW_TRACKING_TOKEN")):
+        if hint in key.lower():
+            return env
+    if re.search(r"\b(hf|hub|huggingface)", key.lower()):
+        return "HF_TOKEN"
+    return f"the variable its library reads ({', '.join(SECRET_ENV_VARS)}, ...)"
+
+
+def _looks_random(value: str) -> bool:
+    """Letters and digits mixed, as in keys and tokens (not a path or a word)."""
+    return (
+        any(c.isdigit() for c in value)
+        and any(c.isalpha() for c in value)
+        and "/" not in value
+        and len(set(value)) >= 8
+    )
+
+
+def _secret_error(key: str, problem: str, env: str) -> ConfigError:
+    return ConfigError(
+        key,
+        f"{problem}; config values end up in run files, checkpoints and logs",
+        f"put it in the environment as {env} and remove it from the config "
+        "(docs/config.md#secrets)",
+    )
 
 
 def dump_config(cfg: JobConfig) -> str:
-    return yaml.safe_dump(redact(cfg.to_dict()), sort_keys=False)
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
 def write_config(cfg: JobConfig, run_dir: str | Path) -> Path:
-    out = Path(run_dir) / CONFIG_FILE
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".yaml.tmp")
-    tmp.write_text(dump_config(cfg))
-    tmp.replace(out)
-    return out
+    """run_dir/config.yaml, replaced in one rename after an fsync (0600: it holds paths)."""
+    from trainer.files import write_atomic
+
+    return write_atomic(Path(run_dir) / CONFIG_FILE, dump_config(cfg))

@@ -30,12 +30,13 @@ from trainer.config import JobConfig
 from trainer.contract import EXIT_OOM, EXIT_SIGNAL, FINAL_DIR, PLAN_FILE
 from trainer.data import build_data, build_tokenizer
 from trainer.dist import (
+    after_rank0,
     all_reduce_max,
     all_reduce_sum,
-    barrier,
     env_rank,
     init_distributed,
     resolve_device,
+    slow_down,
 )
 from trainer.evaluate import evaluate
 from trainer.export import save_hf_model
@@ -135,7 +136,7 @@ def _setup(cfg: JobConfig) -> _Run | int:
         model = backend.setup(factory, _optimizer_spec(cfg))
         if resume_from is not None:
             phase = "resume"
-            start_step = _resume(resume_from, backend, cfg, rank)
+            start_step = _resume(resume_from, backend, cfg, rank, data.fingerprint)
     except Exception as err:
         if not is_oom(err):
             raise
@@ -172,7 +173,7 @@ def _train(run: _Run) -> int:
     if ctx.rank == 0:
         metrics.truncate_after(run.start_step)
     stop = StopSignals()
-    checkpointer = Checkpointer(run.run_dir, cfg, run.tokenizer, ctx.rank)
+    checkpointer = Checkpointer(run.run_dir, cfg, run.tokenizer, ctx.rank, run.data.fingerprint)
     peak_flops = _device_peak_flops(ctx.device)
     flops_per_token = _flops_per_token(run.factory.hf_config, num_params, cfg.data.seq_len)
     for step in range(run.start_step, cfg.train.steps):
@@ -196,7 +197,14 @@ def _train(run: _Run) -> int:
             mfu = flops_per_token * result.num_tokens / result.step_time_s
             record["mfu"] = mfu / (peak_flops * ctx.world_size)
         if _due(step + 1, cfg.train.eval_every, cfg.train.steps) and run.data.eval is not None:
-            record.update(_evaluate_with_backoff(run.model, backend, run.data.eval, split, ctx))
+            eval_set = run.data.eval
+            try:
+                record.update(
+                    _evaluate_with_backoff(run.model, backend, eval_set, split, ctx, run.faults)
+                )
+            except OutOfMemoryGaveUp as err:  # at eval batch 1: climb a rung, like a step
+                _report_oom(run.run_dir, err, step, split, backend, ctx)
+                return EXIT_OOM
         metrics.write(record)
 
         last = step + 1 == cfg.train.steps
@@ -256,9 +264,12 @@ def _step_record(
 
 
 def _save_final(run: _Run) -> None:
-    """The trained model as a Hugging Face directory (run.dir/final), written by rank 0."""
-    weights = run.backend.full_model_state_dict()
-    if run.ctx.rank == 0:
+    """The trained model as a Hugging Face directory (run.dir/final), written by rank 0; the
+    other ranks wait on that work, not on a clock."""
+    weights = run.backend.full_model_state_dict()  # a collective: every rank joins
+
+    def save_final() -> None:
+        slow_down(run.cfg, "final_save_s")
         assert weights is not None
         out = save_hf_model(
             run.factory.hf_config,
@@ -266,9 +277,11 @@ def _save_final(run: _Run) -> None:
             run.run_dir / FINAL_DIR,
             run.tokenizer,
             run.cfg.model.trust_remote_code,
+            replace=True,  # final/ is this run's own output
         )
         log.info("saved the trained model to %s", out)
-    barrier()
+
+    after_rank0("saving the final model", save_final, clock_s=run.cfg.dist.timeout_s)
 
 
 @dataclass
@@ -377,9 +390,16 @@ def _step_with_backoff(
 
 
 def _evaluate_with_backoff(
-    model: torch.nn.Module, backend: Backend, eval_set: Any, split: BatchSplit, ctx: BackendContext
+    model: torch.nn.Module,
+    backend: Backend,
+    eval_set: Any,
+    split: BatchSplit,
+    ctx: BackendContext,
+    faults: FaultInjector,
 ) -> dict[str, float]:
-    """Evaluate; an OOM halves the eval batch and starts the evaluation over."""
+    """Evaluate; an OOM halves the eval batch and starts the evaluation over; at eval batch 1
+    it gives up like a training step (OutOfMemoryGaveUp: report, exit 75, climb)."""
+    num_backoffs = 0
     while True:
         batches = eval_set.batches(split.eval_batch_size, ctx.rank, ctx.world_size)
         try:
@@ -388,11 +408,13 @@ def _evaluate_with_backoff(
                 itertools.islice(batches, ctx.cfg.train.eval_batches),
                 backend.compute_context,
                 ctx.device,
+                faults,
             )
-        except StepAborted:
+        except StepAborted as err:
             free_memory(ctx.device)
             if split.eval_batch_size == 1:
-                raise
+                raise OutOfMemoryGaveUp(err, num_backoffs) from None
+            num_backoffs += 1
             split.eval_batch_size //= 2
             log.warning("eval: out of memory; eval batch halved to %d", split.eval_batch_size)
 
@@ -480,9 +502,9 @@ def _write_report(
     )
 
 
-def _resume(path: Path, backend: Backend, cfg: JobConfig, rank: int) -> int:
+def _resume(path: Path, backend: Backend, cfg: JobConfig, rank: int, data_fingerprint: str) -> int:
     """Load a checkpoint of any strategy and world size into this backend; returns its step."""
-    state = load_checkpoint(path, load_template(backend.state_dict()), cfg)
+    state = load_checkpoint(path, load_template(backend.state_dict()), cfg, data_fingerprint)
     backend_state = state["backend"]
     backend_state["scaler"] = state.get("scaler") or {}
     backend.load_state_dict(backend_state)

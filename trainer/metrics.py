@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainer.config import ConfigError
 from trainer.contract import METRICS_FILE
+from trainer.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -25,15 +27,32 @@ class MetricsLog:
         self._first_step: int | None = None
 
     def truncate_after(self, step: int) -> None:
-        """Keep the lines of steps <= `step` (a resumed run rewrites what came after)."""
+        """Keep the lines of steps <= `step` (a resumed run rewrites what came after).
+
+        A crash or a full disk can leave the last line cut off: it is dropped with a warning.
+        The file is replaced in one rename, so a crash here loses nothing either.
+        """
         if not self.path.exists():
             return
-        kept = [
-            line
-            for line in self.path.read_text().splitlines(keepends=True)
-            if line.strip() and json.loads(line)["step"] <= step
-        ]
-        self.path.write_text("".join(kept))
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = []
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if i < len(lines) - 1:
+                    raise ConfigError(
+                        str(self.path),
+                        f"line {i + 1} is not JSON",
+                        "repair or remove that line, or start a new run.dir",
+                    ) from None
+                log.warning("%s: dropped an incomplete last line (%d bytes)", self.path, len(line))
+                continue
+            if record["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        write_atomic(self.path, "".join(kept))
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:

@@ -70,3 +70,92 @@ def test_cpu_nodes_request_no_gpus_and_enough_memory(tmp_path):
     assert "--gpus-per-node" not in r.stdout
     mem = next(x for x in r.stdout.splitlines() if x.startswith("#SBATCH --mem="))
     assert int(mem.removeprefix("#SBATCH --mem=").removesuffix("G")) >= 16
+
+
+def _sbatch_args(line: str) -> list[str]:
+    """The arguments sbatch reads from an `#SBATCH` line (its own rule: blanks split, `"` and `'`
+    quote, `\\` escapes, an unquoted `#` ends the line)."""
+    args, arg, quote, escaped, started = [], "", "", False, False
+    for ch in line.removeprefix("#SBATCH"):
+        if escaped:
+            arg, escaped, started = arg + ch, False, True
+        elif ch == "\\":
+            escaped = True
+        elif quote:
+            if ch == quote:
+                quote = ""
+            else:
+                arg += ch
+        elif ch in "\"'":
+            quote, started = ch, True
+        elif ch == "#":
+            break
+        elif ch.isspace():
+            if started:
+                args.append(arg)
+            arg, started = "", False
+        else:
+            arg, started = arg + ch, True
+    return [*args, arg] if started else args
+
+
+def test_item7_sbatch_quotes_every_value(tmp_path):
+    from launcher.slurm import render_sbatch
+    from trainer.config import load_config
+
+    run_dir = tmp_path / "my runs" / 'it\'s "odd" $(touch PWNED) `touch PWNED2` 100%'
+    run_dir.mkdir(parents=True)
+    stubs = tmp_path / "stub bin"
+    stubs.mkdir()
+    record = tmp_path / "record"
+    for name, body in (
+        ("srun", 'while [[ "$1" == --* ]]; do shift; done\nexec "$@"'),
+        ("scontrol", "echo node1"),
+        ("python", f"pwd > {record}\nprintf '%s\\n' \"$@\" >> {record}"),
+    ):
+        (stubs / name).write_text(f"#!/bin/bash\n{body}\n")
+        (stubs / name).chmod(0o755)
+    cfg = load_config(DEMO, ["hardware.device=cpu", "hardware.devices_per_node=1"])
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": str(run_dir)})})
+    script = render_sbatch(cfg, {}, run_dir, str(stubs / "python"))
+    (tmp_path / "submit.sbatch").write_text(script)
+
+    env = {
+        "PATH": f"{stubs}:/usr/bin:/bin",
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_CPUS_PER_TASK": "8",
+    }
+    r = subprocess.run(
+        ["bash", str(tmp_path / "submit.sbatch")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = record.read_text().splitlines()
+    assert lines[0] == str(run_dir)  # `cd` got exactly one argument: the run dir
+    assert lines[1:3] == ["-m", "torch.distributed.run"]
+    assert lines[-3:] == ["-m", "trainer", str(run_dir / "config.yaml")]
+    assert not list(tmp_path.rglob("PWNED*")), "a value in the script ran as a command"
+    # sbatch reads each #SBATCH line back as one argument with the exact path and name
+    header = {ln.split("=")[0]: ln for ln in script.splitlines() if ln.startswith("#SBATCH --")}
+    out = str(run_dir).replace("%", "%%") + "/slurm-%j.out"
+    assert _sbatch_args(header["#SBATCH --output"]) == [f"--output={out}"]
+    assert _sbatch_args(header["#SBATCH --job-name"]) == [f"--job-name={run_dir.name}"]
+
+
+def test_item7_line_breaks_in_slurm_values_exit_2(tmp_path):
+    for override in (
+        'slurm.partition="gpu\\nrm -rf ~"',
+        'slurm.account="a\\u0000b"',
+        'slurm.extra=["--exclusive\\necho pwned"]',
+        'slurm.setup=["module load x\\rrm -rf ~"]',
+    ):
+        r = _submit_dry_run(f"run.dir={tmp_path / 'run'}", override)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, (override, r.stderr)
+        assert "slurm." in r.stderr and "line break" in r.stderr, r.stderr

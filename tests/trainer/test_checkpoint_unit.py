@@ -95,7 +95,7 @@ def test_save_then_load_into_a_fresh_template(tmp_path):
 
 def test_resume_with_different_training_settings_is_refused(tmp_path):
     path = save_checkpoint(tmp_path / "run", 1, _state(), {}, _cfg(tmp_path), None, rank=0)
-    with pytest.raises(ConfigError, match="different training settings"):
+    with pytest.raises(ConfigError, match="trained with different settings"):
         load_checkpoint(path, load_template(_state()), _cfg(tmp_path, lr=1.0))
     # where the bytes live may change: micro-batch is not a training semantic
     load_checkpoint(path, load_template(_state()), _cfg(tmp_path, micro_batch_size=2))

@@ -22,11 +22,10 @@ import torch
 import yaml
 
 from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env, run_bounded
+from tests.trainer.dist_runs import RESUME_AT, RUNS, STEPS, checked
 
 pytestmark = pytest.mark.slow
 DEMO = REPO / "configs" / "demo"
-STEPS = 10
-RESUME_AT = 4  # the straight runs write checkpoints/step_4 and step_8; resumed runs step_8
 
 
 def _base_config(tmp: Path) -> Path:
@@ -77,7 +76,7 @@ def _single(base: Path, run_dir: Path, *overrides: str) -> str:
     return r.stderr
 
 
-NVME_RUNS = ["zero3_nvme_fp32", "zero3_nvme_from_fsdp"]
+NVME_RUNS = [run.name for run in RUNS if run.needs_nvme]
 
 
 def async_io_builds() -> bool:
@@ -97,7 +96,10 @@ def _needs_nvme(name: str) -> None:
 def runs(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("dist")
     base = _base_config(work)
-    _single(base, work / "single_fp32", "run.checkpoint_every=4")
+    one_process = [run for run in RUNS if run.world_size == 1]
+    for run in one_process:
+        if run.copy_from is None:
+            _single_run(base, work, run)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     skip = [] if async_io_builds() else NVME_RUNS
     r = run_bounded(
@@ -109,110 +111,69 @@ def runs(tmp_path_factory) -> Path:
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     left = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert not left, f"processes left behind: {left}"
-    _single(base, work / "single_bf16", "precision=bf16")
-    log = _single(
-        base,
-        work / "single_compiled",
-        "train.compile=true",
-        "memory.activation_checkpointing=selective",
-    )
-    (work / "single_compiled" / "stderr.txt").write_text(log)
-    # checkpoints of two-process runs resumed on one process (a process group of one for fsdp)
-    for name, source, strategy in (
-        ("single_from_fsdp", "fsdp_fp32", "single"),
-        ("fsdp1_from_fsdp2", "fsdp_fp32", "fsdp"),
-        ("single_from_zero3", "zero3_fp32", "single"),
-    ):
-        step = f"checkpoints/step_{RESUME_AT}"
-        (work / name / "checkpoints").mkdir(parents=True)
-        shutil.copytree(work / source / step, work / name / step)
-        _single(base, work / name, f"strategy={strategy}", "run.checkpoint_every=4")
+    for run in one_process:  # checkpoints of two-process runs resumed on one process
+        if run.copy_from is not None:
+            step = f"checkpoints/step_{RESUME_AT}"
+            (work / run.name / "checkpoints").mkdir(parents=True)
+            shutil.copytree(work / run.copy_from / step, work / run.name / step)
+            _single_run(base, work, run)
     return work
 
 
-TWO_PROCESS_FP32 = [
-    "ddp_fp32",
-    "fsdp_fp32",
-    "fsdp_offload_fp32",
-    "fsdp_every_micro_fp32",
-    "fsdp_hybrid_fp32",
-    "fsdp_compiled_fp32",
-    "zero1_fp32",
-    "zero2_fp32",
-    "zero3_fp32",
-    "zero3_offload_fp32",
-    "zero3_offload_params_fp32",
-    "zero3_nvme_fp32",
-]
+def _single_run(base: Path, work: Path, run) -> None:
+    log = _single(base, work / run.name, *run.overrides)
+    (work / run.name / "stderr.txt").write_text(log)
 
 
-@pytest.mark.parametrize("name", TWO_PROCESS_FP32)
-def test_fp32_losses_match_one_process(runs, name):
-    _needs_nvme(name)
-    ref, got = _losses(runs / "single_fp32"), _losses(runs / name)
+@pytest.mark.parametrize("run", checked("fp32"), ids=lambda run: run.name)
+def test_fp32_losses_match_one_process(runs, run):
+    _needs_nvme(run.name)
+    ref, got = _losses(runs / run.against), _losses(runs / run.name)
     assert len(got) == STEPS
     for step, (a, b) in enumerate(zip(got, ref, strict=True), start=1):
-        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: {name} {a} vs single {b}"
+        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: {run.name} {a} vs {run.against} {b}"
     assert got[-1] < got[0]
-    assert all(m["world_size"] == 2 for m in _metrics(runs / name))
+    assert all(m["world_size"] == run.world_size for m in _metrics(runs / run.name))
 
 
-LEVER_RUNS = [
-    ("fsdp_chunked_loss", "fsdp_fp32"),
-    ("fsdp_offload_activations", "fsdp_fp32"),
-    ("fsdp_both_levers_full", "fsdp_fp32"),
-    ("zero3_chunked_loss", "zero3_fp32"),
-    ("zero3_both_levers_full", "zero3_fp32"),
-]
-
-
-@pytest.mark.parametrize(("name", "reference"), LEVER_RUNS)
-def test_memory_levers_learn_what_the_same_rung_learns_without_them(runs, name, reference):
+@pytest.mark.parametrize("run", checked("levers"), ids=lambda run: run.name)
+def test_memory_levers_learn_what_the_same_rung_learns_without_them(runs, run):
     """Chunked loss and activation offload (alone, and together under full recomputation) on
     two ranks: per-step losses within 1e-6 of the same rung with the levers off."""
-    ref, got = _losses(runs / reference), _losses(runs / name)
+    ref, got = _losses(runs / run.against), _losses(runs / run.name)
     assert len(got) == STEPS
     for step, (a, b) in enumerate(zip(got, ref, strict=True), start=1):
-        assert abs(a - b) <= 1e-6 * abs(b), f"step {step}: {name} {a} vs {reference} {b}"
-    metrics = _metrics(runs / name)
-    assert all(m["chunked_loss"] == ("offload" not in name) for m in metrics)
-    assert all(m["offload_activations"] == ("chunked" not in name) for m in metrics)
-    if "chunked" not in name:  # every byte that went to the host came back
+        assert abs(a - b) <= 1e-6 * abs(b), f"step {step}: {run.name} {a} vs {run.against} {b}"
+    metrics = _metrics(runs / run.name)
+    chunked, offload = "offload" not in run.name, "chunked" not in run.name
+    assert all(m["chunked_loss"] == chunked for m in metrics)
+    assert all(m["offload_activations"] == offload for m in metrics)
+    if offload:  # every byte that went to the host came back
         assert all(m["offloaded_bytes"] == m["restored_bytes"] > 0 for m in metrics)
 
 
-def test_compiled_layers_learn_what_eager_layers_learn(runs):
-    """train.compile: the same losses as eager (fused kernels reorder fp32 sums, nothing more)."""
+def test_compiled_layers_say_so(runs):
+    """train.compile (its losses are checked like every fp32 run's): the startup line says how
+    many layers run compiled."""
     assert "2 layers compiled" in (runs / "single_compiled" / "stderr.txt").read_text()
-    ref, got = _losses(runs / "single_fp32"), _losses(runs / "single_compiled")
+
+
+@pytest.mark.parametrize("run", checked("bf16"), ids=lambda run: run.name)
+def test_bf16_losses_stay_close_to_one_process(runs, run):
+    ref, got = _losses(runs / run.against), _losses(runs / run.name)
     for step, (a, b) in enumerate(zip(got, ref, strict=True), start=1):
-        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: compiled {a} vs eager {b}"
+        assert abs(a - b) <= 2e-2 * abs(b), f"step {step}: {run.name} {a} vs {run.against} {b}"
 
 
-@pytest.mark.parametrize("name", ["ddp_bf16", "fsdp_bf16", "zero2_bf16", "zero3_offload_bf16"])
-def test_bf16_losses_stay_close_to_one_process(runs, name):
-    ref, got = _losses(runs / "single_bf16"), _losses(runs / name)
-    for step, (a, b) in enumerate(zip(got, ref, strict=True), start=1):
-        assert abs(a - b) <= 2e-2 * abs(b), f"step {step}: {name} {a} vs single {b}"
-
-
-def test_oom_on_rank_1_backs_off_both_ranks_and_learns_the_same(runs):
-    oom, small = _metrics(runs / "ddp_oom_rank1_step3"), _metrics(runs / "ddp_micro2")
+@pytest.mark.parametrize("run", checked("backoff"), ids=lambda run: run.name)
+def test_oom_on_rank_1_backs_off_both_ranks_and_learns_the_same(runs, run):
+    """An OOM on rank 1 at step 3: both ranks halve the micro-batch (4 -> 2, accumulation
+    2 -> 4) and learn what a run cut that way learns; under ZeRO its accumulation boundary,
+    reduced partitions and micro-step counter are reset too (and nothing hangs)."""
+    oom, ref = _metrics(runs / run.name), _metrics(runs / run.against)
     assert [m["micro_batch_size"] for m in oom] == [4, 4] + [2] * (STEPS - 2)
     assert [m["grad_accum"] for m in oom][2:] == [4] * (STEPS - 2)
-    for step, (a, b) in enumerate(zip(oom, small, strict=True), start=1):
-        if step >= 3:
-            assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], step
-
-
-@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
-@pytest.mark.parametrize("where", ["backward", "optimizer"])
-def test_oom_on_rank_1_under_zero_backs_off_and_learns_the_same(runs, strategy, where):
-    """ZeRO's accumulation boundary, reduced partitions and micro-step counter are reset: the
-    re-cut batch learns exactly what the uninterrupted run learns (and nothing hangs)."""
-    ref, oom = _metrics(runs / f"{strategy}_fp32"), _metrics(runs / f"{strategy}_oom_{where}")
-    assert [m["micro_batch_size"] for m in oom] == [4, 4] + [2] * (STEPS - 2)
-    for a, b in zip(oom, ref, strict=True):
+    for a, b in zip(oom[2:], ref[2:], strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (a["step"], a["loss"], b["loss"])
 
 
@@ -245,18 +206,7 @@ def moment_mismatches(got: dict, want: dict, tol: float) -> list[str]:
     return bad
 
 
-RESUMED = [
-    # (run, straight run it continues, exactly equal losses)
-    ("fsdp_resumed", "fsdp_fp32", True),  # same rung, same ranks: bit-identical
-    # bit-identical too once the backend replays CPU Adam's running beta^t (deepspeed.py)
-    ("zero3_offload_resumed", "zero3_offload_fp32", True),
-    ("zero3_offload_from_fsdp", "fsdp_fp32", False),  # fsdp@2 -> zero3_offload@2
-    ("zero3_nvme_from_fsdp", "fsdp_fp32", False),  # fsdp@2 -> zero3_nvme@2
-    ("single_from_zero3", "zero3_fp32", False),  # zero3@2 -> single@1
-    ("fsdp_from_single", "single_fp32", False),  # single@1 -> fsdp@2
-    ("fsdp1_from_fsdp2", "fsdp_fp32", False),  # fsdp@2 -> fsdp@1
-    ("single_from_fsdp", "fsdp_fp32", False),  # fsdp@2 -> single@1
-]
+RESUMED = [(run.name, run.against, run.exact) for run in checked("resume")]
 
 
 @pytest.mark.parametrize("name, source, exact", RESUMED)

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from trainer import strategies
 from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
 from trainer.backends.common import (
     COMPUTE_DTYPES,
@@ -49,7 +50,7 @@ class FsdpBackend:
     def __init__(self, strategy: str, ctx: BackendContext):
         self.name = strategy
         self.ctx = ctx
-        self.offload = strategy == "fsdp_offload"
+        self.offload = strategies.row(strategy).offloads
         self.scaler = _sharded_scaler(ctx)
 
     def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
@@ -58,22 +59,14 @@ class FsdpBackend:
         apply_activation_checkpointing(model, ctx.activation_checkpointing)
         if ctx.cfg.train.compile:
             apply_compile(model)
-        options: dict[str, Any] = {"reshard_after_forward": ctx.cfg.fsdp.reshard_after_forward}
-        dtype = COMPUTE_DTYPES.get(ctx.precision)
-        if dtype is not None:
-            options["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=dtype, reduce_dtype=torch.float32
-            )
-        if self.offload:
-            options["offload_policy"] = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
-        if ctx.cfg.fsdp.hybrid:
-            options["mesh"] = _hybrid_mesh(ctx)
-        for layer in decoder_layers(model):
-            fully_shard(layer, **options)
-        # The root (embeddings, final norm, lm_head) is needed again as soon as backward starts:
-        # kept unsharded between forward and backward, as the estimate counts it. Resharding it
-        # cost one extra all-gather of the largest group per micro-batch.
-        fully_shard(model, **{**options, "reshard_after_forward": False})
+        apply_fsdp(
+            model,
+            precision=ctx.precision,
+            reshard_after_forward=ctx.cfg.fsdp.reshard_after_forward,
+            offload=self.offload,
+            pin_memory=ctx.device.type == "cuda",
+            mesh=_hybrid_mesh(ctx) if ctx.cfg.fsdp.hybrid else None,
+        )
         model.to_empty(device="cpu" if self.offload else ctx.device)
         _rebuild_buffers(model, ctx.device if not self.offload else torch.device("cpu"))
         full = factory.initial_state_dict() if ctx.rank == 0 else {}
@@ -84,25 +77,16 @@ class FsdpBackend:
         )
         model.train()
         self.model = model
-        self.optimizer = build_adamw(
-            model.parameters(), optim, torch.device("cpu") if self.offload else ctx.device
-        )
+        self.optimizer = build_adamw(model.parameters(), optim)  # on the shards' device
         self.grad_clip = optim.grad_clip
         return model
 
     def compute_context(self) -> AbstractContextManager:
         return contextlib.nullcontext()  # the mixed-precision policy casts
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        if self.ctx.cfg.fsdp.reduce_every_micro_batch is True:  # sharded accumulation
-            yield
-            return
-        self.model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.model.set_requires_gradient_sync(True)
+    def no_sync(self) -> AbstractContextManager:
+        sharded_accumulation = self.ctx.cfg.fsdp.reduce_every_micro_batch is True
+        return gradient_sync(self.model, enabled=sharded_accumulation)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss = loss * self.ctx.world_size  # FSDP averages gradients over ranks
@@ -179,6 +163,49 @@ class FsdpBackend:
 
     def reset_peak(self) -> None:
         reset_device_peak(self.ctx.device)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    *,
+    precision: str,
+    reshard_after_forward: bool,
+    offload: bool = False,
+    pin_memory: bool = False,
+    mesh: Any = None,
+) -> None:
+    """FSDP2 on a (meta-device) model, in place: `fully_shard` each decoder layer, then the root;
+    16-bit parameters for compute and fp32 gradient reduction under mixed precision; with
+    `offload`, parameters, gradients and AdamW on the host (CPUOffloadPolicy). The backend and
+    the estimator's trace (launcher/trace.py) both call this, so they cannot drift apart."""
+    options: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    dtype = COMPUTE_DTYPES.get(precision)
+    if dtype is not None:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if offload:
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
+    if mesh is not None:
+        options["mesh"] = mesh
+    for layer in decoder_layers(model):
+        fully_shard(layer, **options)
+    # The root (embeddings, final norm, lm_head) is needed again as soon as backward starts:
+    # kept unsharded between forward and backward, as the estimate counts it. Resharding it
+    # cost one extra all-gather of the largest group per micro-batch.
+    fully_shard(model, **{**options, "reshard_after_forward": False})
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """FSDP2's no-sync: with `enabled` False, backward accumulates unsharded gradients and
+    reduce-scatters nothing until a backward outside this context."""
+    if enabled:
+        yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def _hybrid_mesh(ctx: BackendContext) -> Any:

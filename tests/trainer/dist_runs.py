@@ -1,0 +1,128 @@
+"""Every training of tests/trainer/test_distributed.py, and what it is checked against: one table.
+
+Two-process runs go through one torchrun launch (dist_worker.py); one-process runs through
+`oomless train`. A test takes its cases from the rows whose `check` it asserts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STEPS = 10
+RESUME_AT = 4  # the straight runs write checkpoints/step_4 and step_8; resumed runs step_8
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    overrides: tuple[str, ...]
+    world_size: int = 2
+    # what the test asserts: "fp32" (losses within 1e-4 of `against`), "bf16" (within 2e-2),
+    # "backoff" (an injected OOM at step 3 halves the micro-batch; losses within 1e-5 of
+    # `against` from step 3 on), "resume" (steps 5-10 and the moments equal `against`'s),
+    # "levers" (chunked loss / activation offload: losses within 1e-6 of `against`, the same
+    # rung without them)
+    check: str | None = None
+    against: str = "single_fp32"
+    exact: bool = False  # resume: bit-identical losses
+    copy_from: str | None = None  # one-process resume: the checkpoint copied in from this run
+    needs_nvme: bool = False  # DeepSpeed's async_io op (libaio)
+
+
+def _resume(name: str, source: str, strategy: str, against: str, **kw) -> Run:
+    """N steps straight, stop, resume to 2N (N = RESUME_AT): from `source`'s step-N checkpoint."""
+    overrides = (f"strategy={strategy}", "run.checkpoint_every=4")
+    if kw.get("world_size", 2) == 2:
+        overrides += (f"run.resume={{work}}/{source}/checkpoints/step_{RESUME_AT}",)
+    else:
+        kw["copy_from"] = source
+    return Run(name, overrides, check="resume", against=against, **kw)
+
+
+def _oom(name: str, strategy: str, where: str, against: str) -> Run:
+    inject = f"debug.inject_oom={{step: 3, rank: 1, times: 1, where: {where}}}"
+    return Run(name, (f"strategy={strategy}", inject), check="backoff", against=against)
+
+
+NVME = "deepspeed.nvme_path={work}/nvme_swap"
+CHUNKED = ("memory.chunked_loss=true", "memory.loss_chunk_tokens=24")
+OFFLOAD = ("memory.offload_activations=true",)
+FULL = "memory.activation_checkpointing=full"
+RUNS: tuple[Run, ...] = (
+    # one process: the references
+    Run("single_fp32", ("run.checkpoint_every=4",), world_size=1),
+    Run("single_bf16", ("precision=bf16",), world_size=1),
+    # each decoder layer torch.compiled inside its (selective) checkpoint wrapper
+    Run("single_compiled", ("train.compile=true", "memory.activation_checkpointing=selective"),
+        world_size=1, check="fp32"),
+    # two processes: every backend against one process
+    Run("ddp_fp32", ("strategy=ddp",), check="fp32"),
+    Run("fsdp_fp32", ("strategy=fsdp", "run.checkpoint_every=4"), check="fp32"),
+    Run("fsdp_offload_fp32", ("strategy=fsdp_offload",), check="fp32"),
+    # gradients reduce-scattered after each of the 2 micro-batches, accumulated sharded
+    Run("fsdp_every_micro_fp32", ("strategy=fsdp", "fsdp.reduce_every_micro_batch=true"),
+        check="fp32"),
+    # HSDP: the two ranks as two "nodes" of one device each: replicate x shard = 2 x 1
+    Run("fsdp_hybrid_fp32", ("strategy=fsdp", "fsdp.hybrid=true", "hardware.nodes=2",
+                             "hardware.devices_per_node=1"), check="fp32"),
+    # each decoder layer torch.compiled, inside its checkpoint wrapper and under fully_shard
+    Run("fsdp_compiled_fp32", ("strategy=fsdp", "train.compile=true",
+                               "memory.activation_checkpointing=full"), check="fp32"),
+    Run("ddp_bf16", ("strategy=ddp", "precision=bf16"), check="bf16", against="single_bf16"),
+    Run("fsdp_bf16", ("strategy=fsdp", "precision=bf16"), check="bf16", against="single_bf16"),
+    Run("zero2_bf16", ("strategy=zero2", "precision=bf16"), check="bf16", against="single_bf16"),
+    Run("zero3_offload_bf16", ("strategy=zero3_offload", "precision=bf16"), check="bf16",
+        against="single_bf16"),
+    Run("ddp_micro2", ("strategy=ddp", "train.micro_batch_size=2")),
+    _oom("ddp_oom_rank1_step3", "ddp", "backward", against="ddp_micro2"),
+    # an OOM on rank 1 at step 3 on ZeRO: before backward, and at the entry of the optimizer
+    # step (DeepSpeed's step holds collectives: the ranks must agree before it)
+    *(
+        _oom(f"{strategy}_oom_{where}", strategy, where, against=f"{strategy}_fp32")
+        for strategy in ("zero2", "zero3")
+        for where in ("backward", "optimizer")
+    ),
+    # the exact memory levers against the same rung without them: chunked loss over 6 chunks of
+    # a micro-batch's 128 positions, activation offload, both under full recomputation (ZeRO-3
+    # leaves out offload alone, to save a DeepSpeed start: the both-levers run has it)
+    *(
+        Run(f"{strategy}_{name}", (f"strategy={strategy}", *levers), check="levers",
+            against=f"{strategy}_fp32")
+        for strategy, name, levers in (
+            ("fsdp", "chunked_loss", CHUNKED),
+            ("fsdp", "offload_activations", OFFLOAD),
+            ("fsdp", "both_levers_full", (*CHUNKED, *OFFLOAD, FULL)),
+            ("zero3", "chunked_loss", CHUNKED),
+            ("zero3", "both_levers_full", (*CHUNKED, *OFFLOAD, FULL)),
+        )
+    ),
+    Run("zero1_fp32", ("strategy=zero1",), check="fp32"),
+    Run("zero2_fp32", ("strategy=zero2",), check="fp32"),
+    Run("zero3_fp32", ("strategy=zero3", "run.checkpoint_every=4"), check="fp32"),
+    Run("zero3_offload_fp32", ("strategy=zero3_offload", "run.checkpoint_every=4"), check="fp32"),
+    Run("zero3_offload_params_fp32", ("strategy=zero3_offload_params",), check="fp32"),
+    # ZeRO-Infinity: parameters and optimizer state swapped through files (async_io, libaio)
+    Run("zero3_nvme_fp32", ("strategy=zero3_nvme", NVME, "run.checkpoint_every=4"),
+        check="fp32", needs_nvme=True),
+    # the same rung on the same ranks: bit-identical (zero3_offload too, since the backend
+    # replays CPU Adam's running beta^t)
+    _resume("fsdp_resumed", "fsdp_fp32", "fsdp", against="fsdp_fp32", exact=True),
+    _resume("zero3_offload_resumed", "zero3_offload_fp32", "zero3_offload",
+            against="zero3_offload_fp32", exact=True),
+    # checkpoints moving between rungs and world sizes
+    _resume("fsdp_from_single", "single_fp32", "fsdp", against="single_fp32"),
+    _resume("zero3_offload_from_fsdp", "fsdp_fp32", "zero3_offload", against="fsdp_fp32"),
+    # moments loaded into optimizer state that lives on NVMe
+    Run("zero3_nvme_from_fsdp", ("strategy=zero3_nvme", "deepspeed.nvme_path={work}/nvme_resumed",
+                                 "run.checkpoint_every=4",
+                                 f"run.resume={{work}}/fsdp_fp32/checkpoints/step_{RESUME_AT}"),
+        check="resume", against="fsdp_fp32", needs_nvme=True),
+    # two-process checkpoints resumed on one process (a process group of one for fsdp)
+    _resume("single_from_fsdp", "fsdp_fp32", "single", against="fsdp_fp32", world_size=1),
+    _resume("fsdp1_from_fsdp2", "fsdp_fp32", "fsdp", against="fsdp_fp32", world_size=1),
+    _resume("single_from_zero3", "zero3_fp32", "single", against="zero3_fp32", world_size=1),
+)  # fmt: skip
+
+
+def checked(check: str) -> list[Run]:
+    return [run for run in RUNS if run.check == check]

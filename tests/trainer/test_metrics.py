@@ -1,0 +1,54 @@
+"""metrics.jsonl on resume: a torn last line is dropped, a failed rewrite loses nothing
+(issue 19, item 3)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+
+from tests.conftest import PYTHON, REPO, python_env
+from trainer.metrics import MetricsLog
+
+
+def _lines(steps) -> str:
+    return "".join(json.dumps({"step": s, "loss": 5.0 - s / 10}) + "\n" for s in steps)
+
+
+def test_item3_resume_drops_torn_metrics_line(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(_lines([1, 2, 3]) + '{"step": 4, "lo')  # the writer died mid-line
+    with caplog.at_level(logging.WARNING):
+        MetricsLog(tmp_path, total_steps=10, enabled=True).truncate_after(2)
+    assert path.read_text() == _lines([1, 2])
+    assert "incomplete last line" in caplog.text
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary file left
+
+
+def test_item3_failed_metrics_rewrite_keeps_the_old_file(tmp_path):
+    """A full disk during the rewrite (a real EFBIG from RLIMIT_FSIZE) leaves the file as it was."""
+    path = tmp_path / "metrics.jsonl"
+    before = _lines(range(1, 41))
+    path.write_text(before)
+    code = (
+        "import resource, signal, sys\n"
+        "from pathlib import Path\n"
+        "from trainer.metrics import MetricsLog\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))\n"
+        "try:\n"
+        "    MetricsLog(Path(sys.argv[1]), 40, True).truncate_after(30)\n"
+        "except OSError as err:\n"
+        "    print(err.errno)\n"
+    )
+    r = subprocess.run(
+        [PYTHON, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=python_env(),
+        cwd=REPO,
+        timeout=60,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "27", r.stderr  # EFBIG: the write failed
+    assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
