@@ -135,3 +135,18 @@ def test_both_levers_with_full_checkpointing_learn_the_same(tmp_path):
     got, record = _train(tmp_path, GEMMA2, ac="full", chunked_loss=True, offload_activations=True)
     assert record["chunked_loss"] and record["offload_activations"]
     _assert_same(got, ref, "chunked + offload + full")
+
+
+def test_a_model_whose_head_cannot_be_chunked_runs_without_it(tmp_path):
+    """An output layer that is not a plain nn.Linear: chunked loss off is fine (the back-off
+    skips it), forced on is one config error naming the key."""
+    from trainer.config import ConfigError, ModelConfig
+    from trainer.model import apply_activation_checkpointing
+
+    model = HFModelFactory(ModelConfig(config=TINY_LLAMA), seed=0).build(CPU)
+    apply_activation_checkpointing(model, "none")
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    levers = MemoryLevers(model, CPU, chunked_loss=False, offload_activations=False)
+    assert levers.next_off() == "offload_activations"
+    with pytest.raises(ConfigError, match="memory.chunked_loss: its output layer is a Sequential"):
+        MemoryLevers(model, CPU, chunked_loss=True, offload_activations=False)
