@@ -237,6 +237,31 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def add_step_args(parser: Any, rounds: int) -> None:
+    """The options every timed-step bench takes: model, rounds, batch geometry, precision."""
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--accum", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--json", type=Path)
+
+
+def init_torchrun_rank(device_name: str, cuda_backend: str) -> tuple[torch.device, int, int]:
+    """(device, rank, world size) of a torchrun worker, its process group initialised
+    (`cuda_backend` on GPUs, gloo on CPU)."""
+    import torch.distributed as dist
+
+    device = resolve_device(device_name)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group(cuda_backend if device.type == "cuda" else "gloo")
+    return device, rank, world
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine
+from trainer.units import GIB
 
 LABELS = {
     "estimate": "estimator vs max_memory_allocated",
@@ -83,7 +84,7 @@ def _levers(r: dict[str, Any]) -> str:
             + (f" peak {peak:.3f}" if peak is not None else "")
         )
     off = r["peak_device_bytes"]["off"]
-    head = f"{r['model']} seq {r['seq_len']}" + (f", off {off / 2**30:.1f} GiB" if off else "")
+    head = f"{r['model']} seq {r['seq_len']}" + (f", off {off / GIB:.1f} GiB" if off else "")
     return f"{head}: " + ", ".join(parts) + " (of off)"
 
 
@@ -105,7 +106,7 @@ def _offload(r: dict[str, Any]) -> str:
 
 def _escalation(r: dict[str, Any]) -> str:
     cap = r.get("cap_bytes")
-    where = f"cap {cap / 2**30:.1f} GiB, " if cap else ""
+    where = f"cap {cap / GIB:.1f} GiB, " if cap else ""
     loss = "none" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
     text = (
         f"{r['oom']} OOM, {r['model']}, {where}rungs {' -> '.join(r['rungs']) or 'none'}, "

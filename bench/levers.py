@@ -35,6 +35,8 @@ from trainer.backends import BackendContext, OptimizerSpec, build_backend
 from trainer.levers import MemoryLevers
 from trainer.model import HFModelFactory
 from trainer.step import train_step
+from trainer.strategies import AC_LEVELS
+from trainer.units import GIB, MIB
 
 OPTIM = OptimizerSpec(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0)
 VARIANTS = {
@@ -118,7 +120,7 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per variant per round")
-    p.add_argument("--checkpointing", default="none", choices=["none", "selective", "full"])
+    p.add_argument("--checkpointing", default="none", choices=AC_LEVELS)
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--json", type=Path, help="write the numbers here")
@@ -132,8 +134,8 @@ def main() -> None:
         print(
             f"{name:>20}: {result['step_s'][name]:.3f} s/step "
             f"({result['over_off']['step_time'][name]:.3f} of off), peak "
-            + (f"{peak / 2**30:.2f} GiB" if peak else "n/a (cpu)")
-            + f", offloaded {result['offloaded_bytes_per_step'][name] / 2**20:.1f} MiB/step"
+            + (f"{peak / GIB:.2f} GiB" if peak else "n/a (cpu)")
+            + f", offloaded {result['offloaded_bytes_per_step'][name] / MIB:.1f} MiB/step"
         )
 
 

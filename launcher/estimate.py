@@ -284,7 +284,9 @@ def _forward_backward_peaks(
     optimizer state); `gather_*`: parameters a sharded strategy holds unsharded while a layer or
     the root computes; `root_kept`: the part of it held from forward's end into backward
     (FSDP2 does not reshard the root after forward).
-    """
+
+    One function on purpose: the phases share most of their terms (what is saved, what is
+    gathered, which gradients are alive), so they are written side by side."""
     num_layers, num_ckpt = shape.num_layers, len(ckpt)
     t, h, v = m.tokens, shape.hidden_size, shape.vocab_size
     per_layer = layer_activation_bytes(shape, m)

@@ -13,7 +13,7 @@ from launcher.estimate import Estimate, estimate
 from launcher.estimate_levers import smallest_levers
 from launcher.hardware import Hardware, detect_hardware
 from launcher.model_shape import ModelShape, model_shape
-from launcher.plan import _best_for_rung, rung_world
+from launcher.plan import best_for_rung, estimate_for, rung_world
 from trainer import strategies
 from trainer.config import JobConfig
 from trainer.units import GIB, MIB
@@ -118,33 +118,16 @@ def estimates_for(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[Estim
         forced_other = cfg.strategy not in ("auto", rung.name)
         if forced_other or rung_world(rung, hw) is None:
             continue
-        best, _ = _best_for_rung(shape, rung, hw, cfg, per_rank, 1.0)
+        best, _ = best_for_rung(shape, rung, hw, cfg, per_rank, 1.0)
         if best is not None:
             out.append(best.estimate)
             continue
         micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 1
         ac = cfg.memory.activation_checkpointing
         levers = smallest_levers(cfg.memory.chunked_loss, cfg.memory.offload_activations)
-        out.append(
-            estimate(
-                shape,
-                strategy=rung.name,
-                world_size=hw.world_size,
-                devices_per_node=hw.devices_per_node,
-                micro_batch_size=micro,
-                seq_len=cfg.data.seq_len,
-                activation_checkpointing="full" if ac == "auto" else ac,
-                precision=cfg.precision,
-                device=hw.device,
-                grad_accum=max(1, per_rank // micro),
-                fsdp_reduce_every_micro_batch=(
-                    rung.engine == "fsdp" and cfg.fsdp.reduce_every_micro_batch is not False
-                ),
-                chunked_loss=levers.chunked_loss,
-                offload_activations=levers.offload_activations,
-                loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
-            )
-        )
+        ac = "full" if ac == "auto" else ac
+        every = rung.engine == "fsdp" and cfg.fsdp.reduce_every_micro_batch is not False
+        out.append(estimate_for(shape, rung, hw, cfg, micro, ac, 1.0, every, levers))
     return out
 
 

@@ -11,9 +11,13 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainer.config import JobConfig
 from trainer.contract import EXIT_SIGNAL
+
+if TYPE_CHECKING:
+    from launcher.torchrun_output import TorchrunOutput
 
 RDZV_PORT = 29500
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -65,8 +69,9 @@ def build_torchrun_command(
     return argv, env
 
 
-def run_command(argv: list[str], env: dict[str, str]) -> int:
-    """Run argv in its own session, forward stop signals to it, return its exit code.
+def run_command(argv: list[str], env: dict[str, str], output: TorchrunOutput | None = None) -> int:
+    """Run argv in its own session, forward stop signals to it, return its exit code. With
+    `output`, its stderr goes through that filter (torchrun's own report into a file).
 
     The child gets SIGTERM when this process dies (PR_SET_PDEATHSIG), even by SIGKILL.
     torchrun turns SIGTERM/SIGINT into a stop of its workers (which checkpoint and exit 143);
@@ -78,7 +83,17 @@ def run_command(argv: list[str], env: dict[str, str]) -> int:
     child_env = dict(os.environ, **env)
     # Its own session (a Ctrl-C reaches it once, through us), but it dies with us: a supervisor
     # killed with SIGKILL sends torchrun SIGTERM, and torchrun stops the workers.
-    proc = subprocess.Popen(argv, env=child_env, start_new_session=True, preexec_fn=die_with_parent)
+    stderr = subprocess.PIPE if output is not None else None
+    proc = subprocess.Popen(
+        argv,
+        env=child_env,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+        stderr=stderr,
+        text=True,
+        bufsize=1,
+    )
+    pump = output.pump(proc.stderr) if output is not None and proc.stderr else None
     stopped = []
 
     def forward(signum: int, frame: object) -> None:
@@ -88,6 +103,8 @@ def run_command(argv: list[str], env: dict[str, str]) -> int:
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     try:
         rc = proc.wait()
+        if pump is not None:
+            pump.join()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -183,7 +183,7 @@ def _divisors_desc(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
 
 
-def _estimate(
+def estimate_for(
     shape: ModelShape,
     rung: Strategy,
     hw: Hardware,
@@ -194,6 +194,8 @@ def _estimate(
     reduce_every_micro: bool | None = False,
     levers: Levers = NO_LEVERS,
 ) -> Estimate:
+    """The estimate of one candidate: this rung at this micro-batch, checkpointing and levers,
+    with the global batch's accumulation; device bytes scaled by a measured `memory_scale`."""
     est = estimate(
         shape,
         strategy=rung.name,
@@ -250,7 +252,7 @@ def _reduce_variants(rung: Strategy, cfg: JobConfig) -> tuple[bool | None, ...]:
     return (False, True) if chosen == "auto" else (chosen,)
 
 
-def _best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale) -> tuple[_Candidate | None, str]:
+def best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale) -> tuple[_Candidate | None, str]:
     micros = _divisors_desc(per_rank)
     if isinstance(cfg.train.micro_batch_size, int):
         micros = [cfg.train.micro_batch_size]
@@ -262,7 +264,7 @@ def _best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale) -> tuple[_Candi
     levers = lever_variants(cfg.memory.chunked_loss, cfg.memory.offload_activations)
     for every, ac, lev in itertools.product(_reduce_variants(rung, cfg), acs, levers):
         for micro in micros:
-            est = _estimate(shape, rung, hw, cfg, micro, ac, memory_scale, every, lev)
+            est = estimate_for(shape, rung, hw, cfg, micro, ac, memory_scale, every, lev)
             if smallest is None or est.device_total_bytes < smallest.device_total_bytes:
                 smallest = est
             if not est.fits(hw, cfg.memory.headroom):
@@ -357,7 +359,7 @@ def _walk_ladder(rungs, shape, hw, cfg, per_rank, exclude, memory_scale):
     for rung in rungs:
         why = _why_not_tried(rung, hw, cfg, exclude)
         if why is None:
-            best, why = _best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale)
+            best, why = best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale)
             if best is not None:
                 candidates.append(best)
                 continue
@@ -463,7 +465,7 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
     ac = "full" if ac == "auto" else ac
     every = _reduce_variants(rung, cfg)[-1]  # the smaller footprint
     levers = smallest_levers(cfg.memory.chunked_loss, cfg.memory.offload_activations)
-    est = _estimate(shape, rung, hw, cfg, micro, ac, memory_scale, every, levers)
+    est = estimate_for(shape, rung, hw, cfg, micro, ac, memory_scale, every, levers)
     return Plan(
         strategy=name,
         world_size=hw.world_size,
@@ -498,7 +500,7 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected) -
     host_offload = [r for r in strategies.rows() if r.engine == "deepspeed" and r.offloads]
     for rung in [r for r in host_offload if not r.needs_nvme]:
         name = rung.name
-        est = _estimate(shape, rung, hw, cfg, 1, "full", 1.0)
+        est = estimate_for(shape, rung, hw, cfg, 1, "full", 1.0)
         device_ok = est.device_total_bytes <= hw.device_memory_bytes * (1 - cfg.memory.headroom)
         if device_ok and per_rank >= 1:
             need = est.host_total_bytes / (1 - cfg.memory.headroom)
@@ -517,7 +519,7 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected) -
         )
         if cfg.train.global_batch_size % bigger.world_size:
             continue
-        est = _estimate(shape, fsdp, bigger, cfg, 1, "full", 1.0, True)
+        est = estimate_for(shape, fsdp, bigger, cfg, 1, "full", 1.0, True)
         if est.fits(bigger, cfg.memory.headroom):
             offers.append(
                 f"{fsdp.name} would fit on {bigger.world_size} such devices "

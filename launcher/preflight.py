@@ -58,10 +58,10 @@ def check_data(cfg: JobConfig) -> None:
 
     start = time.perf_counter()
     check_rows(cfg.data)
-    from trainer.data import build_tokenizer, tokenize_all
+    from trainer.data import build_tokenizer, split_eval, tokenize_all
 
     tokenizer = build_tokenizer(cfg.model)
-    train_docs, eval_docs, _ = tokenize_all(cfg, tokenizer)
+    train_docs, eval_docs = split_eval(cfg, *tokenize_all(cfg, tokenizer))
     log.info(
         "data checked and tokenised in %.1f s: %d training documents%s",
         time.perf_counter() - start,

@@ -1,8 +1,9 @@
 """`oomless report RUN_DIR`: pictures of a run — loss curves and where the memory goes.
 
-Writes `loss.png` (training loss per step, eval loss where measured) and, when the run has a
-plan, `memory.png` (the estimate's per-device breakdown beside the measured peak) into the run
-directory.
+Writes `loss.png` (training loss per step, eval loss where measured), when the run has a
+plan `memory.png` (the estimate's per-device breakdown beside the measured peak), and when it
+was profiled (`debug.profile`) `memory_timeline.png` (live bytes over one step by phase, the
+estimate's per-phase prediction over it: launcher/timeline.py) into the run directory.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ def report_command(run_dir: str) -> int:
     plan_path = root / PLAN_FILE
     if plan_path.is_file():
         written.append(plot_memory(json.loads(plan_path.read_text()), records, root / "memory.png"))
+    from trainer.profile import trace_path
+
+    if trace_path(root, 0).is_file():  # a run with debug.profile
+        from launcher.timeline import plot_memory_timeline
+
+        written.append(plot_memory_timeline(root, records, root / "memory_timeline.png"))
     for path in written:
         print(path)
     return 0

@@ -32,6 +32,7 @@ from trainer.contract import (
     EXIT_USAGE,
     OOM_REPORT_FILE,
     PLAN_FILE,
+    TORCHRUN_LOG,
 )
 from trainer.files import write_atomic
 
@@ -215,10 +216,18 @@ def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> i
         finally:
             _release_device_memory()
     from launcher.launch import run_command
+    from launcher.torchrun_output import TorchrunOutput
     from trainer.run_lock import LOCK_OWNER_ENV
 
     log.info("launching: %s", " ".join(argv))
-    return run_command(argv, dict(env, **{LOCK_OWNER_ENV: str(os.getpid())}))
+    output = TorchrunOutput(Path(cfg.run.dir) / TORCHRUN_LOG, sys.stderr)
+    rc = run_command(argv, dict(env, **{LOCK_OWNER_ENV: str(os.getpid())}), output)
+    run_dir = Path(cfg.run.dir)
+    explained = (run_dir / OOM_REPORT_FILE).exists() or (run_dir / CONFIG_ERROR_FILE).exists()
+    if output.num_diverted and rc not in (0, EXIT_SIGNAL) and not explained:
+        # out of memory and bad input have their own lines (the rank's, then the supervisor's)
+        log.error("torchrun: the workers failed (exit %d); its report: %s", rc, output.log_path)
+    return rc
 
 
 def _release_device_memory() -> None:

@@ -31,6 +31,7 @@ from trainer.config import ModelConfig
 from trainer.levers import MemoryLevers
 from trainer.loss import loss_sum_of  # compute_loss's tensors (its token count is an int())
 from trainer.model import HFModelFactory, apply_activation_checkpointing
+from trainer.phases import OPTIMIZER, STEP, phase_markers
 
 TRACEABLE = ("single", "fsdp")
 _SPEC = OptimizerSpec(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, grad_clip=1.0)
@@ -46,6 +47,8 @@ class Trace:
     grad_accum: int
     peak_bytes: int  # live tensor bytes at the step's peak, on one device
     breakdown: dict[str, int]  # the tracker's categories at that peak
+    # (label, peak live bytes) of each phase of the step in order (trainer/phases.py's labels)
+    phases: tuple[tuple[str, int], ...] = ()
 
 
 def trace_step(
@@ -67,7 +70,10 @@ def trace_step(
 ) -> Trace:
     """Peak live tensor bytes on one device for a steady-state training step (the second one):
     `grad_accum` micro-batches, all but the last under the backend's no-sync (unless FSDP
-    reduces every micro-batch), as the engine runs them."""
+    reduces every micro-batch), as the engine runs them.
+
+    One piece on purpose: build, shard, fake, track and run read in the order the engine does
+    them, and the step inside is the engine's step line for line."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if strategy not in TRACEABLE:
@@ -98,7 +104,8 @@ def trace_step(
         batch = _batch(hf_config["vocab_size"], micro_batch_size, seq_len)
         compute = _autocast(precision) if strategy == "single" else contextlib.nullcontext
 
-        def step(tracker: Any = None) -> None:
+        def step(tracker: Any = None, mark: Any = lambda label: None) -> None:
+            mark(STEP)
             for i in range(grad_accum):
                 if tracker is not None:
                     tracker.reset_mod_stats()  # its per-module stats allow one call per module
@@ -111,14 +118,23 @@ def trace_step(
                         loss_sum = loss_sum_of(model, batch)
                     (loss_sum / (micro_batch_size * seq_len)).backward()
                     del loss_sum
+            mark(OPTIMIZER)
             torch.nn.utils.clip_grad_norm_(model.parameters(), _SPEC.grad_clip, foreach=True)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
         _init_optimizer_state(model, optimizer)  # the traced step is a steady-state one
         tracker = _tracker(strategy, model, optimizer, batch)
-        with tracker:
-            step(tracker)
+        marks: list[tuple[str, int, int]] = []  # (label, live bytes, peak so far) as it begins
+
+        def mark(label: str) -> None:
+            current = tracker.get_tracker_snapshot("current")
+            peak = tracker.get_tracker_snapshot("peak")
+            marks.append((label, _total(current), _total(peak)))
+
+        with tracker, phase_markers(model, mark):
+            step(tracker, mark)
+            mark("end")
         snapshot = tracker.get_tracker_snapshot("peak")
     dev = next(d for d in snapshot if torch.device(d).type == device.type)
     breakdown = {getattr(k, "name", k).lower(): int(v) for k, v in snapshot[dev].items()}
@@ -131,7 +147,22 @@ def trace_step(
         grad_accum=grad_accum,
         peak_bytes=breakdown.pop("total"),
         breakdown=breakdown,
+        phases=phase_peaks(marks),
     )
+
+
+def phase_peaks(marks: list[tuple[str, int, int]]) -> tuple[tuple[str, int], ...]:
+    """(label, peak live bytes) per phase from the marks at phase starts: the live bytes at its
+    two ends, or the tracker's peak if that rose in between (then it was reached in there)."""
+    out = []
+    for (label, live0, peak0), (_, live1, peak1) in zip(marks, marks[1:], strict=False):
+        out.append((label, max(live0, live1, peak1 if peak1 > peak0 else 0)))
+    return tuple(out)
+
+
+def _total(snapshot: dict[Any, dict[Any, int]]) -> int:
+    dev = next(iter(snapshot))
+    return int(next(v for k, v in snapshot[dev].items() if getattr(k, "name", k) == "Total"))
 
 
 def _init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -41,6 +41,10 @@ LAUNCHER_RUNS_ENGINE = {
     ("launcher.trace", "trainer.levers"),  # chunked loss and activation offload, traced
     ("launcher.trace", "trainer.loss"),
     ("launcher.trace", "trainer.model"),
+    ("launcher.trace", "trainer.phases"),  # the same phase markers as a profiled step
+    ("launcher.timeline", "trainer.phases"),  # reads a profiled step's trace
+    ("launcher.timeline", "trainer.profile"),
+    ("launcher.report", "trainer.profile"),
 }
 
 

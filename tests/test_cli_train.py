@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import PYTHON, REPO, kill_tree, python_env, run_bounded
+from tests.conftest import PYTHON, REPO, kill_tree, oomless, python_env
 
 DEMO = REPO / "configs" / "demo.yaml"
 FIELDS = {
@@ -28,13 +28,6 @@ FIELDS = {
     "micro_batch_size",
     "grad_accum",
 }
-
-
-def oomless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """The CLI as a user runs it; on a timeout its whole process tree is killed."""
-    return run_bounded(
-        [PYTHON, "-m", "launcher.cli", *args], timeout=timeout, env=python_env(), cwd=REPO
-    )
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -59,6 +52,9 @@ def test_train_writes_config_metrics_and_a_loadable_model(tmp_path):
     first, last = sum(m["loss"] for m in lines[:3]) / 3, sum(m["loss"] for m in lines[-3:]) / 3
     assert last < first * 0.9, (first, last)
     assert "eta" in r.stderr  # the human progress line
+    # only oomless's own lines: no DeepSpeed accelerator line, no transformers progress bars
+    assert "Setting accelerator" not in r.stdout + r.stderr
+    assert "Writing model shards" not in r.stderr
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

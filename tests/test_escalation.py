@@ -12,7 +12,8 @@ import json
 import psutil
 import pytest
 
-from tests.test_cli_train import DEMO, metrics, oomless
+from tests.conftest import oomless
+from tests.test_cli_train import DEMO, metrics
 
 pytestmark = pytest.mark.slow
 COMMON = [
@@ -40,6 +41,9 @@ def test_persistent_oom_climbs_the_ladder_and_learns_the_same(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-4000:]
     assert "escalating ddp -> fsdp" in r.stderr and "escalating fsdp -> zero1" in r.stderr
+    # torchrun's report of the failed workers is kept in the run dir, not printed
+    assert "ChildFailedError" not in r.stderr and "Root Cause" not in r.stderr
+    assert (run_dir / "torchrun.log").read_text().count("Root Cause (first observed failure)") == 2
     escalations = [json.loads(x) for x in (run_dir / "escalations.jsonl").read_text().splitlines()]
     assert [(e["from"], e["to"], e["step"]) for e in escalations] == [
         ("ddp", "fsdp", 4),

@@ -292,19 +292,6 @@ class Checkpointer:
         return final
 
 
-def save_checkpoint(
-    run_dir: Path,
-    step: int,
-    backend_state: dict[str, Any],
-    trainer_state: dict[str, Any],
-    cfg: JobConfig,
-    tokenizer: Any,
-    rank: int,
-) -> Path:
-    """One synchronous checkpoint (a collective)."""
-    return Checkpointer(run_dir, cfg, tokenizer, rank).save(step, backend_state, trainer_state)
-
-
 def check_resumable(
     path: Path,
     cfg: JobConfig,

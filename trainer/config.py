@@ -206,9 +206,16 @@ class SlowRank0Config(_Section):
     final_save_s: float = Field(0.0, ge=0)
 
 
+class ProfileConfig(_Section):
+    start: int = Field(ge=1)  # the first profiled optimizer step, counted from 1
+    steps: int = Field(2, ge=1)
+
+
 class DebugConfig(_Section):
     inject_oom: InjectOomConfig | None = None
     slow_rank0: SlowRank0Config | None = None
+    # torch.profiler over optimizer steps start .. start + steps - 1 -> run.dir/profile/
+    profile: ProfileConfig | None = None
     crash_in_save: int | None = Field(None, ge=1)  # SIGKILL at the N-th point inside saves
     # cap the CUDA allocator at this fraction of each device (emulates a smaller card, so an
     # out-of-memory and the escalation after it are real; bench/gpu_validate.sh); inert on CPU
@@ -222,6 +229,11 @@ class RunConfig(_Section):
     async_checkpoint: bool = False
     resume: str = "auto"  # auto | never | a checkpoint directory
     save_final: bool = True
+    # experiment trackers rank 0 sends metrics.jsonl's records to (trainer/trackers.py)
+    trackers: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=list
+    )
+    name: str | None = None  # the run's name in the trackers (default: run.dir's name)
 
     @field_validator("resume")
     @classmethod

@@ -9,9 +9,9 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_USAGE = 2  # invalid config, data or usage: one line on stderr
 EXIT_NO_FIT = 3  # fits on no strategy of the hardware given
-EXIT_INTERRUPTED = 130  # Ctrl-C of `oomless train`
 EXIT_OOM = 75  # out of device memory after in-process recovery (the supervisor escalates)
 EXIT_SIGNAL = 143  # stopped by SIGTERM/SIGUSR1 after writing a checkpoint
+EXIT_CUT_OFF = 130  # interrupted (Ctrl-C, repeated signals) before a checkpoint was written
 
 # Files under run.dir
 CONFIG_FILE = "config.yaml"  # the resolved config every rank runs
@@ -28,3 +28,6 @@ RUN_LOCK_FILE = "run.lock"
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_LINK = "latest"
 FINAL_DIR = "final"
+TRACKERS_FILE = "trackers.json"  # the tracker run ids a resumed or escalated run continues
+TORCHRUN_LOG = "torchrun.log"  # torchrun's own lines and failure reports, kept out of the output
+PROFILE_DIR = "profile"  # debug.profile: rank{N}.trace.json, rank{N}.memory_snapshot.pickle

@@ -395,20 +395,25 @@ def data_cache_dir(data: DataConfig) -> Path:
     return Path(data.cache_dir or Path.home() / ".cache" / "oomless" / "data").expanduser()
 
 
-def tokenize_all(cfg: JobConfig, tokenizer: Any) -> tuple[Documents, Documents | None, str]:
-    """(training documents, eval documents or None, the fingerprint of data.path's documents):
-    every source tokenised (or read from the cache) and the eval split taken. The launcher calls
-    it before the launch, so bad data stops there and the ranks find the cache warm."""
+def tokenize_all(cfg: JobConfig, tokenizer: Any) -> tuple[Documents, Documents | None]:
+    """(training documents, eval documents or None) as read: every source tokenised, or read
+    from the cache. The launcher calls it before the launch, so bad data stops there and the
+    ranks find the cache warm."""
     data = cfg.data
     sources = [("data.path", data.path)] + (
         [("data.eval_path", data.eval_path)] if data.eval_path else []
     )
     docs = {
-        key: tokenize_source(path, key, data, tokenizer, data_cache_dir(data))
-        for key, path in sources
+        key: tokenize_source(p, key, data, tokenizer, data_cache_dir(data)) for key, p in sources
     }
-    train_docs, eval_docs = docs["data.path"], docs.get("data.eval_path")
-    fingerprint = docs_fingerprint(train_docs)
+    return docs["data.path"], docs.get("data.eval_path")
+
+
+def split_eval(
+    cfg: JobConfig, train_docs: Documents, eval_docs: Documents | None
+) -> tuple[Documents, Documents | None]:
+    """Hold out `data.eval_fraction` of the training documents when there is no eval_path."""
+    data = cfg.data
     if eval_docs is None and data.eval_fraction > 0:
         order = np.random.default_rng([cfg.train.seed, 7]).permutation(train_docs.num_docs)
         num_eval = max(1, round(data.eval_fraction * train_docs.num_docs))
@@ -418,25 +423,27 @@ def tokenize_all(cfg: JobConfig, tokenizer: Any) -> tuple[Documents, Documents |
             )
         eval_docs = train_docs.subset(np.sort(order[:num_eval]))
         train_docs = train_docs.subset(np.sort(order[num_eval:]))
-    return train_docs, eval_docs, fingerprint
+    return train_docs, eval_docs
 
 
 def build_data(cfg: JobConfig, tokenizer: Any) -> DataBundle:
     """Tokenise (rank 0 first, others then read its cache), split off eval, pack."""
     data = cfg.data
 
-    def tokenize_first() -> tuple[Documents, Documents | None, str]:
+    def tokenize_first() -> tuple[Documents, Documents | None]:
         slow_down(cfg, "tokenize_s")
         return tokenize_all(cfg, tokenizer)
 
     # rank 0 tokenises and caches; the others then read the cache (the launcher has usually
     # tokenised already; under srun on a cold cache this is the long part)
-    train_docs, eval_docs, fingerprint = after_rank0(
+    train_docs, eval_docs = after_rank0(
         "tokenising the data",
         tokenize_first,
         lambda: tokenize_all(cfg, tokenizer),
         clock_s=cfg.dist.timeout_s,
     )
+    fingerprint = docs_fingerprint(train_docs)
+    train_docs, eval_docs = split_eval(cfg, train_docs, eval_docs)
     pad_id = tokenizer.pad_token_id
     split_docs = data.format == "text"
     train_windows = pack(train_docs, data.seq_len, pad_id, split_docs, data.pack)

@@ -263,7 +263,7 @@ def exit_without_teardown(code: int) -> NoReturn:
     Left to the interpreter, gloo's threads can be destroyed unjoined while C++ statics unwind,
     even after destroy_process_group ("terminate called without an active exception"): SIGABRT
     after the last step, which torchrun reports as a failed run and srun --kill-on-bad-exit as a
-    failed job (2 of ~20 two-node Slurm test jobs here). Only the streams need a flush: the run's
+    failed job. Only the streams need a flush: the run's
     files are closed by now, and the peers need no goodbye (they exit the same way).
     """
     logging.shutdown()

@@ -59,11 +59,13 @@ from trainer.oom import (
     memory_summary,
     write_oom_report,
 )
+from trainer.profile import ProfileWindow
 from trainer.schedule import lr_at
 from trainer.signals import StopSignals
 from trainer.slurm_requeue import requeue_if_preempted
 from trainer.step import train_step
 from trainer.strategies import AC_LEVELS
+from trainer.trackers import Trackers
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +165,10 @@ def _memory_levers(cfg: JobConfig, model: torch.nn.Module, device: torch.device)
 
 
 def _train(run: _Run) -> int:
-    """The loop, from the resumed step to the last: 0, or EXIT_OOM / EXIT_SIGNAL."""
+    """The loop, from the resumed step to the last: 0, or EXIT_OOM / EXIT_SIGNAL.
+
+    Longer than the others on purpose: what one step does, and every way it can end (an OOM,
+    a signal, the last step), reads top to bottom here, as nanoGPT's loop does."""
     cfg, ctx, split, backend = run.cfg, run.ctx, run.split, run.backend
     num_params = _num_params(run.factory)
     _log_start(run, num_params)
@@ -174,6 +179,13 @@ def _train(run: _Run) -> int:
         metrics.truncate_after(run.start_step)
     stop = StopSignals()
     checkpointer = Checkpointer(run.run_dir, cfg, run.tokenizer, ctx.rank, run.data.fingerprint)
+    trackers = Trackers.start(
+        cfg.run.trackers, run.run_dir, cfg.run.name, run.start_step, ctx.rank == 0
+    )
+    optimizer = getattr(backend, "optimizer", None)
+    window = ProfileWindow(
+        cfg.debug.profile, run.run_dir, ctx.rank, ctx.device, run.model, optimizer
+    )
     peak_flops = _device_peak_flops(ctx.device)
     flops_per_token = _flops_per_token(run.factory.hf_config, num_params, cfg.data.seq_len)
     for step in range(run.start_step, cfg.train.steps):
@@ -182,17 +194,21 @@ def _train(run: _Run) -> int:
         backend.set_lr(lr)
         run.faults.step = step
         try:
+            window.begin(step)
             result = _step_with_backoff(run.model, backend, run.data, split, step, ctx, run.faults)
         except OutOfMemoryGaveUp as err:
             _report_oom(run.run_dir, err, step, split, backend, ctx)
-            return EXIT_OOM
+            return _ended(EXIT_OOM, trackers, window)
         except OutOfMemoryInStep as err:  # this rank alone; no collective may follow
             _report_oom_alone(run.run_dir, err, step, split, backend, ctx)
-            return EXIT_OOM
+            return _ended(EXIT_OOM, trackers, window)
+        profiled = window.end(step)
         stopping, peak_bytes = stop.agreed_with(
             backend.memory_stats()["peak_device_bytes"], ctx.device
         )
         record = _step_record(step, lr, result, peak_bytes, split, ctx)
+        if profiled:  # its time includes the profiler's overhead: not throughput
+            record["profiled"] = True
         if peak_flops:
             mfu = flops_per_token * result.num_tokens / result.step_time_s
             record["mfu"] = mfu / (peak_flops * ctx.world_size)
@@ -204,8 +220,9 @@ def _train(run: _Run) -> int:
                 )
             except OutOfMemoryGaveUp as err:  # at eval batch 1: climb a rung, like a step
                 _report_oom(run.run_dir, err, step, split, backend, ctx)
-                return EXIT_OOM
+                return _ended(EXIT_OOM, trackers, window)
         metrics.write(record)
+        trackers.log(record)
 
         last = step + 1 == cfg.train.steps
         if stopping or (_due(step + 1, cfg.run.checkpoint_every, cfg.train.steps) and not last):
@@ -216,9 +233,16 @@ def _train(run: _Run) -> int:
             log.warning("stopped by %s after step %d; checkpoint written", stop.name, step + 1)
             if ctx.rank == 0:  # preempted under Slurm (SIGUSR1): back in the queue, resumes there
                 requeue_if_preempted(stop.signum, ctx.rank)
-            return EXIT_SIGNAL
+            return _ended(EXIT_SIGNAL, trackers, window)
     checkpointer.finish()
-    return 0
+    return _ended(0, trackers, window)
+
+
+def _ended(code: int, trackers: Trackers, window: ProfileWindow) -> int:
+    """Close what watches the run (trackers, a profiler window left open); the exit code."""
+    window.close()
+    trackers.close(code)
+    return code
 
 
 def _log_start(run: _Run, num_params: int) -> None:

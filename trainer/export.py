@@ -37,6 +37,9 @@ def save_hf_model(
     second copy of the weights is allocated.
     """
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards": the run prints its own lines
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

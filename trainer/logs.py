@@ -5,7 +5,24 @@ from __future__ import annotations
 import logging
 import sys
 
-_NOISY = ("httpx", "urllib3", "filelock", "datasets", "torch.distributed", "DeepSpeed")
+_NOISY = ("httpx", "urllib3", "filelock", "datasets", "torch.distributed", "DeepSpeed", "mlflow")
+
+
+class _DropLines(logging.Filter):
+    """Drops a library's records whose message starts with one of `prefixes`."""
+
+    def __init__(self, *prefixes: str):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+# DeepSpeed's logger has its own handler (stdout) and sets its own level when deepspeed is first
+# imported (by transformers or accelerate, whatever the strategy); a filter on it stays. Its
+# accelerator line is a warning on every CPU run: the CPU is what the config asked for.
+_DEEPSPEED_ACCELERATOR = _DropLines("Setting accelerator to CPU", "Setting ds_accelerator to")
 
 
 class _RankFilter(logging.Filter):
@@ -30,3 +47,6 @@ def setup_logging(rank: int = 0, world_size: int = 1) -> None:
     root.setLevel(logging.INFO)
     for name in _NOISY:
         logging.getLogger(name).setLevel(logging.WARNING)
+    deepspeed = logging.getLogger("DeepSpeed")
+    if _DEEPSPEED_ACCELERATOR not in deepspeed.filters:
+        deepspeed.addFilter(_DEEPSPEED_ACCELERATOR)

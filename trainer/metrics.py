@@ -25,6 +25,8 @@ class MetricsLog:
         self.log_every = log_every
         self._start = time.perf_counter()
         self._first_step: int | None = None
+        self._profiled_s = 0.0  # profiled steps' time (profiler overhead): not in the ETA
+        self._num_profiled = 0
 
     def truncate_after(self, step: int) -> None:
         """Keep the lines of steps <= `step` (a resumed run rewrites what came after).
@@ -63,20 +65,23 @@ class MetricsLog:
         if self._first_step is None:
             self._first_step = step
             self._start = time.perf_counter() - record.get("step_time_s", 0.0)
+        if record.get("profiled"):
+            self._profiled_s += record.get("step_time_s", 0.0)
+            self._num_profiled += 1
         if step % self.log_every == 0 or step == self.total_steps or "eval_loss" in record:
             log.info(self._progress_line(record))
 
     def _progress_line(self, r: dict[str, Any]) -> str:
         step = r["step"]
-        done = step - (self._first_step or step) + 1
-        elapsed = time.perf_counter() - self._start
-        eta_s = elapsed / done * (self.total_steps - step)
+        done = step - (self._first_step or step) + 1 - self._num_profiled
+        elapsed = time.perf_counter() - self._start - self._profiled_s
+        eta_s = elapsed / max(done, 1) * (self.total_steps - step)
         parts = [
             f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}",
             f"loss {r['loss']:.4f}",
             f"lr {r['lr']:.2e}",
             f"gnorm {r['grad_norm']:.3f}",
-            f"{r['tokens_per_s']:,.0f} tok/s",
+            "profiled" if r.get("profiled") else f"{r['tokens_per_s']:,.0f} tok/s",
         ]
         if "mfu" in r:
             parts.append(f"mfu {r['mfu']:.1%}")

@@ -5,7 +5,7 @@ The handler only sets a flag; the engine checks it at every step boundary and al
 
 Exit 143 promises a checkpoint, so a second signal (an impatient Ctrl-C, Slurm's SIGTERM after its
 SIGUSR1) does not cut the stop checkpoint short: it is logged and the checkpoint is finished. A
-third stops at once with exit 130 (EXIT_INTERRUPTED): no checkpoint of this step; resume from the
+third stops at once with exit 130 (EXIT_CUT_OFF): no checkpoint of this step; resume from the
 previous one.
 """
 
@@ -16,7 +16,7 @@ import signal
 
 import torch
 
-from trainer.contract import EXIT_INTERRUPTED, EXIT_SIGNAL
+from trainer.contract import EXIT_CUT_OFF, EXIT_SIGNAL
 from trainer.dist import all_reduce_max, all_reduce_max_many
 
 log = logging.getLogger(__name__)
@@ -43,16 +43,16 @@ class StopSignals:
                 "a third signal stops at once without it (exit %d)",
                 name,
                 EXIT_SIGNAL,
-                EXIT_INTERRUPTED,
+                EXIT_CUT_OFF,
             )
         else:
             log.error(
                 "received %s a third time: stopping now; this step has no checkpoint, resume "
                 "from the previous one (exit %d)",
                 name,
-                EXIT_INTERRUPTED,
+                EXIT_CUT_OFF,
             )
-            raise SystemExit(EXIT_INTERRUPTED)
+            raise SystemExit(EXIT_CUT_OFF)
 
     @property
     def name(self) -> str:

@@ -14,6 +14,7 @@ from trainer.backends import Backend
 from trainer.dist import all_reduce_sum
 from trainer.loss import IGNORE_INDEX, compute_loss
 from trainer.oom import NO_FAULTS, FaultInjector, OutOfMemoryInStep, agree, is_oom
+from trainer.phases import OPTIMIZER, mark_in_profile
 
 T = TypeVar("T")
 
@@ -60,6 +61,7 @@ def train_step(
             _guarded("backward", device, backward, backend, micro_loss_sum / denominator, faults)
         loss_sum += micro_loss_sum.detach()
         del micro_loss_sum
+    mark_in_profile(OPTIMIZER)
     try:
         grad_norm = backend.step()
     except Exception as err:

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from tests.conftest import REPO
-from tests.test_cli_train import DEMO, metrics, oomless
+from tests.conftest import REPO, oomless
+from tests.test_cli_train import DEMO, metrics
 
 COMMON = ["hardware.device=cpu", "train.eval_every=0", "run.save_final=false"]
 

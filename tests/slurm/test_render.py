@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import subprocess
 
-from tests.conftest import PYTHON, REPO, python_env
+from tests.conftest import REPO, oomless
 
 DEMO = REPO / "configs" / "demo.yaml"
 
 
 def _submit_dry_run(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PYTHON, "-m", "launcher.cli", "submit", str(DEMO), *overrides, "--dry-run"],
-        capture_output=True,
-        text=True,
-        env=python_env(),
-        cwd=REPO,
-        timeout=120,
-    )
+    return oomless("submit", str(DEMO), *overrides, "--dry-run", timeout=120)
 
 
 def test_two_gpu_nodes(tmp_path):

@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from tests.test_cli_train import DEMO, metrics, oomless
+from tests.conftest import oomless
+from tests.test_cli_train import DEMO, metrics
 from trainer.dist import slurm_head_node, wait_for_future
 
 

@@ -1,0 +1,79 @@
+"""torchrun's own output, kept out of the run's: its agent's log lines and the ChildFailedError
+report it prints when a worker fails (a traceback of torchrun itself, then "trainer FAILED",
+"Root Cause", each rank's exit code: about 25 lines) go to run.dir/torchrun.log. The workers'
+lines, their own tracebacks included, pass through unchanged.
+
+An out-of-memory exit that the supervisor escalates is then one line from the rank that ran out
+and one from the supervisor saying what comes next, not a crash report.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+from typing import IO
+
+# torch.distributed.elastic logs glog-style: "E1123 18:58:27.360000 21970 .../api.py:1002] ..."
+_AGENT_LINE = re.compile(r"^[EWID]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/")
+_RULE = "=" * 20
+
+
+class TorchrunOutput:
+    """Copies torchrun's stderr line by line to `out`, diverting torchrun's own lines to `log`."""
+
+    def __init__(self, log_path: Path, out: IO[str]):
+        self.log_path = log_path
+        self.out = out
+        self.num_diverted = 0
+        self._held: list[str] = []  # a traceback whose exception line has not come yet
+        self._rules_left = 0  # inside the ChildFailedError report: closing rules still to come
+
+    def feed(self, line: str) -> None:
+        if self._rules_left:
+            self._divert(line)
+            if line.startswith(_RULE):
+                self._rules_left -= 1
+        elif self._held:
+            self._held.append(line)
+            if not line.startswith((" ", "\t")):  # the exception line ends a traceback
+                held, self._held = self._held, []
+                if "ChildFailedError" in line:  # torchrun's report follows between two rules
+                    for h in held:
+                        self._divert(h)
+                    self._rules_left = 2
+                else:  # a worker's own traceback: the user's to see
+                    self._write(held)
+        elif line.startswith("Traceback (most recent call last):"):
+            self._held = [line]
+        elif _AGENT_LINE.match(line):
+            self._divert(line)
+        else:
+            self._write([line])
+
+    def close(self) -> None:
+        if self._held:
+            self._write(self._held)
+            self._held = []
+
+    def pump(self, stream: IO[str]) -> threading.Thread:
+        """Feed every line of `stream` from a thread; returns it (join it after the process)."""
+
+        def run() -> None:
+            for line in stream:
+                self.feed(line)
+            self.close()
+
+        thread = threading.Thread(target=run, name="torchrun-output", daemon=True)
+        thread.start()
+        return thread
+
+    def _write(self, lines: list[str]) -> None:
+        self.out.write("".join(lines))
+        self.out.flush()
+
+    def _divert(self, line: str) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("a") as f:
+            f.write(line)
+        self.num_diverted += 1

@@ -1,0 +1,64 @@
+"""torchrun's own report of failed workers goes to run.dir/torchrun.log; the workers' lines, their
+own tracebacks included, reach the user unchanged."""
+
+from __future__ import annotations
+
+import io
+
+from launcher.torchrun_output import TorchrunOutput
+
+WORKER = """\
+[rank0] step 1/4 | loss 3.7893 | lr 3.00e-03 | gnorm 3.105 | 7,074 tok/s | eta 0:00:00
+[rank0] out of memory at step 2 on ddp in forward at micro-batch 1: wrote oom-report.json (exit 75)
+"""
+CRASH = """\
+Traceback (most recent call last):
+  File "/work/trainer/engine.py", line 10, in run_training
+    return _train(run)
+ValueError: a real bug in a worker
+"""
+AGENT = """\
+W1123 18:58:27.342000 21970 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 21984 closing signal SIGTERM
+E1123 18:58:27.360000 21970 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 75) local_rank: 0 (pid: 21983) of binary: python3
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+============================================================
+trainer FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-23_18:58:27
+  rank      : 1 (local_rank: 1)
+  exitcode  : 75 (pid: 21984) 
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 75 (pid: 21983) 
+============================================================
+"""  # noqa: E501, W291
+
+
+def test_the_report_goes_to_the_log_and_worker_lines_pass(tmp_path):
+    out = io.StringIO()
+    filt = TorchrunOutput(tmp_path / "torchrun.log", out)
+    after = "[rank0] a line after the report\n"
+    for line in io.StringIO(WORKER + CRASH + AGENT + after):
+        filt.feed(line)
+    filt.close()
+    assert out.getvalue() == WORKER + CRASH + after
+    assert (tmp_path / "torchrun.log").read_text() == AGENT
+    assert filt.num_diverted == len(AGENT.splitlines())
+
+
+def test_a_traceback_cut_short_is_shown(tmp_path):
+    out = io.StringIO()
+    filt = TorchrunOutput(tmp_path / "torchrun.log", out)
+    text = 'Traceback (most recent call last):\n  File "x.py", line 1\n'
+    for line in io.StringIO(text):
+        filt.feed(line)
+    filt.close()
+    assert out.getvalue() == text and not (tmp_path / "torchrun.log").exists()
