@@ -13,9 +13,8 @@ import os
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env, run_bounded
+from tests.conftest import PYTHON, REPO, python_env, run_bounded, write_demo_job
 
 pytestmark = pytest.mark.slow
 DEMO = REPO / "configs" / "demo"
@@ -24,23 +23,11 @@ ALL = "run.trackers=[tensorboard, wandb, mlflow, trackio]"
 
 
 def _job(tmp: Path) -> Path:
-    job = {
-        "model": {"config": {**TINY_LLAMA, "vocab_size": 45}, "tokenizer": str(DEMO / "tokenizer")},
-        "data": {
-            "path": str(DEMO / "train.jsonl"),
-            "format": "prompt_completion",
-            "seq_len": 32,
-            "cache_dir": str(tmp / "cache"),
-        },
-        "train": {"steps": STEPS, "global_batch_size": 8, "micro_batch_size": 4, "lr": 3e-3},
-        "precision": "fp32",
-        "memory": {"activation_checkpointing": "none"},
-        "hardware": {"device": "cpu", "devices_per_node": 1},
-        "run": {"save_final": False, "checkpoint_every": 4},
-    }
-    path = tmp / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return path
+    return write_demo_job(
+        tmp / "job.yaml",
+        train={"steps": STEPS, "global_batch_size": 8, "micro_batch_size": 4},
+        run={"checkpoint_every": 4},
+    )
 
 
 def _train(job: Path, run_dir: Path, *overrides: str, env: dict | None = None):
