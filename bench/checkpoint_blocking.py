@@ -28,6 +28,7 @@ from trainer.checkpoint import Checkpointer  # noqa: E402
 from trainer.config import build_config  # noqa: E402
 from trainer.model import HFModelFactory, count_parameters  # noqa: E402
 from trainer.step import train_step  # noqa: E402
+from trainer.units import GIB
 
 MODEL = {
     "model_type": "llama",
@@ -111,7 +112,7 @@ def main() -> None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     sync_med, async_med = result["sync_median_s"], result["async_median_s"]
     print(
-        f"{num_params / 1e6:.0f}M params, checkpoint {size_bytes / 2**30:.2f} GiB: training "
+        f"{num_params / 1e6:.0f}M params, checkpoint {size_bytes / GIB:.2f} GiB: training "
         f"blocked {sync_med:.2f} s per sync save, {async_med:.2f} s per async save "
         f"(median of {args.rounds})"
     )

@@ -57,6 +57,17 @@ MODELS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 4096,
         "tie_word_embeddings": False,
     },
+    "llama3-1b": {  # 1.2B parameters, Llama-3.2-1B's shape (128k vocabulary, tied): the levers
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+    },
     "llama-3b": {  # 3.2B parameters, Llama-3.2-3B's shape with a 32k vocabulary
         "model_type": "llama",
         "vocab_size": 32000,
@@ -224,6 +235,31 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
+
+
+def add_step_args(parser: Any, rounds: int) -> None:
+    """The options every timed-step bench takes: model, rounds, batch geometry, precision."""
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--accum", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--json", type=Path)
+
+
+def init_torchrun_rank(device_name: str, cuda_backend: str) -> tuple[torch.device, int, int]:
+    """(device, rank, world size) of a torchrun worker, its process group initialised
+    (`cuda_backend` on GPUs, gloo on CPU)."""
+    import torch.distributed as dist
+
+    device = resolve_device(device_name)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group(cuda_backend if device.type == "cuda" else "gloo")
+    return device, rank, world
 
 
 def sync(device: torch.device) -> None:

@@ -99,7 +99,7 @@ class PlainLoop:
 
     def __init__(self, args: argparse.Namespace, device: torch.device):
         self.model = build_hf_model(args.model).to(device)
-        self.opt = build_adamw(self.model.parameters(), OPTIM, device)  # the engine's AdamW
+        self.opt = build_adamw(self.model.parameters(), OPTIM)  # the engine's AdamW
         self.device = device
         self.precision = args.precision
 

@@ -31,8 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import MODELS, machine
-
-GIB = 1024**3
+from trainer.units import GIB
 
 
 @dataclass(frozen=True)

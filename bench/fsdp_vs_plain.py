@@ -24,15 +24,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench.common import (
+    add_step_args,
     alternate,
     build_hf_model,
+    init_torchrun_rank,
     job_config,
     machine,
     make_batches,
     medians,
     mfu,
     num_parameters,
-    resolve_device,
     timed,
 )
 from bench.engine_vs_plain import OPTIM
@@ -54,7 +55,7 @@ def build_plain_fsdp(model_name: str, precision: str, device: torch.device):
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
-    return model, build_adamw(model.parameters(), OPTIM, device)  # the engine's AdamW
+    return model, build_adamw(model.parameters(), OPTIM)  # the engine's AdamW
 
 
 def plain_step(model, opt, batches, device: torch.device) -> None:
@@ -75,20 +76,9 @@ def plain_step(model, opt, batches, device: torch.device) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-20m")
-    p.add_argument("--rounds", type=int, default=16)
-    p.add_argument("--micro", type=int, default=4)
-    p.add_argument("--accum", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--json", type=Path)
+    add_step_args(p, rounds=16)
     args = p.parse_args()
-    device = resolve_device(args.device)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    device, rank, world = init_torchrun_rank(args.device, "nccl")
     batches = make_batches(args.model, args.accum, args.micro, args.seq)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = job_config(

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine
+from trainer.units import GIB
 
 LABELS = {
     "estimate": "estimator vs max_memory_allocated",
@@ -22,6 +23,7 @@ LABELS = {
     "fsdp": "`fsdp` (world 1) vs hand-written FSDP2",
     "zero3_offload": "`zero3_offload` vs DeepSpeed by hand",
     "escalation": "real OOM -> escalation",
+    "levers": "chunked loss, activation offload vs off",
 }
 EXIT_MEANINGS = {"124": "timed out", "137": "killed (timeout)", "missing": "missing"}
 
@@ -49,6 +51,8 @@ def describe(name: str, out: Path) -> str:
             return _offload(result)
         if name == "escalation":
             return _escalation(result)
+        if name == "levers":
+            return _levers(result)
     if name == "estimate" and not (out / "estimate.log").exists():
         return "bench/estimate_gpu.py not found"
     return _last_line(out / f"{name}.log")
@@ -64,6 +68,24 @@ def _throughput(r: dict[str, Any], peer: str) -> str:
     if "mfu_6n" in r:
         text += f"; MFU (6N) {r['mfu_6n']['oomless']:.1%} vs {r['mfu_6n'][peer]:.1%}"
     return text
+
+
+def _levers(r: dict[str, Any]) -> str:
+    """Step time and peak of each lever as a ratio to neither."""
+    parts = []
+    for name, label in (
+        ("chunked_loss", "chunked"),
+        ("offload_activations", "offload"),
+        ("both", "both"),
+    ):
+        peak = r["over_off"]["peak"][name]
+        parts.append(
+            f"{label} time {r['over_off']['step_time'][name]:.3f}"
+            + (f" peak {peak:.3f}" if peak is not None else "")
+        )
+    off = r["peak_device_bytes"]["off"]
+    head = f"{r['model']} seq {r['seq_len']}" + (f", off {off / GIB:.1f} GiB" if off else "")
+    return f"{head}: " + ", ".join(parts) + " (of off)"
 
 
 def _offload(r: dict[str, Any]) -> str:
@@ -84,7 +106,7 @@ def _offload(r: dict[str, Any]) -> str:
 
 def _escalation(r: dict[str, Any]) -> str:
     cap = r.get("cap_bytes")
-    where = f"cap {cap / 2**30:.1f} GiB, " if cap else ""
+    where = f"cap {cap / GIB:.1f} GiB, " if cap else ""
     loss = "none" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
     text = (
         f"{r['oom']} OOM, {r['model']}, {where}rungs {' -> '.join(r['rungs']) or 'none'}, "

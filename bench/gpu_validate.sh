@@ -13,6 +13,8 @@
 #                  torch.cuda.max_memory_allocated over a grid of real runs); "missing" if absent
 #   escalation     the CUDA allocator capped below what `single` needs: `oomless train` runs out
 #                  of memory for real, climbs the ladder and completes
+#   levers         chunked loss and activation offload on `single` against neither: peak
+#                  max_memory_allocated and step time, Llama-3.2-1B's shape, seq 4096, micro 1
 #   single, fsdp   tokens/s and MFU of `single` and `fsdp` (world 1) vs hand-written loops on the
 #                  same GPU: a 1.1B Llama shape, bf16, seq 2048
 #   zero3_offload  the largest shape the planner fits on `zero3_offload` vs DeepSpeed driven by
@@ -20,6 +22,7 @@
 #
 # CPU smoke of the same code paths (a 0.6M-parameter shape, a few steps; tests/test_bench.py):
 #     GPU_VALIDATE_CPU_SMOKE=1 OUT=/tmp/smoke bash bench/gpu_validate.sh
+# GPU_VALIDATE_ONLY=levers,single (part names, comma-separated) runs only those parts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
@@ -48,10 +51,12 @@ if [ -n "${GPU_VALIDATE_CPU_SMOKE:-}" ]; then
     # process start-up and imports dominate on a small shared CPU: three times the GPU limits
     CAP_SCALE=3 BUDGET_S=${GPU_VALIDATE_BUDGET_S:-1500}
     ESCALATION=(--model llama-tiny --steps 4 --global-batch 2 --seq 64)
+    LEVERS=(--model llama-tiny --seq 64 --rounds 1 --steps 1)
 else
     DEVICE=cuda PRECISION=bf16 MODEL=llama-1b SEQ=2048 ROUNDS=3 CAP_SCALE=1
     CANDIDATES=llama-1b,llama-3b,llama-8b
     ESCALATION=(--model llama-1b --steps 4 --global-batch 4 --seq 1024)
+    LEVERS=(--model llama3-1b --seq 4096 --rounds 3 --steps 2)
     if ! "$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
         echo "no CUDA device here; GPU_VALIDATE_CPU_SMOKE=1 runs the CPU smoke path" >&2
         exit 2
@@ -66,6 +71,9 @@ part() { # part NAME CAP_S COMMAND...: run under `timeout` within the deadline; 
     local name=$1 cap=$2 left limit begin rc
     shift 2
     cap=$((cap * CAP_SCALE))
+    if [ -n "${GPU_VALIDATE_ONLY:-}" ] && [[ ",$GPU_VALIDATE_ONLY," != *",$name,"* ]]; then
+        return
+    fi
     left=$((BUDGET_S - (SECONDS - START)))
     limit=$((cap < left ? cap : left))
     if [ "$limit" -lt 20 ]; then
@@ -94,6 +102,9 @@ fi
 # `oomless train` gets 15 s less than the part, so that escalation.json is written on a timeout
 part escalation 150 bash -c '"$@" --timeout "$((PART_LIMIT_S - 15))"' _ \
     "$PY" -m bench.escalation --device "$DEVICE" "${ESCALATION[@]}" --out "$OUT"
+
+part levers 120 "$PY" -m bench.levers --device "$DEVICE" --precision "$PRECISION" --micro 1 \
+    --accum 2 "${LEVERS[@]}" --json "$OUT/levers.json"
 
 SAME=(--device "$DEVICE" --precision "$PRECISION" --seq "$SEQ" --rounds "$ROUNDS")
 part single 70 "$PY" -m bench.engine_vs_plain "${SAME[@]}" --model "$MODEL" --micro 4 --accum 2 \

@@ -34,16 +34,17 @@ import torch
 import torch.distributed as dist
 
 from bench.common import (
+    add_step_args,
     alternate,
     build_hf_model,
     copy_bandwidth,
+    init_torchrun_rank,
     job_config,
     largest_model_that_fits,
     machine,
     make_batches,
     medians,
     num_parameters,
-    resolve_device,
     timed,
 )
 from bench.engine_vs_plain import OPTIM
@@ -120,20 +121,9 @@ def main() -> None:
     p.add_argument("--model", default="llama-20m", help="a bench.common shape, or 'largest'")
     p.add_argument("--candidates", default="llama-1b,llama-3b,llama-8b")
     p.add_argument("--bandwidth", action="store_true", help="measure host<->device copies")
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--micro", type=int, default=4)
-    p.add_argument("--accum", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--json", type=Path)
+    add_step_args(p, rounds=8)
     args = p.parse_args()
-    device = resolve_device(args.device)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+    device, rank, world = init_torchrun_rank(args.device, "cpu:gloo,cuda:nccl")
     if args.model == "largest":
         args.model = largest_model_that_fits(
             args.candidates.split(","), "zero3_offload", device, args.micro, args.accum,

@@ -11,7 +11,7 @@ import sys
 
 from launcher.plan import NoFitError
 from trainer.config import ConfigError, dump_config, load_config
-from trainer.contract import EXIT_NO_FIT, EXIT_OK, EXIT_SIGNAL, EXIT_USAGE
+from trainer.contract import EXIT_CUT_OFF, EXIT_NO_FIT, EXIT_OK, EXIT_USAGE
 from trainer.logs import setup_logging
 
 
@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     except NoFitError as err:
         print(f"oomless: {err}", file=sys.stderr)
         return EXIT_NO_FIT
-    except KeyboardInterrupt:
-        return EXIT_SIGNAL
+    except KeyboardInterrupt:  # before the engine runs: nothing to checkpoint (143 promises one)
+        return EXIT_CUT_OFF
     except BrokenPipeError:  # output piped into `head` and friends
         sys.stderr.close()
         return EXIT_OK

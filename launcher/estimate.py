@@ -31,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from launcher.estimate_levers import chunked_head_backward_extra_bytes, logit_tokens
+from launcher.estimate_levers import loss_chunk_tokens as loss_chunk_tokens_for
 from launcher.hardware import Hardware
 from launcher.model_shape import ModelShape
 from trainer import strategies
@@ -62,6 +64,9 @@ class Estimate:
     host_breakdown: dict[str, int] = field(default_factory=dict)
     host_total_bytes: int = 0  # per node
     phases: dict[str, int] = field(default_factory=dict)  # live bytes at each point of the step
+    offloaded_bytes: int = 0  # per rank and micro-batch, with activation offload (PCIe each way)
+    chunked_loss: bool = False
+    offload_activations: bool = False
 
     def fits(self, hw: Hardware, headroom: float) -> bool:
         device_ok = self.device_total_bytes <= hw.device_memory_bytes * (1 - headroom)
@@ -88,6 +93,8 @@ class Estimate:
             "world_size": self.world_size,
             "micro_batch_size": self.micro_batch_size,
             "activation_checkpointing": self.activation_checkpointing,
+            "chunked_loss": self.chunked_loss,
+            "offload_activations": self.offload_activations,
             "fits": self.fits(hw, headroom),
             "device": {
                 "peak_tensor_bytes": self.peak_tensor_bytes,
@@ -159,6 +166,8 @@ class _Micro:
     # function: it saves the linear's input as given (fp32 under autocast) and the parameter
     # itself (re-gathered in backward), so no 16-bit weight copy is saved or cached
     zero3_linear: bool = False
+    chunk_tokens: int | None = None  # chunked loss: tokens per chunk (estimate_levers.py)
+    offload: bool = False  # activation offload: the layers' saved tensors wait on the host
 
     @property
     def tokens(self) -> int:
@@ -225,6 +234,25 @@ def loss_bytes(shape: ModelShape, micro: int, seq: int, c: int) -> int:
     return c * micro * seq * shape.vocab_size + copy + 4 * rows * shape.vocab_size
 
 
+def _offloaded_saved(
+    shape: ModelShape, m: _Micro, ckpt: frozenset[int], rotary: int, cache: int
+) -> tuple[int, int]:
+    """(saved, autocast cache) on the device with activation offload, from the end of forward
+    on: the layers' saved tensors are on the host (a checkpointed layer's keyword inputs, the
+    mask and the rotary tables, stay: the checkpoint holds them itself); autocast's 16-bit
+    weight copies, which the non-checkpointed layers saved, stay cached until forward ends."""
+    num_plain = shape.num_layers - len(ckpt)
+    cached = m.autocast and not m.zero3_linear
+    return rotary, cache + (num_plain * m.c * _matmul_params(shape) if cached else 0)
+
+
+def offloaded_activation_bytes(shape: ModelShape, m: _Micro, ckpt: frozenset[int]) -> int:
+    """Host bytes activation offload holds per rank: every layer's saved tensors."""
+    num_ckpt = len(ckpt)
+    plain = layer_activation_bytes(shape, m)
+    return (shape.num_layers - num_ckpt) * plain + num_ckpt * m.r * m.tokens * shape.hidden_size
+
+
 @dataclass(frozen=True)
 class _GradFlow:
     """How gradients come and go on one device during one micro-batch's backward."""
@@ -256,7 +284,9 @@ def _forward_backward_peaks(
     optimizer state); `gather_*`: parameters a sharded strategy holds unsharded while a layer or
     the root computes; `root_kept`: the part of it held from forward's end into backward
     (FSDP2 does not reshard the root after forward).
-    """
+
+    One function on purpose: the phases share most of their terms (what is saved, what is
+    gathered, which gradients are alive), so they are written side by side."""
     num_layers, num_ckpt = shape.num_layers, len(ckpt)
     t, h, v = m.tokens, shape.hidden_size, shape.vocab_size
     per_layer = layer_activation_bytes(shape, m)
@@ -267,10 +297,24 @@ def _forward_backward_peaks(
     mask_kept = mask_bool if num_ckpt else 0  # checkpoints keep the mask for their recompute
     cached = m.autocast and not m.zero3_linear
     cache = num_ckpt * m.c * _matmul_params(shape) if cached else 0  # autocast's weight cache
+    if m.offload:
+        saved, cache = _offloaded_saved(shape, m, ckpt, rotary, cache)
     final = _final_bytes(shape, m)
-    logits = m.c * t * v
-    rows_v = m.loss_rows * v
+    lt = logit_tokens(t, m.chunk_tokens)
+    logits = m.c * lt * v
+    rows_v = (m.loss_rows if m.chunk_tokens is None else lt) * v
     copy = 4 * rows_v if m.c < 4 else 0
+    head_bwd = 2 * m.c * lt * v
+    in_forward = 0 if m.chunk_tokens is None else copy + 4 * rows_v
+    if m.chunk_tokens is not None:  # each chunk recomputed: its logits, copy and loss again
+        head_bwd += (
+            logits
+            + copy
+            + 4 * rows_v
+            + chunked_head_backward_extra_bytes(
+                t, h, _head_params(shape), m.c, m.r, m.autocast and not m.zero3_linear
+            )
+        )
     start = base + grads.held
     layer_bwd = 2 * m.c * t * shape.intermediate_size + 4 * t * h  # grads of activations
     released = (num_layers - 1) * grads.released_per_layer  # by the first layer's backward
@@ -295,13 +339,16 @@ def _forward_backward_peaks(
         )
         backward_layers = max(backward_layers, live)
         below += kept_ckpt if k in ckpt else per_layer
+        if m.offload:  # the layers below wait on the host; the next one is brought back
+            below = kept_ckpt if k in ckpt else per_layer
 
     return {
-        "forward": start + saved + mask_bool + cache + final + gather_root + logits,
+        # (with chunked loss the loss runs inside the model's forward, one chunk at a time)
+        "forward": start + saved + mask_bool + cache + final + gather_root + logits + in_forward,
         "layer_gather": start + saved + mask_bool + cache + gather_root + gather_layer,
         "loss": start + saved + mask_kept + cache + final + logits + copy + 4 * rows_v + root_kept,
         "backward_start": start + saved + mask_kept + final + 12 * rows_v + root_kept,
-        "backward_head": head + saved + final + 2 * m.c * t * v,
+        "backward_head": head + saved + final + head_bwd,
         "backward_layers": backward_layers,
         # the embedding's backward, with the last layer's reduce-scatter still in flight
         "backward_embedding": start
@@ -486,7 +533,15 @@ _MODEL_STATES = {
 }
 
 
-def _micro(row: Strategy, micro_batch_size: int, seq_len: int, precision: str, packed: bool):
+def _micro(
+    row: Strategy,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str,
+    packed: bool,
+    chunk_tokens: int | None = None,
+    offload: bool = False,
+):
     c = 4 if precision == "fp32" else 2
     fsdp = row.engine == "fsdp"
     return _Micro(
@@ -497,6 +552,8 @@ def _micro(row: Strategy, micro_batch_size: int, seq_len: int, precision: str, p
         autocast=precision != "fp32" and not fsdp,
         masked=packed,
         zero3_linear=row.zero_stage == 3,
+        chunk_tokens=chunk_tokens,
+        offload=offload,
     )
 
 
@@ -520,15 +577,20 @@ def _step_phases(shape: ModelShape, m: _Micro, states: _ModelStates, ckpt, accum
 
 
 def _activation_bytes(shape: ModelShape, m: _Micro, ckpt: frozenset[int]) -> int:
-    """What the breakdown lists as activations: saved tensors of every layer, the final
-    hidden state and the loss's tensors."""
+    """What the breakdown lists as activations on the device: saved tensors of every layer
+    (with activation offload: of the layer in flight and the next one, the rest is on the
+    host), the final hidden state and the loss's tensors (with chunked loss: one chunk's)."""
     num_ckpt = len(ckpt)
-    return (
-        (shape.num_layers - num_ckpt) * layer_activation_bytes(shape, m)
-        + num_ckpt * m.r * m.tokens * shape.hidden_size
-        + _final_bytes(shape, m)
-        + loss_bytes(shape, m.b, m.s, m.c)
-    )
+    layers = (shape.num_layers - num_ckpt) * layer_activation_bytes(shape, m)
+    layers += num_ckpt * m.r * m.tokens * shape.hidden_size
+    if m.offload:
+        layers = min(layers, 2 * layer_activation_bytes(shape, m))
+    if m.chunk_tokens is None:
+        loss = loss_bytes(shape, m.b, m.s, m.c)
+    else:
+        rows = logit_tokens(m.tokens, m.chunk_tokens)
+        loss = (m.c + (4 if m.c < 4 else 0) + 4) * rows * shape.vocab_size
+    return layers + _final_bytes(shape, m) + loss
 
 
 def _runtime_overhead(device: str, peak: int, persistent: int) -> int:
@@ -566,6 +628,9 @@ def estimate(
     grad_accum: int = 2,
     packed: bool = True,
     fsdp_reduce_every_micro_batch: bool = False,
+    chunked_loss: bool = False,
+    offload_activations: bool = False,
+    loss_chunk_tokens: int | None = None,
 ) -> Estimate:
     """Peak bytes on one device and on one host for a training step of this configuration.
 
@@ -574,11 +639,14 @@ def estimate(
     several documents (data.pack), so attention gets a block-causal mask.
     `fsdp_reduce_every_micro_batch`: FSDP reduce-scatters after every micro-batch and accumulates
     sharded gradients, instead of accumulating unsharded ones under no-sync.
+    `chunked_loss`, `offload_activations`, `loss_chunk_tokens`: the exact levers as the engine
+    runs them (launcher/estimate_levers.py).
     """
     _check_modelled(shape)
     row = strategies.row(strategy)
     w = max(1, world_size)
-    m = _micro(row, micro_batch_size, seq_len, precision, packed)
+    chunk = loss_chunk_tokens_for(shape.vocab_size, loss_chunk_tokens) if chunked_loss else None
+    m = _micro(row, micro_batch_size, seq_len, precision, packed, chunk, offload_activations)
     z = _Sizes.of(shape, w, m.c, grad_accum)
     states = _MODEL_STATES[row.engine](row, z, shape, fsdp_reduce_every_micro_batch)
     ckpt = frozenset(checkpointed_layers(shape.num_layers, activation_checkpointing))
@@ -597,6 +665,8 @@ def estimate(
     }
     ranks_here = min(devices_per_node, w)
     host = _host_bytes(row, states, shape.num_params, ranks_here, peak + overhead, device)
+    if offload_activations:
+        host["offloaded_activations"] = offloaded_activation_bytes(shape, m, ckpt) * ranks_here
     return Estimate(
         strategy=strategy,
         world_size=w,
@@ -608,6 +678,9 @@ def estimate(
         host_breakdown={k: int(v) for k, v in host.items()},
         host_total_bytes=int(sum(host.values())),
         phases=phases,
+        offloaded_bytes=offloaded_activation_bytes(shape, m, ckpt) if offload_activations else 0,
+        chunked_loss=chunked_loss,
+        offload_activations=offload_activations,
     )
 
 

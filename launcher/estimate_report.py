@@ -10,9 +10,10 @@ import json
 from typing import Any
 
 from launcher.estimate import Estimate, estimate
+from launcher.estimate_levers import smallest_levers
 from launcher.hardware import Hardware, detect_hardware
 from launcher.model_shape import ModelShape, model_shape
-from launcher.plan import _best_for_rung, rung_world
+from launcher.plan import best_for_rung, estimate_for, rung_world
 from trainer import strategies
 from trainer.config import JobConfig
 from trainer.units import GIB, MIB
@@ -60,6 +61,9 @@ def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, 
             grad_accum=grad_accum,
             precision=cfg.precision,
             attn_implementation=cfg.model.attn_implementation,
+            chunked_loss=row.chunked_loss,
+            offload_activations=row.offload_activations,
+            loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
         )
         analytic = estimate(
             shape,
@@ -72,6 +76,9 @@ def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, 
             precision=cfg.precision,
             device=hw.device,
             grad_accum=grad_accum,
+            chunked_loss=row.chunked_loss,
+            offload_activations=row.offload_activations,
+            loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
         )
         out[row.strategy] = {
             "grad_accum": grad_accum,
@@ -111,29 +118,16 @@ def estimates_for(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[Estim
         forced_other = cfg.strategy not in ("auto", rung.name)
         if forced_other or rung_world(rung, hw) is None:
             continue
-        best, _ = _best_for_rung(shape, rung, hw, cfg, per_rank, 1.0)
+        best, _ = best_for_rung(shape, rung, hw, cfg, per_rank, 1.0)
         if best is not None:
             out.append(best.estimate)
             continue
         micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 1
         ac = cfg.memory.activation_checkpointing
-        out.append(
-            estimate(
-                shape,
-                strategy=rung.name,
-                world_size=hw.world_size,
-                devices_per_node=hw.devices_per_node,
-                micro_batch_size=micro,
-                seq_len=cfg.data.seq_len,
-                activation_checkpointing="full" if ac == "auto" else ac,
-                precision=cfg.precision,
-                device=hw.device,
-                grad_accum=max(1, per_rank // micro),
-                fsdp_reduce_every_micro_batch=(
-                    rung.engine == "fsdp" and cfg.fsdp.reduce_every_micro_batch is not False
-                ),
-            )
-        )
+        levers = smallest_levers(cfg.memory.chunked_loss, cfg.memory.offload_activations)
+        ac = "full" if ac == "auto" else ac
+        every = rung.engine == "fsdp" and cfg.fsdp.reduce_every_micro_batch is not False
+        out.append(estimate_for(shape, rung, hw, cfg, micro, ac, 1.0, every, levers))
     return out
 
 
@@ -168,7 +162,7 @@ def render(shape: ModelShape, hw: Hardware, rows: list[Estimate], cfg: JobConfig
         f"{hw.host_memory_bytes / GIB:.0f} GiB per node (GiB below, per device unless host)"
     )
     cols = f"{'strategy':<22}{'micro':>6} {'ckpt':<10}{'params':>8}{'grads':>8}{'optim':>8}"
-    cols += f"{'activ':>8}{'temp':>8}{'overhd':>8}{'DEVICE':>8}{'HOST':>8}  fits"
+    cols += f"{'activ':>8}{'temp':>8}{'overhd':>8}{'DEVICE':>8}{'HOST':>8}  fits  levers"
     lines = [head, cols]
     for r in rows:
         b: dict[str, Any] = r.device_breakdown
@@ -177,6 +171,12 @@ def render(shape: ModelShape, hw: Hardware, rows: list[Estimate], cfg: JobConfig
             f"{r.strategy:<22}{r.micro_batch_size:>6} {r.activation_checkpointing:<10}"
             f"{gib(b['params'])} {gib(b['grads'])} {gib(b['optimizer'])} "
             f"{gib(b['activations'])} {gib(b['temporary'])} {gib(b['runtime_overhead'])} "
-            f"{gib(r.device_total_bytes)} {gib(r.host_total_bytes)}  {fits}"
+            f"{gib(r.device_total_bytes)} {gib(r.host_total_bytes)}  {fits:<4}  {_levers(r)}"
         )
     return "\n".join(lines)
+
+
+def _levers(r: Estimate) -> str:
+    """The exact levers of a row, short: chunked loss, activation offload."""
+    on = [n for n, v in (("chunked", r.chunked_loss), ("offload", r.offload_activations)) if v]
+    return "+".join(on) or "-"

@@ -16,6 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.estimate import Estimate, estimate
+from launcher.estimate_levers import (
+    NO_LEVERS,
+    Levers,
+    lever_variants,
+    offload_pcie_seconds,
+    recomputed_head_flops_per_token,
+    smallest_levers,
+)
 from launcher.hardware import Hardware
 from launcher.model_shape import ModelShape, model_shape
 from trainer import strategies
@@ -46,6 +54,7 @@ class Alternative:
     relative_step_time: float | None
     micro_batch_size: int | None = None
     activation_checkpointing: str | None = None
+    levers: str | None = None  # the exact levers in words (`Levers.words`)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -55,6 +64,7 @@ class Alternative:
             "relative_step_time": self.relative_step_time,
             "micro_batch_size": self.micro_batch_size,
             "activation_checkpointing": self.activation_checkpointing,
+            "levers": self.levers,
         }
 
 
@@ -72,6 +82,7 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     alternatives: list[Alternative] = field(default_factory=list)
     fsdp_reduce_every_micro_batch: bool | None = None  # fsdp rungs only
+    levers: Levers = NO_LEVERS
 
     def to_json(self, hw: Hardware, headroom: float, command: list[str]) -> dict[str, Any]:
         """INTERFACE.md's `plan --json`."""
@@ -83,6 +94,8 @@ class Plan:
             "micro_batch_size": self.micro_batch_size,
             "grad_accum": self.grad_accum,
             "activation_checkpointing": self.activation_checkpointing,
+            "chunked_loss": self.levers.chunked_loss,
+            "offload_activations": self.levers.offload_activations,
             "predicted_step_time_s": self.step_time_s,
             **(
                 {"fsdp_reduce_every_micro_batch": self.fsdp_reduce_every_micro_batch}
@@ -115,15 +128,21 @@ def step_time_s(
     micro: int,
     ac: str,
     reduce_every_micro: bool | None = False,
+    levers: Levers = NO_LEVERS,
+    offloaded_bytes: int = 0,
 ) -> float:
     """Predicted seconds per optimizer step (compute + recompute + communication + offload);
-    `reduce_every_micro`: FSDP reduce-scatters after every micro-batch."""
+    `reduce_every_micro`: FSDP reduce-scatters after every micro-batch; `levers`: chunked loss
+    recomputes the head's forward, activation offload moves `offloaded_bytes` per micro-batch
+    (launcher/estimate_levers.py)."""
     seq = cfg.data.seq_len
     world = hw.world_size
     tokens = cfg.train.global_batch_size * seq
     n = shape.num_params
     attention = 12 * shape.num_layers * shape.hidden_size * seq  # per token, fwd + bwd
     recompute = {"none": 0.0, "selective": 0.5, "full": 1.0}[ac] * (2 * n + attention / 3)
+    if levers.chunked_loss:
+        recompute += recomputed_head_flops_per_token(shape.hidden_size, shape.vocab_size)
     flops = tokens * (6 * n + attention + recompute)
     peak = hw.peak_flops or (CPU_PEAK_FLOPS if hw.device == "cpu" else UNKNOWN_GPU_PEAK_FLOPS)
     micro_tokens = micro * seq
@@ -155,6 +174,8 @@ def step_time_s(
     if rung.host_adam_params_s:
         offload += per_rank * min(hw.devices_per_node, world) / rung.host_adam_params_s
     offload += rung.nvme_per_step * per_rank / nvme
+    if levers.offload_activations:
+        offload += offload_pcie_seconds(offloaded_bytes * grad_accum, pcie, compute)
     return compute + comm + offload
 
 
@@ -162,7 +183,7 @@ def _divisors_desc(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
 
 
-def _estimate(
+def estimate_for(
     shape: ModelShape,
     rung: Strategy,
     hw: Hardware,
@@ -171,7 +192,10 @@ def _estimate(
     ac: str,
     memory_scale: float,
     reduce_every_micro: bool | None = False,
+    levers: Levers = NO_LEVERS,
 ) -> Estimate:
+    """The estimate of one candidate: this rung at this micro-batch, checkpointing and levers,
+    with the global batch's accumulation; device bytes scaled by a measured `memory_scale`."""
     est = estimate(
         shape,
         strategy=rung.name,
@@ -184,6 +208,9 @@ def _estimate(
         device=hw.device,
         grad_accum=max(1, cfg.train.global_batch_size // (hw.world_size * micro)),
         fsdp_reduce_every_micro_batch=bool(reduce_every_micro),
+        chunked_loss=levers.chunked_loss,
+        offload_activations=levers.offload_activations,
+        loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
     )
     if memory_scale == 1.0:
         return est
@@ -198,6 +225,9 @@ def _estimate(
         int(est.device_total_bytes * memory_scale),
         est.host_breakdown,
         est.host_total_bytes,
+        offloaded_bytes=est.offloaded_bytes,
+        chunked_loss=est.chunked_loss,
+        offload_activations=est.offload_activations,
     )
 
 
@@ -209,6 +239,7 @@ class _Candidate:
     estimate: Estimate
     time_s: float
     reduce_every_micro: bool | None = None  # fsdp rungs only
+    levers: Levers = NO_LEVERS
 
 
 def _reduce_variants(rung: Strategy, cfg: JobConfig) -> tuple[bool | None, ...]:
@@ -221,7 +252,7 @@ def _reduce_variants(rung: Strategy, cfg: JobConfig) -> tuple[bool | None, ...]:
     return (False, True) if chosen == "auto" else (chosen,)
 
 
-def _best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale) -> tuple[_Candidate | None, str]:
+def best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale) -> tuple[_Candidate | None, str]:
     micros = _divisors_desc(per_rank)
     if isinstance(cfg.train.micro_batch_size, int):
         micros = [cfg.train.micro_batch_size]
@@ -230,16 +261,17 @@ def _best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale) -> tuple[_Candi
         acs = (cfg.memory.activation_checkpointing,)
     best: _Candidate | None = None
     smallest: Estimate | None = None
-    for every, ac in itertools.product(_reduce_variants(rung, cfg), acs):
+    levers = lever_variants(cfg.memory.chunked_loss, cfg.memory.offload_activations)
+    for every, ac, lev in itertools.product(_reduce_variants(rung, cfg), acs, levers):
         for micro in micros:
-            est = _estimate(shape, rung, hw, cfg, micro, ac, memory_scale, every)
+            est = estimate_for(shape, rung, hw, cfg, micro, ac, memory_scale, every, lev)
             if smallest is None or est.device_total_bytes < smallest.device_total_bytes:
                 smallest = est
             if not est.fits(hw, cfg.memory.headroom):
                 continue
-            t = step_time_s(shape, rung, hw, cfg, micro, ac, every)
+            t = step_time_s(shape, rung, hw, cfg, micro, ac, every, lev, est.offloaded_bytes)
             if best is None or t < best.time_s:
-                best = _Candidate(rung, micro, ac, est, t, every)
+                best = _Candidate(rung, micro, ac, est, t, every, lev)
             break  # smaller micro-batches at this checkpointing level are only slower
     why = "" if best else (smallest.why_not(hw, cfg.memory.headroom) or "does not fit")
     return best, why
@@ -271,7 +303,13 @@ def make_plan(
     chosen = ranked[0]
     alternatives = [
         Alternative(
-            cand.rung.name, True, None, round(cand.time_s / chosen.time_s, 3), cand.micro, cand.ac
+            cand.rung.name,
+            True,
+            None,
+            round(cand.time_s / chosen.time_s, 3),
+            cand.micro,
+            cand.ac,
+            cand.levers.words(),
         )
         for cand in ranked
     ] + rejected
@@ -288,6 +326,7 @@ def make_plan(
         reasons=_reasons(cfg, hw, ranked, memory_scale),
         alternatives=alternatives,
         fsdp_reduce_every_micro_batch=chosen.reduce_every_micro,
+        levers=chosen.levers,
     )
 
 
@@ -320,7 +359,7 @@ def _walk_ladder(rungs, shape, hw, cfg, per_rank, exclude, memory_scale):
     for rung in rungs:
         why = _why_not_tried(rung, hw, cfg, exclude)
         if why is None:
-            best, why = _best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale)
+            best, why = best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale)
             if best is not None:
                 candidates.append(best)
                 continue
@@ -366,6 +405,8 @@ def _reasons(cfg: JobConfig, hw: Hardware, ranked: list[_Candidate], memory_scal
         f"micro-batch {chosen.micro} x accumulation {per_rank // chosen.micro} x {world} ranks = "
         f"global batch {cfg.train.global_batch_size}; activation checkpointing {chosen.ac}",
     ]
+    if chosen.levers != NO_LEVERS:
+        reasons.append(_lever_reason(chosen, ranked))
     if chosen.reduce_every_micro and per_rank // chosen.micro > 1:
         reasons.append(
             f"{chosen.rung.name} reduce-scatters gradients after every micro-batch and "
@@ -397,6 +438,25 @@ def _reasons(cfg: JobConfig, hw: Hardware, ranked: list[_Candidate], memory_scal
     return reasons
 
 
+def _lever_reason(chosen: _Candidate, ranked: list[_Candidate]) -> str:
+    """Why the exact levers in force: what they hold off the device, and their price."""
+    parts = []
+    if chosen.levers.chunked_loss:
+        parts.append(
+            "chunked loss (the logits of one chunk of tokens at a time; the head's "
+            "forward runs again in backward)"
+        )
+    if chosen.levers.offload_activations:
+        parts.append(
+            f"activation offload ({chosen.estimate.offloaded_bytes / GIB:.2f} GiB of saved "
+            "activations per micro-batch wait in host memory; the copies overlap compute)"
+        )
+    return (
+        " and ".join(parts) + f": the fastest fitting combination on {chosen.rung.name} "
+        f"(micro-batch {chosen.micro}, activation checkpointing {chosen.ac})"
+    )
+
+
 def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan:
     """`strategy: NAME` that the estimate says will not fit: run it anyway, smallest footprint."""
     rung = strategies.row(name)
@@ -404,7 +464,8 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
     ac = cfg.memory.activation_checkpointing
     ac = "full" if ac == "auto" else ac
     every = _reduce_variants(rung, cfg)[-1]  # the smaller footprint
-    est = _estimate(shape, rung, hw, cfg, micro, ac, memory_scale, every)
+    levers = smallest_levers(cfg.memory.chunked_loss, cfg.memory.offload_activations)
+    est = estimate_for(shape, rung, hw, cfg, micro, ac, memory_scale, every, levers)
     return Plan(
         strategy=name,
         world_size=hw.world_size,
@@ -414,13 +475,16 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
         grad_accum=per_rank // micro,
         activation_checkpointing=ac,
         estimate=est,
-        step_time_s=step_time_s(shape, rung, hw, cfg, micro, ac, every),
+        step_time_s=step_time_s(
+            shape, rung, hw, cfg, micro, ac, every, levers, est.offloaded_bytes
+        ),
         reasons=[
             f"strategy {name} is forced by the config, but the estimate says it will not fit: "
             f"{est.why_not(hw, cfg.memory.headroom)}"
         ],
         alternatives=rejected,
         fsdp_reduce_every_micro_batch=every,
+        levers=levers,
     )
 
 
@@ -436,7 +500,7 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected) -
     host_offload = [r for r in strategies.rows() if r.engine == "deepspeed" and r.offloads]
     for rung in [r for r in host_offload if not r.needs_nvme]:
         name = rung.name
-        est = _estimate(shape, rung, hw, cfg, 1, "full", 1.0)
+        est = estimate_for(shape, rung, hw, cfg, 1, "full", 1.0)
         device_ok = est.device_total_bytes <= hw.device_memory_bytes * (1 - cfg.memory.headroom)
         if device_ok and per_rank >= 1:
             need = est.host_total_bytes / (1 - cfg.memory.headroom)
@@ -455,7 +519,7 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected) -
         )
         if cfg.train.global_batch_size % bigger.world_size:
             continue
-        est = _estimate(shape, fsdp, bigger, cfg, 1, "full", 1.0, True)
+        est = estimate_for(shape, fsdp, bigger, cfg, 1, "full", 1.0, True)
         if est.fits(bigger, cfg.memory.headroom):
             offers.append(
                 f"{fsdp.name} would fit on {bigger.world_size} such devices "
@@ -481,7 +545,11 @@ def apply_plan(cfg: JobConfig, plan: Plan, hw: Hardware) -> JobConfig:
             ),
             "train": cfg.train.model_copy(update={"micro_batch_size": plan.micro_batch_size}),
             "memory": cfg.memory.model_copy(
-                update={"activation_checkpointing": plan.activation_checkpointing}
+                update={
+                    "activation_checkpointing": plan.activation_checkpointing,
+                    "chunked_loss": plan.levers.chunked_loss,
+                    "offload_activations": plan.levers.offload_activations,
+                }
             ),
             "hardware": cfg.hardware.model_copy(
                 update={

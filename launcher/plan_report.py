@@ -74,7 +74,8 @@ def render_plan(plan: Plan, device_bytes: int, host_bytes: int, argv: list[str])
     lines = [
         f"plan: {plan.strategy} on {plan.nodes} node(s) x {plan.devices_per_node} device(s), "
         f"micro-batch {plan.micro_batch_size} x accumulation {plan.grad_accum}, activation "
-        f"checkpointing {plan.activation_checkpointing}",
+        f"checkpointing {plan.activation_checkpointing}"
+        + (f", {plan.levers.words()}" if plan.levers.words() != "none" else ""),
         f"memory per device: {est.device_total_bytes / GIB:.1f} GiB of "
         f"{device_bytes / GIB:.1f} GiB; host per node: {est.host_total_bytes / GIB:.1f} GiB of "
         f"{host_bytes / GIB:.1f} GiB",
@@ -86,7 +87,9 @@ def render_plan(plan: Plan, device_bytes: int, host_bytes: int, argv: list[str])
         if alt.fits:
             lines.append(
                 f"  {alt.strategy:<22} fits   x{alt.relative_step_time:<6} step time "
-                f"(micro {alt.micro_batch_size}, checkpointing {alt.activation_checkpointing})"
+                f"(micro {alt.micro_batch_size}, checkpointing {alt.activation_checkpointing}"
+                + (f", {alt.levers}" if alt.levers and alt.levers != "none" else "")
+                + ")"
             )
         else:
             lines.append(f"  {alt.strategy:<22} no     {alt.why_not}")

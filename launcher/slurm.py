@@ -2,11 +2,13 @@
 
 Rendering is pure (`render_sbatch`); `submit_command` writes the run dir and calls sbatch.
 The script asks for exactly what the plan needs: nodes, GPUs per node, host memory from the
-estimate (offload rungs need a lot), CPU cores, and the time limit. One srun task per node runs
-torchrun with a static rendezvous on the job's first node; `$SLURM_NODEID` is expanded on each
-node. Preemption: `--signal=USR1` reaches the ranks `grace_s` before the end; they checkpoint,
-rank 0 requeues the job (trainer/slurm_requeue.py), and `run.resume: auto` continues from that
-checkpoint. docs/slurm.md has the user's side.
+estimate (offload rungs need a lot), CPU cores, and the time limit, sized to what the partition's
+nodes have as `sinfo` reports them at submit time (launcher/slurm_nodes.py; exit 3 when the plan
+cannot be had there). One srun task per node runs torchrun with a static rendezvous on the job's
+first node; `$SLURM_NODEID` is expanded on each node. Preemption: `--signal=USR1` reaches the
+ranks `grace_s` before the end; they checkpoint and exit 0, the script requeues the job
+(trainer/slurm_requeue.py), and `run.resume: auto` continues from that checkpoint. docs/slurm.md
+has the user's side.
 
 Every value is quoted for the place it lands in: `#SBATCH` lines are split by sbatch itself (blanks
 separate, `"` and `\\` are its quoting), the script body by bash, and the command inside the
@@ -25,10 +27,13 @@ import sys
 from pathlib import Path
 from string import Template
 
+from launcher.plan import NoFitError
+from launcher.preflight import check_data, check_run_dir, ensure_run_dir
+from launcher.slurm_nodes import PartitionNodes, SlurmRequest, read_partition, size_request
 from trainer.config import ConfigError, JobConfig, write_config
 from trainer.contract import CONFIG_FILE, PLAN_FILE
 from trainer.files import write_atomic
-from trainer.units import GIB
+from trainer.units import GIB, MIB
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "submit.sbatch.tmpl"
 CPUS_PER_RANK = 8
@@ -39,13 +44,44 @@ class _SbatchTemplate(Template):
     delimiter = "%%"  # shell's own $ stays untouched
 
 
-def render_sbatch(cfg: JobConfig, plan_json: dict, run_dir: Path, python: str) -> str:
-    """The sbatch script for a resolved config and its plan (INTERFACE.md plan JSON)."""
+def host_bytes_needed(cfg: JobConfig, plan_json: dict) -> int:
+    """Host memory per node the plan needs, with the config's headroom."""
+    host_bytes = plan_json.get("estimate", {}).get("host", {}).get("total_bytes") or 0
+    return int(host_bytes * (1 + cfg.memory.headroom))
+
+
+def size_for_partition(cfg: JobConfig, plan_json: dict, nodes: PartitionNodes) -> SlurmRequest:
+    """CPUs and memory that the partition's nodes can give (NoFitError when the plan's cannot)."""
+    hw = cfg.hardware
+    per_node = hw.devices_per_node or 1
+    return size_request(
+        nodes,
+        num_nodes=hw.nodes,
+        gpus_per_node=per_node if hw.device != "cpu" else 0,
+        ranks_per_node=per_node,
+        host_bytes_needed=host_bytes_needed(cfg, plan_json),
+        cpus_wanted=CPUS_PER_RANK * per_node,
+        min_mem_bytes=MIN_MEM_BYTES,
+    )
+
+
+def render_sbatch(
+    cfg: JobConfig,
+    plan_json: dict,
+    run_dir: Path,
+    python: str,
+    request: SlurmRequest | None = None,
+) -> str:
+    """The sbatch script for a resolved config and its plan (INTERFACE.md plan JSON); `request`
+    is what the partition's nodes can give (`size_for_partition`), else the plan's own sizes."""
     _refuse_line_breaks(cfg, run_dir, python)
     hw = cfg.hardware
     per_node = hw.devices_per_node or 1
-    host_bytes = plan_json.get("estimate", {}).get("host", {}).get("total_bytes") or 0
-    mem_gib = max(MIN_MEM_BYTES, int(host_bytes * (1 + cfg.memory.headroom))) / GIB
+    if request is None:
+        request = SlurmRequest(
+            cpus_per_task=CPUS_PER_RANK * per_node,
+            mem_bytes=math.ceil(max(MIN_MEM_BYTES, host_bytes_needed(cfg, plan_json)) / GIB) * GIB,
+        )
     optional = [
         f"#SBATCH --{key}={_sbatch_value(value)}"
         for key, value in (
@@ -65,8 +101,8 @@ def render_sbatch(cfg: JobConfig, plan_json: dict, run_dir: Path, python: str) -
         SCRIPT=shlex.quote(str(run_dir / "submit.sbatch")),
         JOB_NAME=_sbatch_value(Path(cfg.run.dir).name or "oomless"),
         NODES=hw.nodes,
-        CPUS_PER_TASK=CPUS_PER_RANK * per_node,
-        MEM=f"{math.ceil(mem_gib)}G",
+        CPUS_PER_TASK=request.cpus_per_task,
+        MEM=_mem(request.mem_bytes),
         TIME=cfg.slurm.time,
         OUTPUT=_sbatch_value(str(run_dir).replace("%", "%%") + "/slurm-%j.out"),
         RUN_DIR=shlex.quote(str(run_dir)),
@@ -78,6 +114,11 @@ def render_sbatch(cfg: JobConfig, plan_json: dict, run_dir: Path, python: str) -
         MAX_RESTARTS=cfg.dist.max_restarts,
         CONFIG=_in_single_quotes(shlex.quote(str(run_dir / CONFIG_FILE))),
     )
+
+
+def _mem(num_bytes: int) -> str:
+    """`--mem`: whole GiB as `NG`, else whole MiB (`NM`, a node's memory as sinfo reports it)."""
+    return f"{num_bytes // GIB}G" if num_bytes % GIB == 0 else f"{num_bytes // MIB}M"
 
 
 _SBATCH_PLAIN = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
@@ -108,15 +149,43 @@ def _refuse_line_breaks(cfg: JobConfig, run_dir: Path, python: str) -> None:
                 )
 
 
+def _request_for_partition(cfg: JobConfig, plan_json: dict, dry_run: bool) -> SlurmRequest | None:
+    """Requests sized to the partition's nodes as sinfo reports them now (None: no sinfo here).
+
+    A plan the nodes cannot hold exits 3; under --dry-run (a script for another cluster, say)
+    that is said on stderr and the script keeps the plan's own sizes."""
+    try:
+        nodes = read_partition(cfg.slurm.partition)
+        request = size_for_partition(cfg, plan_json, nodes) if nodes is not None else None
+    except NoFitError as err:
+        if not dry_run:
+            raise
+        print(f"oomless submit: would exit 3 here: {err}", file=sys.stderr)
+        return None
+    if dry_run and nodes is None:
+        print("oomless submit: no sinfo here: requests sized by the plan alone", file=sys.stderr)
+    elif dry_run and request is not None:
+        print(
+            f"oomless submit: sinfo: {nodes.describe()}; asking --cpus-per-task="
+            f"{request.cpus_per_task} --mem={_mem(request.mem_bytes)} per node",
+            file=sys.stderr,
+        )
+    return request
+
+
 def submit_command(cfg: JobConfig, dry_run: bool) -> int:
     """`oomless submit`: plan, write run dir + submit.sbatch, sbatch it, print the job id."""
     from launcher.supervisor import _abs, _write_json, check_resume, resolve_plan
 
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": _abs(cfg.run.dir)})})
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
+    run_dir = Path(cfg.run.dir)
+    if not dry_run:
+        check_run_dir(run_dir)
     resolved, plan_json = resolve_plan(cfg)
-    run_dir = Path(resolved.run.dir)
-    script = render_sbatch(resolved, plan_json, run_dir, sys.executable)
+    _refuse_line_breaks(resolved, run_dir, sys.executable)
+    request = _request_for_partition(resolved, plan_json, dry_run)
+    script = render_sbatch(resolved, plan_json, run_dir, sys.executable, request)
     if dry_run:
         sys.stdout.write(script)
         return 0
@@ -126,6 +195,8 @@ def submit_command(cfg: JobConfig, dry_run: bool) -> int:
 
     check_run_lock(run_dir)  # a live job's config, plan and script stay as they are
     check_resume(resolved)  # before anything is written into run.dir
+    check_data(resolved)  # bad data stops here, not in the queue
+    ensure_run_dir(run_dir)
     write_config(resolved, run_dir)
     _write_json(run_dir / PLAN_FILE, plan_json)
     path = write_atomic(run_dir / "submit.sbatch", script)  # 0600: it holds paths and commands

@@ -10,6 +10,7 @@ global batch, optimizer, schedule and precision stay as configured.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher.plan import NoFitError
+from launcher.preflight import check_data, check_run_dir, ensure_run_dir
+from trainer import strategies
 from trainer.config import ConfigError, JobConfig, write_config
 from trainer.contract import (
     CONFIG_ERROR_FILE,
@@ -38,16 +41,19 @@ log = logging.getLogger(__name__)
 
 def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": _abs(cfg.run.dir)})})
-    if dry_run:
-        return _train(cfg, dry_run=True)
-    from trainer.run_lock import acquire_run_lock
-
-    with acquire_run_lock(cfg.run.dir):  # one run per run.dir, for the life of this one
-        return _train(cfg, dry_run=False)
+    with contextlib.ExitStack() as held:  # the run-dir lock, once the input has been checked
+        return _train(cfg, dry_run, held)
 
 
-def _train(cfg: JobConfig, dry_run: bool) -> int:
+def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
+    """Plan, launch, and on an out-of-memory exit climb the ladder and resume, until the run
+    ends, fails otherwise, or no higher rung fits."""
     run_dir = Path(cfg.run.dir)
+    if not dry_run:
+        from trainer.run_lock import check_run_lock
+
+        check_run_dir(run_dir)
+        check_run_lock(run_dir)  # a live run's files stay as they are; it is taken after checks
     failed: list[str] = []
     memory_scale = 1.0
     attempt = 0
@@ -61,52 +67,86 @@ def _train(cfg: JobConfig, dry_run: bool) -> int:
             print(json.dumps(plan_json, indent=2))
             print(" ".join(argv))
             return 0
-        write_config(resolved, run_dir)
-        _write_json(run_dir / PLAN_FILE, plan_json)
-        report_path = run_dir / OOM_REPORT_FILE
-        report_path.unlink(missing_ok=True)
-        config_error = run_dir / CONFIG_ERROR_FILE
-        config_error.unlink(missing_ok=True)
-        rc = _run(resolved, argv, env, spawn)
-        if rc not in (0, EXIT_OOM, EXIT_SIGNAL) and config_error.exists():
-            # a worker found bad input (data rows, an unusable strategy) after the launch
-            print(config_error.read_text().strip(), file=sys.stderr)
-            return EXIT_USAGE
-        if rc not in (0, EXIT_OOM, EXIT_SIGNAL) and report_path.exists():
-            rc = EXIT_OOM  # torchrun reports a failed worker as 1; the report says why
+        if attempt == 0:  # bad input stops here, before anything is written or launched
+            check_data(resolved)
+            ensure_run_dir(run_dir)
+            from trainer.run_lock import acquire_run_lock
+
+            # one run per run.dir, for the life of this one
+            held.enter_context(acquire_run_lock(run_dir))
+        rc = _launch(resolved, plan_json, argv, env, spawn)
         if rc != EXIT_OOM or not cfg.escalation.enabled:
             return rc
         attempt += 1
         if attempt > cfg.escalation.max_attempts:
             log.error("out of memory; escalation.max_attempts=%d reached", attempt - 1)
             return rc
-        report = _read_json(run_dir / OOM_REPORT_FILE)
-        failed.append(resolved.strategy)
-        memory_scale = max(memory_scale, _measured_over_estimated(report))
-        try:
-            next_cfg, _ = resolve_plan(cfg, exclude=failed, memory_scale=memory_scale)
-        except (NoFitError, ConfigError) as err:  # nothing higher fits
-            log.error("out of memory on %s and no higher rung fits: %s", resolved.strategy, err)
+        climbed = _climb(cfg, resolved, failed, memory_scale)
+        if climbed is None:
             return rc
-        record = {
-            "step": report.get("step"),
-            "from": resolved.strategy,
-            "to": next_cfg.strategy,
-            "reason": f"out of memory in {report.get('phase', '?')} at micro-batch "
-            f"{report.get('micro_batch_size')}",
-            "estimated_peak_bytes": report.get("estimated_peak_bytes"),
-            "measured_peak_bytes": report.get("measured_peak_bytes"),
-        }
-        with (run_dir / ESCALATIONS_FILE).open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        log.warning(
-            "escalating %s -> %s after out of memory at step %s; resuming from the newest "
-            "checkpoint",
-            record["from"],
-            record["to"],
-            record["step"],
-        )
-        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
+        cfg, failed, memory_scale = climbed
+
+
+def _launch(resolved: JobConfig, plan_json: dict, argv, env, spawn) -> int:
+    """One attempt: the resolved config and plan into run.dir, the ranks run; the exit code,
+    with a worker's bad-input line printed (exit 2) and an out-of-memory report read as 75."""
+    run_dir = Path(resolved.run.dir)
+    write_config(resolved, run_dir)
+    _write_json(run_dir / PLAN_FILE, plan_json)
+    report_path = run_dir / OOM_REPORT_FILE
+    report_path.unlink(missing_ok=True)
+    config_error = run_dir / CONFIG_ERROR_FILE
+    config_error.unlink(missing_ok=True)
+    rc = _run(resolved, argv, env, spawn)
+    if rc not in (0, EXIT_OOM, EXIT_SIGNAL) and config_error.exists():
+        # a worker found bad input (data rows, an unusable strategy) after the launch
+        print(config_error.read_text().strip(), file=sys.stderr)
+        return EXIT_USAGE
+    if rc not in (0, EXIT_OOM, EXIT_SIGNAL) and report_path.exists():
+        rc = EXIT_OOM  # torchrun reports a failed worker as 1; the report says why
+    return rc
+
+
+def _climb(cfg: JobConfig, resolved: JobConfig, failed: list[str], memory_scale: float):
+    """After an out-of-memory exit on `resolved.strategy`: (the config to plan next, the rungs
+    to exclude, the memory scale measured), with the escalation recorded and said; None when
+    no higher rung fits."""
+    run_dir = Path(cfg.run.dir)
+    report = _read_json(run_dir / OOM_REPORT_FILE)
+    failed = [*failed, resolved.strategy]
+    left_forced = cfg.strategy if cfg.strategy != "auto" else None
+    if left_forced:  # a forced rung is where the ladder starts: climb from it
+        cfg, failed = climb_from_forced(cfg, failed)
+    memory_scale = max(memory_scale, _measured_over_estimated(report))
+    try:
+        next_cfg, _ = resolve_plan(cfg, exclude=failed, memory_scale=memory_scale)
+    except (NoFitError, ConfigError) as err:  # nothing higher fits
+        log.error("out of memory on %s and no higher rung fits: %s", resolved.strategy, err)
+        return None
+    record = {
+        "step": report.get("step"),
+        "from": resolved.strategy,
+        "to": next_cfg.strategy,
+        "reason": f"out of memory in {report.get('phase', '?')} at micro-batch "
+        f"{report.get('micro_batch_size')}"
+        + (f"; left the forced strategy {left_forced}" if left_forced else ""),
+        "estimated_peak_bytes": report.get("estimated_peak_bytes"),
+        "measured_peak_bytes": report.get("measured_peak_bytes"),
+    }
+    with (run_dir / ESCALATIONS_FILE).open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    log.warning(
+        "escalating %s -> %s after out of memory at step %s%s; resuming from the newest checkpoint",
+        record["from"],
+        record["to"],
+        record["step"],
+        f", leaving the forced strategy {left_forced} (escalation.enabled=false stops "
+        "there instead)"
+        if left_forced
+        else "",
+    )
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
+    return cfg, failed, memory_scale
 
 
 def check_resume(cfg: JobConfig) -> None:
@@ -124,6 +164,16 @@ def check_resume(cfg: JobConfig) -> None:
         return train_data_fingerprint(cfg)
 
     check_resumable(path, cfg, fingerprint, announce=True)
+
+
+def climb_from_forced(cfg: JobConfig, failed: list[str]) -> tuple[JobConfig, list[str]]:
+    """After a forced rung ran out of memory: plan `auto` over the rungs above it on the ladder
+    (the same math; only where the bytes live changes)."""
+    names = list(strategies.names())
+    below = names[: names.index(cfg.strategy) + 1]
+    return cfg.model_copy(update={"strategy": "auto"}), sorted(
+        set(failed) | set(below), key=names.index
+    )
 
 
 def resolve_plan(

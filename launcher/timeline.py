@@ -22,10 +22,10 @@ from typing import Any
 from trainer.contract import CONFIG_FILE
 from trainer.phases import MARKER, OPTIMIZER
 from trainer.profile import trace_path
+from trainer.units import MIB
 
 log = logging.getLogger(__name__)
 
-MIB = 1024**2
 _STEP_RANGE = re.compile(r"^oomless: optimizer step (\d+)$")
 _DEVICE_TYPES = {"cpu": 0, "cuda": 1}  # "Device Type" of the trace's [memory] events
 

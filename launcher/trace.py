@@ -28,6 +28,7 @@ from trainer.backends import OptimizerSpec
 from trainer.backends.common import COMPUTE_DTYPES, build_adamw
 from trainer.backends.fsdp import apply_fsdp, gradient_sync
 from trainer.config import ModelConfig
+from trainer.levers import MemoryLevers
 from trainer.loss import compute_loss
 from trainer.model import HFModelFactory, apply_activation_checkpointing
 from trainer.phases import OPTIMIZER, STEP, phase_markers
@@ -63,10 +64,16 @@ def trace_step(
     attn_implementation: str = "sdpa",
     reshard_after_forward: bool = True,
     reduce_every_micro_batch: bool = False,
+    chunked_loss: bool = False,
+    offload_activations: bool = False,
+    loss_chunk_tokens: int | None = None,
 ) -> Trace:
     """Peak live tensor bytes on one device for a steady-state training step (the second one):
     `grad_accum` micro-batches, all but the last under the backend's no-sync (unless FSDP
-    reduces every micro-batch), as the engine runs them."""
+    reduces every micro-batch), as the engine runs them.
+
+    One piece on purpose: build, shard, fake, track and run read in the order the engine does
+    them, and the step inside is the engine's step line for line."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if strategy not in TRACEABLE:
@@ -85,7 +92,15 @@ def trace_step(
         model.to_empty(device=device)
         if strategy == "single" and hasattr(model, "tie_weights"):
             model.tie_weights()  # to_empty made fake copies of tied weights: one tensor again
-        optimizer = build_adamw(model.parameters(), _SPEC, torch.device("cuda"))
+        MemoryLevers(
+            model,
+            device,
+            chunked_loss,
+            offload_activations,
+            loss_chunk_tokens,
+            offload_host=torch.device("meta"),  # host copies: not counted as the device's
+        )
+        optimizer = build_adamw(model.parameters(), _SPEC)
         batch = _batch(hf_config["vocab_size"], micro_batch_size, seq_len)
         compute = _autocast(precision) if strategy == "single" else contextlib.nullcontext
 
@@ -100,7 +115,7 @@ def trace_step(
                 )
                 with sync:
                     with compute():
-                        loss_sum = loss_sum_of(model, batch)
+                        loss_sum = compute_loss(model, batch)
                     (loss_sum / (micro_batch_size * seq_len)).backward()
                     del loss_sum
             mark(OPTIMIZER)
@@ -121,7 +136,7 @@ def trace_step(
             step(tracker, mark)
             mark("end")
         snapshot = tracker.get_tracker_snapshot("peak")
-    dev = next(iter(snapshot))
+    dev = next(d for d in snapshot if torch.device(d).type == device.type)
     breakdown = {getattr(k, "name", k).lower(): int(v) for k, v in snapshot[dev].items()}
     return Trace(
         strategy=strategy,
@@ -156,11 +171,6 @@ def _init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) ->
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def loss_sum_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The engine's own loss (`trainer.loss.compute_loss`)."""
-    return compute_loss(model, batch)
 
 
 def _autocast(precision: str):

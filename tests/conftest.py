@@ -67,6 +67,14 @@ def run_bounded(argv: list[str], timeout: float, **kwargs) -> subprocess.Complet
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
+def oomless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The CLI as a user runs it, from this checkout; on a timeout its whole process tree is
+    killed."""
+    return run_bounded(
+        [PYTHON, "-m", "launcher.cli", *args], timeout=timeout, env=python_env(), cwd=REPO
+    )
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and every descendant (collected first, so none is orphaned unseen)."""
     try:

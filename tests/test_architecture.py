@@ -18,6 +18,7 @@ BOTTOM = (
     "trainer.gpus",
     "trainer.hf_config",
     "trainer.logs",
+    "trainer.rows",
     "trainer.run_lock",
     "trainer.strategies",
     "trainer.units",
@@ -27,13 +28,17 @@ LAUNCHER_RUNS_ENGINE = {
     ("launcher.cli", "trainer.export"),  # oomless export
     ("launcher.model_shape", "trainer.model"),  # the decoder layers of a meta-device model
     ("launcher.plan_report", "trainer.backends.deepspeed_config"),  # --emit deepspeed
+    ("launcher.supervisor", "trainer.checkpoint"),  # resume compatibility, before any write
+    ("launcher.supervisor", "trainer.data"),  # ... and the training data's fingerprint
     ("launcher.supervisor", "trainer.engine"),  # the in-process run
     # a resume's compatibility (the checkpoint's config and data fingerprint), before launch
     ("launcher.supervisor", "trainer.checkpoint"),
     ("launcher.supervisor", "trainer.data"),
+    ("launcher.preflight", "trainer.data"),  # the data tokenised once, before launch
     ("launcher.trace", "trainer.backends"),  # the traced step runs the backends' own code
     ("launcher.trace", "trainer.backends.common"),
     ("launcher.trace", "trainer.backends.fsdp"),
+    ("launcher.trace", "trainer.levers"),  # chunked loss and activation offload, traced
     ("launcher.trace", "trainer.loss"),
     ("launcher.trace", "trainer.model"),
     ("launcher.trace", "trainer.phases"),  # the same phase markers as a profiled step

@@ -16,6 +16,7 @@ PARTS = {
     "fsdp": "`fsdp` (world 1) vs hand-written FSDP2",
     "zero3_offload": "`zero3_offload` vs DeepSpeed by hand",
     "escalation": "real OOM -> escalation",
+    "levers": "chunked loss, activation offload vs off",
 }
 
 
@@ -44,6 +45,10 @@ def test_gpu_validate_cpu_smoke_prints_the_table_and_writes_out(tmp_path):
     assert single["device"] == "cpu" and single["model"] == "llama-tiny"
     assert set(single["tokens_per_s"]) == {"oomless", "plain"}
     assert all(tps > 0 for tps in single["tokens_per_s"].values())
+    levers = json.loads((out / "levers.json").read_text())
+    assert set(levers["step_s"]) == {"off", "chunked_loss", "offload_activations", "both"}
+    assert levers["offloaded_bytes_per_step"]["offload_activations"] > 0
+    assert levers["offloaded_bytes_per_step"]["chunked_loss"] == 0
     zero3 = json.loads((out / "zero3_offload.json").read_text())
     assert zero3["model"] == "llama-tiny"  # the only candidate, and the planner says it fits
     assert zero3["transfer"]["h2d_bytes_per_s"] > 0 and zero3["transfer"]["floor_step_s"] > 0

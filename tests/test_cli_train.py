@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import PYTHON, REPO, kill_tree, python_env, run_bounded
+from tests.conftest import PYTHON, REPO, kill_tree, oomless, python_env
 
 DEMO = REPO / "configs" / "demo.yaml"
 FIELDS = {
@@ -27,13 +28,6 @@ FIELDS = {
     "micro_batch_size",
     "grad_accum",
 }
-
-
-def oomless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """The CLI as a user runs it; on a timeout its whole process tree is killed."""
-    return run_bounded(
-        [PYTHON, "-m", "launcher.cli", *args], timeout=timeout, env=python_env(), cwd=REPO
-    )
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -111,9 +105,10 @@ def test_injected_oom_backs_off_and_learns_the_same(tmp_path):
         assert abs(x["loss"] - y["loss"]) <= 1e-5 * y["loss"], (x, y)
 
 
-def test_at_micro_batch_1_the_back_off_recomputes_more_and_learns_the_same(tmp_path):
-    """OOMs at step 3 three times: micro-batch 2 -> 1, then checkpointing none -> selective ->
-    full on the running model; the losses equal a run at micro-batch 1 without recomputation."""
+def test_at_micro_batch_1_the_back_off_pulls_the_exact_levers_and_learns_the_same(tmp_path):
+    """OOMs at step 3 five times: micro-batch 2 -> 1, then chunked loss, activation offload,
+    and checkpointing none -> selective -> full, on the running model; the losses equal a run at
+    micro-batch 1 without any of them."""
     common = [
         "train.steps=5",
         "train.global_batch_size=4",
@@ -130,10 +125,12 @@ def test_at_micro_batch_1_the_back_off_recomputes_more_and_learns_the_same(tmp_p
         *common,
         f"run.dir={a}",
         "train.micro_batch_size=2",
-        "debug.inject_oom={step: 3, times: 3, where: backward}",
+        "debug.inject_oom={step: 3, times: 5, where: backward}",
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "retrying with micro-batch 1 x accumulation 4" in r.stderr
+    assert "at micro-batch 1; retrying with chunked loss on" in r.stderr
+    assert "at micro-batch 1; retrying with activation offload on" in r.stderr
     assert "retrying with activation checkpointing selective (was none)" in r.stderr
     assert "retrying with activation checkpointing full (was selective)" in r.stderr
     r = oomless("train", str(DEMO), *common, f"run.dir={b}", "train.micro_batch_size=1")
@@ -141,6 +138,9 @@ def test_at_micro_batch_1_the_back_off_recomputes_more_and_learns_the_same(tmp_p
     ma, mb = metrics(a), metrics(b)
     assert [m["micro_batch_size"] for m in ma] == [2, 2, 1, 1, 1]
     assert [m["activation_checkpointing"] for m in ma] == ["none"] * 2 + ["full"] * 3
+    assert [m["chunked_loss"] for m in ma] == [False] * 2 + [True] * 3
+    assert [m["offload_activations"] for m in ma] == [False] * 2 + [True] * 3
+    assert all(m["offloaded_bytes"] == m["restored_bytes"] > 0 for m in ma[2:])
     for x, y in zip(ma, mb, strict=True):
         assert abs(x["loss"] - y["loss"]) <= 1e-6 * y["loss"], (x, y)
 
@@ -167,11 +167,39 @@ def test_an_oom_while_setting_up_climbs_a_rung(tmp_path):
     assert [m["strategy"] for m in metrics(run_dir)] == [escalation["to"]] * 3
 
 
-def test_persistent_oom_without_escalation_exits_75_with_a_report(tmp_path):
+def test_a_forced_strategy_is_where_escalation_starts(tmp_path):
+    """`strategy: single` that runs out of memory for good climbs to a higher rung (same math)
+    and says that it left the forced rung; the run ends where it would have ended."""
     run_dir = tmp_path / "run"
     r = oomless(
         "train",
         str(DEMO),
+        "strategy=single",
+        "train.steps=3",
+        "train.eval_every=0",
+        "run.checkpoint_every=1",
+        "run.save_final=false",
+        "hardware.device=cpu",
+        f"run.dir={run_dir}",
+        "debug.inject_oom={step: 2, times: 0, where: forward, strategies: [single]}",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = (run_dir / "escalations.jsonl").read_text().splitlines()
+    (escalation,) = [json.loads(x) for x in lines]
+    assert escalation["from"] == "single" and escalation["to"] != "single"
+    assert escalation["reason"].endswith("; left the forced strategy single"), escalation
+    said = f"escalating single -> {escalation['to']} after out of memory at step 2, leaving the "
+    assert said + "forced strategy single" in r.stderr, r.stderr[-3000:]
+    assert [m["strategy"] for m in metrics(run_dir)] == ["single"] + [escalation["to"]] * 2
+
+
+def test_persistent_oom_without_escalation_exits_75_with_a_report(tmp_path):
+    """escalation.enabled=false: a forced rung that runs out of memory stops there."""
+    run_dir = tmp_path / "run"
+    r = oomless(
+        "train",
+        str(DEMO),
+        "strategy=single",
         "train.steps=4",
         "train.global_batch_size=4",
         "train.micro_batch_size=2",
@@ -184,8 +212,64 @@ def test_persistent_oom_without_escalation_exits_75_with_a_report(tmp_path):
     report = json.loads((run_dir / "oom-report.json").read_text())
     assert report["step"] == 2 and report["phase"] == "forward"
     assert report["micro_batch_size"] == 1 and report["strategy"] == "single"
-    assert report["activation_checkpointing"] == "full" and report["num_backoffs"] == 3
+    # micro-batch 2 -> 1, chunked loss, activation offload, selective, full
+    assert report["activation_checkpointing"] == "full" and report["num_backoffs"] == 5
+    assert report["chunked_loss"] and report["offload_activations"]
     assert "Traceback" not in r.stderr
+
+
+def test_an_oom_in_evaluation_at_eval_batch_1_exits_75_with_a_report(tmp_path):
+    """Evaluation backs off like a step (eval batch 2 -> 1) and then gives up like one."""
+    run_dir = tmp_path / "run"
+    r = oomless(
+        "train", str(DEMO), "strategy=single", "train.steps=2", "train.global_batch_size=4",
+        "train.micro_batch_size=2", "train.eval_every=1", "run.save_final=false",
+        f"run.dir={run_dir}", "hardware.device=cpu", "escalation.enabled=false",
+        "debug.inject_oom={step: 1, times: 0, where: eval}",
+    )  # fmt: skip
+    assert r.returncode == 75, r.stderr[-3000:]
+    assert "eval: out of memory; eval batch halved to 1" in r.stderr
+    report = json.loads((run_dir / "oom-report.json").read_text())
+    assert report["phase"] == "eval" and report["step"] == 1 and report["strategy"] == "single"
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_a_second_signal_during_the_stop_still_writes_the_checkpoint(tmp_path):
+    """Exit 143 promises a checkpoint: a second SIGTERM, sent once the first was received (the
+    step and the checkpoint still to finish), is logged, and the checkpoint is finished."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            PYTHON, "-m", "launcher.cli", "train", str(DEMO), "train.steps=200",
+            "train.eval_every=0", "run.checkpoint_every=0", "run.save_final=false",
+            f"run.dir={run_dir}", "hardware.device=cpu", "train.global_batch_size=256",
+        ],
+        env=python_env(), cwd=REPO, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.time() + 240
+        path = run_dir / "metrics.jsonl"
+        while time.time() < deadline and proc.poll() is None:
+            if path.exists() and path.read_text().count("\n") >= 1:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        while time.time() < deadline and not any("received SIGTERM" in x for x in lines):
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)  # the step (and the checkpoint) is still to come
+        proc.wait(timeout=120)
+        reader.join(timeout=10)
+    finally:
+        kill_tree(proc.pid)
+    stderr = "".join(lines)
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "received SIGTERM again: still finishing this step and its checkpoint" in stderr
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{metrics(run_dir)[-1]['step']}"
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ import json
 import psutil
 import pytest
 
-from tests.test_cli_train import DEMO, metrics, oomless
+from tests.conftest import oomless
+from tests.test_cli_train import DEMO, metrics
 
 pytestmark = pytest.mark.slow
 COMMON = [

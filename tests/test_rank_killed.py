@@ -13,8 +13,8 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import PYTHON, REPO, kill_tree, python_env
-from tests.test_cli_train import DEMO, metrics, oomless
+from tests.conftest import PYTHON, REPO, kill_tree, oomless, python_env
+from tests.test_cli_train import DEMO, metrics
 
 pytestmark = pytest.mark.slow
 STEPS = 16

@@ -6,7 +6,8 @@ from __future__ import annotations
 import shutil
 
 from launcher.cli import main
-from tests.test_cli_train import DEMO, metrics, oomless
+from tests.conftest import oomless
+from tests.test_cli_train import DEMO, metrics
 
 
 def _snapshot(run_dir) -> dict[str, bytes]:

@@ -41,7 +41,14 @@ from trainer.config import (
     semantic_hash,
     write_config,
 )
-from trainer.dist import all_reduce_max, barrier, is_distributed
+from trainer.dist import (
+    after_rank0,
+    all_reduce_max,
+    barrier,
+    is_distributed,
+    slow_down,
+    wait_for_future,
+)
 
 log = logging.getLogger(__name__)
 # A one-process run saves and loads without a process group (no_dist) on purpose; torch warns
@@ -254,7 +261,9 @@ class Checkpointer:
             return
         future, step, tmp, trainer_state = self._pending
         self._pending = None
-        future.result()
+        wait_for_future(
+            future, f"the background write of checkpoint step_{step}", self.cfg.dist.timeout_s
+        )
         self._complete(step, tmp, trainer_state)
 
     def _complete(self, step: int, tmp: Path, trainer_state: dict[str, Any]) -> Path:
@@ -262,7 +271,9 @@ class Checkpointer:
         final = self.root / f"step_{step}"
         crash("shards and rng written")
         barrier()
-        if self.rank == 0:
+
+        def complete_on_rank0() -> None:  # the others wait on it, not on dist.timeout_s
+            slow_down(cfg, "checkpoint_s")
             write_config(cfg, tmp)
             crash("config written")
             if self.tokenizer is not None:
@@ -282,21 +293,11 @@ class Checkpointer:
             _write_latest(self.root, final.name, crash)
             _prune(self.root, cfg.run.keep_checkpoints)
             crash("pruned")
-        barrier()
+
+        after_rank0(
+            f"writing checkpoint {final.name}", complete_on_rank0, clock_s=cfg.dist.timeout_s
+        )
         return final
-
-
-def save_checkpoint(
-    run_dir: Path,
-    step: int,
-    backend_state: dict[str, Any],
-    trainer_state: dict[str, Any],
-    cfg: JobConfig,
-    tokenizer: Any,
-    rank: int,
-) -> Path:
-    """One synchronous checkpoint (a collective)."""
-    return Checkpointer(run_dir, cfg, tokenizer, rank).save(step, backend_state, trainer_state)
 
 
 def check_resumable(

@@ -99,6 +99,8 @@ class DataConfig(_Section):
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     messages_field: str = "messages"
+    # .txt files: a file is one document | blocks between blank lines | every non-blank line
+    text_unit: Literal["document", "paragraph", "line"] = "document"
     eval_path: str | None = None
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     pack: bool = True
@@ -143,6 +145,11 @@ class TrainConfig(_Section):
 
 class MemoryConfig(_Section):
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
+    # Exact levers (docs/memory.md): the LM head and loss over chunks of tokens; the decoder
+    # layers' saved activations in host memory between forward and backward. auto: the planner.
+    chunked_loss: Literal["auto"] | bool = "auto"
+    offload_activations: Literal["auto"] | bool = "auto"
+    loss_chunk_tokens: int | None = Field(None, ge=1)  # tokens per chunk; None: by vocabulary
     headroom: float = Field(0.10, ge=0.0, lt=0.9)
 
 
@@ -177,7 +184,7 @@ class InjectOomConfig(_Section):
     step: int = Field(ge=0)
     rank: int | None = Field(None, ge=0)
     times: int = Field(1, ge=0)
-    where: Literal["setup", "forward", "backward", "optimizer"] = "backward"
+    where: Literal["setup", "forward", "backward", "optimizer", "eval"] = "backward"
     strategies: list[str] | None = None
 
     @field_validator("strategies")
@@ -191,6 +198,14 @@ class InjectOomConfig(_Section):
         return v
 
 
+class SlowRank0Config(_Section):
+    """Seconds added to rank 0's serial work (tests of the waiting ranks)."""
+
+    tokenize_s: float = Field(0.0, ge=0)
+    checkpoint_s: float = Field(0.0, ge=0)
+    final_save_s: float = Field(0.0, ge=0)
+
+
 class ProfileConfig(_Section):
     start: int = Field(ge=1)  # the first profiled optimizer step, counted from 1
     steps: int = Field(2, ge=1)
@@ -198,6 +213,7 @@ class ProfileConfig(_Section):
 
 class DebugConfig(_Section):
     inject_oom: InjectOomConfig | None = None
+    slow_rank0: SlowRank0Config | None = None
     # torch.profiler over optimizer steps start .. start + steps - 1 -> run.dir/profile/
     profile: ProfileConfig | None = None
     crash_in_save: int | None = Field(None, ge=1)  # SIGKILL at the N-th point inside saves
@@ -485,7 +501,11 @@ def build_config(tree: dict[str, Any]) -> JobConfig:
 
 def _check_paths(cfg: JobConfig) -> None:
     def looks_local(p: str) -> bool:
-        return p.startswith(("/", "./", "../", "~")) or Path(p).suffix != ""
+        return (
+            p.startswith(("/", "./", "../", "~"))
+            or Path(p).suffix != ""
+            or _has_local_parent(Path(p))
+        )
 
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
         if value and looks_local(value) and not Path(value).expanduser().exists():
@@ -589,6 +609,15 @@ def _resolve_relative(tree: dict[str, Any], base: Path) -> None:
             tree[section][key] = str(Path(value).resolve())
         elif (base / value).exists():
             tree[section][key] = str((base / value).resolve())
+        elif not _has_local_parent(Path(value)) and _has_local_parent(base / value, base):
+            # `data/train` beside the job file, missing: a local path, named in full in the error
+            tree[section][key] = str((base / value).resolve())
+
+
+def _has_local_parent(path: Path, base: Path | None = None) -> bool:
+    """`data/train` whose `data/` exists here: meant as a local path, not a hub id."""
+    parent = path.parent
+    return parent != (base or Path(".")) and parent != Path(".") and parent.is_dir()
 
 
 # Secrets come from the environment only (docs/config.md names the variables): a config value

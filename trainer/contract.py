@@ -11,6 +11,7 @@ EXIT_USAGE = 2  # invalid config, data or usage: one line on stderr
 EXIT_NO_FIT = 3  # fits on no strategy of the hardware given
 EXIT_OOM = 75  # out of device memory after in-process recovery (the supervisor escalates)
 EXIT_SIGNAL = 143  # stopped by SIGTERM/SIGUSR1 after writing a checkpoint
+EXIT_CUT_OFF = 130  # interrupted (Ctrl-C, repeated signals) before a checkpoint was written
 
 # Files under run.dir
 CONFIG_FILE = "config.yaml"  # the resolved config every rank runs
@@ -22,6 +23,8 @@ ESCALATIONS_FILE = "escalations.jsonl"
 # strategy): torchrun reports every failed worker as exit 1, and this file tells `oomless train`
 # that it was bad input (exit 2) and what the line was.
 CONFIG_ERROR_FILE = "config-error.txt"
+# Held for the life of a run (pid, host, Slurm job): a second start on the run.dir exits 2.
+RUN_LOCK_FILE = "run.lock"
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_LINK = "latest"
 FINAL_DIR = "final"

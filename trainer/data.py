@@ -36,13 +36,13 @@ import numpy as np
 import torch
 
 from trainer.config import ConfigError, DataConfig, JobConfig, ModelConfig
-from trainer.dist import barrier, env_rank
+from trainer.dist import after_rank0, slow_down
 from trainer.loss import IGNORE_INDEX
+from trainer.rows import bad_row_error, data_files, field, messages, no_rows_error, read_rows
 
 log = logging.getLogger(__name__)
 
-_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
-_CACHE_VERSION = "1"
+_CACHE_VERSION = "2"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,77 +106,6 @@ class Documents:
         )
 
 
-def _data_files(path: str, key: str) -> list[Path] | None:
-    """Local files to read (None: a hub dataset id)."""
-    p = Path(path).expanduser()
-    if p.is_file():
-        return [p]
-    if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.suffix in _LOADERS and f.is_file())
-        if not files:
-            raise ConfigError(key, f"'{path}' has no {'/'.join(_LOADERS)} files", "point at data")
-        kinds = {_LOADERS[f.suffix] for f in files}
-        if len(kinds) > 1:
-            raise ConfigError(key, f"'{path}' mixes {sorted(kinds)} files", "use one file kind")
-        return files
-    return None
-
-
-def _read_rows(path: str, key: str) -> Iterator[tuple[str, int, Any]]:
-    """(source name, 1-based row number, row) for every example, in order."""
-    import datasets
-    from datasets import load_dataset
-
-    datasets.disable_progress_bars()
-    files = _data_files(path, key)
-    if files is None:  # a hub dataset id
-        try:
-            ds = load_dataset(path, split="train")
-        except Exception as err:  # offline, unknown id, no train split
-            raise ConfigError(
-                key,
-                f"cannot load dataset '{path}' ({str(err).splitlines()[0][:200]})",
-                "give a local jsonl/json/parquet/txt/csv file or dir, or run online",
-            ) from None
-        for i, row in enumerate(ds):
-            yield path, i + 1, row
-        return
-    for f in files:
-        if f.suffix in (".jsonl", ".json"):
-            yield from _read_json_rows(f, key)
-            continue
-        try:
-            ds = load_dataset(_LOADERS[f.suffix], data_files=str(f), split="train")
-        except Exception as err:
-            raise ConfigError(
-                key, f"cannot read {f} ({str(err).splitlines()[0][:200]})", "fix the file"
-            ) from None
-        for i, row in enumerate(ds):
-            yield str(f), i + 1, row
-
-
-def _read_json_rows(f: Path, key: str) -> Iterator[tuple[str, int, Any]]:
-    """JSON lines (or a JSON array) read as written: `datasets`' JSON loader re-types a column
-    whose rows mix types (a string "2" beside an int 2 becomes 2) and cannot name a broken line."""
-    text = f.read_text()
-    if f.suffix == ".json" and text.lstrip().startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ConfigError(key, f"{f} is not valid JSON ({err})", "fix the file") from None
-        for i, row in enumerate(rows):
-            yield str(f), i + 1, row if isinstance(row, dict) else {}
-        return
-    for i, line in enumerate(text.splitlines()):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            row = None
-        yield str(f), i + 1, row if isinstance(row, dict) else {"__invalid__": line[:80]}
-
-
 def _encode(tokenizer: Any, text: str, special: bool) -> list[int]:
     return tokenizer(text, add_special_tokens=special)["input_ids"]
 
@@ -185,43 +114,16 @@ def _example(row: dict[str, Any], data: DataConfig, tokenizer: Any) -> tuple[lis
     """Token ids and target mask of one row; raises ValueError naming what is wrong."""
     eos = [tokenizer.eos_token_id] if data.append_eos and tokenizer.eos_token_id is not None else []
     if data.format == "text":
-        text = _field(row, data.text_field)
+        text = field(row, data.text_field)
         ids = _encode(tokenizer, text, special=True) + eos
         return ids, [True] * len(ids)
     if data.format == "prompt_completion":
-        prompt = _field(row, data.prompt_field)
-        completion = _field(row, data.completion_field)
+        prompt = field(row, data.prompt_field)
+        completion = field(row, data.completion_field)
         p = _encode(tokenizer, prompt, special=True)
         c = _encode(tokenizer, completion, special=False) + eos
         return p + c, [False] * len(p) + [True] * len(c)
-    return _chat_example(_messages(row, data.messages_field), tokenizer)
-
-
-def _field(row: dict[str, Any], name: str) -> str:
-    if "__invalid__" in row:
-        raise ValueError(f"is not a JSON object: {row['__invalid__']!r}")
-    if name not in row or row[name] is None:
-        raise ValueError(f"has no '{name}' field")
-    value = row[name]
-    if not isinstance(value, str):
-        raise ValueError(f"field '{name}' is a {type(value).__name__}, not text")
-    if not value.strip():
-        raise ValueError(f"field '{name}' is empty")
-    return value
-
-
-def _messages(row: dict[str, Any], name: str) -> list[dict[str, str]]:
-    if "__invalid__" in row:
-        raise ValueError(f"is not a JSON object: {row['__invalid__']!r}")
-    msgs = row.get(name)
-    if not isinstance(msgs, list) or not msgs:
-        raise ValueError(f"field '{name}' is not a non-empty list of messages")
-    for m in msgs:
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
-            raise ValueError(f"field '{name}' has a message without role/content")
-    if not any(m["role"] == "assistant" for m in msgs):
-        raise ValueError(f"field '{name}' has no assistant turn")
-    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+    return _chat_example(messages(row, data.messages_field), tokenizer)
 
 
 def _chat_example(messages: list[dict[str, str]], tokenizer: Any) -> tuple[list[int], list[bool]]:
@@ -251,18 +153,14 @@ def tokenize_source(
     targets: list[bool] = []
     offsets = [0]
     num_skipped = num_truncated = 0
-    for num_rows, (source, row_number, row) in enumerate(_read_rows(path, key), start=1):
+    for num_rows, (source, row_number, row) in enumerate(read_rows(path, key, data), start=1):
         try:
             ids, mask = _example(row, data, tokenizer)
             if not any(mask):
                 raise ValueError("has no tokens to learn from")
         except ValueError as err:
             if data.on_bad_row == "error":
-                raise ConfigError(
-                    key,
-                    f"{source} row {row_number} {err}",
-                    "fix the row, or set data.on_bad_row=skip to skip such rows",
-                ) from None
+                raise bad_row_error(key, source, row_number, err) from None
             num_skipped += 1
             continue
         if data.format != "text" and len(ids) > data.seq_len:
@@ -274,7 +172,7 @@ def tokenize_source(
         if num_rows % 50_000 == 0:
             log.info("tokenised %d rows of %s", num_rows, path)
     if len(offsets) == 1:
-        raise ConfigError(key, f"'{path}' has no usable rows", "check data.format and the fields")
+        raise no_rows_error(key, path)
     if num_skipped:
         log.warning("%s: skipped %d malformed rows (data.on_bad_row=skip)", path, num_skipped)
     if num_truncated:
@@ -290,7 +188,7 @@ def tokenize_source(
 
 def _cache_key(path: str, data: DataConfig, tokenizer: Any) -> str:
     h = hashlib.sha256(_CACHE_VERSION.encode())
-    files = _data_files(path, "data.path")
+    files = data_files(path, "data.path")
     for f in files or []:
         h.update(str(f).encode())
         h.update(hashlib.sha256(f.read_bytes()).digest())
@@ -304,6 +202,7 @@ def _cache_key(path: str, data: DataConfig, tokenizer: Any) -> str:
             "prompt_field",
             "completion_field",
             "messages_field",
+            "text_unit",
             "append_eos",
             "on_bad_row",
         }
@@ -487,31 +386,34 @@ def docs_fingerprint(docs: Documents) -> str:
 def train_data_fingerprint(cfg: JobConfig) -> str:
     """`docs_fingerprint` of data.path, in this process (from the tokenised cache when there)."""
     data = cfg.data
-    cache_dir = _cache_dir(data)
+    cache_dir = data_cache_dir(data)
     docs = tokenize_source(data.path, "data.path", data, build_tokenizer(cfg.model), cache_dir)
     return docs_fingerprint(docs)
 
 
-def _cache_dir(data: DataConfig) -> Path:
+def data_cache_dir(data: DataConfig) -> Path:
     return Path(data.cache_dir or Path.home() / ".cache" / "oomless" / "data").expanduser()
 
 
-def build_data(cfg: JobConfig, tokenizer: Any) -> DataBundle:
-    """Tokenise (rank 0 first, others then read its cache), split off eval, pack."""
+def tokenize_all(cfg: JobConfig, tokenizer: Any) -> tuple[Documents, Documents | None]:
+    """(training documents, eval documents or None) as read: every source tokenised, or read
+    from the cache. The launcher calls it before the launch, so bad data stops there and the
+    ranks find the cache warm."""
     data = cfg.data
-    cache_dir = _cache_dir(data)
-    rank, _, _ = env_rank()
     sources = [("data.path", data.path)] + (
         [("data.eval_path", data.eval_path)] if data.eval_path else []
     )
-    docs: dict[str, Documents] = {}
-    for turn in (0, 1):  # rank 0 tokenises and caches; the others read the cache after it
-        if (rank == 0) == (turn == 0):
-            for key, path in sources:
-                docs[key] = tokenize_source(path, key, data, tokenizer, cache_dir)
-        barrier()
-    train_docs, eval_docs = docs["data.path"], docs.get("data.eval_path")
-    fingerprint = docs_fingerprint(train_docs)
+    docs = {
+        key: tokenize_source(p, key, data, tokenizer, data_cache_dir(data)) for key, p in sources
+    }
+    return docs["data.path"], docs.get("data.eval_path")
+
+
+def split_eval(
+    cfg: JobConfig, train_docs: Documents, eval_docs: Documents | None
+) -> tuple[Documents, Documents | None]:
+    """Hold out `data.eval_fraction` of the training documents when there is no eval_path."""
+    data = cfg.data
     if eval_docs is None and data.eval_fraction > 0:
         order = np.random.default_rng([cfg.train.seed, 7]).permutation(train_docs.num_docs)
         num_eval = max(1, round(data.eval_fraction * train_docs.num_docs))
@@ -521,6 +423,27 @@ def build_data(cfg: JobConfig, tokenizer: Any) -> DataBundle:
             )
         eval_docs = train_docs.subset(np.sort(order[:num_eval]))
         train_docs = train_docs.subset(np.sort(order[num_eval:]))
+    return train_docs, eval_docs
+
+
+def build_data(cfg: JobConfig, tokenizer: Any) -> DataBundle:
+    """Tokenise (rank 0 first, others then read its cache), split off eval, pack."""
+    data = cfg.data
+
+    def tokenize_first() -> tuple[Documents, Documents | None]:
+        slow_down(cfg, "tokenize_s")
+        return tokenize_all(cfg, tokenizer)
+
+    # rank 0 tokenises and caches; the others then read the cache (the launcher has usually
+    # tokenised already; under srun on a cold cache this is the long part)
+    train_docs, eval_docs = after_rank0(
+        "tokenising the data",
+        tokenize_first,
+        lambda: tokenize_all(cfg, tokenizer),
+        clock_s=cfg.dist.timeout_s,
+    )
+    fingerprint = docs_fingerprint(train_docs)
+    train_docs, eval_docs = split_eval(cfg, train_docs, eval_docs)
     pad_id = tokenizer.pad_token_id
     split_docs = data.format == "text"
     train_windows = pack(train_docs, data.seq_len, pad_id, split_docs, data.pack)

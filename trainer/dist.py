@@ -6,11 +6,14 @@ process is rank 0 of a world of 1 and no process group is created.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
+import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -19,6 +22,7 @@ from trainer import strategies
 from trainer.config import JobConfig
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def env_rank() -> tuple[int, int, int]:
@@ -37,15 +41,54 @@ def _rendezvous_env() -> dict[str, str]:
     if world_size == 1:
         env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     else:  # srun tasks: the job's first node, a port derived from the job id
-        import subprocess
-
-        nodes = subprocess.run(
-            ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
-            capture_output=True, text=True, check=True,
-        ).stdout.split()  # fmt: skip
         port = 20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000
-        env |= {"MASTER_ADDR": nodes[0], "MASTER_PORT": str(port)}
+        env |= {
+            "MASTER_ADDR": slurm_head_node(os.environ["SLURM_JOB_NODELIST"]),
+            "MASTER_PORT": str(port),
+        }
     return env
+
+
+SCONTROL_TIMEOUT_S = 60
+
+
+def slurm_head_node(nodelist: str, timeout_s: float = SCONTROL_TIMEOUT_S) -> str:
+    """The first host of a Slurm node list (`scontrol show hostnames`), within `timeout_s`: an
+    unresponsive slurmctld fails the start in one line instead of hanging it."""
+    import subprocess
+
+    argv = ["scontrol", "show", "hostnames", nodelist]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(
+            f"'{' '.join(argv)}' did not answer in {timeout_s:.0f} s (is slurmctld reachable?)"
+        ) from None
+    hosts = out.stdout.split()
+    if out.returncode != 0 or not hosts:
+        raise RuntimeError(f"'{' '.join(argv)}' failed: {out.stderr.strip()[:200]}")
+    return hosts[0]
+
+
+def wait_for_future(future: Any, what: str, timeout_s: float, progress_s: float = 60.0) -> Any:
+    """`future.result()` with a progress line every `progress_s` and a bound: background work
+    (an async checkpoint's writes) that does not finish in `timeout_s` raises TimeoutError
+    naming it, instead of blocking the run forever on a stuck file system."""
+    import concurrent.futures
+
+    start = time.monotonic()
+    while True:
+        waited_s = time.monotonic() - start
+        left_s = timeout_s - waited_s
+        if left_s <= 0:
+            raise TimeoutError(
+                f"{what} did not finish in {timeout_s:.0f} s (dist.timeout_s): the file system "
+                "is stuck or too slow; the unfinished checkpoint is never loaded"
+            )
+        try:
+            return future.result(timeout=min(progress_s, left_s))
+        except concurrent.futures.TimeoutError:
+            log.warning("still waiting for %s: %.0f s so far", what, time.monotonic() - start)
 
 
 def resolve_device(cfg: JobConfig, local_rank: int) -> torch.device:
@@ -155,13 +198,72 @@ def barrier() -> None:
         dist.barrier()
 
 
+_rank0_turns = itertools.count()
+POLL_S = 0.1
+
+
+def after_rank0(
+    what: str, work: Callable[[], T], then: Callable[[], T] | None = None, *, clock_s: float
+) -> T | None:
+    """Rank 0 runs `work` alone (tokenising, a checkpoint's fsync, the final save); the other
+    ranks wait for it to finish, then run `then`.
+
+    They wait on the work itself, not on a clock: a key in the process group's store that rank 0
+    sets when it is done (or failed), polled without a deadline but the job's. A barrier would time
+    out after `dist.timeout_s` (`clock_s`) whatever the work's size; here, past that time the
+    waiting ranks say what they wait for, and again every minute or `clock_s`, whichever is longer.
+    Every rank calls this in the same order (the keys count the calls).
+    """
+    if not is_distributed():
+        return work()
+    key = f"oomless/after_rank0/{next(_rank0_turns)}"
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        try:
+            result = work()
+        except BaseException:
+            store.set(key, "failed")
+            raise
+        store.set(key, "done")
+        return result
+    _wait_for_key(store, key, what, clock_s)
+    return then() if then is not None else None
+
+
+def slow_down(cfg: JobConfig, what: str) -> None:
+    """`debug.slow_rank0.<what>`: make rank 0's serial work take that much longer (tests)."""
+    slow = cfg.debug.slow_rank0
+    if slow is not None and getattr(slow, what):
+        time.sleep(getattr(slow, what))
+
+
+def _wait_for_key(store: dist.Store, key: str, what: str, clock_s: float) -> None:
+    start = time.monotonic()
+    next_note_s = clock_s
+    while not store.check([key]):
+        time.sleep(POLL_S)
+        waited_s = time.monotonic() - start
+        if waited_s >= next_note_s:
+            log.warning(
+                "waiting for rank 0 to finish %s: %.0f s so far (past dist.timeout_s=%g, "
+                "which does not apply here); no deadline but the job's",
+                what,
+                waited_s,
+                clock_s,
+            )
+            next_note_s = waited_s + max(60.0, clock_s)
+    if store.get(key) == b"failed":
+        log.error("rank 0 failed while %s; stopping (its error says why)", what)
+        raise SystemExit(1)
+
+
 def exit_without_teardown(code: int) -> NoReturn:
     """End a torchrun worker once its files are written, skipping the interpreter's teardown.
 
     Left to the interpreter, gloo's threads can be destroyed unjoined while C++ statics unwind,
     even after destroy_process_group ("terminate called without an active exception"): SIGABRT
     after the last step, which torchrun reports as a failed run and srun --kill-on-bad-exit as a
-    failed job (2 of ~20 two-node Slurm test jobs here). Only the streams need a flush: the run's
+    failed job. Only the streams need a flush: the run's
     files are closed by now, and the peers need no goodbye (they exit the same way).
     """
     logging.shutdown()

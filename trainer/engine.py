@@ -30,16 +30,18 @@ from trainer.config import JobConfig
 from trainer.contract import EXIT_OOM, EXIT_SIGNAL, FINAL_DIR, PLAN_FILE
 from trainer.data import build_data, build_tokenizer
 from trainer.dist import (
+    after_rank0,
     all_reduce_max,
     all_reduce_sum,
-    barrier,
     env_rank,
     init_distributed,
     resolve_device,
+    slow_down,
 )
 from trainer.evaluate import evaluate
 from trainer.export import save_hf_model
 from trainer.gpus import peak_flops_for
+from trainer.levers import LEVER_NAMES, MemoryLevers, concrete_lever
 from trainer.logs import setup_logging
 from trainer.metrics import MetricsLog
 from trainer.model import (
@@ -60,7 +62,7 @@ from trainer.oom import (
 from trainer.profile import ProfileWindow
 from trainer.schedule import lr_at
 from trainer.signals import StopSignals
-from trainer.slurm_requeue import requeue_if_preempted
+from trainer.slurm_requeue import after_stop
 from trainer.step import train_step
 from trainer.strategies import AC_LEVELS
 from trainer.trackers import Trackers
@@ -145,13 +147,28 @@ def _setup(cfg: JobConfig) -> _Run | int:
         measured = int(backend.memory_stats()["peak_device_bytes"])
         _write_report(run_dir, phase, err, [rank], measured, 0, start_step, split, ctx)
         return EXIT_OOM
+    split.levers = _memory_levers(cfg, model, device)
     return _Run(
         cfg, ctx, run_dir, backend, model, factory, tokenizer, data, split, faults, start_step
     )
 
 
+def _memory_levers(cfg: JobConfig, model: torch.nn.Module, device: torch.device) -> MemoryLevers:
+    """Chunked loss and activation offload as the resolved config says (`auto`: off)."""
+    return MemoryLevers(
+        model,
+        device,
+        chunked_loss=concrete_lever(cfg.memory.chunked_loss),
+        offload_activations=concrete_lever(cfg.memory.offload_activations),
+        loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
+    )
+
+
 def _train(run: _Run) -> int:
-    """The loop, from the resumed step to the last: 0, or EXIT_OOM / EXIT_SIGNAL."""
+    """The loop, from the resumed step to the last: 0, or EXIT_OOM / EXIT_SIGNAL.
+
+    Longer than the others on purpose: what one step does, and every way it can end (an OOM,
+    a signal, the last step), reads top to bottom here, as nanoGPT's loop does."""
     cfg, ctx, split, backend = run.cfg, run.ctx, run.split, run.backend
     num_params = _num_params(run.factory)
     _log_start(run, num_params)
@@ -196,7 +213,14 @@ def _train(run: _Run) -> int:
             mfu = flops_per_token * result.num_tokens / result.step_time_s
             record["mfu"] = mfu / (peak_flops * ctx.world_size)
         if _due(step + 1, cfg.train.eval_every, cfg.train.steps) and run.data.eval is not None:
-            record.update(_evaluate_with_backoff(run.model, backend, run.data.eval, split, ctx))
+            eval_set = run.data.eval
+            try:
+                record.update(
+                    _evaluate_with_backoff(run.model, backend, eval_set, split, ctx, run.faults)
+                )
+            except OutOfMemoryGaveUp as err:  # at eval batch 1: climb a rung, like a step
+                _report_oom(run.run_dir, err, step, split, backend, ctx)
+                return _ended(EXIT_OOM, trackers, window)
         metrics.write(record)
         trackers.log(record)
 
@@ -207,9 +231,9 @@ def _train(run: _Run) -> int:
         if stopping:
             checkpointer.finish()
             log.warning("stopped by %s after step %d; checkpoint written", stop.name, step + 1)
-            if ctx.rank == 0:  # preempted under Slurm (SIGUSR1): back in the queue, resumes there
-                requeue_if_preempted(stop.signum, ctx.rank)
-            return _ended(EXIT_SIGNAL, trackers, window)
+            # preempted under Slurm (SIGUSR1): back in the queue, resumes there
+            code = after_stop(stop.signum, ctx.rank, step + 1, run.run_dir, EXIT_SIGNAL)
+            return _ended(code, trackers, window)
     checkpointer.finish()
     return _ended(0, trackers, window)
 
@@ -225,7 +249,7 @@ def _log_start(run: _Run, num_params: int) -> None:
     cfg, ctx = run.cfg, run.ctx
     log.info(
         "%s: %s params, world %d, micro-batch %d x accumulation %d x %d ranks = global batch %d, "
-        "%s, activation checkpointing %s%s",
+        "%s, activation checkpointing %s, chunked loss %s, activation offload %s%s",
         cfg.strategy,
         f"{num_params:,}",
         ctx.world_size,
@@ -235,6 +259,8 @@ def _log_start(run: _Run, num_params: int) -> None:
         cfg.train.global_batch_size,
         cfg.precision,
         ctx.activation_checkpointing,
+        "on" if run.split.levers.chunked_loss else "off",
+        "on" if run.split.levers.offload_activations else "off",
         f", {n} layers compiled" if (n := num_compiled_layers(run.model)) else "",
     )
 
@@ -257,13 +283,17 @@ def _step_record(
         "micro_batch_size": split.micro_batch_size,
         "grad_accum": split.grad_accum,
         "activation_checkpointing": split.activation_checkpointing,
+        **split.levers.record(),
     }
 
 
 def _save_final(run: _Run) -> None:
-    """The trained model as a Hugging Face directory (run.dir/final), written by rank 0."""
-    weights = run.backend.full_model_state_dict()
-    if run.ctx.rank == 0:
+    """The trained model as a Hugging Face directory (run.dir/final), written by rank 0; the
+    other ranks wait on that work, not on a clock."""
+    weights = run.backend.full_model_state_dict()  # a collective: every rank joins
+
+    def save_final() -> None:
+        slow_down(run.cfg, "final_save_s")
         assert weights is not None
         out = save_hf_model(
             run.factory.hf_config,
@@ -274,7 +304,8 @@ def _save_final(run: _Run) -> None:
             replace=True,  # final/ is this run's own output
         )
         log.info("saved the trained model to %s", out)
-    barrier()
+
+    after_rank0("saving the final model", save_final, clock_s=run.cfg.dist.timeout_s)
 
 
 @dataclass
@@ -290,6 +321,7 @@ class BatchSplit:
     micro_batch_size: int
     activation_checkpointing: str = "none"
     eval_batch_size: int = 0
+    levers: MemoryLevers | None = None  # chunked loss, activation offload: set once built
 
     def __post_init__(self) -> None:
         self.eval_batch_size = self.eval_batch_size or self.micro_batch_size
@@ -324,7 +356,8 @@ def _step_with_backoff(
     faults: FaultInjector,
 ):
     """Run the step; on an OOM on any rank, all ranks halve the micro-batch and redo it; at
-    micro-batch 1 they raise the activation checkpointing level instead, up to `full`."""
+    micro-batch 1 they switch on chunked loss, then activation offload, then raise the
+    activation checkpointing level, up to `full` (each keeps the math)."""
     num_backoffs = 0
     while True:
         batches = data.train.micro_batches(
@@ -335,8 +368,19 @@ def _step_with_backoff(
         except StepAborted as err:
             del batches
             backend.drop_grads()
+            split.levers.drop_partial_step()
             free_memory(ctx.device)
             smaller = _halved(split.micro_batch_size, split.per_rank)
+            if smaller is None and (lever := split.levers.next_off()) is not None:
+                num_backoffs += 1
+                log.warning(
+                    "step %d: out of memory in %s at micro-batch 1; retrying with %s on",
+                    step + 1,
+                    err.phase,
+                    LEVER_NAMES[lever],
+                )
+                split.levers.set(lever, True)
+                continue
             if smaller is None:  # at micro-batch 1: recompute more layers, if any are left
                 level = split.activation_checkpointing
                 if level == AC_LEVELS[-1]:
@@ -370,9 +414,16 @@ def _step_with_backoff(
 
 
 def _evaluate_with_backoff(
-    model: torch.nn.Module, backend: Backend, eval_set: Any, split: BatchSplit, ctx: BackendContext
+    model: torch.nn.Module,
+    backend: Backend,
+    eval_set: Any,
+    split: BatchSplit,
+    ctx: BackendContext,
+    faults: FaultInjector,
 ) -> dict[str, float]:
-    """Evaluate; an OOM halves the eval batch and starts the evaluation over."""
+    """Evaluate; an OOM halves the eval batch and starts the evaluation over; at eval batch 1
+    it gives up like a training step (OutOfMemoryGaveUp: report, exit 75, climb)."""
+    num_backoffs = 0
     while True:
         batches = eval_set.batches(split.eval_batch_size, ctx.rank, ctx.world_size)
         try:
@@ -381,11 +432,13 @@ def _evaluate_with_backoff(
                 itertools.islice(batches, ctx.cfg.train.eval_batches),
                 backend.compute_context,
                 ctx.device,
+                faults,
             )
-        except StepAborted:
+        except StepAborted as err:
             free_memory(ctx.device)
             if split.eval_batch_size == 1:
-                raise
+                raise OutOfMemoryGaveUp(err, num_backoffs) from None
+            num_backoffs += 1
             split.eval_batch_size //= 2
             log.warning("eval: out of memory; eval batch halved to %d", split.eval_batch_size)
 
@@ -450,6 +503,7 @@ def _write_report(
         "world_size": ctx.world_size,
         "micro_batch_size": split.micro_batch_size,
         "activation_checkpointing": split.activation_checkpointing,
+        **(split.levers.state() if split.levers else {}),
         "num_backoffs": num_backoffs,
         "ranks": ranks,
         "error": str(error),

@@ -11,7 +11,7 @@ from torch import nn
 
 from trainer.dist import all_reduce_sum
 from trainer.loss import IGNORE_INDEX
-from trainer.oom import agree, is_oom
+from trainer.oom import NO_FAULTS, FaultInjector, agree, is_oom
 
 
 @torch.no_grad()
@@ -20,6 +20,7 @@ def evaluate(
     batches: Iterable[dict[str, torch.Tensor]],
     compute_context: Callable[[], AbstractContextManager],
     device: torch.device,
+    faults: FaultInjector = NO_FAULTS,
 ) -> dict[str, float]:
     """{'eval_loss', 'eval_exact_match'} over the given batches of every rank.
 
@@ -34,6 +35,7 @@ def evaluate(
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             logits, failed = None, None
             try:
+                faults.at("eval")
                 with compute_context():
                     logits = model(
                         input_ids=batch["input_ids"], position_ids=batch.get("position_ids")

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from trainer.config import ConfigError, ModelConfig, read_yaml
+from trainer.contract import CONFIG_FILE
 from trainer.files import fsync_dir, umask_mode
 
 
@@ -98,7 +99,7 @@ def export_command(
             "CHECKPOINT", f"'{checkpoint}' is not a complete checkpoint", "give checkpoints/step_N"
         )
     out = check_out_dir(path, Path(out_dir), overwrite)
-    tree = read_yaml((path / "config.yaml").read_text())["model"]
+    tree = read_yaml((path / CONFIG_FILE).read_text())["model"]
     model_cfg = ModelConfig.model_validate(dict(tree, trust_remote_code=trust_remote_code))
     hf_config = _load_hf_config(load_hf_config, model_cfg)
     weights = read_full_weights(path)

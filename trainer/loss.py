@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
+from trainer.chunked_loss import IGNORE_INDEX, chunked_head
+
+__all__ = ["IGNORE_INDEX", "compute_loss", "next_token_loss_sum", "shifted_targets"]
 
 
 def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -15,8 +17,18 @@ def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tens
 
     Labels are aligned with input_ids (not shifted); position t predicts labels[t + 1].
     """
-    logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
-    return next_token_loss_sum(logits, batch["labels"])
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids")}
+    head = chunked_head(model)  # chunked loss on: the output layer computes it chunk by chunk
+    if head is None:
+        return next_token_loss_sum(model(**inputs).logits, batch["labels"])
+    with head.loss_targets(shifted_targets(batch["labels"])):
+        carrier = model(**inputs).logits
+    return head.take_loss(carrier)
+
+
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """What each position predicts: the next label (the last position predicts nothing)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -27,10 +39,9 @@ def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     slice. 16-bit logits are upcast to fp32 for the loss, as HF does: the estimator counts that
     copy.
     """
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     return F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)),
-        targets.reshape(-1),
+        shifted_targets(labels).reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from functools import cached_property, partial
 from typing import Any
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from trainer.config import ConfigError, ModelConfig
+from trainer.offload import ActivationOffload
 from trainer.strategies import checkpointed_layers
 
 log = logging.getLogger(__name__)
@@ -123,15 +125,23 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 class _Recompute:
-    """A wrapped layer's checkpoint_fn: non-reentrant recomputation while `enabled`."""
+    """A wrapped layer's checkpoint_fn: non-reentrant recomputation while `enabled`; what the
+    layer saves for backward (with recomputation: its inputs) goes to host memory while
+    `offload` is set (`trainer.offload`)."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, index: int):
         self.enabled = enabled
+        self.index = index
+        self.offload: ActivationOffload | None = None
 
     def __call__(self, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if self.enabled and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False, **kwargs)
-        return layer(*args, **kwargs)
+        offloading = self.offload is not None and torch.is_grad_enabled()
+        with self.offload.layer(self.index) if offloading else contextlib.nullcontext():
+            if self.enabled and torch.is_grad_enabled():
+                return torch.utils.checkpoint.checkpoint(
+                    layer, *args, use_reentrant=False, **kwargs
+                )
+            return layer(*args, **kwargs)
 
 
 def apply_activation_checkpointing(model: nn.Module, level: str) -> None:
@@ -144,7 +154,7 @@ def apply_activation_checkpointing(model: nn.Module, level: str) -> None:
     layers = decoder_layers(model)
     on = set(checkpointed_layers(len(layers), level))
     for i in range(len(layers)):
-        layers[i] = checkpoint_wrapper(layers[i], checkpoint_fn=_Recompute(i in on))
+        layers[i] = checkpoint_wrapper(layers[i], checkpoint_fn=_Recompute(i in on, i))
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -162,9 +172,7 @@ def num_compiled_layers(model: nn.Module) -> int:
     return sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
-def set_activation_checkpointing(model: nn.Module, level: str) -> None:
-    """Switch the layers that `apply_activation_checkpointing` wrapped to `level`, in a model
-    that may since have been sharded or wrapped (DDP, FSDP2, a DeepSpeed engine)."""
+def _layer_switches(model: nn.Module) -> list[_Recompute]:
     switches = [
         fn.func
         for module in model.modules()
@@ -173,9 +181,24 @@ def set_activation_checkpointing(model: nn.Module, level: str) -> None:
     ]
     if not switches:
         raise ValueError("no switchable checkpointing: apply_activation_checkpointing first")
+    return switches
+
+
+def set_activation_checkpointing(model: nn.Module, level: str) -> None:
+    """Switch the layers that `apply_activation_checkpointing` wrapped to `level`, in a model
+    that may since have been sharded or wrapped (DDP, FSDP2, a DeepSpeed engine)."""
+    switches = _layer_switches(model)
     on = set(checkpointed_layers(len(switches), level))
     for i, switch in enumerate(switches):
         switch.enabled = i in on
+
+
+def set_offload_activations(model: nn.Module, offload: ActivationOffload | None) -> None:
+    """Offload the saved activations of every decoder layer through `offload` (None: keep them
+    on the device), in a model wrapped by `apply_activation_checkpointing` and maybe since
+    sharded; the OOM back-off switches it on mid-run."""
+    for switch in _layer_switches(model):
+        switch.offload = offload
 
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")

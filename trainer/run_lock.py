@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import ConfigError
+from trainer.contract import RUN_LOCK_FILE
 from trainer.files import make_private_dir
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = "run.lock"
+LOCK_FILE = RUN_LOCK_FILE
 # Set by the supervisor for the processes it starts: the lock it holds is theirs too.
 LOCK_OWNER_ENV = "OOMLESS_RUN_LOCK_PID"
 _PR_SET_PDEATHSIG = 1

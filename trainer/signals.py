@@ -2,6 +2,11 @@
 
 The handler only sets a flag; the engine checks it at every step boundary and all ranks agree
 (a max over the flag) so that no rank leaves a collective the others are still in.
+
+Exit 143 promises a checkpoint, so a second signal (an impatient Ctrl-C, Slurm's SIGTERM after its
+SIGUSR1) does not cut the stop checkpoint short: it is logged and the checkpoint is finished. A
+third stops at once with exit 130 (EXIT_CUT_OFF): no checkpoint of this step; resume from the
+previous one.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import signal
 
 import torch
 
-from trainer.contract import EXIT_SIGNAL
+from trainer.contract import EXIT_CUT_OFF, EXIT_SIGNAL
 from trainer.dist import all_reduce_max, all_reduce_max_many
 
 log = logging.getLogger(__name__)
@@ -22,14 +27,32 @@ _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 class StopSignals:
     def __init__(self) -> None:
         self.signum = 0
+        self.num_received = 0
         for sig in _HANDLED:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.signum:  # asked twice: stop now, without a checkpoint
-            raise SystemExit(EXIT_SIGNAL)
-        log.warning("received %s: stopping after this step", signal.Signals(signum).name)
-        self.signum = signum
+        self.num_received += 1
+        name = signal.Signals(signum).name
+        if self.num_received == 1:
+            log.warning("received %s: stopping after this step", name)
+            self.signum = signum
+        elif self.num_received == 2:
+            log.warning(
+                "received %s again: still finishing this step and its checkpoint (exit %d); "
+                "a third signal stops at once without it (exit %d)",
+                name,
+                EXIT_SIGNAL,
+                EXIT_CUT_OFF,
+            )
+        else:
+            log.error(
+                "received %s a third time: stopping now; this step has no checkpoint, resume "
+                "from the previous one (exit %d)",
+                name,
+                EXIT_CUT_OFF,
+            )
+            raise SystemExit(EXIT_CUT_OFF)
 
     @property
     def name(self) -> str:

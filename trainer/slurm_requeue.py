@@ -1,22 +1,52 @@
-"""Requeue a preempted Slurm job from inside it, after the preemption checkpoint.
+"""Requeue a preempted Slurm job after the preemption checkpoint.
 
 Slurm sends SIGUSR1 `grace_s` before a job's time limit or preemption (`--signal=USR1@GRACE` in
-the script `oomless submit` writes). The engine finishes the step, checkpoints, then calls
-`requeue_if_preempted` on every rank; rank 0 asks Slurm to put the job back in the queue, where
-`run.resume: auto` continues it from that checkpoint. SIGTERM and SIGINT are plain stops.
+the script `oomless submit` writes). The engine finishes the step and checkpoints. Then:
+
+- under the script `oomless submit` writes (it exports `OOMLESS_REQUEUE_BY_SCRIPT=1`), rank 0
+  leaves `run.dir/requeue.json` and every rank exits 0, so torchrun and srun end cleanly; the
+  script then requeues the job (`after_stop`). A requeue from inside the running step made Slurm
+  SIGTERM both torchruns, and each printed a SignalException traceback into slurm-*.out.
+- otherwise (ranks started by a script of the user's own) rank 0 asks Slurm itself
+  (`requeue_if_preempted`) and the ranks exit 143.
+
+`run.resume: auto` continues the requeued job from that checkpoint. SIGTERM and SIGINT are plain
+stops.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 REQUEUE_TIMEOUT_S = 30
+REQUEUE_BY_SCRIPT_ENV = "OOMLESS_REQUEUE_BY_SCRIPT"  # exported by slurm/submit.sbatch.tmpl
+REQUEUE_MARKER = "requeue.json"  # left for that script by rank 0
+
+
+def after_stop(signum: int, rank: int, step: int, run_dir: Path, exit_signal: int) -> int:
+    """The exit code of a rank that stopped on `signum` after its checkpoint (see the module
+    doc): 0 when the batch script requeues the job, else `exit_signal` (rank 0 requeued it
+    itself if preempted)."""
+    env = os.environ
+    by_script = env.get(REQUEUE_BY_SCRIPT_ENV) == "1" and slurm_job_id(env) is not None
+    if signum == signal.SIGUSR1 and by_script:
+        if rank == 0:
+            tmp = run_dir / f".{REQUEUE_MARKER}.tmp"
+            tmp.write_text(json.dumps({"step": step, "job": slurm_job_id(env)}) + "\n")
+            tmp.replace(run_dir / REQUEUE_MARKER)
+            log.warning("checkpoint written at step %d; the batch script requeues the job", step)
+        return 0
+    if rank == 0:
+        requeue_if_preempted(signum, rank)
+    return exit_signal
 
 
 def slurm_job_id(env: dict[str, str] | os._Environ) -> str | None:

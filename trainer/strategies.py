@@ -154,3 +154,17 @@ def checkpointed_layers(num_layers: int, level: str) -> list[int]:
     if level == "selective":
         return list(range(0, num_layers, 2))
     return []
+
+
+# Chunked loss (trainer/chunked_loss.py): logit elements per chunk when `memory.loss_chunk_tokens`
+# is not set: 2^26 (256 MiB in fp32), about 512 tokens of a 128k vocabulary, so a 4096-token
+# micro-batch goes in 8 chunks (torchtitan's count).
+CHUNK_LOGIT_ELEMENTS = 1 << 26
+
+
+def loss_chunk_tokens(vocab_size: int, configured: int | None = None) -> int:
+    """Tokens per chunk of the chunked loss: `memory.loss_chunk_tokens`, or what keeps a chunk's
+    logits near CHUNK_LOGIT_ELEMENTS. The engine chunks and the estimator sizes by this."""
+    if configured:
+        return configured
+    return max(1, CHUNK_LOGIT_ELEMENTS // max(vocab_size, 1))

@@ -3,7 +3,7 @@
 #
 # Installs slurmctld, slurmd, munge and the client tools with apt-get when they are missing, writes
 # /etc/slurm/slurm.conf (nodes n1 and n2 on 127.0.1.1 / 127.0.1.2, each slurmd on its own port,
-# partition "debug"), starts munged, slurmctld and two `slurmd -N` daemons and waits until both
+# partition "debug"; each node declares this machine's real CPUs and memory), starts munged, slurmctld and two `slurmd -N` daemons and waits until both
 # nodes are idle. Idempotent: a running cluster is left as it is. Bounded: gives up after
 # OOMLESS_SLURM_START_TIMEOUT_S seconds (default 120) with exit status 1.
 set -euo pipefail
@@ -44,8 +44,19 @@ if [ -f "$CONF" ] && ! grep -q "$MARKER" "$CONF"; then
   echo "dev-cluster: $CONF exists and is not ours; not touching it" >&2
   exit 1
 fi
+# every node declares this machine's real CPUs and memory (MiB)
+cpus="$(nproc --all)"
+memory_mb="$(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo)"
 sed -e "s|@STATE_DIR@|$STATE_DIR|g" -e "s|@MARKER@|$MARKER|g" \
-  "$HERE/slurm.conf.in" >"$CONF"
+  -e "s|@CPUS@|$cpus|g" -e "s|@MEMORY_MB@|$memory_mb|g" \
+  "$HERE/slurm.conf.in" >"$CONF.new"
+if [ -f "$CONF" ] && ! cmp -s "$CONF" "$CONF.new" && pidfile_alive "$STATE_DIR/slurmctld.pid"; then
+  # a cluster started from an older conf (other sizes): reload it with the new one
+  mv "$CONF.new" "$CONF"
+  scontrol reconfigure >/dev/null 2>&1 || true
+else
+  mv "$CONF.new" "$CONF"
+fi
 
 # no cgroup.conf: the cgroup plugins are off in slurm.conf
 

@@ -43,6 +43,10 @@ TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 EXTRA = {"phi3": TOKENS, "gemma": {**TOKENS, "head_dim": 16}}  # valid configs at these sizes
 STRATEGIES = (("single", 1), ("fsdp", 2), ("fsdp", 4), ("fsdp", 8))
 MICRO_SEQ_CKPT = tuple(itertools.product((1, 4), (512, 2048), ("none", "full")))
+# chunked loss in chunks of 256 tokens: 2 to 32 chunks per micro-batch here (by default a chunk
+# holds 2^26 logits, more than these micro-batches have)
+LOSS_CHUNK_TOKENS = 256
+LEVERS = ("chunked", "offload", "chunked+offload")
 
 
 def hf_config(arch: str, size: str) -> dict:
@@ -55,9 +59,18 @@ def hf_config(arch: str, size: str) -> dict:
     }
 
 
-def relative_error(arch, size, strategy, world, micro, seq, ckpt, grad_accum=1) -> float:
-    """(analytic - traced) / traced peak tensor bytes on one device."""
+def relative_error(
+    arch, size, strategy, world, micro, seq, ckpt, grad_accum=1, levers: str = ""
+) -> float:
+    """(analytic - traced) / traced peak tensor bytes on one device. `levers`: "chunked" and/or
+    "offload" in the name switch on chunked loss (chunks of LOSS_CHUNK_TOKENS) and activation
+    offload."""
     config = hf_config(arch, size)
+    on = {
+        "chunked_loss": "chunked" in levers,
+        "offload_activations": "offload" in levers,
+        "loss_chunk_tokens": LOSS_CHUNK_TOKENS if "chunked" in levers else None,
+    }
     traced = trace_step(
         config,
         strategy=strategy,
@@ -66,6 +79,7 @@ def relative_error(arch, size, strategy, world, micro, seq, ckpt, grad_accum=1) 
         seq_len=seq,
         activation_checkpointing=ckpt,
         grad_accum=grad_accum,
+        **on,
     )
     analytic = estimate(
         _shape_of(json.dumps(config, sort_keys=True)),
@@ -77,6 +91,7 @@ def relative_error(arch, size, strategy, world, micro, seq, ckpt, grad_accum=1) 
         activation_checkpointing=ckpt,
         precision="bf16",
         grad_accum=grad_accum,
+        **on,
     )
     return (analytic.peak_tensor_bytes - traced.peak_bytes) / traced.peak_bytes
 
@@ -127,6 +142,34 @@ def test_analytic_peak_is_within_the_band_of_the_trace_on_the_covering_grid():
 @pytest.mark.slow
 def test_analytic_peak_is_within_the_band_of_the_trace_on_the_full_grid():
     assert_within_band(full_grid())
+
+
+def lever_grid() -> list[tuple]:
+    """Every lever combination with every checkpointing level, once each: the architecture,
+    size, strategy and world size, micro-batch and sequence rotate."""
+    cases = []
+    for k, (levers, ckpt) in enumerate(itertools.product(LEVERS, ("none", "selective", "full"))):
+        strategy, world = STRATEGIES[k % len(STRATEGIES)]
+        micro, seq = ((1, 2048), (4, 512), (4, 2048), (1, 512))[k % 4]
+        arch, size = ARCHS[k % len(ARCHS)], tuple(SIZES)[(k // 2) % 2]
+        cases.append((arch, size, strategy, world, micro, seq, ckpt, 1, levers))
+    return cases
+
+
+def test_the_levers_keep_the_estimate_within_the_band_of_the_trace():
+    """Chunked loss and activation offload, alone and together, at each checkpointing level:
+    the analytic peak follows the traced step of the engine with the levers on."""
+    cases = lever_grid()
+    assert {(c[-1], c[-3]) for c in cases} == set(
+        itertools.product(LEVERS, ("none", "selective", "full"))
+    )
+    assert_within_band(cases)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("levers", LEVERS)
+def test_the_levers_keep_the_estimate_within_the_band_on_the_covering_grid(levers):
+    assert_within_band([(*case, 1, levers) for case in covering_grid()])
 
 
 @pytest.mark.parametrize(

@@ -108,9 +108,17 @@ def test_what_is_learned_never_changes():
 
 def test_bandwidths_from_the_config_drive_the_cost_model():
     hw = _hw({"devices": 8, "device_memory": "80GiB", "host": "1TiB"})
-    fast = make_plan(_job("llama-3.1-8b", strategy="fsdp"), hw)
+    # the same micro-batch on both (chunked loss would let the fast one take a larger one)
+    levers_off = {"chunked_loss": False, "offload_activations": False}
+    fast = make_plan(_job("llama-3.1-8b", strategy="fsdp", memory=levers_off), hw)
     slow = make_plan(
-        _job("llama-3.1-8b", strategy="fsdp", hardware={"intra_node_bandwidth": "15GB"}), hw
+        _job(
+            "llama-3.1-8b",
+            strategy="fsdp",
+            memory=levers_off,
+            hardware={"intra_node_bandwidth": "15GB"},
+        ),
+        hw,
     )
     assert slow.step_time_s > fast.step_time_s * 1.5  # comm-bound now
     one = _hw({"devices": 1, "device_memory": "80GiB", "host": "256GiB"})
@@ -124,18 +132,22 @@ def test_bandwidths_from_the_config_drive_the_cost_model():
 def test_fsdp_accumulates_sharded_when_unsharded_gradients_cost_more():
     """8B on 8x80 GiB at seq 4096: unsharded fp32 accumulation holds 4 bytes per parameter on
     every device, which forces fsdp to a slower micro-batch/recompute; reducing after every
-    micro-batch is faster overall, and the resolved config says which the ranks run."""
+    micro-batch is faster overall, and the resolved config says which the ranks run. (Levers
+    off: chunked loss fits micro-batch 8 without accumulation, where the choice is moot.)"""
     from launcher.plan import apply_plan
 
     hw = _hw({"devices": 8, "device_memory": "80GiB", "host": "1TiB"})
-    cfg = _job("llama-3.1-8b")
+    levers_off = {"chunked_loss": False, "offload_activations": False}
+    cfg = _job("llama-3.1-8b", memory=levers_off)
     plan = make_plan(cfg, hw)
     assert plan.strategy == "fsdp" and plan.fsdp_reduce_every_micro_batch is True
     assert plan.grad_accum > 1 and any("after every micro-batch" in r for r in plan.reasons)
     assert apply_plan(cfg, plan, hw).fsdp.reduce_every_micro_batch is True
     assert plan.to_json(hw, cfg.memory.headroom, [])["fsdp_reduce_every_micro_batch"] is True
     # pinned to unsharded accumulation, fsdp's best is slower than the plan above
-    pinned = make_plan(_job("llama-3.1-8b", fsdp={"reduce_every_micro_batch": False}), hw)
+    pinned = make_plan(
+        _job("llama-3.1-8b", memory=levers_off, fsdp={"reduce_every_micro_batch": False}), hw
+    )
     fsdp = next(a for a in pinned.alternatives if a.strategy == "fsdp")
     assert pinned.step_time_s * fsdp.relative_step_time > plan.step_time_s * 1.01
     assert pinned.fsdp_reduce_every_micro_batch in (None, False)

@@ -3,22 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
-from tests.conftest import PYTHON, REPO, python_env
+from tests.conftest import oomless
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def _report(run_dir) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PYTHON, "-m", "launcher.cli", "report", str(run_dir)],
-        capture_output=True,
-        text=True,
-        env=python_env(),
-        cwd=REPO,
-        timeout=120,
-    )
 
 
 def test_report_writes_loss_and_memory_pngs(tmp_path):
@@ -40,7 +28,7 @@ def test_report_writes_loss_and_memory_pngs(tmp_path):
     breakdown = {"params": 2**30, "grads": 2**30, "optimizer": 2**31, "activations": 2**29}
     plan = {"strategy": "fsdp", "estimate": {"device": {"breakdown": breakdown}}}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    r = _report(tmp_path)
+    r = oomless("report", str(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr
     for name in ("loss.png", "memory.png"):
         path = tmp_path / name
@@ -50,7 +38,7 @@ def test_report_writes_loss_and_memory_pngs(tmp_path):
 
 
 def test_report_on_a_dir_without_metrics_is_one_line_exit_2(tmp_path):
-    r = _report(tmp_path)
+    r = oomless("report", str(tmp_path), timeout=120)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "metrics.jsonl" in r.stderr
     assert "Traceback" not in r.stderr

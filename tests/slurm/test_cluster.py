@@ -8,6 +8,7 @@ machine, so each job is two CPU ranks on one host, one per Slurm node.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -116,6 +117,7 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
 
 
 def test_two_node_job_completes_with_world_size_two(uninterrupted):
+    """Sized to the nodes as sinfo has them (2 CPUs here; main asked 8 and pended forever)."""
     assert [r["step"] for r in uninterrupted] == list(range(1, NUM_STEPS + 1))
     assert {r["world_size"] for r in uninterrupted} == {2}
     assert {r["strategy"] for r in uninterrupted} == {"fsdp"}
@@ -137,6 +139,9 @@ def test_usr1_checkpoints_requeues_and_resumes_bit_exact(uninterrupted, tmp_path
     assert job["JobState"] == "COMPLETED", f"{job}\n{_failure(run_dir)}"
     assert int(job["Restarts"]) == 1, job
     assert "restart 1" in log, log[-3000:]
+    # the ranks exit 0 and the batch script requeues: no torchrun killed mid-run, no tracebacks
+    assert "oomless: preempted; checkpoint written; requeueing job" in log, log[-3000:]
+    assert "Traceback" not in log and "SignalException" not in log, _failure(run_dir)
     assert list(run_dir.glob("checkpoints/step_*")), "no preemption checkpoint"
     records = _metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, NUM_STEPS + 1))  # contiguous, no repeats
@@ -152,6 +157,43 @@ def _wait_requeued_and_done(job_id: str, run_dir: Path, deadline: float) -> dict
         time.sleep(1)
     subprocess.run(["scancel", job_id], timeout=30)
     pytest.fail(f"job {job_id} not done after USR1: {_failure(run_dir)}")
+
+
+def test_the_local_cluster_declares_this_machines_cpus_and_memory():
+    """Real sizes, not generous ones: a job that asks a node for more than the machine has
+    pends here as it would on a real cluster (issue 20, item 8)."""
+    out = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%N %c %m"], capture_output=True, text=True, timeout=30
+    )
+    mem_total_mb = int(Path("/proc/meminfo").read_text().split()[1]) // 1024
+    for line in out.stdout.splitlines():
+        _, cpus, memory_mb = line.split()
+        assert int(cpus) == os.cpu_count() and int(memory_mb) == mem_total_mb, line
+
+
+def test_a_submit_the_partition_cannot_hold_exits_3_naming_it(tmp_path):
+    """A plan whose host memory per node is more than the partition's nodes have: exit 3 in one
+    line, nothing written, no job (main printed a job id that then pended forever)."""
+    run_dir = tmp_path / "big"
+    argv = [
+        PYTHON, "-m", "launcher.cli", "submit", str(REPO / "configs/models/llama-3.1-8b.yaml"),
+        f"run.dir={run_dir}", "hardware.device=cpu", "hardware.nodes=2",
+        "hardware.devices_per_node=1", "hardware.host_memory=512GiB",
+        "hardware.device_memory=512GiB",
+    ]  # fmt: skip
+    dry = subprocess.run(
+        [*argv, "--dry-run"], capture_output=True, text=True, env=python_env(), cwd=REPO,
+        timeout=120,
+    )  # fmt: skip
+    assert "oomless submit: would exit 3 here: the plan needs" in dry.stderr, dry.stderr
+    out = subprocess.run(argv, capture_output=True, text=True, env=python_env(), cwd=REPO,
+                         timeout=120)  # fmt: skip
+    if out.returncode == 0:  # submitted: take it out of the queue again
+        subprocess.run(["scancel", out.stdout.strip().splitlines()[-1]], timeout=30)
+    assert out.returncode == 3, (out.stdout, out.stderr[-2000:])
+    (line,) = out.stderr.strip().splitlines()
+    assert "GiB host memory per node and partition debug's nodes have" in line, line
+    assert not run_dir.exists()
 
 
 def test_two_node_losses_equal_a_two_process_local_run(uninterrupted, tmp_path):

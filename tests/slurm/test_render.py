@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 
-from tests.conftest import PYTHON, REPO, python_env
+import pytest
+
+from tests.conftest import REPO, oomless
 
 DEMO = REPO / "configs" / "demo.yaml"
 
 
 def _submit_dry_run(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PYTHON, "-m", "launcher.cli", "submit", str(DEMO), *overrides, "--dry-run"],
-        capture_output=True,
-        text=True,
-        env=python_env(),
-        cwd=REPO,
-        timeout=120,
-    )
+    return oomless("submit", str(DEMO), *overrides, "--dry-run", timeout=120)
 
 
 def test_two_gpu_nodes(tmp_path):
@@ -159,3 +155,46 @@ def test_item7_line_breaks_in_slurm_values_exit_2(tmp_path):
         r = _submit_dry_run(f"run.dir={tmp_path / 'run'}", override)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, (override, r.stderr)
         assert "slurm." in r.stderr and "line break" in r.stderr, r.stderr
+
+
+SINFO = """\
+a1|64|515000|gpu:h100:8(S:0-1)|gpu*
+a2|64|515000+|gpu:h100:8(S:0-1)|gpu*
+a3|32|257000|gpu:4,gpu:a100:2|gpu*
+c1|2|24105|(null)|cpu
+c2|2|24105|(null)|cpu
+"""
+
+
+def test_sinfo_is_read_per_partition_smallest_node_first():
+    from launcher.slurm_nodes import parse_sinfo
+
+    gpu = parse_sinfo(SINFO, None)  # the default partition
+    assert (gpu.partition, gpu.num_nodes, gpu.cpus, gpu.gpus) == ("gpu", 3, 32, 6)
+    assert gpu.memory_bytes == 257000 * 2**20
+    cpu = parse_sinfo(SINFO, "cpu")
+    assert (cpu.num_nodes, cpu.cpus, cpu.memory_bytes, cpu.gpus) == (2, 2, 24105 * 2**20, 0)
+    assert parse_sinfo(SINFO, "nope") is None
+
+
+def test_requests_fit_the_nodes_or_exit_3_naming_what_is_missing():
+    """--cpus-per-task and --mem at most what a node has; host memory, GPUs or nodes that the
+    partition cannot give are NoFitError (exit 3), one line each."""
+    from launcher.plan import NoFitError
+    from launcher.slurm_nodes import parse_sinfo, size_request
+
+    cpu = parse_sinfo(SINFO, "cpu")
+    sized = size_request(cpu, 2, 0, 1, 2**30, cpus_wanted=8, min_mem_bytes=16 * 2**30)
+    assert sized.cpus_per_task == 2 and sized.mem_bytes == 16 * 2**30
+    capped = size_request(cpu, 2, 0, 1, 23 * 2**30 + 1, cpus_wanted=8, min_mem_bytes=0)
+    assert capped.mem_bytes == 24105 * 2**20  # 24 GiB, whole, would not fit: the node's memory
+    cases = [
+        ((cpu, 2, 0, 1, 30 * 2**30), "needs 30.0 GiB host memory per node and partition cpu's "
+         "nodes have 23.5 GiB"),
+        ((cpu, 3, 0, 1, 2**30), "needs 3 nodes and partition cpu has 2"),
+        ((parse_sinfo(SINFO, "gpu"), 1, 8, 8, 2**30), "needs 8 GPUs per node and partition "
+         "gpu's nodes have 6"),
+    ]  # fmt: skip
+    for args, message in cases:
+        with pytest.raises(NoFitError, match=re.escape(message)):
+            size_request(*args, cpus_wanted=8, min_mem_bytes=0)

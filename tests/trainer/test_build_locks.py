@@ -24,3 +24,30 @@ def test_stale_build_locks_are_removed_and_live_ones_kept(tmp_path, caplog):
         clear_stale_build_locks(tmp_path)
     assert not stale.exists() and not stale_flat.exists() and live.exists()
     assert "stale build lock" in caplog.text and str(stale) in caplog.text
+
+
+def test_a_young_build_lock_is_waited_on_with_a_progress_line_and_a_bound(tmp_path, caplog):
+    """A lock a Ctrl-C'd build left a moment ago: waited on, saying so and how to clear it, and
+    removed once it is `max_age_s` old (torch's own wait has no bound: it hung forever)."""
+    from threading import Thread
+
+    from trainer.backends.deepspeed import wait_for_build_locks
+
+    left = tmp_path / "cpu_adam" / "lock"
+    left.parent.mkdir()
+    left.touch()
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        wait_for_build_locks(tmp_path, max_age_s=2, progress_s=0.5)
+    assert 1.5 <= time.monotonic() - start < 30
+    assert not left.exists()
+    assert f"waiting for DeepSpeed's op build lock {left}" in caplog.text
+    assert f"remove it (rm {left})" in caplog.text
+
+    # a build that ends in time: its lock goes, and the wait ends with it (nothing removed by us)
+    live = tmp_path / "cpu_adam" / "lock"
+    live.touch()
+    Thread(target=lambda: (time.sleep(1), live.unlink()), daemon=True).start()
+    start = time.monotonic()
+    wait_for_build_locks(tmp_path, max_age_s=600, progress_s=0.5)
+    assert 0.5 <= time.monotonic() - start < 30

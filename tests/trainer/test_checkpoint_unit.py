@@ -12,12 +12,12 @@ import torch.distributed.checkpoint as dcp
 from tests.conftest import TINY_LLAMA
 from trainer.checkpoint import (
     STATE_FILE,
+    Checkpointer,
     SafeFileSystemReader,
     find_latest,
     flatten_state,
     load_checkpoint,
     load_template,
-    save_checkpoint,
     unflatten_state,
 )
 from trainer.config import ConfigError, build_config
@@ -77,7 +77,7 @@ def test_save_then_load_into_a_fresh_template(tmp_path):
     """The resume path in one process: a parameter never stepped keeps a fresh optimizer slot."""
     cfg = _cfg(tmp_path)
     run_dir = tmp_path / "run"
-    path = save_checkpoint(run_dir, 7, _state(), {"scaler": {}}, cfg, None, rank=0)
+    path = Checkpointer(run_dir, cfg, None, 0).save(7, _state(), {"scaler": {}})
     assert path == run_dir / "checkpoints" / "step_7"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_7"
     fresh = {"model": {k: torch.zeros_like(v) for k, v in _state()["model"].items()}, "optim": {}}
@@ -94,7 +94,7 @@ def test_save_then_load_into_a_fresh_template(tmp_path):
 
 
 def test_resume_with_different_training_settings_is_refused(tmp_path):
-    path = save_checkpoint(tmp_path / "run", 1, _state(), {}, _cfg(tmp_path), None, rank=0)
+    path = Checkpointer(tmp_path / "run", _cfg(tmp_path), None, 0).save(1, _state(), {})
     with pytest.raises(ConfigError, match="trained with different settings"):
         load_checkpoint(path, load_template(_state()), _cfg(tmp_path, lr=1.0))
     # where the bytes live may change: micro-batch is not a training semantic
@@ -104,7 +104,7 @@ def test_resume_with_different_training_settings_is_refused(tmp_path):
 def test_old_checkpoints_are_pruned_after_the_new_one_is_complete(tmp_path):
     cfg = _cfg(tmp_path)  # run.keep_checkpoints defaults to 2
     for step in (1, 2, 3):
-        save_checkpoint(tmp_path / "run", step, _state(), {}, cfg, None, rank=0)
+        Checkpointer(tmp_path / "run", cfg, None, 0).save(step, _state(), {})
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert names == ["latest", "step_2", "step_3"]
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env
+from tests.conftest import REPO, TINY_LLAMA, oomless
 from trainer.config import ConfigError, load_config, parse_size
 
 TOKENIZER = str(REPO / "configs" / "demo" / "tokenizer")
@@ -33,17 +32,6 @@ def _job(tmp_path: Path, **sections) -> Path:
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(tree))
     return path
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PYTHON, "-m", "launcher.cli", *args],
-        capture_output=True,
-        text=True,
-        env=python_env(),
-        cwd=REPO,
-        timeout=60,
-    )
 
 
 def test_a_valid_job_loads_with_defaults_and_relative_paths(tmp_path):
@@ -93,7 +81,7 @@ def test_sizes():
 
 def test_oomless_config_prints_the_resolved_config(tmp_path):
     job = _job(tmp_path, deepspeed={"overrides": {"wandb": {"project": "p1"}}})
-    r = _cli("config", str(job), "train.lr=3e-4")
+    r = oomless("config", str(job), "train.lr=3e-4")
     assert r.returncode == 0, r.stderr
     printed = yaml.safe_load(r.stdout)
     assert printed["train"]["lr"] == 3e-4
@@ -184,7 +172,7 @@ INVALID = [
 def test_invalid_config_is_one_line_exit_2(tmp_path, label, sections, overrides, key, words):
     job = _job(tmp_path, **sections)
     start = time.monotonic()
-    r = _cli("config", str(job), *overrides)
+    r = oomless("config", str(job), *overrides)
     elapsed = time.monotonic() - start
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert r.stderr.count("\n") == 1, r.stderr  # exactly one line
@@ -205,14 +193,14 @@ def test_invalid_config_is_one_line_exit_2(tmp_path, label, sections, overrides,
 def test_broken_files_are_one_line_exit_2(tmp_path, content, words):
     path = tmp_path / "bad.yaml"
     path.write_text(content)
-    r = _cli("config", str(path))
+    r = oomless("config", str(path))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
 
 
 def test_missing_file_and_bad_usage(tmp_path):
-    r = _cli("config", str(tmp_path / "nope.yaml"))
+    r = oomless("config", str(tmp_path / "nope.yaml"))
     assert r.returncode == 2 and "config file not found" in r.stderr
-    r = _cli("trian", "x.yaml")
+    r = oomless("trian", "x.yaml")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
 

@@ -167,6 +167,32 @@ def test_tokenised_data_is_cached(tmp_path, monkeypatch):
     def no_reading(*args, **kwargs):
         raise AssertionError("the data was read again instead of the cache")
 
-    monkeypatch.setattr(data_mod, "_read_rows", no_reading)
+    monkeypatch.setattr(data_mod, "read_rows", no_reading)
     again = tokenize_source(cfg.data.path, "data.path", cfg.data, tok, tmp_path / "cache")
     assert (again.tokens == first.tokens).all() and (again.offsets == first.offsets).all()
+
+
+BOOK = "Chapter one.\n\nIt was a dark night.\nRain fell.\n\n\n   \nChapter two.\n"
+
+
+@pytest.mark.parametrize(
+    ("unit", "documents"),
+    [
+        ("document", [BOOK]),
+        ("paragraph", ["Chapter one.", "It was a dark night.\nRain fell.", "Chapter two."]),
+        ("line", ["Chapter one.", "It was a dark night.", "Rain fell.", "Chapter two."]),
+    ],
+)
+def test_a_text_file_is_read_by_data_text_unit_and_blank_lines_are_no_error(
+    tmp_path, unit, documents
+):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "book.txt").write_text(BOOK)
+    (corpus / "empty.txt").write_text("\n\n")  # a blank file holds no document
+    cfg = _cfg(tmp_path, [], fmt="text", text_unit=unit)
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"path": str(corpus)})})
+    tok = build_tokenizer(cfg.model)
+    docs = tokenize_source(cfg.data.path, "data.path", cfg.data, tok, tmp_path / "cache")
+    got = [docs.doc(i)[0].tolist() for i in range(docs.num_docs)]
+    assert got == [tok(d)["input_ids"] + [tok.eos_token_id] for d in documents]

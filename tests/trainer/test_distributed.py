@@ -136,6 +136,24 @@ def test_fp32_losses_match_one_process(runs, run):
     assert all(m["world_size"] == run.world_size for m in _metrics(runs / run.name))
 
 
+LEVER_RUNS = [(run.name, run.against) for run in checked("levers")]
+
+
+@pytest.mark.parametrize(("name", "reference"), LEVER_RUNS)
+def test_memory_levers_learn_what_the_same_rung_learns_without_them(runs, name, reference):
+    """Chunked loss and activation offload (alone, and together under full recomputation) on
+    two ranks: per-step losses within 1e-6 of the same rung with the levers off."""
+    ref, got = _losses(runs / reference), _losses(runs / name)
+    assert len(got) == STEPS
+    for step, (a, b) in enumerate(zip(got, ref, strict=True), start=1):
+        assert abs(a - b) <= 1e-6 * abs(b), f"step {step}: {name} {a} vs {reference} {b}"
+    metrics = _metrics(runs / name)
+    assert all(m["chunked_loss"] == ("offload" not in name) for m in metrics)
+    assert all(m["offload_activations"] == ("chunked" not in name) for m in metrics)
+    if "chunked" not in name:  # every byte that went to the host came back
+        assert all(m["offloaded_bytes"] == m["restored_bytes"] > 0 for m in metrics)
+
+
 def test_compiled_layers_say_so(runs):
     """train.compile (its losses are checked like every fp32 run's): the startup line says how
     many layers run compiled."""
@@ -191,15 +209,18 @@ def moment_mismatches(got: dict, want: dict, tol: float) -> list[str]:
 
 
 RESUMED = [(run.name, run.against, run.exact) for run in checked("resume")]
+RESUMED_AT = {run.name: run.resume_at for run in checked("resume")}
 
 
 @pytest.mark.parametrize("name, source, exact", RESUMED)
 def test_resume_continues_the_uninterrupted_run(runs, name, source, exact):
-    """2N straight vs N, stop, resume to 2N (N = 4), on the same or another rung and world."""
+    """10 steps straight vs stopped at step 4 (another rung or world) or 6 (the same rung:
+    bit-identical), resumed to 10."""
     _needs_nvme(name)
     straight, resumed = _metrics(runs / source), _metrics(runs / name)
-    assert [m["step"] for m in resumed] == list(range(RESUME_AT + 1, STEPS + 1))
-    for a, b in zip(resumed, straight[RESUME_AT:], strict=True):
+    at = RESUMED_AT[name]
+    assert [m["step"] for m in resumed] == list(range(at + 1, STEPS + 1))
+    for a, b in zip(resumed, straight[at:], strict=True):
         if exact:
             assert a["loss"] == b["loss"], (a["step"], a["loss"], b["loss"])
         else:

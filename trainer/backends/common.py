@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from trainer.backends import OptimizerSpec
+from trainer.model import apply_activation_checkpointing, apply_compile, canonical_name
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -24,19 +25,16 @@ def autocast_context(device: torch.device, precision: str) -> AbstractContextMan
     return torch.autocast(device.type, dtype=dtype)
 
 
-def build_adamw(
-    params: Iterable[nn.Parameter], optim: OptimizerSpec, device: torch.device
-) -> torch.optim.AdamW:
+def build_adamw(params: Iterable[nn.Parameter], optim: OptimizerSpec) -> torch.optim.AdamW:
     """AdamW with torch's fused kernel (CUDA and CPU): one pass per tensor, no foreach
     temporaries; on CPU also 1.2-4x faster than foreach (a 29M-parameter step here)."""
-    fast = {"fused": True}
     return torch.optim.AdamW(
         list(params),
         lr=optim.lr,
         betas=optim.betas,
         eps=optim.eps,
         weight_decay=optim.weight_decay,
-        **fast,
+        fused=True,
     )
 
 
@@ -143,3 +141,21 @@ def load_replica_state_dict(
     load_canonical_optim_state(optimizer, params, state["optim"])
     if state.get("scaler") and scaler.is_enabled():
         scaler.load_state_dict(state["scaler"])
+
+
+def build_replica(factory: Any, ctx: Any) -> nn.Module:
+    """The whole model on this rank's device, checkpointing (and compile) applied, in train
+    mode: what `single` runs and what `ddp` wraps."""
+    model = factory.build(ctx.device)
+    apply_activation_checkpointing(model, ctx.activation_checkpointing)
+    if ctx.cfg.train.compile:
+        apply_compile(model)
+    model.train()
+    return model
+
+
+def full_replica_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A replica's weights, canonical names, copied to the CPU."""
+    return {
+        canonical_name(n): t.detach().to("cpu", copy=True) for n, t in model.state_dict().items()
+    }

@@ -19,14 +19,16 @@ from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
 from trainer.backends.common import (
     autocast_context,
     build_adamw,
+    build_replica,
     clip_and_step,
     device_memory_stats,
+    full_replica_state_dict,
     load_replica_state_dict,
     replica_state_dict,
     reset_device_peak,
     set_lr,
 )
-from trainer.model import apply_activation_checkpointing, apply_compile, canonical_name
+from trainer.model import canonical_name
 
 
 class DdpBackend:
@@ -36,17 +38,13 @@ class DdpBackend:
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.precision == "fp16")
 
     def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
-        inner = factory.build(self.ctx.device)
-        apply_activation_checkpointing(inner, self.ctx.activation_checkpointing)
-        if self.ctx.cfg.train.compile:
-            apply_compile(inner)
-        inner.train()
+        inner = build_replica(factory, self.ctx)
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
         self.inner = inner
         self.model = DistributedDataParallel(
             inner, device_ids=device_ids, gradient_as_bucket_view=True
         )
-        self.optimizer = build_adamw(self.model.parameters(), optim, self.ctx.device)
+        self.optimizer = build_adamw(self.model.parameters(), optim)
         self.grad_clip = optim.grad_clip
         return self.model
 
@@ -83,10 +81,7 @@ class DdpBackend:
     def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self.ctx.rank != 0:
             return None
-        return {
-            canonical_name(n): t.detach().to("cpu", copy=True)
-            for n, t in self.inner.state_dict().items()
-        }
+        return full_replica_state_dict(self.inner)
 
     def memory_stats(self) -> dict[str, int]:
         return device_memory_stats(self.ctx.device)

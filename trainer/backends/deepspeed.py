@@ -59,7 +59,7 @@ class DeepSpeedBackend:
         import deepspeed
 
         ctx = self.ctx
-        clear_stale_build_locks()
+        wait_for_build_locks()
         if self.rung.needs_nvme:
             _require_async_io()
         if ctx.cfg.train.compile and ctx.rank == 0:
@@ -272,7 +272,7 @@ class DeepSpeedBackend:
                     param_state["step"] = (
                         torch.full_like(old, num_steps) if torch.is_tensor(old) else num_steps
                     )
-            _replay_cpu_adam_steps(self.optimizer, num_steps)
+            _replay_cpu_adam_steps(self.optimizer.optimizer, num_steps)  # the base optimizer
 
     def _from_owner(
         self, value: torch.Tensor | None, shape: tuple[int, ...], owner: int
@@ -345,6 +345,18 @@ def _require_async_io() -> None:
 
 
 STALE_BUILD_LOCK_S = 900  # far longer than DeepSpeed's op builds take (1-5 minutes)
+BUILD_LOCK_PROGRESS_S = 30
+
+
+def _build_locks(root: Path) -> list[Path]:
+    return [*root.glob("*/lock"), *root.glob("*/*/lock")]
+
+
+def _age_s(path: Path) -> float | None:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return None  # gone
 
 
 def clear_stale_build_locks(
@@ -354,16 +366,52 @@ def clear_stale_build_locks(
 
     DeepSpeed JIT-compiles its ops (CPU Adam, shared-memory collectives, async I/O) on first use
     under a lock file that only a finishing build removes: a build interrupted by a signal or a
-    timeout leaves it, and every later start waits on it forever, silently.
+    timeout leaves it, and every later start waits on it forever, silently
+    (`torch.utils.file_baton` has no timeout).
     """
     from torch.utils.cpp_extension import get_default_build_root
 
     root = Path(root or get_default_build_root())
-    now = time.time()
-    for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:
-        try:
-            if now - lock.stat().st_mtime > max_age_s:
+    for lock in _build_locks(root):
+        age = _age_s(lock)
+        if age is not None and age > max_age_s:
+            try:
                 lock.unlink()
                 log.warning("removed a stale build lock left by a killed build: %s", lock)
-        except OSError:
-            continue  # gone already, or another process's
+            except OSError:
+                continue  # gone already, or another process's
+
+
+def wait_for_build_locks(
+    root: Path | None = None,
+    max_age_s: float = STALE_BUILD_LOCK_S,
+    progress_s: float = BUILD_LOCK_PROGRESS_S,
+) -> None:
+    """Wait, saying so, while a younger build lock exists; remove it once it is `max_age_s` old.
+
+    A young lock is a build running in another process, or one a Ctrl-C cut off a moment ago:
+    which one cannot be told from the file. So wait with a progress line that names the lock and
+    how to clear it, and with a bound: a lock that reaches `max_age_s` is stale and removed.
+    """
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(root or get_default_build_root())
+    clear_stale_build_locks(root, max_age_s)
+    start = time.monotonic()
+    next_note_s = min(5.0, progress_s)  # a build that is about to end needs no line
+    while locks := [lock for lock in _build_locks(root) if lock.exists()]:
+        waited_s = time.monotonic() - start
+        if waited_s >= next_note_s:
+            ages = [a for a in map(_age_s, locks) if a is not None]
+            log.warning(
+                "waiting for DeepSpeed's op build lock %s (%.0f s old; another process is "
+                "building the op, or a killed build left the lock): if no build is running, "
+                "remove it (rm %s); it is removed as stale when %.0f s old",
+                locks[0],
+                max(ages, default=0.0),
+                " ".join(map(str, locks)),
+                max_age_s,
+            )
+            next_note_s = waited_s + progress_s
+        time.sleep(0.2)
+        clear_stale_build_locks(root, max_age_s)

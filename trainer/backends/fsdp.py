@@ -77,9 +77,7 @@ class FsdpBackend:
         )
         model.train()
         self.model = model
-        self.optimizer = build_adamw(
-            model.parameters(), optim, torch.device("cpu") if self.offload else ctx.device
-        )
+        self.optimizer = build_adamw(model.parameters(), optim)  # on the shards' device
         self.grad_clip = optim.grad_clip
         return model
 

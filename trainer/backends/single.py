@@ -17,14 +17,16 @@ from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
 from trainer.backends.common import (
     autocast_context,
     build_adamw,
+    build_replica,
     clip_and_step,
     device_memory_stats,
+    full_replica_state_dict,
     load_replica_state_dict,
     replica_state_dict,
     reset_device_peak,
     set_lr,
 )
-from trainer.model import apply_activation_checkpointing, apply_compile, canonical_name
+from trainer.model import canonical_name
 
 
 class SingleBackend:
@@ -36,13 +38,9 @@ class SingleBackend:
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.precision == "fp16")
 
     def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
-        model = factory.build(self.ctx.device)
-        apply_activation_checkpointing(model, self.ctx.activation_checkpointing)
-        if self.ctx.cfg.train.compile:
-            apply_compile(model)
-        model.train()
+        model = build_replica(factory, self.ctx)
         self.model = model
-        self.optimizer = build_adamw(model.parameters(), optim, self.ctx.device)
+        self.optimizer = build_adamw(model.parameters(), optim)
         self.grad_clip = optim.grad_clip
         return model
 
@@ -80,10 +78,7 @@ class SingleBackend:
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
         assert self.model is not None
-        return {
-            canonical_name(n): t.detach().to("cpu", copy=True)
-            for n, t in self.model.state_dict().items()
-        }
+        return full_replica_state_dict(self.model)
 
     def memory_stats(self) -> dict[str, int]:
         return device_memory_stats(self.ctx.device)
