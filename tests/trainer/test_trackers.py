@@ -76,6 +76,8 @@ def test_the_run_escalated_and_resumed_from_step_4(escalated):
     assert sorted(_losses(run_dir)) == list(range(1, STEPS + 1))
     for name in ("tensorboard", "wandb", "mlflow", "trackio"):
         assert f"tracking in {name}" in stderr
+    # oomless's own lines only: no library warnings (the checkpoint's single-process notice)
+    assert "UserWarning" not in stderr and "FutureWarning" not in stderr, stderr[-3000:]
 
 
 def test_tensorboard_loss_equals_metrics(escalated):
