@@ -52,12 +52,17 @@ def ensure_run_dir(path: str | Path) -> None:
         ) from None
 
 
-def check_data(cfg: JobConfig) -> None:
-    """Read and check every row, then tokenise the data into the cache (see the module doc)."""
+def check_data(cfg: JobConfig, tokenize: bool = True) -> None:
+    """Read and check every row, then tokenise the data into the cache (see the module doc).
+
+    `tokenize=False` where this process is one of several tasks (srun): they would all write the
+    same cache at once, so the engine's rank 0 tokenises and the others wait for it."""
     from trainer.rows import check_rows
 
     start = time.perf_counter()
     check_rows(cfg.data)
+    if not tokenize:
+        return
     from trainer.data import build_tokenizer, split_eval, tokenize_all
 
     tokenizer = build_tokenizer(cfg.model)

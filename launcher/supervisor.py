@@ -68,7 +68,7 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
             print(" ".join(argv))
             return 0
         if attempt == 0:  # bad input stops here, before anything is written or launched
-            check_data(resolved)
+            check_data(resolved, tokenize=not _under_launcher())  # srun tasks: rank 0 tokenises
             ensure_run_dir(run_dir)
             from trainer.run_lock import acquire_run_lock
 
