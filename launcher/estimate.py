@@ -577,15 +577,20 @@ def _step_phases(shape: ModelShape, m: _Micro, states: _ModelStates, ckpt, accum
 
 
 def _activation_bytes(shape: ModelShape, m: _Micro, ckpt: frozenset[int]) -> int:
-    """What the breakdown lists as activations: saved tensors of every layer, the final
-    hidden state and the loss's tensors."""
+    """What the breakdown lists as activations on the device: saved tensors of every layer
+    (with activation offload: of the layer in flight and the next one, the rest is on the
+    host), the final hidden state and the loss's tensors (with chunked loss: one chunk's)."""
     num_ckpt = len(ckpt)
-    return (
-        (shape.num_layers - num_ckpt) * layer_activation_bytes(shape, m)
-        + num_ckpt * m.r * m.tokens * shape.hidden_size
-        + _final_bytes(shape, m)
-        + loss_bytes(shape, m.b, m.s, m.c)
-    )
+    layers = (shape.num_layers - num_ckpt) * layer_activation_bytes(shape, m)
+    layers += num_ckpt * m.r * m.tokens * shape.hidden_size
+    if m.offload:
+        layers = min(layers, 2 * layer_activation_bytes(shape, m))
+    if m.chunk_tokens is None:
+        loss = loss_bytes(shape, m.b, m.s, m.c)
+    else:
+        rows = logit_tokens(m.tokens, m.chunk_tokens)
+        loss = (m.c + (4 if m.c < 4 else 0) + 4) * rows * shape.vocab_size
+    return layers + _final_bytes(shape, m) + loss
 
 
 def _runtime_overhead(device: str, peak: int, persistent: int) -> int:

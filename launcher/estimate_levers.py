@@ -50,11 +50,16 @@ class Levers:
 NO_LEVERS = Levers()
 
 
-def lever_variants(chunked_loss: object, offload_activations: object) -> list[Levers]:
+def lever_variants(
+    chunked_loss: object, offload_activations: object, device: str = "cuda"
+) -> list[Levers]:
     """The combinations the planner tries: each `auto` lever off and on, a forced one as set;
-    cheapest first (off before on, chunked loss before offload)."""
+    cheapest first (off before on, chunked loss before offload). CPU ranks keep their
+    activations in host memory anyway: `auto` does not offload them."""
     chunked = (False, True) if chunked_loss == "auto" else (bool(chunked_loss),)
     offload = (False, True) if offload_activations == "auto" else (bool(offload_activations),)
+    if offload_activations == "auto" and device == "cpu":
+        offload = (False,)
     return [Levers(c, o) for o in offload for c in chunked]
 
 

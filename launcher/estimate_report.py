@@ -162,7 +162,7 @@ def render(shape: ModelShape, hw: Hardware, rows: list[Estimate], cfg: JobConfig
         f"{hw.host_memory_bytes / GIB:.0f} GiB per node (GiB below, per device unless host)"
     )
     cols = f"{'strategy':<22}{'micro':>6} {'ckpt':<10}{'params':>8}{'grads':>8}{'optim':>8}"
-    cols += f"{'activ':>8}{'temp':>8}{'overhd':>8}{'DEVICE':>8}{'HOST':>8}  fits"
+    cols += f"{'activ':>8}{'temp':>8}{'overhd':>8}{'DEVICE':>8}{'HOST':>8}  fits  levers"
     lines = [head, cols]
     for r in rows:
         b: dict[str, Any] = r.device_breakdown
@@ -171,6 +171,12 @@ def render(shape: ModelShape, hw: Hardware, rows: list[Estimate], cfg: JobConfig
             f"{r.strategy:<22}{r.micro_batch_size:>6} {r.activation_checkpointing:<10}"
             f"{gib(b['params'])} {gib(b['grads'])} {gib(b['optimizer'])} "
             f"{gib(b['activations'])} {gib(b['temporary'])} {gib(b['runtime_overhead'])} "
-            f"{gib(r.device_total_bytes)} {gib(r.host_total_bytes)}  {fits}"
+            f"{gib(r.device_total_bytes)} {gib(r.host_total_bytes)}  {fits:<4}  {_levers(r)}"
         )
     return "\n".join(lines)
+
+
+def _levers(r: Estimate) -> str:
+    """The exact levers of a row, short: chunked loss, activation offload."""
+    on = [n for n, v in (("chunked", r.chunked_loss), ("offload", r.offload_activations)) if v]
+    return "+".join(on) or "-"

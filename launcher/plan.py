@@ -261,7 +261,7 @@ def best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale) -> tuple[_Candid
         acs = (cfg.memory.activation_checkpointing,)
     best: _Candidate | None = None
     smallest: Estimate | None = None
-    levers = lever_variants(cfg.memory.chunked_loss, cfg.memory.offload_activations)
+    levers = lever_variants(cfg.memory.chunked_loss, cfg.memory.offload_activations, hw.device)
     for every, ac, lev in itertools.product(_reduce_variants(rung, cfg), acs, levers):
         for micro in micros:
             est = estimate_for(shape, rung, hw, cfg, micro, ac, memory_scale, every, lev)

@@ -29,7 +29,7 @@ from trainer.backends.common import COMPUTE_DTYPES, build_adamw
 from trainer.backends.fsdp import apply_fsdp, gradient_sync
 from trainer.config import ModelConfig
 from trainer.levers import MemoryLevers
-from trainer.loss import loss_sum_of  # compute_loss's tensors (its token count is an int())
+from trainer.loss import compute_loss
 from trainer.model import HFModelFactory, apply_activation_checkpointing
 from trainer.phases import OPTIMIZER, STEP, phase_markers
 
@@ -72,8 +72,8 @@ def trace_step(
     `grad_accum` micro-batches, all but the last under the backend's no-sync (unless FSDP
     reduces every micro-batch), as the engine runs them.
 
-    One piece on purpose: build, shard, fake, track and run read in the order the engine does
-    them, and the step inside is the engine's step line for line."""
+    Build, shard, fake and track read in the order the engine does them; `_step` is the
+    engine's step line for line."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if strategy not in TRACEABLE:
@@ -102,27 +102,6 @@ def trace_step(
         )
         optimizer = build_adamw(model.parameters(), _SPEC)
         batch = _batch(hf_config["vocab_size"], micro_batch_size, seq_len)
-        compute = _autocast(precision) if strategy == "single" else contextlib.nullcontext
-
-        def step(tracker: Any = None, mark: Any = lambda label: None) -> None:
-            mark(STEP)
-            for i in range(grad_accum):
-                if tracker is not None:
-                    tracker.reset_mod_stats()  # its per-module stats allow one call per module
-                last = reduce_every_micro_batch or i == grad_accum - 1
-                sync = (
-                    contextlib.nullcontext() if strategy != "fsdp" else gradient_sync(model, last)
-                )
-                with sync:
-                    with compute():
-                        loss_sum = loss_sum_of(model, batch)
-                    (loss_sum / (micro_batch_size * seq_len)).backward()
-                    del loss_sum
-            mark(OPTIMIZER)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), _SPEC.grad_clip, foreach=True)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
         _init_optimizer_state(model, optimizer)  # the traced step is a steady-state one
         tracker = _tracker(strategy, model, optimizer, batch)
         marks: list[tuple[str, int, int]] = []  # (label, live bytes, peak so far) as it begins
@@ -133,7 +112,17 @@ def trace_step(
             marks.append((label, _total(current), _total(peak)))
 
         with tracker, phase_markers(model, mark):
-            step(tracker, mark)
+            _step(
+                model,
+                optimizer,
+                batch,
+                strategy,
+                precision,
+                grad_accum,
+                reduce_every_micro_batch,
+                tracker,
+                mark,
+            )
             mark("end")
         snapshot = tracker.get_tracker_snapshot("peak")
     dev = next(d for d in snapshot if torch.device(d).type == device.type)
@@ -149,6 +138,37 @@ def trace_step(
         breakdown=breakdown,
         phases=phase_peaks(marks),
     )
+
+
+def _step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    strategy: str,
+    precision: str,
+    grad_accum: int,
+    reduce_every_micro_batch: bool,
+    tracker: Any,
+    mark: Any,
+) -> None:
+    """One training step as the engine runs it: the micro-batches (all but the last under
+    FSDP's no-sync unless it reduces every micro-batch), clipping, AdamW, zero_grad."""
+    compute = _autocast(precision) if strategy == "single" else contextlib.nullcontext
+    tokens = batch["input_ids"].numel()
+    mark(STEP)
+    for i in range(grad_accum):
+        tracker.reset_mod_stats()  # its per-module stats allow one call per module
+        last = reduce_every_micro_batch or i == grad_accum - 1
+        sync = contextlib.nullcontext() if strategy != "fsdp" else gradient_sync(model, last)
+        with sync:
+            with compute():
+                loss_sum = compute_loss(model, batch)
+            (loss_sum / tokens).backward()
+            del loss_sum
+    mark(OPTIMIZER)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), _SPEC.grad_clip, foreach=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def phase_peaks(marks: list[tuple[str, int, int]]) -> tuple[tuple[str, int], ...]:

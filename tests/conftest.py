@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,6 +39,30 @@ TINY_LLAMA = {
 @pytest.fixture
 def tiny_llama_config() -> dict:
     return copy.deepcopy(TINY_LLAMA)
+
+
+def write_demo_job(path: Path, **sections: dict) -> Path:
+    """A one-process fp32 job on the shipped demo data (prompt/completion, a 45-token vocabulary)
+    with the tiny Llama, written to `path`; `sections` update its sections key by key."""
+    demo = REPO / "configs" / "demo"
+    job: dict = {
+        "model": {"config": {**TINY_LLAMA, "vocab_size": 45}, "tokenizer": str(demo / "tokenizer")},
+        "data": {
+            "path": str(demo / "train.jsonl"),
+            "format": "prompt_completion",
+            "seq_len": 32,
+            "cache_dir": str(path.parent / "cache"),
+        },
+        "train": {"lr": 3e-3},
+        "precision": "fp32",
+        "memory": {"activation_checkpointing": "none"},
+        "hardware": {"device": "cpu", "devices_per_node": 1},
+        "run": {"save_final": False},
+    }
+    for name, values in sections.items():
+        job[name] = {**job.get(name, {}), **values} if isinstance(values, dict) else values
+    path.write_text(yaml.safe_dump(job))
+    return path
 
 
 def python_env() -> dict[str, str]:

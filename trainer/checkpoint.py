@@ -24,6 +24,7 @@ import os
 import pickle
 import shutil
 import signal
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,13 @@ from trainer.dist import (
 )
 
 log = logging.getLogger(__name__)
+# A one-process run saves and loads without a process group (no_dist) on purpose; torch warns
+# on every save that it assumes so.
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent is",
+    category=UserWarning,
+)
 
 STATE_FILE = "trainer_state.json"
 

@@ -134,6 +134,17 @@ def _causal_lm(model: nn.Module) -> nn.Module:
     raise ValueError(f"{type(model).__name__}: no Hugging Face model with an output layer inside")
 
 
+def chunkable(model: nn.Module) -> str | None:
+    """None when chunked loss can switch this model's output layer; else why not."""
+    try:
+        head = _causal_lm(model).get_output_embeddings()
+    except ValueError as err:
+        return str(err)
+    if not isinstance(head, nn.Linear) or type(head) not in (nn.Linear, ChunkedLossHead):
+        return f"its output layer is a {type(head).__name__}, not a plain nn.Linear"
+    return None
+
+
 def apply_chunked_loss(
     model: nn.Module, enabled: bool = True, chunk_tokens: int | None = None
 ) -> ChunkedLossHead:
@@ -141,13 +152,12 @@ def apply_chunked_loss(
     `ChunkedLossHead`, in place, and chunking on or off; again on the same model it only flips
     the switch (the OOM back-off turns it on mid-run). `chunk_tokens` None sizes the chunks by
     the vocabulary."""
+    why_not = chunkable(model)
+    if why_not is not None:
+        raise ValueError(f"chunked loss: {why_not}")
     lm = _causal_lm(model)
     head = lm.get_output_embeddings()
-    if not isinstance(head, nn.Linear):
-        raise ValueError(f"chunked loss needs an nn.Linear output layer, not {type(head).__name__}")
     if not isinstance(head, ChunkedLossHead):
-        if type(head) is not nn.Linear:
-            raise ValueError(f"chunked loss cannot switch a {type(head).__name__} output layer")
         head.__class__ = ChunkedLossHead
         head._targets = None
         head._loss_sum = None

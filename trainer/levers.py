@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.chunked_loss import apply_chunked_loss
+from trainer.chunked_loss import apply_chunked_loss, chunkable
+from trainer.config import ConfigError
 from trainer.model import set_offload_activations
 from trainer.offload import ActivationOffload
 
@@ -40,12 +41,18 @@ class MemoryLevers:
         self.loss_chunk_tokens = loss_chunk_tokens
         self.offload = ActivationOffload(device, host=offload_host)
         self.chunked_loss = self.offload_activations = False
+        self.unavailable: dict[str, str] = {}  # lever -> why this model cannot use it
+        if (why := chunkable(model)) is not None:
+            self.unavailable["chunked_loss"] = why
+            if chunked_loss:
+                raise ConfigError("memory.chunked_loss", why, "set memory.chunked_loss=false")
         self.set("chunked_loss", chunked_loss)
         self.set("offload_activations", offload_activations)
 
     def set(self, lever: str, on: bool) -> None:
         if lever == "chunked_loss":
-            apply_chunked_loss(self.model, on, self.loss_chunk_tokens)
+            if lever not in self.unavailable:
+                apply_chunked_loss(self.model, on, self.loss_chunk_tokens)
         elif lever == "offload_activations":
             set_offload_activations(self.model, self.offload if on else None)
         else:
@@ -53,8 +60,9 @@ class MemoryLevers:
         setattr(self, lever, on)
 
     def next_off(self) -> str | None:
-        """The first lever still off, in the back-off's order."""
-        return next((lever for lever in LEVERS if not getattr(self, lever)), None)
+        """The first lever still off that this model can use, in the back-off's order."""
+        usable = (lever for lever in LEVERS if lever not in self.unavailable)
+        return next((lever for lever in usable if not getattr(self, lever)), None)
 
     def drop_partial_step(self) -> None:
         """After an aborted step: forget what its forward offloaded (never brought back)."""

@@ -8,23 +8,17 @@ from torch import nn
 
 from trainer.chunked_loss import IGNORE_INDEX, chunked_head
 
-__all__ = ["IGNORE_INDEX", "compute_loss", "loss_sum_of", "next_token_loss_sum", "shifted_targets"]
+__all__ = ["IGNORE_INDEX", "compute_loss", "next_token_loss_sum", "shifted_targets"]
 
 
-def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """(sum of token losses, number of target tokens) for one micro-batch.
+def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The sum of token losses of one micro-batch (the step counts the target tokens once, for
+    the whole global batch, before any forward: no host sync here).
 
     Labels are aligned with input_ids (not shifted); position t predicts labels[t + 1].
     """
-    labels = batch["labels"]
-    return loss_sum_of(model, batch), int((labels[:, 1:] != IGNORE_INDEX).sum())
-
-
-def loss_sum_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The summed loss of one micro-batch: from the whole logits tensor, or chunk by chunk
-    inside the output layer when chunked loss is on (`trainer.chunked_loss`)."""
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids")}
-    head = chunked_head(model)
+    head = chunked_head(model)  # chunked loss on: the output layer computes it chunk by chunk
     if head is None:
         return next_token_loss_sum(model(**inputs).logits, batch["labels"])
     with head.loss_targets(shifted_targets(batch["labels"])):

@@ -156,11 +156,14 @@ class ActivationOffload:
     def _unpack(self, saved: torch.Tensor | _Saved) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
             return saved
-        if saved.device_copy is None:
+        # The first unpack of a layer brings back what is still on the host of it and of the
+        # next layer backward reaches (overlapped with this one's backward). A layer that was
+        # itself prefetched still starts its successor's copies here, so the chain goes on.
+        if saved.layer in self._by_layer or saved.layer - 1 in self._by_layer:
             if self.cuda:
                 self._retire(wait=True)  # backward started: every copy out is needed now
             self._bring_back(saved.layer)
-            self._bring_back(saved.layer - 1)  # backward's next layer, overlapped
+            self._bring_back(saved.layer - 1)
         if saved.device_copy is None:  # a tensor packed after its layer was brought back
             self._bring_back_one(saved)
         tensor = saved.device_copy

@@ -80,7 +80,7 @@ def train_step(
 def _forward_then_enter_backward(model, backend: Backend, batch, faults: FaultInjector):
     faults.at("forward")
     with backend.compute_context():
-        loss_sum, _ = compute_loss(model, batch)
+        loss_sum = compute_loss(model, batch)
     faults.at("backward")
     return loss_sum
 

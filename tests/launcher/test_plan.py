@@ -151,3 +151,37 @@ def test_fsdp_accumulates_sharded_when_unsharded_gradients_cost_more():
     fsdp = next(a for a in pinned.alternatives if a.strategy == "fsdp")
     assert pinned.step_time_s * fsdp.relative_step_time > plan.step_time_s * 1.01
     assert pinned.fsdp_reduce_every_micro_batch in (None, False)
+
+
+def test_chunked_loss_lets_llama_3_2_1b_at_4096_tokens_run_single_without_recompute():
+    """Llama-3.2-1B, seq 4096, one 40 GiB GPU: without the levers `single` needs recomputation
+    (the 4096 x 128256 logits and their fp32 copies) and the plan is `fsdp` on one device; with
+    them `single` runs at micro-batch 1 without recomputation, chunked loss in force, and the
+    resolved config and plan.json say so."""
+    from launcher.plan import apply_plan
+
+    hw = _hw({"devices": 1, "device_memory": "40GiB", "host": "256GiB"})
+    off = {"chunked_loss": False, "offload_activations": False}
+    before = make_plan(_job("llama-3.2-1b", memory=off), hw)
+    single_before = next(a for a in before.alternatives if a.strategy == "single")
+    assert before.strategy != "single" and single_before.activation_checkpointing != "none"
+    cfg = _job("llama-3.2-1b")
+    plan = make_plan(cfg, hw)
+    assert (plan.strategy, plan.activation_checkpointing) == ("single", "none")
+    assert plan.levers.chunked_loss and any("chunked loss" in r for r in plan.reasons)
+    assert apply_plan(cfg, plan, hw).memory.chunked_loss is True
+    assert plan.to_json(hw, cfg.memory.headroom, [])["chunked_loss"] is True
+
+
+def test_cpu_ranks_are_not_planned_with_activation_offload():
+    """On CPU processes the activations are in host memory already: `auto` never offloads them,
+    where the same job on a GPU of that size does."""
+    job = _job("tinyllama-1.1b", seq=2048, train={"global_batch_size": 16})
+    on = {}
+    for device in ("cuda", "cpu"):
+        hw = Hardware(device, 1, 1, 24 * 1024**3, 256 * 1024**3, device, None)
+        plan = make_plan(job, hw)
+        on[device] = plan.levers.offload_activations or any(
+            "offload" in (a.levers or "") for a in plan.alternatives
+        )
+    assert on == {"cuda": True, "cpu": False}

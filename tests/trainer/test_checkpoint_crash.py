@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import yaml
 
-from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env, run_bounded
+from tests.conftest import PYTHON, REPO, python_env, run_bounded, write_demo_job
 
 pytestmark = pytest.mark.slow
 DEMO = REPO / "configs" / "demo"
@@ -16,23 +15,12 @@ NUM_POINTS = 20
 
 
 def test_killed_saves_are_never_loaded_and_training_goes_on(tmp_path):
-    job = {
-        "model": {"config": {**TINY_LLAMA, "vocab_size": 45}, "tokenizer": str(DEMO / "tokenizer")},
-        "data": {
-            "path": str(DEMO / "train.jsonl"),
-            "format": "prompt_completion",
-            "seq_len": 32,
-            "cache_dir": str(tmp_path / "cache"),
-        },
-        "train": {"steps": 6, "global_batch_size": 4, "micro_batch_size": 2, "lr": 3e-3},
-        "precision": "fp32",
-        "strategy": "single",
-        "memory": {"activation_checkpointing": "none"},
-        "hardware": {"device": "cpu", "devices_per_node": 1},
-        "run": {"save_final": False, "checkpoint_every": 2, "keep_checkpoints": 1},
-    }
-    config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump(job))
+    config = write_demo_job(
+        tmp_path / "job.yaml",
+        train={"steps": 6, "global_batch_size": 4, "micro_batch_size": 2},
+        strategy="single",
+        run={"checkpoint_every": 2, "keep_checkpoints": 1},
+    )
     r = run_bounded(
         [PYTHON, str(REPO / "tests/trainer/crash_worker.py"), str(config), str(tmp_path),
          str(NUM_POINTS)],

@@ -19,9 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-import yaml
 
-from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env, run_bounded
+from tests.conftest import PYTHON, REPO, python_env, run_bounded, write_demo_job
 from tests.trainer.dist_runs import RESUME_AT, RUNS, STEPS, checked
 
 pytestmark = pytest.mark.slow
@@ -29,31 +28,19 @@ DEMO = REPO / "configs" / "demo"
 
 
 def _base_config(tmp: Path) -> Path:
-    job = {
-        "model": {"config": {**TINY_LLAMA, "vocab_size": 45}, "tokenizer": str(DEMO / "tokenizer")},
-        "data": {
-            "path": str(DEMO / "train.jsonl"),
-            "format": "prompt_completion",
-            "seq_len": 32,
-            "cache_dir": str(tmp / "cache"),
-        },
-        "train": {
+    return write_demo_job(
+        tmp / "base.yaml",
+        train={
             "steps": STEPS,
             "global_batch_size": 16,
             "micro_batch_size": 4,  # x 2 ranks x accumulation 2
-            "lr": 3e-3,
             "warmup_steps": 2,
             "log_every": 5,
         },
-        "precision": "fp32",
-        "memory": {"activation_checkpointing": "none"},
-        "hardware": {"device": "cpu", "devices_per_node": 2},
-        "run": {"save_final": False, "checkpoint_every": 0},
-        "dist": {"timeout_s": 120},  # a collective no rank joins fails the test, not the suite
-    }
-    path = tmp / "base.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return path
+        hardware={"devices_per_node": 2},
+        run={"checkpoint_every": 0},
+        dist={"timeout_s": 120},  # a collective no rank joins fails the test, not the suite
+    )
 
 
 def _losses(run_dir: Path) -> list[float]:

@@ -135,3 +135,52 @@ def test_both_levers_with_full_checkpointing_learn_the_same(tmp_path):
     got, record = _train(tmp_path, GEMMA2, ac="full", chunked_loss=True, offload_activations=True)
     assert record["chunked_loss"] and record["offload_activations"]
     _assert_same(got, ref, "chunked + offload + full")
+
+
+def test_a_model_whose_head_cannot_be_chunked_runs_without_it(tmp_path):
+    """An output layer that is not a plain nn.Linear: chunked loss off is fine (the back-off
+    skips it), forced on is one config error naming the key."""
+    from trainer.config import ConfigError, ModelConfig
+    from trainer.model import apply_activation_checkpointing
+
+    model = HFModelFactory(ModelConfig(config=TINY_LLAMA), seed=0).build(CPU)
+    apply_activation_checkpointing(model, "none")
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    levers = MemoryLevers(model, CPU, chunked_loss=False, offload_activations=False)
+    assert levers.next_off() == "offload_activations"
+    with pytest.raises(ConfigError, match="memory.chunked_loss: its output layer is a Sequential"):
+        MemoryLevers(model, CPU, chunked_loss=True, offload_activations=False)
+
+
+def test_backward_finds_the_next_layer_already_brought_back():
+    """The copies back run one layer ahead of backward (on CUDA they overlap its compute): when
+    backward first needs a tensor of layer k, layer k-1's are already on their way, for every
+    layer, not only the top one."""
+    from trainer.config import ModelConfig
+    from trainer.loss import compute_loss
+    from trainer.model import apply_activation_checkpointing, set_offload_activations
+    from trainer.offload import ActivationOffload
+
+    config = {**TINY_LLAMA, "num_hidden_layers": 4}
+    model = HFModelFactory(ModelConfig(config=config), seed=0).build(CPU)
+    apply_activation_checkpointing(model, "none")
+    offload = ActivationOffload(CPU)
+    set_offload_activations(model, offload)
+    back, late = set(), []
+    bring_back_one, unpack = offload._bring_back_one, offload._unpack
+
+    def recorded_bring_back(saved):
+        back.add(saved.layer)
+        bring_back_one(saved)
+
+    def recorded_unpack(saved):
+        tensor = unpack(saved)
+        if not isinstance(saved, torch.Tensor) and saved.layer - 1 not in back | {-1}:
+            late.append(saved.layer)  # layer k needed, layer k-1 still on the host
+        return tensor
+
+    offload._bring_back_one, offload._unpack = recorded_bring_back, recorded_unpack
+    ids = torch.randint(0, config["vocab_size"], (2, SEQ))
+    loss, _ = compute_loss(model, {"input_ids": ids, "labels": ids})
+    loss.backward()
+    assert back == {0, 1, 2, 3} and not late

@@ -115,8 +115,11 @@ def test_memory_timeline_lays_the_estimate_over_the_measured_step(runs):
     assert len(t) > 100 and t == sorted(t) and min(live) > 0
     phases = plotted["phases"]
     for p in phases:  # the traced step's phases follow the measured ones
-        if "layer" in p["label"] or p["label"] == "head and loss":
-            assert p["predicted_peak_bytes"] == pytest.approx(p["measured_peak_bytes"], rel=0.2), p
+        measured = p["measured_peak_bytes"]
+        if p["label"].startswith("forward") or p["label"] == "head and loss":
+            assert p["predicted_peak_bytes"] == pytest.approx(measured, rel=0.2), p
+        elif p["label"].startswith("backward"):  # plus gloo's reduce-scatter buffers, by timing
+            assert p["predicted_peak_bytes"] == pytest.approx(measured, rel=0.5), p
     measured = max(phases, key=lambda p: p["measured_peak_bytes"])
     predicted = max(phases, key=lambda p: p["predicted_peak_bytes"])
     assert predicted["label"] == measured["label"]

@@ -18,9 +18,11 @@ fp16 is not offered on these rungs.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -63,8 +65,16 @@ class DeepSpeedBackend:
         if ctx.cfg.train.compile and ctx.rank == 0:
             # ZeRO-3 gathers each layer's parameters in module hooks, which dynamo cannot trace
             log.warning("train.compile is not applied under %s: its layers run eagerly", self.name)
-        # Adopt the process group the engine created (gloo on CPU, NCCL on CUDA).
-        deepspeed.init_distributed(dist_backend="nccl" if ctx.device.type == "cuda" else "gloo")
+        # Adopt the process group the engine created (gloo on CPU, NCCL on CUDA). DeepSpeed
+        # prints "... built successfully" for its shared-memory op here, and calls collectives
+        # torch has deprecated (a FutureWarning per call site): neither is the user's to act on.
+        with contextlib.redirect_stdout(io.StringIO()):
+            deepspeed.init_distributed(dist_backend="nccl" if ctx.device.type == "cuda" else "gloo")
+        warnings.filterwarnings(
+            "ignore",
+            message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is",
+            category=FutureWarning,
+        )
         ds_config = build_deepspeed_config(
             ctx.cfg, ctx.world_size, ctx.micro_batch_size, ctx.grad_accum
         )
