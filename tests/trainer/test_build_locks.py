@@ -7,7 +7,11 @@ import logging
 import os
 import time
 
-from trainer.backends.deepspeed import STALE_BUILD_LOCK_S, clear_stale_build_locks
+from trainer.backends.deepspeed import (
+    STALE_BUILD_LOCK_S,
+    clear_stale_build_locks,
+    wait_for_build_locks,
+)
 
 
 def test_stale_build_locks_are_removed_and_live_ones_kept(tmp_path, caplog):
@@ -51,3 +55,16 @@ def test_a_young_build_lock_is_waited_on_with_a_progress_line_and_a_bound(tmp_pa
     start = time.monotonic()
     wait_for_build_locks(tmp_path, max_age_s=600, progress_s=0.5)
     assert 0.5 <= time.monotonic() - start < 30
+
+
+def test_the_locks_are_looked_for_where_torch_builds_the_ops(tmp_path, monkeypatch):
+    """TORCH_EXTENSIONS_DIR moves the builds (and their locks) out of torch's default cache dir:
+    a stale lock there is found and removed too (it was looked for in the default dir only)."""
+    stale = tmp_path / "cpu_adam" / "lock"
+    stale.parent.mkdir()
+    stale.touch()
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    wait_for_build_locks(max_age_s=60, progress_s=1)
+    assert not stale.exists()

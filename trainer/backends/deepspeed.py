@@ -21,6 +21,7 @@ import contextlib
 import io
 import json
 import logging
+import os
 import time
 import warnings
 from collections.abc import Iterator
@@ -359,6 +360,14 @@ def _age_s(path: Path) -> float | None:
         return None  # gone
 
 
+def extensions_root() -> Path:
+    """Where torch builds DeepSpeed's ops: TORCH_EXTENSIONS_DIR when set (as the op builders
+    read it), else torch's default cache dir."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
 def clear_stale_build_locks(
     root: Path | None = None, max_age_s: float = STALE_BUILD_LOCK_S
 ) -> None:
@@ -369,9 +378,7 @@ def clear_stale_build_locks(
     timeout leaves it, and every later start waits on it forever, silently
     (`torch.utils.file_baton` has no timeout).
     """
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = Path(root or get_default_build_root())
+    root = Path(root or extensions_root())
     for lock in _build_locks(root):
         age = _age_s(lock)
         if age is not None and age > max_age_s:
@@ -393,9 +400,7 @@ def wait_for_build_locks(
     which one cannot be told from the file. So wait with a progress line that names the lock and
     how to clear it, and with a bound: a lock that reaches `max_age_s` is stale and removed.
     """
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = Path(root or get_default_build_root())
+    root = Path(root or extensions_root())
     clear_stale_build_locks(root, max_age_s)
     start = time.monotonic()
     next_note_s = min(5.0, progress_s)  # a build that is about to end needs no line
