@@ -35,8 +35,6 @@ def test_a_young_build_lock_is_waited_on_with_a_progress_line_and_a_bound(tmp_pa
     removed once it is `max_age_s` old (torch's own wait has no bound: it hung forever)."""
     from threading import Thread
 
-    from trainer.backends.deepspeed import wait_for_build_locks
-
     left = tmp_path / "cpu_adam" / "lock"
     left.parent.mkdir()
     left.touch()
