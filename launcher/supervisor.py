@@ -35,6 +35,7 @@ from trainer.contract import (
     TORCHRUN_LOG,
 )
 from trainer.files import write_atomic
+from trainer.run_lock import LOCK_OWNER_ENV, acquire_run_lock, check_run_lock
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,6 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
     ends, fails otherwise, or no higher rung fits."""
     run_dir = Path(cfg.run.dir)
     if not dry_run:
-        from trainer.run_lock import check_run_lock
-
         check_run_dir(run_dir)
         check_run_lock(run_dir)  # a live run's files stay as they are; it is taken after checks
         check_rows(cfg)  # torch-free: a broken data file answers before anything imports torch
@@ -72,8 +71,6 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
             if not _under_launcher():  # srun tasks would write one cache at once: rank 0 does
                 tokenize_data(resolved)
             ensure_run_dir(run_dir)
-            from trainer.run_lock import acquire_run_lock
-
             # one run per run.dir, for the life of this one
             held.enter_context(acquire_run_lock(run_dir))
         rc = _launch(resolved, plan_json, argv, env, spawn)
@@ -219,7 +216,6 @@ def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> i
             _release_device_memory()
     from launcher.launch import run_command
     from launcher.torchrun_output import TorchrunOutput
-    from trainer.run_lock import LOCK_OWNER_ENV
 
     log.info("launching: %s", " ".join(argv))
     output = TorchrunOutput(Path(cfg.run.dir) / TORCHRUN_LOG, sys.stderr)
