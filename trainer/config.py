@@ -127,6 +127,8 @@ class TrainConfig(_Section):
     log_every: int = Field(1, ge=1)
     deterministic: bool = False
     compile: bool = False  # torch.compile each decoder layer (single, ddp, fsdp rungs)
+    # adamw: fp32 moments; adamw_8bit: 8-bit moments with block scales (bitsandbytes)
+    optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
 
     @field_validator("micro_batch_size")
     @classmethod
@@ -141,6 +143,29 @@ class TrainConfig(_Section):
         if not all(0.0 <= b < 1.0 for b in v):
             raise ValueError("both betas must be in [0, 1)")
         return v
+
+
+class LoraConfig(_Section):
+    r: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # "all-linear" (every linear layer of the decoder blocks) or a list of module names
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list) and not v:
+            raise ValueError("is empty; give module names (e.g. [q_proj, v_proj]) or all-linear")
+        return v
+
+
+class FinetuneConfig(_Section):
+    # full: every weight trains; lora: low-rank adapters on a frozen base in the compute dtype;
+    # qlora: adapters on a 4-bit NF4 base. These change what is learned: the planner never picks
+    # them, it names them when a full fine-tune does not fit.
+    method: Literal["full", "lora", "qlora"] = "full"
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
 
 class MemoryConfig(_Section):
@@ -291,6 +316,7 @@ class JobConfig(_Section):
     model: ModelConfig
     data: DataConfig
     train: TrainConfig = Field(default_factory=TrainConfig)
+    finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     strategy: str = "auto"  # auto or a row of trainer/strategies.py
@@ -350,6 +376,9 @@ MATH_KEYS = (
     "train.eps",
     "train.grad_clip",
     "train.seed",
+    "train.optimizer",
+    "finetune.method",
+    "finetune.lora",
 )
 _ABSENT = object()
 
@@ -555,6 +584,23 @@ def _check_across_sections(cfg: JobConfig) -> None:
             "precision",
             "fp16 needs a GPU (CPU autocast computes in bf16)",
             "use precision=bf16 or fp32 on CPU",
+        )
+    _check_finetune(cfg)
+
+
+def _check_finetune(cfg: JobConfig) -> None:
+    """What the engine does not run yet is refused, never silently trained another way."""
+    if cfg.finetune.method != "full":
+        raise ConfigError(
+            "finetune.method",
+            f"{cfg.finetune.method} is not implemented yet",
+            "use finetune.method=full",
+        )
+    if cfg.train.optimizer != "adamw":
+        raise ConfigError(
+            "train.optimizer",
+            f"{cfg.train.optimizer} is not implemented yet",
+            "use train.optimizer=adamw",
         )
 
 

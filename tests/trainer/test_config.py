@@ -163,6 +163,10 @@ INVALID = [
     ("betas out of range", {}, ["train.betas=[0.9, 1.5]"], "train.betas", "[0, 1)"),
     ("section given a value", {}, ["train=5"], "train", ""),
     ("eval fraction 1", {}, ["data.eval_fraction=1.0"], "data.eval_fraction", "less than 1"),
+    ("lora typo", {}, ["finetune.lora.rr=8"], "finetune.lora.rr", "did you mean"),
+    ("no lora targets", {}, ["finetune.lora.target_modules=[]"], "finetune.lora", "module"),
+    ("unknown method", {}, ["finetune.method=dora"], "finetune.method", "one of"),
+    ("unknown optimizer", {}, ["train.optimizer=sgd"], "train.optimizer", "adamw_8bit"),
 ]
 
 
