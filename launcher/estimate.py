@@ -179,9 +179,17 @@ class _Micro:
 
 
 def layer_activation_bytes(shape: ModelShape, m: _Micro) -> int:
-    """What autograd keeps for one decoder layer that is not checkpointed, its input included.
+    """What autograd keeps for one decoder layer that is not checkpointed, its input included:
+    the analytic block where it describes the model, else what `launcher/activations.py`
+    measured from the model's own code (or bounded)."""
+    if shape.activations is not None:
+        mode = "fp32" if m.c == 4 else "autocast" if m.autocast else "lowp"
+        return shape.activations.layer_bytes(mode, m.b, m.s)
+    return analytic_layer_bytes(shape, m)
 
-    Llama-style block as transformers runs it (llama, mistral, qwen2): two RMSNorms, rotary
+
+def analytic_layer_bytes(shape: ModelShape, m: _Micro) -> int:
+    """Llama-style block as transformers runs it (llama, mistral, qwen2): two RMSNorms, rotary
     q/k, SDPA, SwiGLU MLP, two residual adds. Traced per op under FakeTensorMode (trace.py).
     """
     t, h, i = m.tokens, shape.hidden_size, shape.intermediate_size
@@ -685,13 +693,13 @@ def estimate(
 
 
 def _check_modelled(shape: ModelShape) -> None:
-    if shape.model_type not in MODELLED_TYPES:
+    if shape.model_type not in MODELLED_TYPES and shape.activations is None:
         raise ConfigError(
             "model.model_type",
             f"the memory estimate models {', '.join(MODELLED_TYPES)} decoder blocks, not "
             f"{shape.model_type} (its activations are not checked against a trace)",
-            "use one of these architectures (planning other blocks needs their activation "
-            "model first)",
+            "plan it with `oomless plan` or `oomless estimate` (they measure other blocks' "
+            "activations: launcher/activations.py)",
         )
 
 

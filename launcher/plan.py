@@ -15,6 +15,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from launcher.activations import with_activations
 from launcher.estimate import Estimate, estimate
 from launcher.estimate_levers import (
     NO_LEVERS,
@@ -138,7 +139,7 @@ def step_time_s(
     seq = cfg.data.seq_len
     world = hw.world_size
     tokens = cfg.train.global_batch_size * seq
-    n = shape.num_params
+    n = shape.num_compute_params  # MoE: the experts a token is routed to
     attention = 12 * shape.num_layers * shape.hidden_size * seq  # per token, fwd + bwd
     recompute = {"none": 0.0, "selective": 0.5, "full": 1.0}[ac] * (2 * n + attention / 3)
     if levers.chunked_loss:
@@ -160,11 +161,11 @@ def step_time_s(
     pcie, nvme = given.pcie_bandwidth or PCIE_BYTES_S, given.nvme_bandwidth or NVME_BYTES_S
     gather_scale = c / 2 if rung.engine == "fsdp" else 1.0
     grad_reductions = grad_accum if rung.grads_every_micro or reduce_every_micro else 1
-    comm_bytes = n * (
+    comm_bytes = shape.num_params * (  # every expert is gathered and reduced
         rung.grad_comm * grad_reductions + rung.param_comm_per_micro * gather_scale * grad_accum
     )
     comm = ring * comm_bytes / bandwidth
-    per_rank = n / world
+    per_rank = shape.num_params / world
     pcie_bytes = (
         rung.pcie_per_step
         + rung.pcie_per_micro * grad_accum
@@ -286,7 +287,7 @@ def make_plan(
     memory_scale: float = 1.0,
 ) -> Plan:
     """The plan for this job on this hardware (raises NoFitError or ConfigError)."""
-    shape = shape or model_shape(cfg.model)
+    shape = with_activations(shape or model_shape(cfg.model), cfg)
     per_rank = _per_rank_batch(cfg, hw)
     forced = cfg.strategy if cfg.strategy != "auto" else None
     rungs = [r for r in strategies.rows() if not forced or r.name == forced]
@@ -323,7 +324,7 @@ def make_plan(
         activation_checkpointing=chosen.ac,
         estimate=chosen.estimate,
         step_time_s=chosen.time_s,
-        reasons=_reasons(cfg, hw, ranked, memory_scale),
+        reasons=_reasons(cfg, hw, ranked, memory_scale) + _model_reasons(shape),
         alternatives=alternatives,
         fsdp_reduce_every_micro_batch=chosen.reduce_every_micro,
         levers=chosen.levers,
@@ -438,6 +439,21 @@ def _reasons(cfg: JobConfig, hw: Hardware, ranked: list[_Candidate], memory_scal
     return reasons
 
 
+def _model_reasons(shape: ModelShape) -> list[str]:
+    """How the model's activations and compute were counted, where not by the analytic block."""
+    reasons = []
+    if shape.activations is not None:
+        reasons.append(shape.activations.reason(shape.model_type))
+    if shape.num_experts:
+        reasons.append(
+            f"mixture of experts: {shape.num_experts} experts per MoE layer, top-"
+            f"{shape.experts_per_token} routing; memory counts every expert's parameters and "
+            f"states, compute the {shape.num_compute_params / 1e6:,.1f}M parameters a token "
+            f"uses of {shape.num_params / 1e6:,.1f}M"
+        )
+    return reasons
+
+
 def _lever_reason(chosen: _Candidate, ranked: list[_Candidate]) -> str:
     """Why the exact levers in force: what they hold off the device, and their price."""
     parts = []
@@ -480,7 +496,8 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
         ),
         reasons=[
             f"strategy {name} is forced by the config, but the estimate says it will not fit: "
-            f"{est.why_not(hw, cfg.memory.headroom)}"
+            f"{est.why_not(hw, cfg.memory.headroom)}",
+            *_model_reasons(shape),
         ],
         alternatives=rejected,
         fsdp_reduce_every_micro_batch=every,
