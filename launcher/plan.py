@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.estimate import Estimate, estimate
+from launcher.estimate_finetune import Finetune, why_not_on
 from launcher.estimate_levers import (
     NO_LEVERS,
     Levers,
@@ -211,6 +212,7 @@ def estimate_for(
         chunked_loss=levers.chunked_loss,
         offload_activations=levers.offload_activations,
         loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
+        finetune=Finetune.of(cfg),
     )
     if memory_scale == 1.0:
         return est
@@ -375,7 +377,7 @@ def _why_not_tried(rung: Strategy, hw: Hardware, cfg: JobConfig, exclude) -> str
         return f"needs {need}, has {hw.world_size}"
     if rung.needs_nvme and not cfg.deepspeed.nvme_path:
         return "needs deepspeed.nvme_path"
-    return None
+    return why_not_on(rung, Finetune.of(cfg))
 
 
 def _rank(candidates: list[_Candidate]) -> list[_Candidate]:
