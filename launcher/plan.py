@@ -27,6 +27,7 @@ from launcher.estimate_levers import (
 )
 from launcher.hardware import Hardware
 from launcher.model_shape import ModelShape, model_shape
+from launcher.plan_finetune import MethodAlternative, method_alternatives
 from trainer import strategies
 from trainer.config import ConfigError, JobConfig
 from trainer.strategies import AC_LEVELS, Strategy
@@ -111,7 +112,12 @@ class Plan:
 
 
 class NoFitError(Exception):
-    """Nothing fits on the hardware given (exit 3); the message says what would."""
+    """Nothing fits on the hardware given (exit 3); the message says what would, and
+    `alternatives` holds the opt-in method/optimizer changes that would (plan_finetune.py)."""
+
+    def __init__(self, message: str, alternatives: list[MethodAlternative] | None = None):
+        super().__init__(message)
+        self.alternatives = alternatives or []
 
 
 def rung_world(rung: Strategy, hw: Hardware) -> int | None:
@@ -300,7 +306,8 @@ def make_plan(
             raise NoFitError(f"strategy {forced} ran out of memory and is forced by the config")
         return _forced_plan(cfg, hw, shape, forced, per_rank, rejected, memory_scale)
     if not candidates:
-        raise NoFitError(_what_would_fit(cfg, hw, shape, rejected))
+        changes = method_alternatives(cfg, hw, shape, exclude, memory_scale)
+        raise NoFitError(_what_would_fit(cfg, hw, shape, rejected, changes), changes)
     ranked = _rank(candidates)
     chosen = ranked[0]
     alternatives = [
@@ -468,6 +475,11 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
     every = _reduce_variants(rung, cfg)[-1]  # the smaller footprint
     levers = smallest_levers(cfg.memory.chunked_loss, cfg.memory.offload_activations)
     est = estimate_for(shape, rung, hw, cfg, micro, ac, memory_scale, every, levers)
+    changes = (
+        []
+        if est.fits(hw, cfg.memory.headroom)
+        else method_alternatives(cfg, hw, shape, (), memory_scale)
+    )
     return Plan(
         strategy=name,
         world_size=hw.world_size,
@@ -482,16 +494,18 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
         ),
         reasons=[
             f"strategy {name} is forced by the config, but the estimate says it will not fit: "
-            f"{est.why_not(hw, cfg.memory.headroom)}"
+            f"{est.why_not(hw, cfg.memory.headroom)}",
+            *(alt.words() for alt in changes),
         ],
-        alternatives=rejected,
+        alternatives=[*rejected, *changes],
         fsdp_reduce_every_micro_batch=every,
         levers=levers,
     )
 
 
-def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected) -> str:
-    """One line: the host RAM, or the number of devices, with which the job would fit."""
+def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected, changes) -> str:
+    """One line: the host RAM, or the number of devices, with which the job would fit; then
+    the opt-in method/optimizer `changes` that would fit here."""
     per_rank = cfg.train.global_batch_size // hw.world_size
     base = (
         f"does not fit on {hw.world_size} x {hw.device_memory_bytes / GIB:.0f} GiB "
@@ -528,6 +542,7 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected) -
                 f"({bigger.nodes} nodes x {bigger.devices_per_node})"
             )
             break
+    offers += [alt.words() for alt in changes]
     return base + ("; " + "; or ".join(offers) if offers else "")
 
 

@@ -182,3 +182,41 @@ def test_lora_8b_plans_on_one_24gib_gpu_at_seq_2048(capsys):
 def test_estimate_models_the_8bit_optimizer_key(capsys):
     rc, out, _ = _cli(capsys, "estimate", PRESET_8B, "train.optimizer=adamw_8bit", *ONE_4090)
     assert rc == 0 and "single" in out
+
+
+def test_full_8b_on_one_24gib_gpu_exits_3_naming_lora(capsys):
+    rc, out, err = _cli(capsys, "plan", PRESET_8B, "data.seq_len=2048", *ONE_4090, "--json")
+    assert rc == 3
+    assert "finetune.method=lora would fit on single (" in err and "GiB of 24 GiB)" in err
+    assert len(err.strip().splitlines()) == 1
+    answer = json.loads(out)
+    assert answer["fits"] is False and answer["error"] in err
+    (lora,) = answer["alternatives"]  # LoRA fits, so QLoRA (a bigger change) is not offered
+    assert lora["change"] == "finetune.method=lora" and lora["overrides"] == [lora["change"]]
+    assert (lora["strategy"], lora["world_size"], lora["fits"]) == ("single", 1, True)
+    assert lora["device_peak_bytes"] < lora["device_total_bytes"] <= 0.9 * 24 * GIB
+    # what it names plans as named
+    rc, out, err = _cli(capsys, "plan", PRESET_8B, "data.seq_len=2048", *ONE_4090,
+                        *lora["overrides"], "--json")  # fmt: skip
+    plan = json.loads(out)
+    assert rc == 0 and plan["strategy"] == "single"
+    assert plan["estimate"]["device"]["total_bytes"] == lora["device_total_bytes"]
+
+
+def test_the_8bit_optimizer_is_named_when_it_alone_makes_a_full_fine_tune_fit(capsys):
+    """Llama-3.2-1B on one 18 GiB device with 16 GiB of host memory: fp32 AdamW needs ~20 GiB,
+    8-bit moments fit on `single` (still every weight trains); LoRA fits too and is named."""
+    rc, _, err = _cli(capsys, "plan", PRESET_8B, "model.name_or_path=meta-llama/Llama-3.2-1B",
+                      "data.seq_len=2048", "hardware.devices_per_node=1",
+                      "hardware.device_memory=18GiB", "hardware.host_memory=16GiB")  # fmt: skip
+    assert rc == 3
+    assert "; or train.optimizer=adamw_8bit would fit on single (" in err
+    assert err.index("adamw_8bit would fit") < err.index("finetune.method=lora would fit")
+
+
+def test_a_forced_rung_that_does_not_fit_says_which_method_would(capsys):
+    rc, out, err = _cli(capsys, "plan", PRESET_8B, "data.seq_len=2048", "strategy=single",
+                        *ONE_4090)  # fmt: skip
+    assert rc == 0, err
+    why = out.split("why:")[1].split("rungs:")[0]
+    assert "forced by the config" in why and "finetune.method=lora would fit on single" in why
