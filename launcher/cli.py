@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from launcher.plan import NoFitError
-from trainer.config import ConfigError, dump_config, load_config
+from trainer.config import ConfigError, check_trainable, dump_config, load_config
 from trainer.contract import EXIT_CUT_OFF, EXIT_NO_FIT, EXIT_OK, EXIT_USAGE
 from trainer.logs import setup_logging
 
@@ -79,6 +79,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from launcher.plan_report import plan_command
 
         return plan_command(cfg, as_json=args.json, emit=args.emit)
+    if args.command in ("train", "submit"):
+        check_trainable(cfg)
     if args.command == "train":
         from launcher.supervisor import train_command
 

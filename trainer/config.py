@@ -585,11 +585,11 @@ def _check_across_sections(cfg: JobConfig) -> None:
             "fp16 needs a GPU (CPU autocast computes in bf16)",
             "use precision=bf16 or fp32 on CPU",
         )
-    _check_finetune(cfg)
 
 
-def _check_finetune(cfg: JobConfig) -> None:
-    """What the engine does not run yet is refused, never silently trained another way."""
+def check_trainable(cfg: JobConfig) -> None:
+    """What the engine does not run yet is refused, never silently trained another way
+    (`train`, `submit` and the ranks call it; `estimate` and `plan` model these keys)."""
     if cfg.finetune.method != "full":
         raise ConfigError(
             "finetune.method",
