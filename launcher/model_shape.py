@@ -2,7 +2,9 @@
 
 Sources: an inline `model.config`, a local directory with `config.json`, or a hub id that names a
 preset shipped in `configs/models/` (read offline; `configs/models/index.yaml` maps hub ids to
-preset files). Parameter counts come from instantiating the model on the meta device.
+preset files). Parameter counts of the block types the estimate models are arithmetic
+(`launcher.analytic_shape`, no torch: cold start under 3 s); any other type is instantiated on
+the meta device, once per config and transformers version, and cached.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from launcher.analytic_shape import analytic_shape_fields, counts_analytically
 from trainer.config import ModelConfig
 from trainer.hf_config import PRESETS, hf_config_dict, preset_index
 
@@ -71,9 +74,12 @@ def model_shape(
     the shape is read from `cache_dir` (default: `$XDG_CACHE_HOME/oomless/shapes`). The presets'
     shapes ship computed (`configs/models/shapes.json`; a test recomputes them); `shipped=False`
     ignores them."""
-    config_json = json.dumps(hf_config_dict(model_cfg), sort_keys=True)
+    config = hf_config_dict(model_cfg)
+    config_json = json.dumps(config, sort_keys=True)
     if shipped and (known := _shipped_shapes().get(_config_digest(config_json))) is not None:
         return ModelShape(**known["shape"])
+    if counts_analytically(config):  # known blocks: arithmetic, no torch (cold start)
+        return ModelShape(**analytic_shape_fields(config))
     key = f"{SHAPE_CACHE_VERSION}\n{_transformers_version()}\n{config_json}"
     path = (cache_dir or _default_cache_dir()) / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
     try:

@@ -17,6 +17,7 @@ from typing import Any
 
 from launcher.activations import with_activations
 from launcher.estimate import Estimate, estimate
+from launcher.estimate_finetune import Finetune, why_not_on
 from launcher.estimate_levers import (
     NO_LEVERS,
     Levers,
@@ -27,6 +28,7 @@ from launcher.estimate_levers import (
 )
 from launcher.hardware import Hardware
 from launcher.model_shape import ModelShape, model_shape
+from launcher.plan_finetune import MethodAlternative, method_alternatives
 from trainer import strategies
 from trainer.config import ConfigError, JobConfig
 from trainer.strategies import AC_LEVELS, Strategy
@@ -111,7 +113,12 @@ class Plan:
 
 
 class NoFitError(Exception):
-    """Nothing fits on the hardware given (exit 3); the message says what would."""
+    """Nothing fits on the hardware given (exit 3); the message says what would, and
+    `alternatives` holds the opt-in method/optimizer changes that would (plan_finetune.py)."""
+
+    def __init__(self, message: str, alternatives: list[MethodAlternative] | None = None):
+        super().__init__(message)
+        self.alternatives = alternatives or []
 
 
 def rung_world(rung: Strategy, hw: Hardware) -> int | None:
@@ -212,6 +219,7 @@ def estimate_for(
         chunked_loss=levers.chunked_loss,
         offload_activations=levers.offload_activations,
         loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
+        finetune=Finetune.of(cfg),
     )
     if memory_scale == 1.0:
         return est
@@ -299,7 +307,8 @@ def make_plan(
             raise NoFitError(f"strategy {forced} ran out of memory and is forced by the config")
         return _forced_plan(cfg, hw, shape, forced, per_rank, rejected, memory_scale)
     if not candidates:
-        raise NoFitError(_what_would_fit(cfg, hw, shape, rejected))
+        changes = method_alternatives(cfg, hw, shape, exclude, memory_scale)
+        raise NoFitError(_what_would_fit(cfg, hw, shape, rejected, changes), changes)
     ranked = _rank(candidates)
     chosen = ranked[0]
     alternatives = [
@@ -376,7 +385,7 @@ def _why_not_tried(rung: Strategy, hw: Hardware, cfg: JobConfig, exclude) -> str
         return f"needs {need}, has {hw.world_size}"
     if rung.needs_nvme and not cfg.deepspeed.nvme_path:
         return "needs deepspeed.nvme_path"
-    return None
+    return why_not_on(rung, Finetune.of(cfg))
 
 
 def _rank(candidates: list[_Candidate]) -> list[_Candidate]:
@@ -485,6 +494,11 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
     every = _reduce_variants(rung, cfg)[-1]  # the smaller footprint
     levers = smallest_levers(cfg.memory.chunked_loss, cfg.memory.offload_activations)
     est = estimate_for(shape, rung, hw, cfg, micro, ac, memory_scale, every, levers)
+    changes = (
+        []
+        if est.fits(hw, cfg.memory.headroom)
+        else method_alternatives(cfg, hw, shape, (), memory_scale)
+    )
     return Plan(
         strategy=name,
         world_size=hw.world_size,
@@ -501,15 +515,17 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
             f"strategy {name} is forced by the config, but the estimate says it will not fit: "
             f"{est.why_not(hw, cfg.memory.headroom)}",
             *_model_reasons(shape),
+            *(alt.words() for alt in changes),
         ],
-        alternatives=rejected,
+        alternatives=[*rejected, *changes],
         fsdp_reduce_every_micro_batch=every,
         levers=levers,
     )
 
 
-def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected) -> str:
-    """One line: the host RAM, or the number of devices, with which the job would fit."""
+def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected, changes) -> str:
+    """One line: the host RAM, or the number of devices, with which the job would fit; then
+    the opt-in method/optimizer `changes` that would fit here."""
     per_rank = cfg.train.global_batch_size // hw.world_size
     base = (
         f"does not fit on {hw.world_size} x {hw.device_memory_bytes / GIB:.0f} GiB "
@@ -546,6 +562,7 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected) -
                 f"({bigger.nodes} nodes x {bigger.devices_per_node})"
             )
             break
+    offers += [alt.words() for alt in changes]
     return base + ("; " + "; or ".join(offers) if offers else "")
 
 

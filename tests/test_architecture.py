@@ -18,6 +18,7 @@ BOTTOM = (
     "trainer.gpus",
     "trainer.hf_config",
     "trainer.logs",
+    "trainer.methods",
     "trainer.rows",
     "trainer.run_lock",
     "trainer.strategies",

@@ -37,6 +37,7 @@ from trainer.backends.common import (
     device_memory_stats,
     load_canonical_optim_state,
     reset_device_peak,
+    trained_params,
 )
 from trainer.model import (
     apply_activation_checkpointing,
@@ -119,7 +120,7 @@ class FsdpBackend:
         self.model.set_requires_gradient_sync(True)
 
     def _named_params(self) -> dict[str, nn.Parameter]:
-        return {canonical_name(n): p for n, p in self.model.named_parameters()}
+        return trained_params(self.model)
 
     def state_dict(self) -> dict[str, Any]:
         """Sharded: DTensor parameters and AdamW moments, fp32; DCP writes each rank's shard."""
