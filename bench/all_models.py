@@ -275,7 +275,7 @@ def collect(types: list[str], work: Path, fsdp: bool) -> list[dict[str, Any]]:
             row.update({c: "config: " + single["config"] for c in ("estimated", "traced")})
             row["single"] = "-"
         row["fsdp x2"] = "-"
-        if fsdp and row.get("single") == "ok":
+        if fsdp and str(row.get("single", "")).startswith("ok"):
             if not (work / f"{t}.fsdp.json").exists():
                 row["fsdp x2"] = "not run"
                 rows.append(row)
@@ -321,23 +321,27 @@ def main() -> int:
     parser.add_argument("--work", help="working directory (default: a temporary one)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--markdown", help="write the table here")
-    parser.add_argument("--collect", action="store_true", help="only tabulate --work's results")
+    parser.add_argument(
+        "--phase",
+        choices=("all", "single", "fsdp", "collect"),
+        default="all",
+        help="run one phase over --work (a walk split over several processes)",
+    )
+    parser.add_argument("--reverse", action="store_true", help="walk the types last to first")
     args = parser.parse_args()
     types = args.types.split(",") if args.types else causal_lm_types()
+    types = types[::-1] if args.reverse else types
     work = Path(args.work or tempfile.mkdtemp(prefix="all_models_"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    if args.collect:
-        types = [t for t in types if (work / f"{t}.single.json").exists()]
-    else:
+    if args.phase in ("all", "single"):
         _walk("single", types, work, args.timeout, args.steps)
+    types = sorted(t for t in types if (work / f"{t}.single.json").exists())
     fsdp = not args.no_fsdp
-    if fsdp and not args.collect:
-        ok = [
-            t
-            for t in types
-            if json.loads((work / f"{t}.single.json").read_text()).get("single") == "ok"
-        ]
+    if fsdp and args.phase in ("all", "fsdp"):
+        ok = [t for t in types if not (work / f"{t}.fsdp.json").exists()
+              and str(json.loads((work / f"{t}.single.json").read_text()).get("single", ""))
+              .startswith("ok")]  # fmt: skip
         _walk("fsdp", ok, work, args.timeout, args.steps)
     rows = collect(types, work, fsdp)
     table = markdown(rows)
