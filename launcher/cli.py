@@ -42,9 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     sp = with_config("submit", "write run_dir/submit.sbatch and sbatch it")
     sp.add_argument("--dry-run", action="store_true")
     with_config("config", "print the resolved config")
-    sp = sub.add_parser("export", help="checkpoint -> HF model dir")
+    sp = sub.add_parser("export", help="checkpoint -> HF model dir (PEFT adapter dir for LoRA)")
     sp.add_argument("checkpoint")
     sp.add_argument("out_dir")
+    sp.add_argument(
+        "--merge", action="store_true", help="lora/qlora: a plain HF model with the adapters merged"
+    )
     sp.add_argument(
         "--overwrite", action="store_true", help="replace the contents of a non-empty OUT_DIR"
     )
@@ -62,7 +65,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
         from trainer.export import export_command
 
-        return export_command(args.checkpoint, args.out_dir, args.overwrite, args.trust_remote_code)
+        return export_command(
+            args.checkpoint, args.out_dir, args.overwrite, args.trust_remote_code, args.merge
+        )
     if args.command == "report":
         from launcher.report import report_command
 

@@ -312,9 +312,9 @@ def load_per_rank(
     """Fill the sharded `model` with `loader` (`load_fsdp_shards`, `load_zero3_partitions`)
     from the factory's pretrained safetensors; False (nothing read) for random init or where the
     checkpoint cannot be read this way, said in one line: the caller then broadcasts."""
-    source = getattr(factory, "model_cfg", None)
+    source = getattr(factory, "model_cfg", None)  # None: another factory (LoRA's adapters)
     name = getattr(source, "name_or_path", None)
-    if name is None:
+    if name is None or not hasattr(factory, "pretrained_checkpoint"):
         return False
     ckpt = factory.pretrained_checkpoint()
     stats = loader(model, ckpt) if ckpt is not None else None

@@ -39,6 +39,7 @@ from trainer.backends.common import (
     device_memory_stats,
     load_canonical_optim_state,
     reset_device_peak,
+    trained_params,
 )
 from trainer.dist import after_rank0
 from trainer.model import (
@@ -128,7 +129,7 @@ class FsdpBackend:
         self.model.set_requires_gradient_sync(True)
 
     def _named_params(self) -> dict[str, nn.Parameter]:
-        return {canonical_name(n): p for n, p in self.model.named_parameters()}
+        return trained_params(self.model)
 
     def state_dict(self) -> dict[str, Any]:
         """Sharded: DTensor parameters and AdamW moments, fp32; DCP writes each rank's shard."""
@@ -241,12 +242,24 @@ def _sharded_scaler(ctx: BackendContext) -> Any:
 
 
 def _rebuild_buffers(model: nn.Module, device: torch.device) -> None:
-    """Non-persistent buffers (rotary inverse frequencies) are not in any state dict: after
-    `to_empty` they hold garbage, so rebuild each owning module's buffers from its config."""
-    for module in model.modules():
-        if not type(module).__name__.endswith("RotaryEmbedding"):
+    """Non-persistent buffers (rotary inverse frequencies, Gemma's embedding scale) are not in
+    any state dict: after `to_empty` they hold garbage, so rebuild each owning module's
+    buffers: rotary embeddings from their config, the others by the model's own
+    `_init_weights` (its parameters are overwritten by the initial state right after)."""
+    persistent = set(model.state_dict())
+    for prefix, module in model.named_modules():
+        own = [
+            name
+            for name, _ in module.named_buffers(recurse=False)
+            if (f"{prefix}.{name}" if prefix else name) not in persistent
+        ]
+        if not own:
             continue
-        with torch.device(device):
-            fresh = type(module)(config=module.config)
-        for name, buf in fresh.named_buffers():
-            getattr(module, name).copy_(buf)
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            with torch.device(device):
+                fresh = type(module)(config=module.config)
+            for name, buf in fresh.named_buffers():
+                getattr(module, name).copy_(buf)
+        elif hasattr(model, "_init_weights"):
+            with torch.no_grad():
+                model._init_weights(module)
