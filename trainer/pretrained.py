@@ -320,7 +320,7 @@ def load_per_rank(
     stats = loader(model, ckpt) if ckpt is not None else None
     if stats is None:
         if ctx.rank == 0:
-            why = "no safetensors weights" if ckpt is None else "checkpoint keys that do not map"
+            why = "no safetensors weights" if ckpt is None else "keys or a layout not read per rank"
             log.info(
                 "model.name_or_path: %s in %s: rank 0 loads the whole model with transformers "
                 "and sends each rank its part",
