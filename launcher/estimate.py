@@ -629,13 +629,41 @@ def _runtime_overhead(device: str, peak: int, persistent: int) -> int:
     return CUDA_CONTEXT_BYTES + int(FRAGMENTATION_RATIO * max(0, peak - persistent))
 
 
+def loading_host_bytes(shape: ModelShape, row: Strategy, ranks_here: int) -> int:
+    """Host bytes per node that loading the initial (pretrained) weights adds at its peak.
+
+    A replica (single, ddp, ZeRO-1/2) is built whole in fp32 on the host by each rank (4N per
+    rank). A sharded rung reads its own part from the safetensors files into its parameters
+    (`trainer/pretrained.py`): beyond the part itself (counted with the model states) at most
+    one tensor in flight per rank, its fp32 copy on the way to the device (4 x the largest
+    tensor). zero3_nvme builds the full weights on rank 0 (the model, then its state dict
+    cloned: 8N) and sends each rank its part, as random init does on every sharded rung."""
+    n = shape.num_params
+    if not row.shards_params:
+        return 4 * n * ranks_here
+    if row.needs_nvme:
+        return 8 * n
+    return 4 * _largest_tensor_params(shape) * ranks_here
+
+
+def _largest_tensor_params(shape: ModelShape) -> int:
+    h = shape.hidden_size
+    q = shape.num_heads * shape.head_dim
+    return max(shape.vocab_size * h, shape.intermediate_size * h, q * h)
+
+
 def _host_bytes(
-    row: Strategy, states: _ModelStates, n: int, ranks_here: int, device_bytes: int, device: str
+    row: Strategy,
+    states: _ModelStates,
+    shape: ModelShape,
+    ranks_here: int,
+    device_bytes: int,
+    device: str,
 ) -> dict[str, int]:
-    """Host memory per node: every rank's offloaded states, the initial full fp32 state dict
-    the model factory builds on the host (rank 0 only for sharded rungs), process baseline."""
+    """Host memory per node: every rank's offloaded states, loading the initial weights
+    (`loading_host_bytes`), process baseline."""
     host = {k: v * ranks_here for k, v in states.on_host.items()}
-    host["initial_weights"] = 4 * n * (1 if row.shards_params else ranks_here)
+    host["initial_weights"] = loading_host_bytes(shape, row, ranks_here)
     host["processes"] = HOST_PROCESS_BYTES * ranks_here
     if device == "cpu":  # the "device" is host memory too
         host["device_memory_of_cpu_ranks"] = device_bytes * ranks_here
@@ -697,7 +725,7 @@ def estimate(
         "runtime_overhead": overhead,
     }
     ranks_here = min(devices_per_node, w)
-    host = _host_bytes(row, states, shape.num_params, ranks_here, peak + overhead, device)
+    host = _host_bytes(row, states, shape, ranks_here, peak + overhead, device)
     if offload_activations:
         host["offloaded_activations"] = offloaded_activation_bytes(shape, m, ckpt) * ranks_here
     return Estimate(

@@ -25,7 +25,8 @@ class Run:
     # what the test asserts: "fp32" (losses within 1e-4 of `against`), "bf16" (within 2e-2),
     # "backoff" (an injected OOM at step 3 halves the micro-batch; losses within 1e-5 of
     # `against` from step 3 on), "resume" (steps 5-10 and the moments equal `against`'s),
-    # "levers" (the memory levers on: losses within 1e-6 of the same rung with them off)
+    # "levers" (the memory levers on: losses within 1e-6 of the same rung with them off),
+    # "pretrained" (step 1's loss within 1e-5 of `against`'s)
     check: str | None = None
     against: str = "single_fp32"
     exact: bool = False  # resume: bit-identical losses
@@ -50,15 +51,25 @@ def _oom(name: str, strategy: str, where: str, against: str) -> Run:
 
 
 NVME = "deepspeed.nvme_path={work}/nvme_swap"
+# from the model test_distributed.py saves with save_pretrained (sharded safetensors, tied
+# embeddings): one step, whose loss is the pretrained model's loss on the first batch
+PRETRAINED = ("model.name_or_path={work}/pretrained", "model.config=null", "train.steps=1")
 RUNS: tuple[Run, ...] = (
     # one process: the references
     Run("single_fp32", ("run.checkpoint_every=4",), world_size=1),
     Run("single_bf16", ("precision=bf16",), world_size=1),
+    # transformers' own from_pretrained: the reference of the per-rank loads below
+    Run("single_pretrained", PRETRAINED, world_size=1),
     # each decoder layer torch.compiled inside its (selective) checkpoint wrapper
     Run("single_compiled", ("train.compile=true", "memory.activation_checkpointing=selective"),
         world_size=1, check="fp32"),
     # two processes: every backend against one process
     Run("ddp_fp32", ("strategy=ddp",), check="fp32"),
+    # each rank reads its FSDP shard / ZeRO-3 partition from the safetensors files
+    Run("fsdp_pretrained", ("strategy=fsdp", *PRETRAINED), check="pretrained",
+        against="single_pretrained"),
+    Run("zero3_pretrained", ("strategy=zero3", *PRETRAINED), check="pretrained",
+        against="single_pretrained"),
     Run("fsdp_fp32", ("strategy=fsdp", *EVERY_2), check="fp32"),
     Run("fsdp_offload_fp32", ("strategy=fsdp_offload",), check="fp32"),
     # gradients reduce-scattered after each of the 2 micro-batches, accumulated sharded
