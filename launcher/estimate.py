@@ -186,9 +186,29 @@ def layer_activation_bytes(shape: ModelShape, m: _Micro) -> int:
     the analytic block where it describes the model, else what `launcher/activations.py`
     measured from the model's own code (or bounded)."""
     if shape.activations is not None:
-        mode = "fp32" if m.c == 4 else "autocast" if m.autocast else "lowp"
-        return shape.activations.layer_bytes(mode, m.b, m.s)
+        return shape.activations.layer_bytes(_mode(m), m.b, m.s)
     return analytic_layer_bytes(shape, m)
+
+
+def _layer_backward_bytes(shape: ModelShape, m: _Micro) -> int:
+    """What a layer's backward allocates beyond its saved tensors and its parameters'
+    gradients: the gradients of its activations (measured for blocks the analytic model does
+    not know, against the traced step: launcher/activations.py)."""
+    if shape.activations is not None:
+        return shape.activations.backward_bytes(_mode(m), m.b, m.s)
+    return 2 * m.c * m.tokens * shape.intermediate_size + 4 * m.tokens * shape.hidden_size
+
+
+def _mode(m: _Micro) -> str:
+    """The compute mode a measured activation model is keyed by (launcher/activations.py)."""
+    return "fp32" if m.c == 4 else "autocast" if m.autocast else "lowp"
+
+
+def _shared_bytes(shape: ModelShape, m: _Micro) -> int:
+    """What every layer reads and the layers save once for all: rotary cos and sin."""
+    if shape.activations is not None:
+        return shape.activations.shared_bytes(_mode(m), m.b, m.s)
+    return 2 * m.r * m.b * m.s * shape.head_dim
 
 
 def analytic_layer_bytes(shape: ModelShape, m: _Micro) -> int:
@@ -228,6 +248,8 @@ def _head_params(shape: ModelShape) -> int:
 
 def _final_bytes(shape: ModelShape, m: _Micro) -> int:
     """The last hidden state, the final norm's saved tensors and lm_head's 16-bit input/weight."""
+    if shape.activations is not None:
+        return shape.activations.final_bytes(_mode(m), m.b, m.s)
     t, h = m.tokens, shape.hidden_size
     if m.autocast and m.zero3_linear:
         return m.r * t * h + 2 * 4 * t * h
@@ -303,7 +325,7 @@ def _forward_backward_peaks(
     per_layer = layer_activation_bytes(shape, m)
     kept_ckpt = m.r * t * h  # a checkpointed layer keeps its input
     mask_bool = m.b * m.s * m.s if m.masked else 0
-    rotary = 2 * m.r * m.b * m.s * shape.head_dim  # cos and sin, shared by every layer
+    rotary = _shared_bytes(shape, m)  # cos and sin, shared by every layer
     saved = (num_layers - num_ckpt) * per_layer + num_ckpt * kept_ckpt + rotary
     mask_kept = mask_bool if num_ckpt else 0  # checkpoints keep the mask for their recompute
     cached = m.autocast and not m.zero3_linear
@@ -327,7 +349,7 @@ def _forward_backward_peaks(
             )
         )
     start = base + grads.held
-    layer_bwd = 2 * m.c * t * shape.intermediate_size + 4 * t * h  # grads of activations
+    layer_bwd = _layer_backward_bytes(shape, m)  # grads of activations
     released = (num_layers - 1) * grads.released_per_layer  # by the first layer's backward
     head = start + mask_kept + gather_root + grads.head
 
@@ -354,7 +376,12 @@ def _forward_backward_peaks(
         if m.offload:  # the layers below wait on the host; the next one is brought back
             below = kept_ckpt if k in ckpt else per_layer
 
-    return {
+    measured = {}
+    if shape.activations is not None:  # a layer's own transients in forward (eager attention)
+        fwd = shape.activations.forward_bytes(_mode(m), m.b, m.s)
+        measured["forward_layers"] = start + saved + mask_bool + cache + gather_root + fwd
+        measured["forward_layers"] += gather_layer
+    return measured | {
         # (with chunked loss the loss runs inside the model's forward, one chunk at a time)
         "forward": start + saved + mask_bool + cache + final + gather_root + logits + in_forward,
         "layer_gather": start + saved + mask_bool + cache + gather_root + gather_layer,

@@ -457,8 +457,11 @@ def _model_reasons(shape: ModelShape) -> list[str]:
         reasons.append(
             f"mixture of experts: {shape.num_experts} experts per MoE layer, top-"
             f"{shape.experts_per_token} routing; memory counts every expert's parameters and "
-            f"states, compute the {shape.num_compute_params / 1e6:,.1f}M parameters a token "
-            f"uses of {shape.num_params / 1e6:,.1f}M"
+            f"states, activations the {shape.experts_per_token} expert rows of every token "
+            "(transformers' grouped experts keep tokens x top-k rows whatever the router picks, "
+            "so no routing is worse), compute the "
+            f"{shape.num_compute_params / 1e6:,.1f}M parameters a token uses of "
+            f"{shape.num_params / 1e6:,.1f}M"
         )
     return reasons
 
