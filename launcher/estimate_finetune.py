@@ -201,17 +201,41 @@ def method_sizes(shape: Any, ft: Finetune, c: int) -> MethodSizes:
                        dequant)  # fmt: skip
 
 
-def adapter_saved_per_token(shape: Any, ft: Finetune, c: int) -> int:
-    """Bytes per token one block's adapters save beyond what the base block saves: A's output
-    (r values) per target, and with dropout its output and its mask (the base reads the
-    undropped input)."""
+# Where each linear reads its input: 0 the first norm's output (attention projections), 1 the
+# attention's output (saved by SDPA anyway), 2 the second norm's output, 3 the MLP's product.
+_STAGE = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "qkv_proj": 0, "o_proj": 1, "gate_proj": 2,
+          "up_proj": 2, "gate_up_proj": 2, "down_proj": 3}  # fmt: skip
+
+
+def adapter_saved_per_token(shape: Any, ft: Finetune, c: int, private: bool) -> int:
+    """Bytes per token one block saves under LoRA, relative to the same block with every weight
+    training (estimate.py's 16-bit-stream block). Frozen norms and a frozen MLP save neither
+    their normalised 16-bit inputs, their outputs, nor the MLP's product; each adapter saves its
+    input and A's output (r values). `private`: the adapters are fp32 under autocast (not
+    FSDP's 16-bit gathers), so peft casts each adapter's input to fp32 and autocast back to
+    16 bits: a copy per adapter instead of one shared tensor per input. With dropout each
+    adapter saves the dropped input (16-bit when shared) and its mask."""
     if not ft.adapters:
         return 0
-    targets = targeted(shape, ft).values()
-    per_token = sum(c * ft.r for _ in targets)
-    if ft.dropout > 0:
-        per_token += sum((c + 1) * fan_in for fan_in, _ in targets)
-    return per_token
+    h, i = shape.hidden_size, shape.intermediate_size
+    removed = 2 * 2 * c * h + c * i
+    targets = targeted(shape, ft)
+    added = c * ft.r * len(targets)
+    if private:
+        added += sum((c + (1 if ft.dropout > 0 else 0)) * fan_in for fan_in, _ in targets.values())
+    elif ft.dropout > 0:
+        added += sum((c + 1) * fan_in for fan_in, _ in targets.values())
+    else:  # one saved tensor per input read by an adapter (the attention's output is saved)
+        inputs = {_STAGE[name]: fan_in for name, (fan_in, _) in targets.items()}
+        added += sum(c * fan_in for stage, fan_in in inputs.items() if stage != 1)
+    return added - removed
+
+
+def first_adapter_stage(shape: Any, ft: Finetune) -> int:
+    """Where the first block's first adapter reads (`_STAGE`), -1 without adapters."""
+    if not ft.adapters:
+        return -1
+    return min(_STAGE[name] for name in targeted(shape, ft))
 
 
 def why_not_on(row: Strategy, ft: Finetune) -> str | None:
