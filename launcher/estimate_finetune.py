@@ -238,6 +238,34 @@ def first_adapter_stage(shape: Any, ft: Finetune) -> int:
     return min(_STAGE[name] for name in targeted(shape, ft))
 
 
+@dataclass(frozen=True)
+class MethodCost:
+    """What the cost model (launcher/plan.py) needs of a method, per token and per pass."""
+
+    flops_per_token: float  # matmul FLOPs of forward + backward, attention aside (6N for full)
+    recompute_flops_per_token: float  # one more forward of every matmul (full checkpointing)
+    trained: int  # parameters whose gradients are reduced, moved and stepped
+    gathered: float  # parameters gathered or moved per use, in compute-dtype equivalents
+    dequant_bytes: int  # bytes read and written dequantising the 4-bit weights, once over
+
+
+def method_cost(shape: Any, ft: Finetune, c: int) -> MethodCost:
+    """Full fine-tuning: 2N forward, 4N backward. With adapters the frozen base still passes
+    gradients to its input (2N) but computes none for its weights; the adapters add 2A forward
+    and 4A backward. QLoRA dequantises every 4-bit weight to the compute dtype for each matmul
+    (forward, backward, recompute), a memory-bound pass: half a byte read, c bytes written."""
+    n = shape.num_params
+    if not ft.adapters:
+        return MethodCost(6.0 * n, 2.0 * n, n, float(n), 0)
+    sizes = method_sizes(shape, ft, c)
+    a = sizes.trainable
+    dequant = 0
+    if ft.method == "qlora":
+        linears = shape.num_layers * sum(x * y for x, y in layer_linears(shape).values())
+        dequant = int(linears * (0.5 + c))
+    return MethodCost(4.0 * n + 6.0 * a, 2.0 * (n + a), a, sizes.frozen / c + a, dequant)
+
+
 def why_not_on(row: Strategy, ft: Finetune) -> str | None:
     """Why this rung cannot run the method or optimizer, or None. QLoRA's 4-bit storage shards
     under FSDP2 (a 16-bit quant storage type) but not under DeepSpeed's partitioning here; the
