@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from launcher.estimate_finetune import FULL, Finetune, adapter_saved_per_token, method_sizes
 from launcher.estimate_levers import chunked_head_backward_extra_bytes, logit_tokens
 from launcher.estimate_levers import loss_chunk_tokens as loss_chunk_tokens_for
 from launcher.hardware import Hardware
@@ -168,6 +169,8 @@ class _Micro:
     zero3_linear: bool = False
     chunk_tokens: int | None = None  # chunked loss: tokens per chunk (estimate_levers.py)
     offload: bool = False  # activation offload: the layers' saved tensors wait on the host
+    adapter: int = 0  # LoRA: bytes per token a block's adapters save (estimate_finetune.py)
+    dequant: int = 0  # QLoRA: one 4-bit weight dequantised for a matmul
 
     @property
     def tokens(self) -> int:
@@ -179,9 +182,17 @@ class _Micro:
 
 
 def layer_activation_bytes(shape: ModelShape, m: _Micro) -> int:
-    """What autograd keeps for one decoder layer that is not checkpointed, its input included.
+    """What autograd keeps for one decoder layer that is not checkpointed, its input included:
+    the analytic block where it describes the model, else what `launcher/activations.py`
+    measured from the model's own code (or bounded)."""
+    if shape.activations is not None:
+        mode = "fp32" if m.c == 4 else "autocast" if m.autocast else "lowp"
+        return shape.activations.layer_bytes(mode, m.b, m.s)
+    return analytic_layer_bytes(shape, m)
 
-    Llama-style block as transformers runs it (llama, mistral, qwen2): two RMSNorms, rotary
+
+def analytic_layer_bytes(shape: ModelShape, m: _Micro) -> int:
+    """Llama-style block as transformers runs it (llama, mistral, qwen2): two RMSNorms, rotary
     q/k, SDPA, SwiGLU MLP, two residual adds. Traced per op under FakeTensorMode (trace.py).
     """
     t, h, i = m.tokens, shape.hidden_size, shape.intermediate_size
@@ -203,7 +214,7 @@ def layer_activation_bytes(shape: ModelShape, m: _Micro) -> int:
     attention = sdpa_inputs + c * t * q + 4 * m.b * shape.num_heads * m.s  # + out, log-sum-exp
     mask = c * m.b * m.s * m.s if m.masked else 0  # SDPA turns the boolean mask into a bias
     mlp = 4 * c * t * i  # gate, silu(gate), up, their product
-    return residual + norms + weights + attention + mask + mlp
+    return residual + norms + weights + attention + mask + mlp + m.adapter * t
 
 
 def _matmul_params(shape: ModelShape) -> int:
@@ -335,6 +346,7 @@ def _forward_backward_peaks(
             + layer_bwd
             + gather_layer
             + grads.in_layer
+            + m.dequant
             + (grads.pending_reduce if above else 0)
         )
         backward_layers = max(backward_layers, live)
@@ -541,20 +553,36 @@ def _micro(
     packed: bool,
     chunk_tokens: int | None = None,
     offload: bool = False,
+    shape: ModelShape | None = None,
+    ft: Finetune = FULL,
 ):
+    """With adapters the frozen base computes in the compute dtype: a 16-bit stream and no
+    autocast copies of its weights, as under FSDP's mixed precision."""
     c = 4 if precision == "fp32" else 2
-    fsdp = row.engine == "fsdp"
+    sixteen_bit = row.engine == "fsdp" or ft.adapters
     return _Micro(
         b=micro_batch_size,
         s=seq_len,
         c=c,
-        r=c if fsdp else 4,
-        autocast=precision != "fp32" and not fsdp,
+        r=c if sixteen_bit else 4,
+        autocast=precision != "fp32" and not sixteen_bit,
         masked=packed,
-        zero3_linear=row.zero_stage == 3,
+        zero3_linear=row.zero_stage == 3 and not ft.adapters,
         chunk_tokens=chunk_tokens,
         offload=offload,
+        adapter=adapter_saved_per_token(shape, ft, c) if ft.adapters else 0,
+        dequant=method_sizes(shape, ft, c).dequant if ft.method == "qlora" else 0,
     )
+
+
+def _states_for(row: Strategy, z: _Sizes, shape: ModelShape, every: bool, ft: Finetune):
+    """The rung's model states; LoRA, QLoRA and 8-bit moments are estimate_finetune_states.py's
+    (imported here: it builds on this module's dataclasses)."""
+    if ft == FULL:
+        return _MODEL_STATES[row.engine](row, z, shape, every)
+    from launcher.estimate_finetune_states import finetune_states
+
+    return finetune_states(row, z, shape, every, ft)
 
 
 def _step_phases(shape: ModelShape, m: _Micro, states: _ModelStates, ckpt, accumulating: bool):
@@ -631,6 +659,7 @@ def estimate(
     chunked_loss: bool = False,
     offload_activations: bool = False,
     loss_chunk_tokens: int | None = None,
+    finetune: Finetune = FULL,
 ) -> Estimate:
     """Peak bytes on one device and on one host for a training step of this configuration.
 
@@ -640,15 +669,19 @@ def estimate(
     `fsdp_reduce_every_micro_batch`: FSDP reduce-scatters after every micro-batch and accumulates
     sharded gradients, instead of accumulating unsharded ones under no-sync.
     `chunked_loss`, `offload_activations`, `loss_chunk_tokens`: the exact levers as the engine
-    runs them (launcher/estimate_levers.py).
+    runs them (launcher/estimate_levers.py). `finetune`: the method and optimizer
+    (launcher/estimate_finetune.py).
     """
     _check_modelled(shape)
     row = strategies.row(strategy)
     w = max(1, world_size)
     chunk = loss_chunk_tokens_for(shape.vocab_size, loss_chunk_tokens) if chunked_loss else None
-    m = _micro(row, micro_batch_size, seq_len, precision, packed, chunk, offload_activations)
+    m = _micro(
+        row, micro_batch_size, seq_len, precision, packed, chunk, offload_activations, shape,
+        finetune,
+    )  # fmt: skip
     z = _Sizes.of(shape, w, m.c, grad_accum)
-    states = _MODEL_STATES[row.engine](row, z, shape, fsdp_reduce_every_micro_batch)
+    states = _states_for(row, z, shape, fsdp_reduce_every_micro_batch, finetune)
     ckpt = frozenset(checkpointed_layers(shape.num_layers, activation_checkpointing))
     phases = _step_phases(shape, m, states, ckpt, z.accumulating)
     peak = max(phases.values())
@@ -685,13 +718,13 @@ def estimate(
 
 
 def _check_modelled(shape: ModelShape) -> None:
-    if shape.model_type not in MODELLED_TYPES:
+    if shape.model_type not in MODELLED_TYPES and shape.activations is None:
         raise ConfigError(
             "model.model_type",
             f"the memory estimate models {', '.join(MODELLED_TYPES)} decoder blocks, not "
             f"{shape.model_type} (its activations are not checked against a trace)",
-            "use one of these architectures (planning other blocks needs their activation "
-            "model first)",
+            "plan it with `oomless plan` or `oomless estimate` (they measure other blocks' "
+            "activations: launcher/activations.py)",
         )
 
 

@@ -15,7 +15,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from launcher.activations import with_activations
 from launcher.estimate import Estimate, estimate
+from launcher.estimate_finetune import Finetune, why_not_on
 from launcher.estimate_levers import (
     NO_LEVERS,
     Levers,
@@ -26,6 +28,7 @@ from launcher.estimate_levers import (
 )
 from launcher.hardware import Hardware
 from launcher.model_shape import ModelShape, model_shape
+from launcher.plan_finetune import MethodAlternative, method_alternatives
 from trainer import strategies
 from trainer.config import ConfigError, JobConfig
 from trainer.strategies import AC_LEVELS, Strategy
@@ -110,7 +113,12 @@ class Plan:
 
 
 class NoFitError(Exception):
-    """Nothing fits on the hardware given (exit 3); the message says what would."""
+    """Nothing fits on the hardware given (exit 3); the message says what would, and
+    `alternatives` holds the opt-in method/optimizer changes that would (plan_finetune.py)."""
+
+    def __init__(self, message: str, alternatives: list[MethodAlternative] | None = None):
+        super().__init__(message)
+        self.alternatives = alternatives or []
 
 
 def rung_world(rung: Strategy, hw: Hardware) -> int | None:
@@ -138,7 +146,7 @@ def step_time_s(
     seq = cfg.data.seq_len
     world = hw.world_size
     tokens = cfg.train.global_batch_size * seq
-    n = shape.num_params
+    n = shape.num_compute_params  # MoE: the experts a token is routed to
     attention = 12 * shape.num_layers * shape.hidden_size * seq  # per token, fwd + bwd
     recompute = {"none": 0.0, "selective": 0.5, "full": 1.0}[ac] * (2 * n + attention / 3)
     if levers.chunked_loss:
@@ -160,11 +168,11 @@ def step_time_s(
     pcie, nvme = given.pcie_bandwidth or PCIE_BYTES_S, given.nvme_bandwidth or NVME_BYTES_S
     gather_scale = c / 2 if rung.engine == "fsdp" else 1.0
     grad_reductions = grad_accum if rung.grads_every_micro or reduce_every_micro else 1
-    comm_bytes = n * (
+    comm_bytes = shape.num_params * (  # every expert is gathered and reduced
         rung.grad_comm * grad_reductions + rung.param_comm_per_micro * gather_scale * grad_accum
     )
     comm = ring * comm_bytes / bandwidth
-    per_rank = n / world
+    per_rank = shape.num_params / world
     pcie_bytes = (
         rung.pcie_per_step
         + rung.pcie_per_micro * grad_accum
@@ -211,6 +219,7 @@ def estimate_for(
         chunked_loss=levers.chunked_loss,
         offload_activations=levers.offload_activations,
         loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
+        finetune=Finetune.of(cfg),
     )
     if memory_scale == 1.0:
         return est
@@ -286,7 +295,7 @@ def make_plan(
     memory_scale: float = 1.0,
 ) -> Plan:
     """The plan for this job on this hardware (raises NoFitError or ConfigError)."""
-    shape = shape or model_shape(cfg.model)
+    shape = with_activations(shape or model_shape(cfg.model), cfg)
     per_rank = _per_rank_batch(cfg, hw)
     forced = cfg.strategy if cfg.strategy != "auto" else None
     rungs = [r for r in strategies.rows() if not forced or r.name == forced]
@@ -298,7 +307,8 @@ def make_plan(
             raise NoFitError(f"strategy {forced} ran out of memory and is forced by the config")
         return _forced_plan(cfg, hw, shape, forced, per_rank, rejected, memory_scale)
     if not candidates:
-        raise NoFitError(_what_would_fit(cfg, hw, shape, rejected))
+        changes = method_alternatives(cfg, hw, shape, exclude, memory_scale)
+        raise NoFitError(_what_would_fit(cfg, hw, shape, rejected, changes), changes)
     ranked = _rank(candidates)
     chosen = ranked[0]
     alternatives = [
@@ -323,7 +333,7 @@ def make_plan(
         activation_checkpointing=chosen.ac,
         estimate=chosen.estimate,
         step_time_s=chosen.time_s,
-        reasons=_reasons(cfg, hw, ranked, memory_scale),
+        reasons=_reasons(cfg, hw, ranked, memory_scale) + _model_reasons(shape),
         alternatives=alternatives,
         fsdp_reduce_every_micro_batch=chosen.reduce_every_micro,
         levers=chosen.levers,
@@ -375,7 +385,7 @@ def _why_not_tried(rung: Strategy, hw: Hardware, cfg: JobConfig, exclude) -> str
         return f"needs {need}, has {hw.world_size}"
     if rung.needs_nvme and not cfg.deepspeed.nvme_path:
         return "needs deepspeed.nvme_path"
-    return None
+    return why_not_on(rung, Finetune.of(cfg))
 
 
 def _rank(candidates: list[_Candidate]) -> list[_Candidate]:
@@ -438,6 +448,21 @@ def _reasons(cfg: JobConfig, hw: Hardware, ranked: list[_Candidate], memory_scal
     return reasons
 
 
+def _model_reasons(shape: ModelShape) -> list[str]:
+    """How the model's activations and compute were counted, where not by the analytic block."""
+    reasons = []
+    if shape.activations is not None:
+        reasons.append(shape.activations.reason(shape.model_type))
+    if shape.num_experts:
+        reasons.append(
+            f"mixture of experts: {shape.num_experts} experts per MoE layer, top-"
+            f"{shape.experts_per_token} routing; memory counts every expert's parameters and "
+            f"states, compute the {shape.num_compute_params / 1e6:,.1f}M parameters a token "
+            f"uses of {shape.num_params / 1e6:,.1f}M"
+        )
+    return reasons
+
+
 def _lever_reason(chosen: _Candidate, ranked: list[_Candidate]) -> str:
     """Why the exact levers in force: what they hold off the device, and their price."""
     parts = []
@@ -466,6 +491,11 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
     every = _reduce_variants(rung, cfg)[-1]  # the smaller footprint
     levers = smallest_levers(cfg.memory.chunked_loss, cfg.memory.offload_activations)
     est = estimate_for(shape, rung, hw, cfg, micro, ac, memory_scale, every, levers)
+    changes = (
+        []
+        if est.fits(hw, cfg.memory.headroom)
+        else method_alternatives(cfg, hw, shape, (), memory_scale)
+    )
     return Plan(
         strategy=name,
         world_size=hw.world_size,
@@ -480,16 +510,19 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
         ),
         reasons=[
             f"strategy {name} is forced by the config, but the estimate says it will not fit: "
-            f"{est.why_not(hw, cfg.memory.headroom)}"
+            f"{est.why_not(hw, cfg.memory.headroom)}",
+            *_model_reasons(shape),
+            *(alt.words() for alt in changes),
         ],
-        alternatives=rejected,
+        alternatives=[*rejected, *changes],
         fsdp_reduce_every_micro_batch=every,
         levers=levers,
     )
 
 
-def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected) -> str:
-    """One line: the host RAM, or the number of devices, with which the job would fit."""
+def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected, changes) -> str:
+    """One line: the host RAM, or the number of devices, with which the job would fit; then
+    the opt-in method/optimizer `changes` that would fit here."""
     per_rank = cfg.train.global_batch_size // hw.world_size
     base = (
         f"does not fit on {hw.world_size} x {hw.device_memory_bytes / GIB:.0f} GiB "
@@ -526,6 +559,7 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected) -
                 f"({bigger.nodes} nodes x {bigger.devices_per_node})"
             )
             break
+    offers += [alt.words() for alt in changes]
     return base + ("; " + "; or ".join(offers) if offers else "")
 
 

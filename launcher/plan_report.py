@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from launcher.plan import Plan
+from launcher.plan import NoFitError, Plan
 from trainer import strategies
 from trainer.config import ConfigError, JobConfig
 from trainer.contract import CONFIG_FILE
@@ -16,7 +16,13 @@ from trainer.units import GIB
 def plan_command(cfg: JobConfig, as_json: bool, emit: str | None) -> int:
     from launcher.supervisor import launch_spec, plan_job
 
-    resolved, plan, hw = plan_job(cfg)  # NoFitError: the CLI prints it and exits 3
+    try:
+        resolved, plan, hw = plan_job(cfg)
+    except NoFitError as err:  # the CLI prints the line and exits 3; --json also prints this
+        if as_json:
+            alternatives = [alt.to_json() for alt in err.alternatives]
+            print(json.dumps({"fits": False, "error": str(err), "alternatives": alternatives}))
+        raise
     argv, _, _ = launch_spec(resolved, _config_path(cfg))
     if emit == "torchrun":
         print(" ".join(argv))
@@ -84,7 +90,9 @@ def render_plan(plan: Plan, device_bytes: int, host_bytes: int, argv: list[str])
         "rungs:",
     ]
     for alt in plan.alternatives:
-        if alt.fits:
+        if hasattr(alt, "change"):  # an opt-in method/optimizer change (plan_finetune.py)
+            lines.append(f"  {alt.words()}")
+        elif alt.fits:
             lines.append(
                 f"  {alt.strategy:<22} fits   x{alt.relative_step_time:<6} step time "
                 f"(micro {alt.micro_batch_size}, checkpointing {alt.activation_checkpointing}"

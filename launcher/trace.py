@@ -88,6 +88,7 @@ def trace_step(
         if strategy == "fsdp":
             stack.enter_context(_fake_process_group(world_size))
             apply_fsdp(model, precision=precision, reshard_after_forward=reshard_after_forward)
+        stack.enter_context(moe_fake_kernels())
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         model.to_empty(device=device)
         if strategy == "single" and hasattr(model, "tie_weights"):
@@ -222,6 +223,26 @@ def _tracker(strategy: str, model: nn.Module, optimizer: torch.optim.Optimizer, 
     tracker = MemTracker()
     tracker.track_external(model, optimizer, *batch.values())
     return tracker
+
+
+@contextlib.contextmanager
+def moe_fake_kernels():
+    """MoE experts under fake tensors: transformers' grouped_mm experts call torch's grouped_mm,
+    whose meta kernel accepts bf16 only (its CUDA kernel's restriction), so fp32 experts cannot
+    be traced through it; its own fallback op (a loop over experts, registered with a fake
+    kernel) takes every dtype and saves the same tensors for backward (input, weight, offsets).
+    A no-op for dense models or without transformers' MoE integration."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        yield
+        return
+    original = moe._can_use_grouped_mm
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
 
 
 @contextlib.contextmanager

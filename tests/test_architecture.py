@@ -43,6 +43,10 @@ LAUNCHER_RUNS_ENGINE = {
     ("launcher.trace", "trainer.loss"),
     ("launcher.trace", "trainer.model"),
     ("launcher.trace", "trainer.phases"),  # the same phase markers as a profiled step
+    # the activations of a block the analytic model does not know: one traced forward
+    ("launcher.activations", "trainer.backends.common"),
+    ("launcher.activations", "trainer.loss"),
+    ("launcher.activations", "trainer.model"),
     ("launcher.timeline", "trainer.phases"),  # reads a profiled step's trace
     ("launcher.timeline", "trainer.profile"),
     ("launcher.report", "trainer.profile"),

@@ -31,9 +31,23 @@ def load_hf_config(model_cfg: ModelConfig) -> Any:
             trust_remote_code=model_cfg.trust_remote_code,
             revision=model_cfg.revision,
         )
-    config._attn_implementation = model_cfg.attn_implementation
+    config._attn_implementation = _attention_for(config, model_cfg.attn_implementation)
     config.use_cache = False
     return config
+
+
+def _attention_for(config: Any, requested: str) -> str:
+    """`requested`, except that a model without SDPA support (GPT-OSS, Mamba, ...) runs the
+    default `sdpa` as `eager`, transformers' own implementation of it."""
+    from transformers import AutoModelForCausalLM
+
+    if requested != "sdpa":
+        return requested
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if cls is not None and getattr(cls, "_supports_sdpa", True) is False:
+        log.info("%s has no SDPA attention: model.attn_implementation eager", cls.__name__)
+        return "eager"
+    return requested
 
 
 def _from_hub_or_dir(loader: Any, name: str, **kwargs: Any) -> Any:

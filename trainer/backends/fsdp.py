@@ -233,12 +233,24 @@ def _sharded_scaler(ctx: BackendContext) -> Any:
 
 
 def _rebuild_buffers(model: nn.Module, device: torch.device) -> None:
-    """Non-persistent buffers (rotary inverse frequencies) are not in any state dict: after
-    `to_empty` they hold garbage, so rebuild each owning module's buffers from its config."""
-    for module in model.modules():
-        if not type(module).__name__.endswith("RotaryEmbedding"):
+    """Non-persistent buffers (rotary inverse frequencies, Gemma's embedding scale) are not in
+    any state dict: after `to_empty` they hold garbage, so rebuild each owning module's
+    buffers: rotary embeddings from their config, the others by the model's own
+    `_init_weights` (its parameters are overwritten by the initial state right after)."""
+    persistent = set(model.state_dict())
+    for prefix, module in model.named_modules():
+        own = [
+            name
+            for name, _ in module.named_buffers(recurse=False)
+            if (f"{prefix}.{name}" if prefix else name) not in persistent
+        ]
+        if not own:
             continue
-        with torch.device(device):
-            fresh = type(module)(config=module.config)
-        for name, buf in fresh.named_buffers():
-            getattr(module, name).copy_(buf)
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            with torch.device(device):
+                fresh = type(module)(config=module.config)
+            for name, buf in fresh.named_buffers():
+                getattr(module, name).copy_(buf)
+        elif hasattr(model, "_init_weights"):
+            with torch.no_grad():
+                model._init_weights(module)

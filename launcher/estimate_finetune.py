@@ -1,0 +1,225 @@
+"""Model states of LoRA, QLoRA and 8-bit AdamW (issue 17), per rung. Pure arithmetic, torch-free.
+
+What the engine holds (trainer/finetune.py runs it through peft and bitsandbytes):
+
+- LoRA: the frozen base in the compute dtype (c bytes per parameter: no fp32 master, no
+  gradient, no optimizer state); adapters A (r x in) and B (out x r) on every targeted linear of
+  the decoder blocks, in fp32, with fp32 gradients and their optimizer state.
+- QLoRA: every linear of the decoder blocks in 4-bit NF4 (bitsandbytes `Linear4bit`, blocksize
+  64, double quantisation: half a byte per weight, one 8-bit absmax per 64 weights, one fp32
+  absmax per 256 of those, and per tensor an fp32 offset); embeddings, norms, biases and the
+  output layer in the compute dtype; the adapters as for LoRA.
+- `train.optimizer: adamw_8bit` (bitsandbytes `AdamW8bit`, blockwise): both moments in 8 bits
+  with one fp32 absmax per block of 256 elements each (bitsandbytes 0.50's blocksize; older
+  releases used 2048), fp32 moments for tensors under 4096 elements (`min_8bit_size`).
+
+Activations (launcher/estimate.py, `_Micro.adapter`): the base computes in the compute dtype, so
+the residual stream is 16-bit and no autocast weight copy is saved for the base; each adapter
+saves its input (the dropout's output; the very tensor the base linear reads when dropout is 0)
+and the output of A (r per token); a 4-bit linear dequantises its weight to the compute dtype
+for each matmul (one weight's transient at a time).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.config import ConfigError
+from trainer.strategies import Strategy
+
+METHODS = ("full", "lora", "qlora")
+OPTIMIZERS = ("adamw", "adamw_8bit")
+NF4_BLOCK = 64  # weights per absmax (bitsandbytes' default 4-bit blocksize)
+NF4_NESTED_BLOCK = 256  # absmaxes per fp32 absmax under double quantisation
+NF4_TABLES = 4 * (16 + 256)  # per tensor: the NF4 code and the absmaxes' 8-bit map, in fp32
+ADAM8_BLOCK = 256  # elements per absmax of an 8-bit moment (bitsandbytes 0.50 blockwise)
+ADAM8_MIN_SIZE = 4096  # smaller tensors keep fp32 moments (bitsandbytes' min_8bit_size)
+ADAM8_QMAPS = 2 * 256 * 4  # the two 256-entry fp32 quantisation maps, shared by all tensors
+
+
+@dataclass(frozen=True)
+class Finetune:
+    """What trains and how its optimizer stores state (`finetune.*`, `train.optimizer`)."""
+
+    method: str = "full"
+    optimizer: str = "adamw"
+    r: int = 16
+    target_modules: str | tuple[str, ...] = "all-linear"
+    dropout: float = 0.0
+
+    @classmethod
+    def of(cls, cfg: Any) -> Finetune:
+        lora = cfg.finetune.lora
+        targets = lora.target_modules
+        return cls(
+            method=cfg.finetune.method,
+            optimizer=cfg.train.optimizer,
+            r=lora.r,
+            target_modules=targets if isinstance(targets, str) else tuple(targets),
+            dropout=lora.dropout,
+        )
+
+    @property
+    def adapters(self) -> bool:
+        return self.method != "full"
+
+    def words(self) -> str:
+        parts = [] if self.method == "full" else [f"finetune.method={self.method}"]
+        if self.optimizer != "adamw":
+            parts.append(f"train.optimizer={self.optimizer}")
+        return " and ".join(parts) or "full fine-tuning with AdamW"
+
+
+FULL = Finetune()
+
+
+def layer_linears(shape: Any) -> dict[str, tuple[int, int]]:
+    """The linears of one decoder block, name -> (in_features, out_features), as transformers
+    builds the modelled blocks (phi3 fuses qkv and gate/up)."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    if shape.model_type == "phi3":
+        return {
+            "qkv_proj": (h, q + 2 * kv),
+            "o_proj": (q, h),
+            "gate_up_proj": (h, 2 * i),
+            "down_proj": (i, h),
+        }
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+
+
+def targeted(shape: Any, ft: Finetune) -> dict[str, tuple[int, int]]:
+    """The linears that get adapters: all of a block's (peft's `all-linear` leaves the output
+    layer out), or those named; a name that is no linear of the block is a config error."""
+    linears = layer_linears(shape)
+    if ft.target_modules == "all-linear":
+        return linears
+    unknown = [n for n in ft.target_modules if n not in linears]
+    if unknown:
+        raise ConfigError(
+            "finetune.lora.target_modules",
+            f"{', '.join(unknown)} is not a linear of a {shape.model_type} decoder block",
+            f"use all-linear or some of {', '.join(linears)}",
+        )
+    return {n: linears[n] for n in ft.target_modules}
+
+
+def adapter_tensors(shape: Any, ft: Finetune) -> list[int]:
+    """Element counts of one block's adapter tensors (A: r x in, B: out x r per target)."""
+    out = []
+    for fan_in, fan_out in targeted(shape, ft).values():
+        out += [ft.r * fan_in, fan_out * ft.r]
+    return out
+
+
+def adapter_params(shape: Any, ft: Finetune) -> int:
+    """Trainable parameters of the whole model under LoRA: r x (in + out) per targeted linear."""
+    return shape.num_layers * sum(adapter_tensors(shape, ft)) if ft.adapters else shape.num_params
+
+
+def layer_tensors(shape: Any) -> list[int]:
+    """Element counts of one block's parameter tensors: its linears, two norms, and the biases
+    (qwen2: q, k, v) that make up the rest of the block's count."""
+    linears = [a * b for a, b in layer_linears(shape).values()]
+    norms = [shape.hidden_size] * 2
+    rest = shape.num_layer_params - sum(linears) - sum(norms)
+    kv = shape.num_kv_heads * shape.head_dim
+    q = shape.num_heads * shape.head_dim
+    biases = [q, kv, kv] if rest == q + 2 * kv else ([rest] if rest > 0 else [])
+    return linears + norms + biases
+
+
+def root_tensors(shape: Any) -> list[int]:
+    """The embedding, the output layer (unless tied) and the final norm."""
+    head = [] if shape.tied_embeddings else [shape.num_embedding_params]
+    rest = shape.num_root_params - shape.num_embedding_params * (1 + len(head))
+    return [shape.num_embedding_params, *head, *([rest] if rest > 0 else [])]
+
+
+def nf4_bytes(numel: int) -> int:
+    """A bitsandbytes NF4 weight with double quantisation: packed 4-bit values, 8-bit absmax per
+    64 weights, an fp32 absmax per 256 of those, an fp32 offset, and the tensor's own copies of
+    the two code tables."""
+    blocks = math.ceil(numel / NF4_BLOCK)
+    nested = 4 * math.ceil(blocks / NF4_NESTED_BLOCK)
+    return math.ceil(numel / 2) + blocks + nested + 4 + NF4_TABLES
+
+
+def adam_state_bytes(tensors: list[int], optimizer: str) -> int:
+    """Both AdamW moments of these tensors: fp32, or 8-bit with an fp32 absmax per 256 elements
+    (fp32 for tensors under 4096 elements) and the shared quantisation maps."""
+    if optimizer == "adamw":
+        return 8 * sum(tensors)
+    total = 0
+    for n in tensors:
+        small = n < ADAM8_MIN_SIZE
+        total += 8 * n if small else 2 * n + 2 * 4 * math.ceil(n / ADAM8_BLOCK)
+    return total + ADAM8_QMAPS
+
+
+@dataclass(frozen=True)
+class MethodSizes:
+    """Per-model byte counts of one method, before sharding: what is frozen, what trains."""
+
+    frozen: int  # frozen base bytes (compute dtype, or NF4 + compute dtype)
+    frozen_layer: int  # ... of one block
+    trainable: int  # trainable parameters
+    trainable_layer: int  # ... of one block
+    optimizer: int  # optimizer state bytes of all trainable tensors
+    dequant: int  # the largest 4-bit weight dequantised to the compute dtype (QLoRA)
+
+
+def method_sizes(shape: Any, ft: Finetune, c: int) -> MethodSizes:
+    """Frozen and trainable bytes of the whole model under `ft`, computing in c-byte floats."""
+    layers = shape.num_layers
+    if not ft.adapters:
+        tensors = layers * layer_tensors(shape) + root_tensors(shape)
+        return MethodSizes(0, 0, shape.num_params, shape.num_layer_params,
+                           adam_state_bytes(tensors, ft.optimizer), 0)  # fmt: skip
+    adapters = adapter_tensors(shape, ft)
+    optimizer = adam_state_bytes(layers * adapters, ft.optimizer)
+    frozen_layer = c * shape.num_layer_params
+    dequant = 0
+    if ft.method == "qlora":
+        linears = [a * b for a, b in layer_linears(shape).values()]
+        frozen_layer = sum(nf4_bytes(n) for n in linears) + c * (
+            shape.num_layer_params - sum(linears)
+        )
+        dequant = c * max(linears)
+    frozen = layers * frozen_layer + c * shape.num_root_params
+    return MethodSizes(frozen, frozen_layer, layers * sum(adapters), sum(adapters), optimizer,
+                       dequant)  # fmt: skip
+
+
+def adapter_saved_per_token(shape: Any, ft: Finetune, c: int) -> int:
+    """Bytes per token one block's adapters save beyond what the base block saves: A's output
+    (r values) per target, and with dropout its output and its mask (the base reads the
+    undropped input)."""
+    if not ft.adapters:
+        return 0
+    targets = targeted(shape, ft).values()
+    per_token = sum(c * ft.r for _ in targets)
+    if ft.dropout > 0:
+        per_token += sum((c + 1) * fan_in for fan_in, _ in targets)
+    return per_token
+
+
+def why_not_on(row: Strategy, ft: Finetune) -> str | None:
+    """Why this rung cannot run the method or optimizer, or None. QLoRA's 4-bit storage shards
+    under FSDP2 (a 16-bit quant storage type) but not under DeepSpeed's partitioning here; the
+    8-bit optimizer steps on the device, not in the host optimizers of the offload rungs."""
+    if ft.method == "qlora" and row.engine == "deepspeed":
+        return "finetune.method=qlora: 4-bit weights are not partitioned by DeepSpeed here"
+    if ft.optimizer == "adamw_8bit" and row.optimizer_at != "device":
+        return "train.optimizer=adamw_8bit steps on the device; this rung steps on the host"
+    return None
