@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.config import ConfigError
+from trainer.methods import method_support
 from trainer.strategies import Strategy
 
 METHODS = ("full", "lora", "qlora")
@@ -269,11 +270,6 @@ def method_cost(shape: Any, ft: Finetune, c: int) -> MethodCost:
 
 
 def why_not_on(row: Strategy, ft: Finetune) -> str | None:
-    """Why this rung cannot run the method or optimizer, or None. QLoRA's 4-bit storage shards
-    under FSDP2 (a 16-bit quant storage type) but not under DeepSpeed's partitioning here; the
-    8-bit optimizer steps on the device, not in the host optimizers of the offload rungs."""
-    if ft.method == "qlora" and row.engine == "deepspeed":
-        return "finetune.method=qlora: 4-bit weights are not partitioned by DeepSpeed here"
-    if ft.optimizer == "adamw_8bit" and row.optimizer_at != "device":
-        return "train.optimizer=adamw_8bit steps on the device; this rung steps on the host"
-    return None
+    """Why this rung cannot run the method or optimizer, or None: the engine's own table
+    (trainer/methods.py), so the planner never picks a rung that the config then refuses."""
+    return method_support(row.name, ft.method, ft.optimizer)
