@@ -1,7 +1,11 @@
 """Every causal LM type of the installed transformers, tiny: estimated / traced / trained.
 
     python -m bench.all_models [--types gpt2,falcon] [--steps 4] [--timeout 120] [--no-fsdp]
-                               [--json bench/all_models.json] [--markdown docs/models_table.md]
+                               [--work DIR] [--phase all|single|fsdp|collect] [--reverse]
+                               [--json rows.json] [--markdown table.md]
+
+(A walk split over two processes: `--phase single --work A` and `--phase single --reverse
+--work B`, the results copied into one dir, then `--phase fsdp --work DIR`: docs/models.md.)
 
 For each type in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` a tiny config is built from the type's own
 config class (hidden 64, 2 layers, 4 heads, vocabulary 256, 4 experts top-2 where it has
