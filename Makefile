@@ -16,7 +16,7 @@ demo: setup
 	$(BIN)/oomless train configs/demo.yaml
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

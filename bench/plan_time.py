@@ -4,19 +4,25 @@
 
 The CLI time is what a user waits for (`oomless plan ... --json`: Python start-up, imports, config,
 estimate of every rung, plan); the in-process time is `make_plan` alone on the same config and
-hardware (model shape read once, as the CLI does), median of many calls.
+hardware (model shape read once, as the CLI does), median of many calls. The cold-start time is
+the CLI on a shape no preset ships and no cache holds (the 70B config with 79 layers, a fresh
+`XDG_CACHE_HOME` per run): the shape is counted by arithmetic, without torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from bench.common import machine
 
@@ -46,6 +52,31 @@ def cli_seconds(repeats: int) -> tuple[list[float], dict[str, Any]]:
     return times, answer
 
 
+def cold_cli_seconds(repeats: int) -> list[float]:
+    """CLI wall times on a config never seen: inline 70B-like shape, empty shape cache."""
+    oomless = Path(sys.executable).with_name("oomless")
+    job = yaml.safe_load(Path(PRESET).read_text())
+    config = json.loads(Path("configs/models/llama-3.1-70b.json").read_text())
+    job["model"] = {"config": {**config, "num_hidden_layers": 79}}
+    times = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "job.yaml"
+            path.write_text(yaml.safe_dump(job))
+            env = {**os.environ, "XDG_CACHE_HOME": str(Path(tmp) / "cache")}
+            start = time.perf_counter()
+            proc = subprocess.run(
+                [str(oomless), "plan", str(path), *OVERRIDES, "--json"],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
+            times.append(time.perf_counter() - start)
+            if proc.returncode not in (0, 3):
+                raise SystemExit(f"cold plan exited {proc.returncode}:\n{proc.stderr}")
+    return times
+
+
 def in_process_seconds(num_calls: int) -> list[float]:
     from launcher.hardware import detect_hardware
     from launcher.model_shape import model_shape
@@ -73,12 +104,15 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     cli, plan = cli_seconds(args.repeats)
+    cold = cold_cli_seconds(args.repeats)
     calls = in_process_seconds(args.calls)
     result = {
         "machine": machine(),
         "command": f"oomless plan {PRESET} {' '.join(OVERRIDES)} --json",
         "cli_s": cli,
         "cli_median_s": statistics.median(cli),
+        "cold_cli_s": cold,
+        "cold_cli_median_s": statistics.median(cold),
         "make_plan_median_s": statistics.median(calls),
         "make_plan_calls": args.calls,
         "strategy": plan.get("strategy"),
@@ -90,6 +124,7 @@ def main() -> None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(
         f"plan 70B on 8 x 80GiB: CLI {result['cli_median_s']:.2f} s (median of {args.repeats}), "
+        f"cold start {result['cold_cli_median_s']:.2f} s, "
         f"make_plan {result['make_plan_median_s'] * 1e3:.1f} ms (median of {args.calls}); "
         + (f"chose {result['strategy']}" if result["strategy"] else f"no fit: {result['no_fit']}")
     )

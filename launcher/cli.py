@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from launcher.plan import NoFitError
-from trainer.config import ConfigError, check_trainable, dump_config, load_config
+from trainer.config import ConfigError, dump_config, load_config
 from trainer.contract import EXIT_CUT_OFF, EXIT_NO_FIT, EXIT_OK, EXIT_USAGE
 from trainer.logs import setup_logging
 
@@ -42,9 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     sp = with_config("submit", "write run_dir/submit.sbatch and sbatch it")
     sp.add_argument("--dry-run", action="store_true")
     with_config("config", "print the resolved config")
-    sp = sub.add_parser("export", help="checkpoint -> HF model dir")
+    sp = sub.add_parser("export", help="checkpoint -> HF model dir (PEFT adapter dir for LoRA)")
     sp.add_argument("checkpoint")
     sp.add_argument("out_dir")
+    sp.add_argument(
+        "--merge", action="store_true", help="lora/qlora: a plain HF model with the adapters merged"
+    )
     sp.add_argument(
         "--overwrite", action="store_true", help="replace the contents of a non-empty OUT_DIR"
     )
@@ -62,7 +65,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
         from trainer.export import export_command
 
-        return export_command(args.checkpoint, args.out_dir, args.overwrite, args.trust_remote_code)
+        return export_command(
+            args.checkpoint, args.out_dir, args.overwrite, args.trust_remote_code, args.merge
+        )
     if args.command == "report":
         from launcher.report import report_command
 
@@ -79,8 +84,6 @@ def _dispatch(args: argparse.Namespace) -> int:
         from launcher.plan_report import plan_command
 
         return plan_command(cfg, as_json=args.json, emit=args.emit)
-    if args.command in ("train", "submit"):
-        check_trainable(cfg)
     if args.command == "train":
         from launcher.supervisor import train_command
 

@@ -195,9 +195,37 @@ class _Micro:
 
 
 def layer_activation_bytes(shape: ModelShape, m: _Micro) -> int:
-    """What autograd keeps for one decoder layer that is not checkpointed, its input included.
+    """What autograd keeps for one decoder layer that is not checkpointed, its input included:
+    the analytic block where it describes the model, else what `launcher/activations.py`
+    measured from the model's own code (or bounded)."""
+    if shape.activations is not None:
+        return shape.activations.layer_bytes(_mode(m), m.b, m.s)
+    return analytic_layer_bytes(shape, m)
 
-    Llama-style block as transformers runs it (llama, mistral, qwen2): two RMSNorms, rotary
+
+def _layer_backward_bytes(shape: ModelShape, m: _Micro) -> int:
+    """What a layer's backward allocates beyond its saved tensors and its parameters'
+    gradients: the gradients of its activations (measured for blocks the analytic model does
+    not know, against the traced step: launcher/activations.py)."""
+    if shape.activations is not None:
+        return shape.activations.backward_bytes(_mode(m), m.b, m.s)
+    return 2 * m.c * m.tokens * shape.intermediate_size + 4 * m.tokens * shape.hidden_size
+
+
+def _mode(m: _Micro) -> str:
+    """The compute mode a measured activation model is keyed by (launcher/activations.py)."""
+    return "fp32" if m.c == 4 else "autocast" if m.autocast else "lowp"
+
+
+def _shared_bytes(shape: ModelShape, m: _Micro) -> int:
+    """What every layer reads and the layers save once for all: rotary cos and sin."""
+    if shape.activations is not None:
+        return shape.activations.shared_bytes(_mode(m), m.b, m.s)
+    return 2 * m.r * m.b * m.s * shape.head_dim
+
+
+def analytic_layer_bytes(shape: ModelShape, m: _Micro) -> int:
+    """Llama-style block as transformers runs it (llama, mistral, qwen2): two RMSNorms, rotary
     q/k, SDPA, SwiGLU MLP, two residual adds. Traced per op under FakeTensorMode (trace.py).
     """
     return sum(_layer_parts(shape, m).values()) + m.adapter * m.tokens
@@ -257,6 +285,8 @@ def _head_params(shape: ModelShape) -> int:
 
 def _final_bytes(shape: ModelShape, m: _Micro) -> int:
     """The last hidden state, the final norm's saved tensors and lm_head's 16-bit input/weight."""
+    if shape.activations is not None:
+        return shape.activations.final_bytes(_mode(m), m.b, m.s)
     t, h = m.tokens, shape.hidden_size
     if m.adapter:  # a frozen 16-bit final norm and output layer: the norm's fp32 input
         return 4 * t * h
@@ -334,7 +364,7 @@ def _forward_backward_peaks(
     per_layer = layer_activation_bytes(shape, m)
     kept_ckpt = m.r * t * h  # a checkpointed layer keeps its input
     mask_bool = m.b * m.s * m.s if m.masked else 0
-    rotary = 2 * m.r * m.b * m.s * shape.head_dim  # cos and sin, shared by every layer
+    rotary = _shared_bytes(shape, m)  # cos and sin, shared by every layer
     saved = (num_layers - num_ckpt) * per_layer + num_ckpt * kept_ckpt + rotary
     if 0 not in ckpt:
         saved -= _first_layer_unsaved(shape, m)
@@ -365,7 +395,7 @@ def _forward_backward_peaks(
             )  # fmt: skip (a frozen output layer has no weight gradient)
         )
     start = base + grads.held
-    layer_bwd = 2 * m.c * t * shape.intermediate_size + 4 * t * h  # grads of activations
+    layer_bwd = _layer_backward_bytes(shape, m)  # grads of activations
     released = (num_layers - 1) * grads.released_per_layer  # by the first layer's backward
     head = start + mask_kept + gather_root + grads.head
 
@@ -393,7 +423,12 @@ def _forward_backward_peaks(
         if m.offload:  # the layers below wait on the host; the next one is brought back
             below = kept_ckpt if k in ckpt else per_layer
 
-    return {
+    measured = {}
+    if shape.activations is not None:  # a layer's own transients in forward (eager attention)
+        fwd = shape.activations.forward_bytes(_mode(m), m.b, m.s)
+        measured["forward_layers"] = start + saved + mask_bool + cache + gather_root + fwd
+        measured["forward_layers"] += gather_layer
+    return measured | {
         # (with chunked loss the loss runs inside the model's forward, one chunk at a time)
         # (LoRA under autocast: the last block's largest fp32 cast of an adapter's input)
         "forward": start
@@ -681,13 +716,41 @@ def _runtime_overhead(device: str, peak: int, persistent: int) -> int:
     return CUDA_CONTEXT_BYTES + int(FRAGMENTATION_RATIO * max(0, peak - persistent))
 
 
+def loading_host_bytes(shape: ModelShape, row: Strategy, ranks_here: int) -> int:
+    """Host bytes per node that loading the initial (pretrained) weights adds at its peak.
+
+    A replica (single, ddp, ZeRO-1/2) is built whole in fp32 on the host by each rank (4N per
+    rank). A sharded rung reads its own part from the safetensors files into its parameters
+    (`trainer/pretrained.py`): beyond the part itself (counted with the model states) at most
+    one tensor in flight per rank, its fp32 copy on the way to the device (4 x the largest
+    tensor). zero3_nvme builds the full weights on rank 0 (the model, then its state dict
+    cloned: 8N) and sends each rank its part, as random init does on every sharded rung."""
+    n = shape.num_params
+    if not row.shards_params:
+        return 4 * n * ranks_here
+    if row.needs_nvme:
+        return 8 * n
+    return 4 * _largest_tensor_params(shape) * ranks_here
+
+
+def _largest_tensor_params(shape: ModelShape) -> int:
+    h = shape.hidden_size
+    q = shape.num_heads * shape.head_dim
+    return max(shape.vocab_size * h, shape.intermediate_size * h, q * h)
+
+
 def _host_bytes(
-    row: Strategy, states: _ModelStates, n: int, ranks_here: int, device_bytes: int, device: str
+    row: Strategy,
+    states: _ModelStates,
+    shape: ModelShape,
+    ranks_here: int,
+    device_bytes: int,
+    device: str,
 ) -> dict[str, int]:
-    """Host memory per node: every rank's offloaded states, the initial full fp32 state dict
-    the model factory builds on the host (rank 0 only for sharded rungs), process baseline."""
+    """Host memory per node: every rank's offloaded states, loading the initial weights
+    (`loading_host_bytes`), process baseline."""
     host = {k: v * ranks_here for k, v in states.on_host.items()}
-    host["initial_weights"] = 4 * n * (1 if row.shards_params else ranks_here)
+    host["initial_weights"] = loading_host_bytes(shape, row, ranks_here)
     host["processes"] = HOST_PROCESS_BYTES * ranks_here
     if device == "cpu":  # the "device" is host memory too
         host["device_memory_of_cpu_ranks"] = device_bytes * ranks_here
@@ -749,7 +812,7 @@ def estimate(
         "runtime_overhead": overhead,
     }
     ranks_here = min(devices_per_node, w)
-    host = _host_bytes(row, states, shape.num_params, ranks_here, peak + overhead, device)
+    host = _host_bytes(row, states, shape, ranks_here, peak + overhead, device)
     if offload_activations:
         host["offloaded_activations"] = offloaded_activation_bytes(shape, m, ckpt) * ranks_here
     return Estimate(
@@ -770,13 +833,13 @@ def estimate(
 
 
 def _check_modelled(shape: ModelShape) -> None:
-    if shape.model_type not in MODELLED_TYPES:
+    if shape.model_type not in MODELLED_TYPES and shape.activations is None:
         raise ConfigError(
             "model.model_type",
             f"the memory estimate models {', '.join(MODELLED_TYPES)} decoder blocks, not "
             f"{shape.model_type} (its activations are not checked against a trace)",
-            "use one of these architectures (planning other blocks needs their activation "
-            "model first)",
+            "plan it with `oomless plan` or `oomless estimate` (they measure other blocks' "
+            "activations: launcher/activations.py)",
         )
 
 

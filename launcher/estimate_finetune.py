@@ -263,13 +263,14 @@ class MethodCost:
 
 
 def method_cost(shape: Any, ft: Finetune, c: int) -> MethodCost:
-    """Full fine-tuning: 2N forward, 4N backward. With adapters the frozen base still passes
-    gradients to its input (2N) but computes none for its weights; the adapters add 2A forward
+    """Full fine-tuning: 2N forward, 4N backward (N: the parameters a token computes with).
+    With adapters the frozen base still passes gradients to its input (2N) but computes none
+    for its weights; the adapters add 2A forward
     and 4A backward. QLoRA dequantises every 4-bit weight to the compute dtype for each matmul
     (forward, backward, recompute), a memory-bound pass: half a byte read, c bytes written."""
-    n = shape.num_params
-    if not ft.adapters:
-        return MethodCost(6.0 * n, 2.0 * n, n, float(n), 0)
+    n = shape.num_compute_params  # MoE: the experts a token is routed to
+    if not ft.adapters:  # every expert is gathered, reduced and stepped
+        return MethodCost(6.0 * n, 2.0 * n, shape.num_params, float(shape.num_params), 0)
     sizes = method_sizes(shape, ft, c)
     a = sizes.trainable
     dequant = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from launcher.activations import with_activations
 from launcher.estimate import Estimate, estimate
 from launcher.estimate_finetune import Finetune, why_not_on
 from launcher.estimate_levers import smallest_levers
@@ -22,7 +23,7 @@ from trainer.units import GIB, MIB
 
 def estimate_command(cfg: JobConfig, as_json: bool, trace: bool) -> int:
     hw = detect_hardware(cfg.hardware)
-    shape = model_shape(cfg.model)
+    shape = with_activations(model_shape(cfg.model), cfg)
     rows = estimates_for(cfg, hw, shape)
     traced = traces_for(cfg, hw, rows) if trace else {}
     if as_json:
@@ -45,7 +46,7 @@ def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, 
     from launcher.trace import trace_step, traceable
 
     hf_config = hf_config_dict(cfg.model)
-    shape = model_shape(cfg.model)
+    shape = with_activations(model_shape(cfg.model), cfg)
     per_rank = max(1, cfg.train.global_batch_size // hw.world_size)
     finetune = Finetune.of(cfg)
     out = {}
@@ -145,6 +146,7 @@ def to_json(shape: ModelShape, hw: Hardware, rows: list[Estimate], headroom: flo
             "layers": shape.num_layers,
             "hidden_size": shape.hidden_size,
             "vocab_size": shape.vocab_size,
+            **model_notes(shape),
         },
         "hardware": {
             "device": hw.device,
@@ -169,7 +171,7 @@ def render(shape: ModelShape, hw: Hardware, rows: list[Estimate], cfg: JobConfig
     )
     cols = f"{'strategy':<22}{'micro':>6} {'ckpt':<10}{'params':>8}{'grads':>8}{'optim':>8}"
     cols += f"{'activ':>8}{'temp':>8}{'overhd':>8}{'DEVICE':>8}{'HOST':>8}  fits  levers"
-    lines = [head, cols]
+    lines = [head, *(f"  {note}" for note in model_notes(shape).get("notes", [])), cols]
     for r in rows:
         b: dict[str, Any] = r.device_breakdown
         fits = "yes" if r.fits(hw, cfg.memory.headroom) else "no"
@@ -180,6 +182,25 @@ def render(shape: ModelShape, hw: Hardware, rows: list[Estimate], cfg: JobConfig
             f"{gib(r.device_total_bytes)} {gib(r.host_total_bytes)}  {fits:<4}  {_levers(r)}"
         )
     return "\n".join(lines)
+
+
+def model_notes(shape: ModelShape) -> dict[str, Any]:
+    """How this model's activations and compute are counted, where not by the analytic block:
+    the activations' source (traced / bound) and, for MoE models, experts and active params."""
+    from launcher.plan import _model_reasons
+
+    out: dict[str, Any] = {}
+    if shape.activations is not None:
+        out["activations"] = shape.activations.source
+    if shape.num_experts:
+        out |= {
+            "experts": shape.num_experts,
+            "experts_per_token": shape.experts_per_token,
+            "active_params": shape.num_compute_params,
+        }
+    if notes := _model_reasons(shape):
+        out["notes"] = notes
+    return out
 
 
 def _levers(r: Estimate) -> str:

@@ -15,6 +15,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from launcher.activations import with_activations
 from launcher.estimate import Estimate, estimate
 from launcher.estimate_finetune import Finetune, method_cost, why_not_on
 from launcher.estimate_levers import (
@@ -294,7 +295,7 @@ def make_plan(
     memory_scale: float = 1.0,
 ) -> Plan:
     """The plan for this job on this hardware (raises NoFitError or ConfigError)."""
-    shape = shape or model_shape(cfg.model)
+    shape = with_activations(shape or model_shape(cfg.model), cfg)
     per_rank = _per_rank_batch(cfg, hw)
     forced = cfg.strategy if cfg.strategy != "auto" else None
     rungs = [r for r in strategies.rows() if not forced or r.name == forced]
@@ -332,7 +333,7 @@ def make_plan(
         activation_checkpointing=chosen.ac,
         estimate=chosen.estimate,
         step_time_s=chosen.time_s,
-        reasons=_reasons(cfg, hw, ranked, memory_scale),
+        reasons=_reasons(cfg, hw, ranked, memory_scale) + _model_reasons(shape),
         alternatives=alternatives,
         fsdp_reduce_every_micro_batch=chosen.reduce_every_micro,
         levers=chosen.levers,
@@ -447,6 +448,24 @@ def _reasons(cfg: JobConfig, hw: Hardware, ranked: list[_Candidate], memory_scal
     return reasons
 
 
+def _model_reasons(shape: ModelShape) -> list[str]:
+    """How the model's activations and compute were counted, where not by the analytic block."""
+    reasons = []
+    if shape.activations is not None:
+        reasons.append(shape.activations.reason(shape.model_type))
+    if shape.num_experts:
+        reasons.append(
+            f"mixture of experts: {shape.num_experts} experts per MoE layer, top-"
+            f"{shape.experts_per_token} routing; memory counts every expert's parameters and "
+            f"states, activations the {shape.experts_per_token} expert rows of every token "
+            "(transformers' grouped experts keep tokens x top-k rows whatever the router picks, "
+            "so no routing is worse), compute the "
+            f"{shape.num_compute_params / 1e6:,.1f}M parameters a token uses of "
+            f"{shape.num_params / 1e6:,.1f}M"
+        )
+    return reasons
+
+
 def _lever_reason(chosen: _Candidate, ranked: list[_Candidate]) -> str:
     """Why the exact levers in force: what they hold off the device, and their price."""
     parts = []
@@ -495,6 +514,7 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
         reasons=[
             f"strategy {name} is forced by the config, but the estimate says it will not fit: "
             f"{est.why_not(hw, cfg.memory.headroom)}",
+            *_model_reasons(shape),
             *(alt.words() for alt in changes),
         ],
         alternatives=[*rejected, *changes],

@@ -191,8 +191,44 @@ def plan_job(
     from launcher.plan import apply_plan, make_plan
 
     hw = detect_hardware(cfg.hardware)
-    plan = make_plan(cfg, hw, exclude=exclude or (), memory_scale=memory_scale)
+    try:
+        shape = _forced_shape(cfg)
+        plan = make_plan(cfg, hw, shape, exclude=exclude or (), memory_scale=memory_scale)
+    except (NoFitError, ConfigError):
+        raise
+    except Exception as err:  # the model's shape or activations cannot be worked out
+        plan = _without_estimate(cfg, hw, err)
     return apply_plan(cfg, plan, hw), plan, hw
+
+
+def _forced_shape(cfg: JobConfig) -> Any:
+    """With every planning key set there is nothing to choose: the model's shape with a bound
+    on activations of blocks the analytic model does not know, rather than minutes of tracing
+    before the run starts. None otherwise (the planner measures)."""
+    from launcher.activations import with_activations
+    from launcher.model_shape import model_shape
+    from launcher.unestimated import planning_keys_forced
+
+    if not planning_keys_forced(cfg):
+        return None
+    return with_activations(model_shape(cfg.model), cfg, measure=False)
+
+
+def _without_estimate(cfg: JobConfig, hw: Any, err: Exception) -> Any:
+    """A model transformers builds but the estimate cannot read: with every planning key
+    forced it trains as configured (one warning line), else a one-line config error."""
+    from launcher.unestimated import planning_keys_forced, unestimated_plan, unestimated_warning
+
+    why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
+    if not planning_keys_forced(cfg):
+        raise ConfigError(
+            "model",
+            f"its memory cannot be estimated ({why})",
+            "set strategy, train.micro_batch_size and memory.activation_checkpointing to train "
+            "it as configured without an estimate",
+        ) from None
+    log.warning(unestimated_warning(why))
+    return unestimated_plan(cfg, hw, why)
 
 
 def launch_spec(cfg: JobConfig, config_path: Path) -> tuple[list[str], dict[str, str], bool]:

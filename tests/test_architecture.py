@@ -18,6 +18,7 @@ BOTTOM = (
     "trainer.gpus",
     "trainer.hf_config",
     "trainer.logs",
+    "trainer.methods",
     "trainer.rows",
     "trainer.run_lock",
     "trainer.strategies",
@@ -42,6 +43,11 @@ LAUNCHER_RUNS_ENGINE = {
     ("launcher.trace", "trainer.loss"),
     ("launcher.trace", "trainer.model"),
     ("launcher.trace", "trainer.phases"),  # the same phase markers as a profiled step
+    ("launcher.trace", "trainer.finetune"),  # LoRA / QLoRA / 8-bit AdamW as the engine builds them
+    # the activations of a block the analytic model does not know: one traced forward
+    ("launcher.activations", "trainer.backends.common"),
+    ("launcher.activations", "trainer.loss"),
+    ("launcher.activations", "trainer.model"),
     ("launcher.timeline", "trainer.phases"),  # reads a profiled step's trace
     ("launcher.timeline", "trainer.profile"),
     ("launcher.report", "trainer.profile"),

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from trainer.config import ConfigError, check_trainable, load_config
+from trainer.config import ConfigError, load_config
 from trainer.contract import CONFIG_ERROR_FILE
 from trainer.run_lock import acquire_run_lock, die_with_parent, exit_if_orphaned
 
@@ -22,7 +22,6 @@ def main(argv: list[str]) -> int:
     cfg = None
     try:
         cfg = load_config(argv[0])
-        check_trainable(cfg)
         # Global rank 0 holds run.dir for the run (a Slurm job, a torchrun started by hand);
         # under `oomless train` the supervisor's lock is recognised and kept by the supervisor.
         lock = acquire_run_lock(cfg.run.dir) if os.environ.get("RANK", "0") == "0" else None

@@ -49,6 +49,7 @@ from trainer.dist import (
     slow_down,
     wait_for_future,
 )
+from trainer.finetune import base_pointer, check_same_base
 
 log = logging.getLogger(__name__)
 # A one-process run saves and loads without a process group (no_dist) on purpose; torch warns
@@ -231,6 +232,7 @@ class Checkpointer:
         self.tokenizer = tokenizer
         self.rank = rank
         self._pending: tuple[Any, int, Path, dict[str, Any]] | None = None
+        self.base: dict[str, Any] | None = None  # lora/qlora: the base pointer, once computed
 
     def save(
         self,
@@ -283,6 +285,9 @@ class Checkpointer:
             state = dict(trainer_state, step=step, config_hash=semantic_hash(cfg))
             if self.data_fingerprint is not None:
                 state["data_fingerprint"] = self.data_fingerprint
+            if cfg.finetune.method != "full":  # adapters only: say which base they belong to
+                state["base"] = self.base or base_pointer(cfg.model)
+                self.base = state["base"]
             _write_json_durably(tmp / STATE_FILE, state)
             crash("trainer state written")
             if final.exists():
@@ -332,6 +337,8 @@ def check_resumable(
                 f"data.path changed (fingerprint {saved_fingerprint} -> {now})",
                 fix,
             )
+    if cfg.finetune.method != "full":
+        check_same_base(state.get("base"), cfg.model, path)
     if other and announce:
         log.info("resuming %s with changed settings that keep the math: %s", path, "; ".join(other))
     return state

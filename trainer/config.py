@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from trainer import strategies
+from trainer import methods, strategies
 from trainer.contract import CONFIG_FILE
 from trainer.units import parse_size
 
@@ -585,23 +586,43 @@ def _check_across_sections(cfg: JobConfig) -> None:
             "fp16 needs a GPU (CPU autocast computes in bf16)",
             "use precision=bf16 or fp32 on CPU",
         )
+    _check_finetune(cfg)
 
 
-def check_trainable(cfg: JobConfig) -> None:
-    """What the engine does not run yet is refused, never silently trained another way
-    (`train`, `submit` and the ranks call it; `estimate` and `plan` model these keys)."""
-    if cfg.finetune.method != "full":
-        raise ConfigError(
-            "finetune.method",
-            f"{cfg.finetune.method} is not implemented yet",
-            "use finetune.method=full",
+def _check_finetune(cfg: JobConfig) -> None:
+    """The fine-tune method and optimizer: their libraries installed, their precision, and a
+    forced strategy that can run them (trainer/methods.py); never trained another way."""
+    method, optimizer = cfg.finetune.method, cfg.train.optimizer
+    needs = []
+    if method != "full":
+        needs.append(("finetune.method", method, "peft"))
+    if method == "qlora" or optimizer == "adamw_8bit":
+        key, value = (
+            ("finetune.method", method) if method == "qlora" else ("train.optimizer", optimizer)
         )
-    if cfg.train.optimizer != "adamw":
+        needs.append((key, value, "bitsandbytes"))
+    for key, value, module in needs:
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                key,
+                f"{value} needs {module}, which is not installed",
+                "pip install 'oomless[lora]'",
+            )
+    if method == "qlora" and cfg.precision != "bf16":
         raise ConfigError(
-            "train.optimizer",
-            f"{cfg.train.optimizer} is not implemented yet",
-            "use train.optimizer=adamw",
+            "precision",
+            f"{cfg.precision} with finetune.method=qlora: the 4-bit base computes in bf16",
+            "use precision=bf16",
         )
+    if cfg.strategy != "auto":
+        why = methods.method_support(cfg.strategy, method, optimizer)
+        if why is not None:
+            rungs = methods.supported_rungs(method, optimizer)
+            raise ConfigError(
+                "strategy",
+                f"{cfg.strategy} cannot run {why}",
+                f"use one of {', '.join(rungs)}, or strategy=auto",
+            )
 
 
 def _check_positions(cfg: JobConfig) -> None:

@@ -39,7 +39,8 @@ from trainer.dist import (
     slow_down,
 )
 from trainer.evaluate import evaluate
-from trainer.export import save_hf_model
+from trainer.export import save_final_model
+from trainer.finetune import build_factory
 from trainer.gpus import peak_flops_for
 from trainer.levers import LEVER_NAMES, MemoryLevers, concrete_lever
 from trainer.logs import setup_logging
@@ -124,7 +125,7 @@ def _setup(cfg: JobConfig) -> _Run | int:
     )
     tokenizer = build_tokenizer(cfg.model)
     data = build_data(cfg, tokenizer)
-    factory = HFModelFactory(cfg.model, cfg.train.seed)
+    factory = build_factory(HFModelFactory(cfg.model, cfg.train.seed), cfg)
     backend = build_backend(cfg.strategy, ctx)
     faults = FaultInjector(cfg.debug.inject_oom, cfg.strategy, rank)
     split = BatchSplit(
@@ -288,20 +289,15 @@ def _step_record(
 
 
 def _save_final(run: _Run) -> None:
-    """The trained model as a Hugging Face directory (run.dir/final), written by rank 0; the
-    other ranks wait on that work, not on a clock."""
+    """The trained model as a Hugging Face directory (run.dir/final; a PEFT adapter directory
+    for lora/qlora), written by rank 0; the other ranks wait on that work, not on a clock."""
     weights = run.backend.full_model_state_dict()  # a collective: every rank joins
 
     def save_final() -> None:
         slow_down(run.cfg, "final_save_s")
         assert weights is not None
-        out = save_hf_model(
-            run.factory.hf_config,
-            weights,
-            run.run_dir / FINAL_DIR,
-            run.tokenizer,
-            run.cfg.model.trust_remote_code,
-            replace=True,  # final/ is this run's own output
+        out = save_final_model(
+            run.cfg, run.factory.hf_config, weights, run.run_dir / FINAL_DIR, run.tokenizer
         )
         log.info("saved the trained model to %s", out)
 
@@ -571,7 +567,12 @@ def _checkpoint(
 def _optimizer_spec(cfg: JobConfig) -> OptimizerSpec:
     t = cfg.train
     return OptimizerSpec(
-        lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay, grad_clip=t.grad_clip
+        lr=t.lr,
+        betas=tuple(t.betas),
+        eps=t.eps,
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
+        name=t.optimizer,
     )
 
 

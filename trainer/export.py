@@ -1,4 +1,5 @@
-"""`oomless export` and the run's own `final/`: a Hugging Face model directory from full weights.
+"""`oomless export` and the run's own `final/`: a Hugging Face model directory from full weights,
+or for lora/qlora runs a PEFT adapter directory (`--merge`: a plain HF model, adapters merged).
 
 Export never deletes what it did not write: it refuses a non-empty OUT_DIR unless `--overwrite`,
 refuses an OUT_DIR that is, lies inside or contains the run or checkpoint directory, and builds
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from trainer.config import ConfigError, ModelConfig, read_yaml
+from trainer.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig, read_yaml
 from trainer.contract import CONFIG_FILE
 from trainer.files import fsync_dir, umask_mode
 
@@ -67,6 +68,85 @@ def save_hf_model(
     return out_dir
 
 
+def save_final_model(
+    cfg: JobConfig, hf_config: Any, weights: dict[str, torch.Tensor], out_dir: Path, tokenizer: Any
+) -> Path:
+    """run.dir/final: the HF model of a full fine-tune, the PEFT adapter dir of lora/qlora."""
+    if cfg.finetune.method == "full":
+        return save_hf_model(
+            hf_config, weights, out_dir, tokenizer, cfg.model.trust_remote_code, replace=True
+        )
+    return save_adapter(cfg.finetune, cfg.model, hf_config, weights, out_dir, tokenizer, True)
+
+
+def _peft_model(
+    finetune: FinetuneConfig, base: torch.nn.Module, weights: dict[str, torch.Tensor]
+) -> Any:
+    """`base` (plain HF model, maybe on meta) with the run's LoRA adapters, their trained weights
+    loaded (QLoRA adapters go onto the unquantised base: the structure and names are the same)."""
+    from trainer.finetune import apply_finetune
+
+    lora = finetune.model_copy(update={"method": "lora"})
+    model = apply_finetune(base, lora, "fp32", seed=0)
+    adapters = {n: t.float() for n, t in weights.items() if ".lora_" in n}
+    names = {n for n, _ in model.named_parameters() if ".lora_" in n}
+    if not adapters or names - set(adapters):
+        raise ConfigError(
+            "CHECKPOINT",
+            f"has {len(adapters)} of the {len(names)} adapter weights this config's LoRA has",
+            "export the checkpoint with the config it was trained with",
+        )
+    model.load_state_dict(adapters, strict=False, assign=True)
+    return model
+
+
+def save_adapter(
+    finetune: FinetuneConfig,
+    model_cfg: ModelConfig,
+    hf_config: Any,
+    weights: dict[str, torch.Tensor],
+    out_dir: str | Path,
+    tokenizer: Any | None = None,
+    replace: bool = False,
+) -> Path:
+    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors), atomically;
+    `PeftModel.from_pretrained(base, out_dir)` loads it. The base is built on the meta device:
+    only the adapters are written."""
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        os.chmod(tmp, umask_mode())
+        with torch.device("meta"):
+            base = AutoModelForCausalLM.from_config(
+                hf_config, dtype=torch.float32, trust_remote_code=model_cfg.trust_remote_code
+            )
+        model = _peft_model(finetune, base, weights)
+        model.peft_config["default"].base_model_name_or_path = model_cfg.name_or_path
+        model.peft_config["default"].revision = model_cfg.revision
+        model.save_pretrained(tmp, save_embedding_layers=False)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _install(tmp, out_dir, replace)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def merged_weights(
+    finetune: FinetuneConfig, model_cfg: ModelConfig, seed: int, weights: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The base's fp32 weights (pretrained, or the seeded init of an inline config) with the
+    trained adapters merged in: a plain HF model's state dict."""
+    from trainer.model import HFModelFactory
+
+    base = HFModelFactory(model_cfg, seed).build("cpu")
+    merged = _peft_model(finetune, base, weights).merge_and_unload()
+    return {n: t.detach() for n, t in merged.state_dict().items()}
+
+
 def _install(tmp: Path, out_dir: Path, replace: bool) -> None:
     """Rename `tmp` to `out_dir`; a non-empty `out_dir` is moved aside first, only if `replace`."""
     if out_dir.is_dir() and not any(out_dir.iterdir()):
@@ -85,9 +165,14 @@ def _install(tmp: Path, out_dir: Path, replace: bool) -> None:
 
 
 def export_command(
-    checkpoint: str, out_dir: str, overwrite: bool = False, trust_remote_code: bool = False
+    checkpoint: str,
+    out_dir: str,
+    overwrite: bool = False,
+    trust_remote_code: bool = False,
+    merge: bool = False,
 ) -> int:
-    """`oomless export CHECKPOINT OUT`: an HF model directory from any strategy's checkpoint."""
+    """`oomless export CHECKPOINT OUT`: an HF model directory from any strategy's checkpoint; a
+    PEFT adapter directory from a lora/qlora run's, or with `merge` the merged HF model."""
     from trainer.checkpoint import find_latest, is_complete, read_full_weights
     from trainer.model import load_hf_config
 
@@ -99,8 +184,17 @@ def export_command(
             "CHECKPOINT", f"'{checkpoint}' is not a complete checkpoint", "give checkpoints/step_N"
         )
     out = check_out_dir(path, Path(out_dir), overwrite)
-    tree = read_yaml((path / CONFIG_FILE).read_text())["model"]
-    model_cfg = ModelConfig.model_validate(dict(tree, trust_remote_code=trust_remote_code))
+    saved = read_yaml((path / CONFIG_FILE).read_text())
+    model_cfg = ModelConfig.model_validate(
+        dict(saved["model"], trust_remote_code=trust_remote_code)
+    )
+    finetune = FinetuneConfig.model_validate(saved.get("finetune") or {})
+    if merge and finetune.method == "full":
+        raise ConfigError(
+            "--merge",
+            "the checkpoint is a full fine-tune: it has no adapters to merge",
+            "drop --merge",
+        )
     hf_config = _load_hf_config(load_hf_config, model_cfg)
     weights = read_full_weights(path)
     tokenizer = None
@@ -108,6 +202,13 @@ def export_command(
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
+    if finetune.method != "full" and not merge:
+        save_adapter(finetune, model_cfg, hf_config, weights, out, tokenizer, replace=overwrite)
+        print(f"wrote the {finetune.method} adapters to {out} ({len(weights)} tensors) from {path}")
+        return 0
+    if merge:
+        seed = int((saved.get("train") or {}).get("seed", 0))
+        weights = merged_weights(finetune, model_cfg, seed, weights)
     save_hf_model(hf_config, weights, out, tokenizer, trust_remote_code, replace=overwrite)
     print(f"wrote {out} ({len(weights)} tensors) from {path}")
     return 0

@@ -12,6 +12,7 @@ from torch import nn
 
 from trainer.config import ConfigError, ModelConfig
 from trainer.offload import ActivationOffload
+from trainer.pretrained import SafetensorsCheckpoint, resolve_checkpoint
 from trainer.strategies import checkpointed_layers
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,23 @@ def load_hf_config(model_cfg: ModelConfig) -> Any:
             trust_remote_code=model_cfg.trust_remote_code,
             revision=model_cfg.revision,
         )
-    config._attn_implementation = model_cfg.attn_implementation
+    config._attn_implementation = _attention_for(config, model_cfg.attn_implementation)
     config.use_cache = False
     return config
+
+
+def _attention_for(config: Any, requested: str) -> str:
+    """`requested`, except that a model without SDPA support (GPT-OSS, Mamba, ...) runs the
+    default `sdpa` as `eager`, transformers' own implementation of it."""
+    from transformers import AutoModelForCausalLM
+
+    if requested != "sdpa":
+        return requested
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if cls is not None and getattr(cls, "_supports_sdpa", True) is False:
+        log.info("%s has no SDPA attention: model.attn_implementation eager", cls.__name__)
+        return "eager"
+    return requested
 
 
 def _from_hub_or_dir(loader: Any, name: str, **kwargs: Any) -> Any:
@@ -102,6 +117,17 @@ class HFModelFactory:
 
     def initial_state_dict(self) -> dict[str, torch.Tensor]:
         return self._initial_state
+
+    def pretrained_checkpoint(self) -> SafetensorsCheckpoint | None:
+        """The safetensors files of `model.name_or_path`, which sharded rungs read per rank
+        (`trainer.pretrained`); None for random init or weights in another format."""
+        if self.model_cfg.name_or_path is None:
+            return None
+        if not hasattr(self, "_checkpoint"):
+            self._checkpoint = resolve_checkpoint(
+                self.model_cfg.name_or_path, self.model_cfg.revision
+            )
+        return self._checkpoint
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -167,6 +167,22 @@ INVALID = [
     ("no lora targets", {}, ["finetune.lora.target_modules=[]"], "finetune.lora", "module"),
     ("unknown method", {}, ["finetune.method=dora"], "finetune.method", "one of"),
     ("unknown optimizer", {}, ["train.optimizer=sgd"], "train.optimizer", "adamw_8bit"),
+    # a forced rung that cannot run the chosen method or optimizer (trainer/methods.py)
+    (
+        "qlora forced onto fsdp",
+        {},
+        ["finetune.method=qlora", "strategy=fsdp", "hardware.devices_per_node=2"],
+        "strategy",
+        "fsdp cannot run qlora: FSDP2 shards the packed 4-bit weights",
+    ),
+    (
+        "adamw_8bit forced onto zero3_offload",
+        {},
+        ["train.optimizer=adamw_8bit", "strategy=zero3_offload", "hardware.devices_per_node=2"],
+        "strategy",
+        "zero3_offload cannot run adamw_8bit: DeepSpeed ZeRO",
+    ),
+    ("qlora in fp32", {}, ["finetune.method=qlora", "precision=fp32"], "precision", "bf16"),
 ]
 
 

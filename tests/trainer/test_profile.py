@@ -28,7 +28,7 @@ def _train(tmp: Path, name: str, *overrides: str) -> Path:
         "data": {
             "path": str(DEMO / "train.jsonl"),
             "format": "prompt_completion",
-            "seq_len": 64,
+            "seq_len": 256,
             "cache_dir": str(tmp / "cache"),
         },
         "train": {"steps": 5, "global_batch_size": 16, "lr": 3e-3},
@@ -114,16 +114,24 @@ def test_memory_timeline_lays_the_estimate_over_the_measured_step(runs):
     t, live = plotted["t_ms"], plotted["live_bytes"]
     assert len(t) > 100 and t == sorted(t) and min(live) > 0
     phases = plotted["phases"]
-    for p in phases:  # the traced step's phases follow the measured ones
-        measured = p["measured_peak_bytes"]
+    # Compared as the rise above the step's start: on CPU with gloo the level at the start also
+    # holds buffers of the previous step's collectives, alive or not by thread timing (seen: 0,
+    # 1 or 2 x 148 KB between runs of this test), which the traced step does not have.
+    measured_start = phases[0]["measured_peak_bytes"]
+    predicted_start = phases[0]["predicted_peak_bytes"]
+    assert phases[0]["label"] == "step start" and measured_start > 0
+    for p in phases[1:]:  # the traced step's phases follow the measured ones
+        measured = p["measured_peak_bytes"] - measured_start
+        predicted = p["predicted_peak_bytes"] - predicted_start
         if p["label"].startswith("forward") or p["label"] == "head and loss":
-            assert p["predicted_peak_bytes"] == pytest.approx(measured, rel=0.2), p
+            assert predicted == pytest.approx(measured, rel=0.2), p
         elif p["label"].startswith("backward"):  # plus gloo's reduce-scatter buffers, by timing
-            assert p["predicted_peak_bytes"] == pytest.approx(measured, rel=0.5), p
+            assert predicted == pytest.approx(measured, rel=0.5), p
     measured = max(phases, key=lambda p: p["measured_peak_bytes"])
     predicted = max(phases, key=lambda p: p["predicted_peak_bytes"])
     assert predicted["label"] == measured["label"]
-    assert predicted["predicted_peak_bytes"] == pytest.approx(max(live), rel=0.05)
+    rise = max(live) - measured_start
+    assert predicted["predicted_peak_bytes"] - predicted_start == pytest.approx(rise, rel=0.05)
     # the activations are what rises and falls: forward builds them up, backward frees them
     by_label = {p["label"]: p["measured_peak_bytes"] for p in phases}
     assert by_label["head and loss"] > by_label["forward layer 0"] > by_label["step start"]

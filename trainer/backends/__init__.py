@@ -28,13 +28,14 @@ from trainer.config import JobConfig
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """AdamW hyper-parameters; identical on every rung (escalation never changes them)."""
+    """AdamW and its hyper-parameters; identical on every rung (escalation never changes them)."""
 
     lr: float
     betas: tuple[float, float]
     eps: float
     weight_decay: float
     grad_clip: float  # max total grad norm; 0 disables clipping
+    name: str = "adamw"  # train.optimizer: adamw | adamw_8bit (trainer/finetune.py)
 
 
 @dataclass(frozen=True)

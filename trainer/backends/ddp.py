@@ -27,8 +27,8 @@ from trainer.backends.common import (
     replica_state_dict,
     reset_device_peak,
     set_lr,
+    trained_params,
 )
-from trainer.model import canonical_name
 
 
 class DdpBackend:
@@ -70,7 +70,7 @@ class DdpBackend:
         self.optimizer.zero_grad(set_to_none=True)
 
     def _named_params(self) -> dict[str, nn.Parameter]:
-        return {canonical_name(n): p for n, p in self.inner.named_parameters()}
+        return trained_params(self.inner)
 
     def state_dict(self) -> dict[str, Any]:
         return replica_state_dict(self._named_params(), self.optimizer, self.scaler)

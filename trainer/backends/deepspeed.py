@@ -34,11 +34,12 @@ from torch import nn
 
 from trainer import strategies
 from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
-from trainer.backends.common import device_memory_stats, reset_device_peak
+from trainer.backends.common import device_memory_stats, reset_device_peak, trained_params
 from trainer.backends.deepspeed_config import build_deepspeed_config
 from trainer.config import ConfigError
-from trainer.dist import all_reduce_max, all_reduce_sum
-from trainer.model import apply_activation_checkpointing, canonical_name
+from trainer.dist import after_rank0, all_reduce_max, all_reduce_sum
+from trainer.model import apply_activation_checkpointing
+from trainer.pretrained import load_per_rank, load_zero3_partitions
 
 log = logging.getLogger(__name__)
 
@@ -130,24 +131,36 @@ class DeepSpeedBackend:
         with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=remote):
             with torch.random.fork_rng(devices=[]):
                 model = AutoModelForCausalLM.from_config(factory.hf_config, dtype=torch.float32)
-        full = factory.initial_state_dict() if self.ctx.rank == 0 else {}
+        adapt = getattr(factory, "adapt", None)  # LoRA: adapters (not partitioned yet) on top
+        if adapt is not None:
+            model = adapt(model)
+        model.config.use_cache = False
+        if not self.rung.needs_nvme and load_per_rank(
+            model, factory, load_zero3_partitions, self.ctx, "ZeRO-3 partitions"
+        ):
+            return model
+        full = after_rank0(
+            "building the initial weights",
+            factory.initial_state_dict,
+            clock_s=self.ctx.cfg.dist.timeout_s,
+        )
         for name, param in model.named_parameters():
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 if self.ctx.rank == 0:
                     with torch.no_grad():
                         param.copy_(full[name])
-        model.config.use_cache = False
         return model
 
     def _optimizer(self, model: nn.Module, optim: OptimizerSpec) -> torch.optim.Optimizer:
         kwargs = dict(
             lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
         )
+        trainable = [p for p in model.parameters() if p.requires_grad]  # a LoRA base is frozen
         if self.offload_optimizer:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            return DeepSpeedCPUAdam(model.parameters(), adamw_mode=True, **kwargs)
-        return torch.optim.AdamW(model.parameters(), **kwargs)
+            return DeepSpeedCPUAdam(trainable, adamw_mode=True, **kwargs)
+        return torch.optim.AdamW(trainable, **kwargs)
 
     def compute_context(self) -> AbstractContextManager:
         return contextlib.nullcontext()  # the engine's forward autocasts (torch_autocast section)
@@ -193,7 +206,7 @@ class DeepSpeedBackend:
             self.optimizer.micro_step_id = -1  # the next backward starts a fresh accumulation
 
     def _named_params(self) -> dict[str, nn.Parameter]:
-        return {canonical_name(n): p for n, p in self.module.named_parameters()}
+        return trained_params(self.module)
 
     def _owners(self, params: dict[str, nn.Parameter]) -> list[int]:
         """The rank that keeps each parameter's full tensors in the canonical state.

@@ -2,8 +2,10 @@
 
 torchtitan's order: build on the meta device, apply activation checkpointing, shard each decoder
 layer and then the root, materialise only this rank's shards (`to_empty`), then load the initial
-weights with `set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`: rank 0 alone
-reads the full weights and sends every rank its shard, so no other rank ever holds the full model.
+weights: pretrained safetensors are read by each rank, its own rows only (`trainer.pretrained`);
+random init (and weights in other formats) with `set_model_state_dict(full_state_dict=True,
+broadcast_from_rank0=True)`: rank 0 alone builds the full weights and sends every rank its shard,
+so no other rank ever holds the full model.
 Mixed precision is `MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)` over fp32
 sharded parameters (no autocast). `fsdp_offload` keeps parameters, gradients and the AdamW step
 on the host (`CPUOffloadPolicy`; pinned memory only with an accelerator). `fsdp.hybrid: true`
@@ -37,13 +39,16 @@ from trainer.backends.common import (
     device_memory_stats,
     load_canonical_optim_state,
     reset_device_peak,
+    trained_params,
 )
+from trainer.dist import after_rank0
 from trainer.model import (
     apply_activation_checkpointing,
     apply_compile,
     canonical_name,
     decoder_layers,
 )
+from trainer.pretrained import load_fsdp_shards, load_per_rank
 
 
 class FsdpBackend:
@@ -69,12 +74,17 @@ class FsdpBackend:
         )
         model.to_empty(device="cpu" if self.offload else ctx.device)
         _rebuild_buffers(model, ctx.device if not self.offload else torch.device("cpu"))
-        full = factory.initial_state_dict() if ctx.rank == 0 else {}
-        set_model_state_dict(
-            model,
-            full,
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-        )
+        if not load_per_rank(model, factory, load_fsdp_shards, ctx, "FSDP shards"):
+            full = after_rank0(
+                "building the initial weights",
+                factory.initial_state_dict,
+                clock_s=ctx.cfg.dist.timeout_s,
+            )
+            set_model_state_dict(
+                model,
+                full or {},
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            )
         model.train()
         self.model = model
         self.optimizer = build_adamw(model.parameters(), optim)  # on the shards' device
@@ -119,7 +129,7 @@ class FsdpBackend:
         self.model.set_requires_gradient_sync(True)
 
     def _named_params(self) -> dict[str, nn.Parameter]:
-        return {canonical_name(n): p for n, p in self.model.named_parameters()}
+        return trained_params(self.model)
 
     def state_dict(self) -> dict[str, Any]:
         """Sharded: DTensor parameters and AdamW moments, fp32; DCP writes each rank's shard."""
@@ -232,12 +242,24 @@ def _sharded_scaler(ctx: BackendContext) -> Any:
 
 
 def _rebuild_buffers(model: nn.Module, device: torch.device) -> None:
-    """Non-persistent buffers (rotary inverse frequencies) are not in any state dict: after
-    `to_empty` they hold garbage, so rebuild each owning module's buffers from its config."""
-    for module in model.modules():
-        if not type(module).__name__.endswith("RotaryEmbedding"):
+    """Non-persistent buffers (rotary inverse frequencies, Gemma's embedding scale) are not in
+    any state dict: after `to_empty` they hold garbage, so rebuild each owning module's
+    buffers: rotary embeddings from their config, the others by the model's own
+    `_init_weights` (its parameters are overwritten by the initial state right after)."""
+    persistent = set(model.state_dict())
+    for prefix, module in model.named_modules():
+        own = [
+            name
+            for name, _ in module.named_buffers(recurse=False)
+            if (f"{prefix}.{name}" if prefix else name) not in persistent
+        ]
+        if not own:
             continue
-        with torch.device(device):
-            fresh = type(module)(config=module.config)
-        for name, buf in fresh.named_buffers():
-            getattr(module, name).copy_(buf)
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            with torch.device(device):
+                fresh = type(module)(config=module.config)
+            for name, buf in fresh.named_buffers():
+                getattr(module, name).copy_(buf)
+        elif hasattr(model, "_init_weights"):
+            with torch.no_grad():
+                model._init_weights(module)

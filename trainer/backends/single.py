@@ -25,8 +25,8 @@ from trainer.backends.common import (
     replica_state_dict,
     reset_device_peak,
     set_lr,
+    trained_params,
 )
-from trainer.model import canonical_name
 
 
 class SingleBackend:
@@ -68,7 +68,7 @@ class SingleBackend:
 
     def _named_params(self) -> dict[str, nn.Parameter]:
         assert self.model is not None
-        return {canonical_name(n): p for n, p in self.model.named_parameters()}
+        return trained_params(self.model)
 
     def state_dict(self) -> dict[str, Any]:
         return replica_state_dict(self._named_params(), self.optimizer, self.scaler)

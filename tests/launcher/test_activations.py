@@ -1,0 +1,123 @@
+"""Models the analytic activation model does not know: measured from their own code, bounded
+when their code cannot be traced, and trained as configured when nothing can be estimated."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launcher.activations import saved_activations
+from launcher.cli import main
+from launcher.estimate import _Micro, analytic_layer_bytes
+from launcher.model_shape import _shape_of
+from tests.conftest import write_demo_job
+
+NEOX = {
+    "model_type": "gpt_neox",
+    "vocab_size": 45,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 256,
+}
+# Mamba's config has no attention heads: the estimate cannot read its shape
+MAMBA = {"model_type": "mamba", "vocab_size": 45, "hidden_size": 32, "state_size": 4,
+         "num_hidden_layers": 2}  # fmt: skip
+# The eager experts loop has data-dependent shapes: its forward cannot run under fake tensors
+EAGER_MIXTRAL = {
+    **NEOX,
+    "model_type": "mixtral",
+    "num_key_value_heads": 2,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "experts_implementation": "eager",
+}
+FORCED = ("strategy=single", "train.micro_batch_size=2", "memory.activation_checkpointing=none")
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+}
+
+
+@pytest.fixture(autouse=True)
+def _own_caches(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+
+
+def _job(tmp_path, config: dict, steps: int = 3):
+    return write_demo_job(
+        tmp_path / "job.yaml",
+        model={"config": config},
+        train={"steps": steps, "global_batch_size": 4, "lr": 3e-3},
+        run={"dir": str(tmp_path / "run"), "save_final": False},
+    )
+
+
+def _losses(tmp_path) -> list[float]:
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+def test_plan_measures_a_block_it_has_no_formula_for_and_says_so(tmp_path, capsys):
+    rc = main(["plan", str(_job(tmp_path, NEOX)), "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert any("gpt_neox decoder layers measured by tracing" in r for r in plan["reasons"])
+    assert plan["estimate"]["device"]["breakdown"]["activations"] > 0
+
+
+def test_gpt_neox_trains_with_every_planning_key_forced(tmp_path, capsys):
+    rc = main(["train", str(_job(tmp_path, NEOX, steps=4)), *FORCED])
+    assert rc == 0, capsys.readouterr().err
+    losses = _losses(tmp_path)
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    reasons = json.loads((tmp_path / "run" / "plan.json").read_text())["reasons"]
+    assert any("conservative bound" in r and "nothing to choose" in r for r in reasons), reasons
+
+
+def test_an_untraceable_block_plans_from_a_conservative_bound(tmp_path, capsys):
+    rc = main(["plan", str(_job(tmp_path, EAGER_MIXTRAL)), "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    reasons = json.loads(out)["reasons"]
+    bound = [r for r in reasons if "conservative bound" in r]
+    assert bound and "could not be traced" in bound[0], reasons
+    assert any("mixture of experts: 4 experts" in r for r in reasons), reasons
+
+
+def test_a_model_without_an_estimate_trains_when_forced_and_is_refused_in_one_line_otherwise(
+    tmp_path, capfd
+):
+    job = str(_job(tmp_path, MAMBA, steps=2))
+    assert main(["plan", job]) == 2
+    err = capfd.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "memory cannot be estimated" in err
+    assert "train.micro_batch_size" in err
+    assert main(["train", job, *FORCED]) == 0
+    err = capfd.readouterr().err
+    assert sum("no memory estimate" in line for line in err.splitlines()) == 1, err
+    assert len(_losses(tmp_path)) == 2
+
+
+def test_the_trace_of_a_known_block_agrees_with_its_analytic_model():
+    """The analytic fast path and the generic measurement, on the same llama layer, under
+    autocast and FSDP's 16-bit parameters."""
+    shape = _shape_of(json.dumps(LLAMA, sort_keys=True))
+    measured = saved_activations(LLAMA, 512, "bf16")
+    assert set(measured.fits) == {"autocast", "lowp"}
+    for mode, fit in measured.fits.items():
+        c = 4 if mode == "fp32" else 2
+        for b, s in ((1, 512), (4, 2048)):
+            m = _Micro(b=b, s=s, c=c, r=c if mode == "lowp" else 4, autocast=mode == "autocast",
+                       masked=True)  # fmt: skip
+            analytic = analytic_layer_bytes(shape, m)
+            assert abs(fit.bytes(b, s) - analytic) / analytic < 0.01, (mode, b, s)

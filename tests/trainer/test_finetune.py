@@ -1,0 +1,124 @@
+"""LoRA, QLoRA and 8-bit AdamW (trainer/finetune.py) on one process: training, what a checkpoint
+holds, bit-exact resume, export to a PEFT adapter dir and --merge. The 2-process rungs are rows of
+tests/trainer/dist_runs.py (one shared torchrun launch)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, TINY_LLAMA, oomless, write_demo_job
+from trainer import methods, strategies
+
+pytestmark = pytest.mark.slow
+
+# wide enough that the adapters are a small share of the weights, and that bitsandbytes keeps
+# 8-bit moments for the larger matrices (it keeps fp32 ones under 4096 elements)
+WIDE = {**TINY_LLAMA, "vocab_size": 45, "hidden_size": 256, "intermediate_size": 512}
+LORA = {"method": "lora", "lora": {"r": 2, "alpha": 4}}
+STEPS = 6
+
+
+def _job(tmp: Path, name: str, **sections) -> Path:
+    demo = REPO / "configs" / "demo"
+    return write_demo_job(
+        tmp / f"{name}.yaml",
+        model={"config": WIDE, "tokenizer": str(demo / "tokenizer")},
+        train={"steps": STEPS, "global_batch_size": 8, "micro_batch_size": 4, "lr": 1e-2},
+        run={"checkpoint_every": 2, "keep_checkpoints": 5},
+        **sections,
+    )
+
+
+def _train(job: Path, run_dir: Path, *overrides: str) -> None:
+    r = oomless("train", str(job), "strategy=single", f"run.dir={run_dir}", *overrides)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("finetune")
+    _train(_job(work, "full"), work / "full", "train.steps=3")
+    lora = _job(work, "lora", finetune=LORA)
+    _train(lora, work / "lora", "run.save_final=true")
+    resume = f"run.resume={work / 'lora' / 'checkpoints' / 'step_4'}"
+    _train(lora, work / "lora_resumed", resume)
+    return work
+
+
+def test_lora_trains_and_its_checkpoint_holds_only_the_adapters(runs):
+    losses = _losses(runs / "lora")
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.05, losses
+    lora, full = runs / "lora" / "checkpoints" / "step_2", runs / "full" / "checkpoints" / "step_2"
+    assert _bytes(lora) < 0.05 * _bytes(full), (_bytes(lora), _bytes(full))
+    state = json.loads((lora / "trainer_state.json").read_text())
+    assert state["base"]["source"] == "inline config" and len(state["base"]["fingerprint"]) == 16
+
+
+def test_lora_resume_is_bit_exact(runs):
+    assert _losses(runs / "lora_resumed") == _losses(runs / "lora")[4:]
+
+
+def _engine_model(ckpt: Path) -> torch.nn.Module:
+    """The model the engine trained, rebuilt from the checkpoint's config and adapter weights."""
+    from trainer.checkpoint import read_full_weights
+    from trainer.config import load_config
+    from trainer.finetune import FinetuneFactory
+    from trainer.model import HFModelFactory
+
+    cfg = load_config(ckpt / "config.yaml", [])
+    model = FinetuneFactory(HFModelFactory(cfg.model, cfg.train.seed), cfg).build("cpu")
+    missing, _ = model.load_state_dict(read_full_weights(ckpt), strict=False)
+    assert not [n for n in missing if ".lora_" in n]
+    return model.eval()
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.arange(40).reshape(2, 20) % 45
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def test_export_writes_a_peft_adapter_dir_and_merge_a_plain_model(runs, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.config import load_config
+    from trainer.model import HFModelFactory
+
+    ckpt = runs / "lora" / "checkpoints" / "step_4"
+    want = _logits(_engine_model(ckpt))
+    r = oomless("export", str(ckpt), str(tmp_path / "adapter"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    cfg = load_config(ckpt / "config.yaml", [])
+    base = HFModelFactory(cfg.model, cfg.train.seed).build("cpu")
+    got = _logits(PeftModel.from_pretrained(base, tmp_path / "adapter").eval())
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+    r = oomless("export", str(ckpt), str(tmp_path / "merged"), "--merge")
+    assert r.returncode == 0, r.stderr[-2000:]
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert not any(".lora_" in n for n, _ in merged.named_parameters())
+    got = _logits(merged.eval())
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    # the run's own final/ is the adapter dir of the last step
+    assert (runs / "lora" / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_every_rung_runs_lora_and_the_replicas_run_qlora_and_adamw_8bit():
+    assert methods.supported_rungs("lora") == strategies.names()
+    assert methods.supported_rungs("qlora") == ("single", "ddp")
+    assert methods.supported_rungs("lora", "adamw_8bit") == ("single", "ddp")
+    assert methods.method_support("zero3", "qlora").startswith("qlora: DeepSpeed")

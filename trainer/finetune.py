@@ -1,0 +1,305 @@
+"""What trains: LoRA adapters (peft) on a frozen base, QLoRA's 4-bit NF4 base (bitsandbytes), and
+8-bit AdamW states (bitsandbytes). The user's choice in the config; docs/finetune.md.
+
+The backends see an ordinary model whose frozen parameters have `requires_grad=False`: they give
+the optimizer only what trains, and their canonical state (the checkpoint) holds only that.
+
+- LoRA: `peft.get_peft_model` with adapters on every `nn.Linear` of the decoder blocks
+  (`target_modules: all-linear`; never the LM head) or the named modules. The frozen base is cast
+  to the compute dtype (bf16 under `precision: bf16`; fp32 under fp32) and has no fp32 master, no
+  gradient and no optimizer state; the adapters are fp32 parameters with their own AdamW state.
+  Adapter init (lora_A's Kaiming draw) is seeded by `train.seed`, so every rung starts alike.
+- QLoRA: the decoder blocks' linear layers become `bitsandbytes.nn.Linear4bit` holding NF4
+  weights (double quantisation, bf16 compute and bf16 quant storage, as a
+  `transformers.BitsAndBytesConfig(load_in_4bit=True, ...)` asks for), then the LoRA adapters as
+  above; the remaining frozen weights (embeddings, norms, head) are kept in bf16. Layer norms
+  stay in their dtype and no input-gradient hook is needed: our recomputation is non-reentrant
+  (what `prepare_model_for_kbit_training` arranges for the reentrant kind).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+QLORA_COMPUTE_DTYPE = torch.bfloat16
+ADAPTER_NAME = "default"  # peft's name for the one adapter a run trains
+
+
+def require(module: str, key: str, value: str) -> Any:
+    """Import `module` (peft, bitsandbytes), or a one-line ConfigError naming the extra."""
+    with warnings.catch_warnings():
+        # bitsandbytes' CPU backend says once at import that an optional kernel package is absent
+        warnings.filterwarnings("ignore", message=".*kernels-community.*")
+        warnings.filterwarnings("ignore", message=".*pip install kernels.*")
+        try:
+            return importlib.import_module(module)
+        except ImportError:
+            raise ConfigError(
+                key,
+                f"{value} needs {module}, which is not installed",
+                "pip install 'oomless[lora]'",
+            ) from None
+
+
+def trains_adapters(cfg: JobConfig) -> bool:
+    return cfg.finetune.method in ("lora", "qlora")
+
+
+def lora_target_modules(model: nn.Module, target: str | list[str]) -> list[str]:
+    """Module names for peft: every nn.Linear (or 4-bit linear) inside the decoder blocks for
+    `all-linear`, else the names given (peft matches them as name suffixes)."""
+    if target != "all-linear":
+        return list(target)
+    from trainer.model import decoder_layers
+
+    layers = decoder_layers(model)
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    names = sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, m in model.named_modules()
+            if id(m) in inside and _is_linear(m)
+        }
+    )
+    if not names:
+        raise ConfigError(
+            "finetune.lora.target_modules",
+            f"{type(model).__name__}'s decoder blocks have no linear layers",
+            "name the modules to adapt, e.g. [q_proj, v_proj]",
+        )
+    # a name is adapted wherever it occurs: refuse all-linear when one also names a layer
+    # outside the blocks (the LM head is never adapted)
+    outside = sorted(
+        n for n, m in model.named_modules() if id(m) not in inside and n.rsplit(".", 1)[-1] in names
+    )
+    if outside:
+        raise ConfigError(
+            "finetune.lora.target_modules",
+            f"all-linear would also adapt {outside[0]}, outside the decoder blocks",
+            "list the decoder blocks' module names instead",
+        )
+    return names
+
+
+def _is_linear(module: nn.Module) -> bool:
+    if isinstance(module, nn.Linear):
+        return True
+    return type(module).__name__ in ("Linear4bit", "Linear8bitLt")
+
+
+def apply_finetune(model: nn.Module, cfg: FinetuneConfig, precision: str, seed: int) -> nn.Module:
+    """The model `finetune.method` trains, from a built fp32 model: unchanged for `full`; for
+    lora/qlora a peft model with the base frozen (and for qlora quantised). Meta-device models
+    get the structure only (qlora: no quantisation, the shapes of the unquantised base)."""
+    if cfg.method == "full":
+        return model
+    peft = require("peft", "finetune.method", cfg.method)
+    meta = next(model.parameters()).is_meta
+    if cfg.method == "qlora":
+        compute = QLORA_COMPUTE_DTYPE
+        if not meta:
+            quantize_decoder_linears(model)
+    else:
+        compute = COMPUTE_DTYPES[precision]
+    for p in model.parameters():
+        p.requires_grad_(False)
+        if p.is_floating_point() and p.dtype != compute:
+            p.data = p.data.to(compute)
+    lora = cfg.lora
+    config = peft.LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora_target_modules(model, lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = peft.get_peft_model(model, config, adapter_name=ADAPTER_NAME)
+    for name, p in peft_model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()  # adapters train in fp32 (peft may have cast them)
+            p.requires_grad_(True)
+    return peft_model
+
+
+def quantize_decoder_linears(model: nn.Module) -> None:
+    """Replace each nn.Linear of the decoder blocks by a bitsandbytes NF4 `Linear4bit`, in place,
+    with the settings of `bnb_config()`; the weights quantise when moved to their device."""
+    bnb = require("bitsandbytes", "finetune.method", "qlora")
+    from trainer.model import decoder_layers
+
+    qc = bnb_config()
+    for layer in decoder_layers(model):
+        for parent in list(layer.modules()):
+            for child_name, child in list(parent.named_children()):
+                if type(child) is not nn.Linear:
+                    continue
+                q = bnb.nn.Linear4bit(
+                    child.in_features,
+                    child.out_features,
+                    bias=child.bias is not None,
+                    compute_dtype=qc.bnb_4bit_compute_dtype,
+                    compress_statistics=qc.bnb_4bit_use_double_quant,
+                    quant_type=qc.bnb_4bit_quant_type,
+                    quant_storage=qc.bnb_4bit_quant_storage,
+                    device=child.weight.device,
+                )
+                q.weight = bnb.nn.Params4bit(
+                    child.weight.data,
+                    requires_grad=False,
+                    compress_statistics=qc.bnb_4bit_use_double_quant,
+                    quant_type=qc.bnb_4bit_quant_type,
+                    quant_storage=qc.bnb_4bit_quant_storage,
+                )
+                if child.bias is not None:
+                    q.bias = nn.Parameter(child.bias.data.to(QLORA_COMPUTE_DTYPE), False)
+                setattr(parent, child_name, q.to(child.weight.device))
+
+
+def bnb_config() -> Any:
+    """QLoRA's quantisation, as users write it for transformers: NF4, double quantisation, bf16
+    compute, bf16 storage of the packed weights (so 16-bit sharding recipes can carry them)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=QLORA_COMPUTE_DTYPE,
+        bnb_4bit_quant_storage=QLORA_COMPUTE_DTYPE,
+    )
+
+
+class FinetuneFactory:
+    """A `ModelFactory` that builds what `finetune.method` trains on top of another factory's
+    model: the same seed gives every rung the same base and the same initial adapters."""
+
+    def __init__(self, inner: Any, cfg: JobConfig):
+        self.inner = inner
+        self.finetune = cfg.finetune
+        self.precision = cfg.precision
+        self.seed = cfg.train.seed
+        self.hf_config = inner.hf_config
+
+    def adapt(self, model: nn.Module) -> nn.Module:
+        return apply_finetune(model, self.finetune, self.precision, self.seed)
+
+    def build(self, device: str | torch.device) -> nn.Module:
+        device = torch.device(device)
+        if device.type == "meta":
+            return self.adapt(self.inner.build("meta"))
+        return self.adapt(self.inner.build("cpu")).to(device)
+
+    def initial_state_dict(self) -> dict[str, torch.Tensor]:
+        if not hasattr(self, "_initial"):
+            self._initial = {
+                k: v.detach().clone() for k, v in self.build("cpu").state_dict().items()
+            }
+        return self._initial
+
+
+def build_factory(inner: Any, cfg: JobConfig) -> Any:
+    """The model factory of the run: `inner` itself for a full fine-tune."""
+    return inner if not trains_adapters(cfg) else FinetuneFactory(inner, cfg)
+
+
+def build_optimizer(params: list[nn.Parameter], optim: Any) -> torch.optim.Optimizer:
+    """AdamW over the parameters that train: torch's fused fp32 AdamW, or bitsandbytes'
+    AdamW8bit (8-bit moments in blocks of 256 with an fp32 scale each; tensors under 4096
+    elements keep fp32 moments, bitsandbytes' rule). The 8-bit state is created here, before any
+    step, so a checkpoint can be loaded into it."""
+    trainable = [p for p in params if p.requires_grad]
+    kwargs = dict(lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+    if optim.name == "adamw_8bit":
+        bnb = require("bitsandbytes", "train.optimizer", "adamw_8bit")
+        optimizer = bnb.optim.AdamW8bit(trainable, **kwargs)
+        for gindex, group in enumerate(optimizer.param_groups):
+            for pindex, p in enumerate(group["params"]):
+                optimizer.init_state(group, p, gindex, pindex)
+        return optimizer
+    return torch.optim.AdamW(trainable, fused=True, **kwargs)
+
+
+def adapter_state(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter weights among canonical names, as peft saves them (adapter name dropped)."""
+    return {n.replace(f".{ADAPTER_NAME}.", "."): t for n, t in weights.items() if ".lora_" in n}
+
+
+_SAMPLES_PER_FILE = 16
+_SAMPLE_BYTES = 4096
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def base_pointer(model_cfg: ModelConfig) -> dict[str, Any]:
+    """What a lora/qlora checkpoint says about the base it trained on (it holds no base weights):
+    the source (`model.name_or_path`, or "inline config"), its revision, and a fingerprint of
+    the weights: for files, their names, sizes and 16 samples of 4 KiB each (cheap for any size;
+    None for a hub id not in the local cache); for an inline config, the config itself (its
+    weights are the seeded init, and `train.seed` is checked with the other math keys)."""
+    if model_cfg.name_or_path is None:
+        blob = json.dumps(model_cfg.config, sort_keys=True, default=str).encode()
+        return {
+            "source": "inline config",
+            "revision": None,
+            "fingerprint": hashlib.sha256(blob).hexdigest()[:16],
+        }
+    files = _weight_files(model_cfg.name_or_path, model_cfg.revision)
+    return {
+        "source": model_cfg.name_or_path,
+        "revision": model_cfg.revision,
+        "fingerprint": _files_fingerprint(files) if files else None,
+    }
+
+
+def _weight_files(name: str, revision: str | None) -> list[Path]:
+    root = Path(name).expanduser()
+    if not root.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            root = Path(snapshot_download(name, revision=revision, local_files_only=True))
+        except Exception:  # not in the local cache: no fingerprint, the source still checked
+            return []
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
+
+
+def _files_fingerprint(files: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            for i in range(_SAMPLES_PER_FILE):
+                f.seek(size * i // _SAMPLES_PER_FILE)
+                digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def check_same_base(saved: dict[str, Any] | None, model_cfg: ModelConfig, path: Path) -> None:
+    """Refuse (one line) to resume adapters on a base other than the one they trained on."""
+    if not saved or saved.get("fingerprint") is None:
+        return
+    now = base_pointer(model_cfg)
+    if now["fingerprint"] is not None and now["fingerprint"] != saved["fingerprint"]:
+        raise ConfigError(
+            "run.resume",
+            f"checkpoint {path} holds adapters trained on another base: the weights of "
+            f"{now['source']} changed (fingerprint {saved['fingerprint']} -> {now['fingerprint']})",
+            "resume with the base it was trained on, or set run.resume=never (or a new run.dir)",
+        )
