@@ -128,7 +128,12 @@ class HFTrainerStepper:
     """
 
     def __init__(
-        self, args: argparse.Namespace, device: torch.device, out_dir: Path, compile: bool = False
+        self,
+        args: argparse.Namespace,
+        device: torch.device,
+        out_dir: Path,
+        compile: bool = False,
+        model: torch.nn.Module | None = None,  # default: the plain HF model (bench.lora_vs_trainer)
     ):
         from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -182,7 +187,10 @@ class HFTrainerStepper:
             torch_compile=compile,
         )
         self.trainer = Trainer(
-            model=build_hf_model(args.model), args=targs, train_dataset=dataset, callbacks=[Park()]
+            model=model if model is not None else build_hf_model(args.model),
+            args=targs,
+            train_dataset=dataset,
+            callbacks=[Park()],
         )
         self.optimizer_name = str(targs.optim)
         self._go, self._done = threading.Semaphore(0), threading.Semaphore(0)

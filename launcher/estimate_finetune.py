@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.config import ConfigError
+from trainer.methods import method_support
 from trainer.strategies import Strategy
 
 METHODS = ("full", "lora", "qlora")
@@ -263,13 +264,14 @@ class MethodCost:
 
 
 def method_cost(shape: Any, ft: Finetune, c: int) -> MethodCost:
-    """Full fine-tuning: 2N forward, 4N backward (N: the parameters a token computes with).
-    With adapters the frozen base still passes gradients to its input (2N) but computes none
-    for its weights; the adapters add 2A forward
+    """Full fine-tuning: 2N forward, 4N backward. With adapters the frozen base still passes
+    gradients to its input (2N) but computes none for its weights; the adapters add 2A forward
     and 4A backward. QLoRA dequantises every 4-bit weight to the compute dtype for each matmul
-    (forward, backward, recompute), a memory-bound pass: half a byte read, c bytes written."""
-    n = shape.num_compute_params  # MoE: the experts a token is routed to
-    if not ft.adapters:  # every expert is gathered, reduced and stepped
+    (forward, backward, recompute), a memory-bound pass: half a byte read, c bytes written.
+    Compute counts the parameters a token multiplies by (MoE: the experts it is routed to);
+    what is reduced, gathered and stepped counts every expert."""
+    n = shape.num_compute_params
+    if not ft.adapters:
         return MethodCost(6.0 * n, 2.0 * n, shape.num_params, float(shape.num_params), 0)
     sizes = method_sizes(shape, ft, c)
     a = sizes.trainable
@@ -281,11 +283,6 @@ def method_cost(shape: Any, ft: Finetune, c: int) -> MethodCost:
 
 
 def why_not_on(row: Strategy, ft: Finetune) -> str | None:
-    """Why this rung cannot run the method or optimizer, or None. QLoRA's 4-bit storage shards
-    under FSDP2 (a 16-bit quant storage type) but not under DeepSpeed's partitioning here; the
-    8-bit optimizer steps on the device, not in the host optimizers of the offload rungs."""
-    if ft.method == "qlora" and row.engine == "deepspeed":
-        return "finetune.method=qlora: 4-bit weights are not partitioned by DeepSpeed here"
-    if ft.optimizer == "adamw_8bit" and row.optimizer_at != "device":
-        return "train.optimizer=adamw_8bit steps on the device; this rung steps on the host"
-    return None
+    """Why this rung cannot run the method or optimizer, or None: the engine's own table
+    (trainer/methods.py), so the planner never picks a rung that the config then refuses."""
+    return method_support(row.name, ft.method, ft.optimizer)

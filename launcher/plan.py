@@ -148,7 +148,7 @@ def step_time_s(
     world = hw.world_size
     tokens = cfg.train.global_batch_size * seq
     c = 4 if cfg.precision == "fp32" else 2
-    cost = method_cost(shape, Finetune.of(cfg), c)  # full fine-tuning, LoRA or QLoRA
+    cost = method_cost(shape, Finetune.of(cfg), c)  # full fine-tuning, LoRA or QLoRA; MoE
     attention = 12 * shape.num_layers * shape.hidden_size * seq  # per token, fwd + bwd
     recomputed = {"none": 0.0, "selective": 0.5, "full": 1.0}[ac]
     recompute = recomputed * (cost.recompute_flops_per_token + attention / 3)

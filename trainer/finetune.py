@@ -33,6 +33,9 @@ from torch import nn
 from trainer.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig
 
 log = logging.getLogger(__name__)
+# bitsandbytes' CPU backend logs at import (also when peft or transformers imports it) that an
+# optional kernel package is absent: nothing for the user to act on
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QLORA_COMPUTE_DTYPE = torch.bfloat16
@@ -128,7 +131,9 @@ def apply_finetune(model: nn.Module, cfg: FinetuneConfig, precision: str, seed: 
         bias="none",
         task_type="CAUSAL_LM",
     )
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft asks transformers' deprecated `is_gradient_checkpointing`
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
         torch.manual_seed(seed)
         peft_model = peft.get_peft_model(model, config, adapter_name=ADAPTER_NAME)
     for name, p in peft_model.named_parameters():

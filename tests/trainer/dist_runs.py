@@ -26,7 +26,8 @@ class Run:
     # "backoff" (an injected OOM at step 3 halves the micro-batch; losses within 1e-5 of
     # `against` from step 3 on), "resume" (steps 5-10 and the moments equal `against`'s),
     # "levers" (the memory levers on: losses within 1e-6 of the same rung with them off),
-    # "pretrained" (step 1's loss within 1e-5 of `against`'s)
+    # "pretrained" (step 1's loss within 1e-5 of `against`'s),
+    # "learns" (the loss falls: QLoRA, whose 4-bit base no other run shares)
     check: str | None = None
     against: str = "single_fp32"
     exact: bool = False  # resume: bit-identical losses
@@ -65,12 +66,15 @@ MODELS = {  # inline HF configs as `model.config=` overrides
     "qwen3_moe": "{model_type: qwen3_moe, " + _SMALL + ", intermediate_size: 64, "
     "moe_intermediate_size: 32, num_experts: 4, num_experts_per_tok: 2}",
 }
+# LoRA (trainer/finetune.py): adapters on every linear layer of the blocks, a frozen base
+LORA = ("finetune.method=lora", "finetune.lora.r=4", "finetune.lora.alpha=8")
 RUNS: tuple[Run, ...] = (
     # one process: the references
     Run("single_fp32", ("run.checkpoint_every=4",), world_size=1),
     Run("single_bf16", ("precision=bf16",), world_size=1),
     # transformers' own from_pretrained: the reference of the per-rank loads below
     Run("single_pretrained", PRETRAINED, world_size=1),
+    Run("single_lora_fp32", (*LORA, "run.checkpoint_every=4"), world_size=1),
     # each decoder layer torch.compiled inside its (selective) checkpoint wrapper
     Run("single_compiled", ("train.compile=true", "memory.activation_checkpointing=selective"),
         world_size=1, check="fp32"),
@@ -149,6 +153,19 @@ RUNS: tuple[Run, ...] = (
                 exact=True)
         for name in ("fsdp", "zero2", "zero3_offload", "zero3_offload_params")
     ),
+    # LoRA on every kind of engine (a frozen base inside each DDP replica, FSDP2 unit, ZeRO-3
+    # partition) learns what one process learns; its adapter checkpoint moves between rungs;
+    # QLoRA's 4-bit base on two DDP replicas learns (bf16)
+    *(
+        Run(f"{strategy}_lora_fp32", (f"strategy={strategy}", *LORA), check="fp32",
+            against="single_lora_fp32")
+        for strategy in ("ddp", "fsdp", "zero3")
+    ),
+    Run("fsdp_lora_from_single", ("strategy=fsdp", *LORA, "run.checkpoint_every=4",
+                                  f"run.resume={{work}}/single_lora_fp32/checkpoints/step_{RESUME_AT}"),
+        check="resume", against="single_lora_fp32"),
+    Run("ddp_qlora_bf16", ("strategy=ddp", "finetune.method=qlora", "precision=bf16",
+                           "train.lr=1e-2"), check="learns"),
     # checkpoints moving between rungs and world sizes
     _resume("fsdp_from_single", "single_fp32", "fsdp", against="single_fp32"),
     _resume("zero3_offload_from_fsdp", "fsdp_fp32", "zero3_offload", against="fsdp_fp32"),

@@ -204,6 +204,12 @@ def test_bf16_losses_stay_close_to_one_process(runs, run):
         assert abs(a - b) <= 2e-2 * abs(b), f"step {step}: {run.name} {a} vs {run.against} {b}"
 
 
+@pytest.mark.parametrize("run", checked("learns"), ids=lambda run: run.name)
+def test_qlora_learns_on_two_ranks(runs, run):
+    losses = _losses(runs / run.name)
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.05, losses
+
+
 @pytest.mark.parametrize("run", checked("backoff"), ids=lambda run: run.name)
 def test_oom_on_rank_1_backs_off_both_ranks_and_learns_the_same(runs, run):
     """An OOM on rank 1 at step 3: both ranks halve the micro-batch (4 -> 2, accumulation

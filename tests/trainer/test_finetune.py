@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from tests.conftest import REPO, TINY_LLAMA, oomless, write_demo_job
+from tests.conftest import TINY_LLAMA, oomless, write_demo_job
 from trainer import methods, strategies
 
 pytestmark = pytest.mark.slow
@@ -20,13 +21,13 @@ pytestmark = pytest.mark.slow
 WIDE = {**TINY_LLAMA, "vocab_size": 45, "hidden_size": 256, "intermediate_size": 512}
 LORA = {"method": "lora", "lora": {"r": 2, "alpha": 4}}
 STEPS = 6
+ADAMW_8BIT = "train.optimizer=adamw_8bit"
 
 
 def _job(tmp: Path, name: str, **sections) -> Path:
-    demo = REPO / "configs" / "demo"
+    sections.setdefault("model", {"config": WIDE})
     return write_demo_job(
         tmp / f"{name}.yaml",
-        model={"config": WIDE, "tokenizer": str(demo / "tokenizer")},
         train={"steps": STEPS, "global_batch_size": 8, "micro_batch_size": 4, "lr": 1e-2},
         run={"checkpoint_every": 2, "keep_checkpoints": 5},
         **sections,
@@ -49,18 +50,30 @@ def _bytes(path: Path) -> int:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("finetune")
-    _train(_job(work, "full"), work / "full", "train.steps=3")
+    _train(_job(work, "full"), work / "full", "train.steps=2", "run.checkpoint_every=1")
     lora = _job(work, "lora", finetune=LORA)
     _train(lora, work / "lora", "run.save_final=true")
-    resume = f"run.resume={work / 'lora' / 'checkpoints' / 'step_4'}"
-    _train(lora, work / "lora_resumed", resume)
+    _train(lora, work / "lora_resumed", f"run.resume={work / 'lora/checkpoints/step_4'}")
+    # 8-bit AdamW: LoRA at rank 16 (adapters of 4096+ elements get 8-bit moments) and full
+    lora_8bit = _job(work, "lora_8bit", finetune={**LORA, "lora": {"r": 16, "alpha": 32}})
+    _train(lora_8bit, work / "lora_8bit", "train.optimizer=adamw_8bit", "train.steps=4")
+    resume = f"run.resume={work / 'lora_8bit/checkpoints/step_2'}"
+    _train(
+        lora_8bit, work / "lora_8bit_resumed", "train.optimizer=adamw_8bit", "train.steps=4", resume
+    )
+    _train(
+        _job(work, "full_8bit"), work / "full_8bit", "train.optimizer=adamw_8bit", "train.steps=3"
+    )
+    # QLoRA: the 4-bit NF4 base, bf16 compute
+    qlora = _job(work, "qlora", finetune={**LORA, "method": "qlora"}, precision="bf16")
+    _train(qlora, work / "qlora", "train.steps=3")
     return work
 
 
 def test_lora_trains_and_its_checkpoint_holds_only_the_adapters(runs):
     losses = _losses(runs / "lora")
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.05, losses
-    lora, full = runs / "lora" / "checkpoints" / "step_2", runs / "full" / "checkpoints" / "step_2"
+    lora, full = runs / "lora" / "checkpoints" / "step_2", runs / "full" / "checkpoints" / "step_1"
     assert _bytes(lora) < 0.05 * _bytes(full), (_bytes(lora), _bytes(full))
     state = json.loads((lora / "trainer_state.json").read_text())
     assert state["base"]["source"] == "inline config" and len(state["base"]["fingerprint"]) == 16
@@ -68,6 +81,53 @@ def test_lora_trains_and_its_checkpoint_holds_only_the_adapters(runs):
 
 def test_lora_resume_is_bit_exact(runs):
     assert _losses(runs / "lora_resumed") == _losses(runs / "lora")[4:]
+
+
+def _optim_dtypes(ckpt: Path) -> dict[str, torch.dtype]:
+    from trainer.checkpoint import SafeFileSystemReader
+
+    meta = SafeFileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    return {k: m.properties.dtype for k, m in meta.items() if k.startswith("optim/")}
+
+
+@pytest.mark.parametrize("name", ["lora_8bit", "full_8bit"])
+def test_adamw_8bit_trains_with_8bit_moments(runs, name):
+    losses = _losses(runs / name)
+    assert losses[-1] < losses[0] - 0.05, losses
+    dtypes = _optim_dtypes(runs / name / "checkpoints" / "step_2")
+    assert any(k.endswith("/state1") and d == torch.uint8 for k, d in dtypes.items()), dtypes
+    assert not any(k.endswith("/exp_avg") for k in dtypes)
+
+
+def test_adamw_8bit_resume_is_bit_exact(runs):
+    assert _losses(runs / "lora_8bit_resumed") == _losses(runs / "lora_8bit")[2:]
+
+
+def test_qlora_trains_a_4bit_base(runs):
+    losses = _losses(runs / "qlora")
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.05, losses
+    names = _optim_dtypes(runs / "qlora" / "checkpoints" / "step_2")
+    assert names and all(".lora_" in k for k in names)
+
+
+def test_a_resume_on_another_base_is_refused_in_one_line(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    base = tmp_path / "base"
+    config = LlamaConfig(**{k: v for k, v in WIDE.items() if k != "model_type"})
+    AutoModelForCausalLM.from_config(config).save_pretrained(base)
+    job = _job(tmp_path, "pretrained", finetune=LORA)
+    tree = yaml.safe_load(job.read_text())
+    tree["model"] = {"name_or_path": str(base), "tokenizer": tree["model"]["tokenizer"]}
+    job.write_text(yaml.safe_dump(tree))
+    _train(job, tmp_path / "run", "train.steps=2", "run.checkpoint_every=1")
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(base)  # same path, other weights
+    r = oomless(
+        "train", str(job), "strategy=single", f"run.dir={tmp_path / 'run'}", "train.steps=3"
+    )
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert "adapters trained on another base" in r.stderr
 
 
 def _engine_model(ckpt: Path) -> torch.nn.Module:

@@ -1,0 +1,150 @@
+"""Step time of LoRA on oomless `single` vs peft + the transformers Trainer on the same job.
+
+Same model, same batches, same precision, same LoRA (rank, alpha, the decoder blocks' linear
+layers), same AdamW hyper-parameters and clipping, same global batch; both sides hold the frozen
+base in the compute dtype (oomless by `finetune.method: lora`; the Trainer side as the usual
+recipe loads it: `dtype=bf16`, then `get_peft_model`, whose adapters are fp32). The contenders
+alternate in one process, the order rotated every round, and the medians are compared (the
+machinery of bench/engine_vs_plain.py).
+
+    python -m bench.lora_vs_trainer [--model llama-20m] [--rounds 10] [--steps 2] [--r 16] \
+        [--precision bf16] [--device auto] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import (
+    alternate,
+    build_hf_model,
+    job_config,
+    machine,
+    make_batches,
+    medians,
+    paired_ratio,
+    resolve_device,
+    timed,
+)
+from bench.engine_vs_plain import OPTIM, HFTrainerStepper
+from trainer.backends import BackendContext, build_backend
+from trainer.config import FinetuneConfig
+from trainer.finetune import COMPUTE_DTYPES, build_factory, lora_target_modules
+from trainer.model import HFModelFactory
+from trainer.step import train_step
+
+
+def _finetune(args: argparse.Namespace) -> FinetuneConfig:
+    return FinetuneConfig.model_validate(
+        {"method": "lora", "lora": {"r": args.r, "alpha": 2 * args.r, "dropout": 0.0}}
+    )
+
+
+class OomlessLora:
+    """The engine's per-step path on the `single` backend with `finetune.method: lora`."""
+
+    def __init__(self, tmp: Path, args: argparse.Namespace, device: torch.device):
+        cfg = job_config(
+            tmp, args.model, "single", args.precision, args.micro, args.accum, args.seq, device
+        )
+        cfg = cfg.model_copy(update={"finetune": _finetune(args)})
+        ctx = BackendContext(cfg, device, 0, 0, 1, args.precision, "none", args.micro, args.accum)
+        self.backend = build_backend("single", ctx)
+        factory = build_factory(HFModelFactory(cfg.model, seed=0), cfg)
+        self.model = self.backend.setup(factory, OPTIM)
+        self.device = device
+
+    def run(self, batches: list[dict[str, torch.Tensor]], num_steps: int) -> None:
+        for _ in range(num_steps):
+            self.backend.set_lr(OPTIM.lr)
+            train_step(self.model, self.backend, batches, self.device)
+
+
+def peft_model(args: argparse.Namespace) -> torch.nn.Module:
+    """What a peft user hands the Trainer: the base in the compute dtype, adapters in fp32."""
+    import peft
+
+    base = build_hf_model(args.model).to(COMPUTE_DTYPES[args.precision])
+    lora = _finetune(args).lora
+    config = peft.LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora_target_modules(base, "all-linear"),
+        task_type="CAUSAL_LM",
+    )
+    return peft.get_peft_model(base, config)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-20m")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps per contender per round")
+    p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--accum", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--r", type=int, default=16, help="LoRA rank (alpha = 2r)")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--json", type=Path, help="write the raw numbers here")
+    args = p.parse_args()
+    device = resolve_device(args.device)
+    batches = make_batches(args.model, args.accum, args.micro, args.seq)
+    with tempfile.TemporaryDirectory() as tmp:
+        pool = ThreadPoolExecutor(1)  # oomless in a thread of its own, as the Trainer must be
+        ours = pool.submit(OomlessLora, Path(tmp), args, device).result()
+        trainer = HFTrainerStepper(args, device, Path(tmp) / "hf", model=peft_model(args))
+        runs: dict[str, Any] = {
+            "oomless_lora": lambda n: pool.submit(ours.run, batches, n).result(),
+            "peft_trainer": trainer.run,
+        }
+        for run in runs.values():
+            run(1)  # warm-up
+        contenders = {
+            name: (lambda run=run: timed(lambda: run(args.steps), device))
+            for name, run in runs.items()
+        }
+        times = alternate(contenders, args.rounds)
+        trainer.close()
+        pool.shutdown()
+    tokens = args.micro * args.accum * args.seq
+    med = {name: s / args.steps for name, s in medians(times).items()}
+    ratio, q1, q3 = paired_ratio(times["oomless_lora"], times["peft_trainer"])
+    result = {
+        "machine": machine(),
+        "model": args.model,
+        "lora_r": args.r,
+        "precision": args.precision,
+        "device": device.type,
+        "micro_batch_size": args.micro,
+        "grad_accum": args.accum,
+        "seq_len": args.seq,
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
+        "round_s": times,
+        "median_step_s": med,
+        "tokens_per_s": {name: tokens / s for name, s in med.items()},
+        "oomless_over_trainer": med["oomless_lora"] / med["peft_trainer"],
+        "paired_ratio": {"median": ratio, "q1": q1, "q3": q3},
+    }
+    print(
+        f"LoRA r={args.r} on single, {args.model}, {args.precision}, micro {args.micro} x accum "
+        f"{args.accum}, seq {args.seq}: "
+        + ", ".join(f"{n} {t:,.0f} tok/s" for n, t in result["tokens_per_s"].items())
+        + f"; oomless step time / peft + Trainer {result['oomless_over_trainer']:.3f} "
+        f"(paired {ratio:.3f}, quartiles {q1:.3f}-{q3:.3f})"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
