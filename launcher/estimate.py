@@ -653,9 +653,9 @@ def _micro(
         zero3_linear=row.zero_stage == 3 and not ft.adapters,
         chunk_tokens=chunk_tokens,
         offload=offload,
-        adapter=adapter_saved_per_token(shape, ft, c, private=row.engine != "fsdp"),
+        adapter=adapter_saved_per_token(shape, ft, c, private=row.engine != "fsdp" and c < 4),
         first_adapter_stage=first_adapter_stage(shape, ft),
-        adapter_grad=adapter_grad_per_token(shape, ft, private=row.engine != "fsdp"),
+        adapter_grad=adapter_grad_per_token(shape, ft, private=row.engine != "fsdp" and c < 4),
         dequant=method_sizes(shape, ft, c).dequant if ft.method == "qlora" else 0,
     )
 
