@@ -199,6 +199,12 @@ def layer_activations(
         return LayerActivations.from_json(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError, KeyError):
         pass
+    log.info(
+        "measuring the activations of %s's decoder layers by tracing its steps under fake "
+        "tensors (once per config, sequence length and precision; cached in %s)",
+        shape.model_type,
+        path.parent,
+    )
     try:
         acts = trace_layer_activations(
             json.loads(config_json), seq_len, precision, model_cfg.attn_implementation

@@ -23,7 +23,8 @@ import torch
 from tests.conftest import PYTHON, REPO, python_env, run_bounded, write_demo_job
 from tests.trainer.dist_runs import RESUME_AT, RUNS, STEPS, checked
 
-pytestmark = pytest.mark.slow
+# the first test pays for the module's runs (the fixture): every training of dist_runs.py
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 DEMO = REPO / "configs" / "demo"
 
 
@@ -121,7 +122,7 @@ def runs(tmp_path_factory) -> Path:
         [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(REPO / "tests" / "trainer" / "dist_worker.py"), str(base), str(work),
          ",".join(skip)],
-        env=python_env(), cwd=REPO, timeout=600,
+        env=python_env(), cwd=REPO, timeout=1200,
     )  # fmt: skip
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     left = {p.pid for p in psutil.Process().children(recursive=True)} - before
