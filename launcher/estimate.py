@@ -34,6 +34,7 @@ from typing import Any
 from launcher.estimate_finetune import (
     FULL,
     Finetune,
+    adapter_grad_per_token,
     adapter_saved_per_token,
     first_adapter_stage,
     method_sizes,
@@ -177,11 +178,16 @@ class _Micro:
     offload: bool = False  # activation offload: the layers' saved tensors wait on the host
     adapter: int = 0  # LoRA: bytes per token a block's adapters add/drop (estimate_finetune.py)
     first_adapter_stage: int = -1  # LoRA: where in the first block the first adapter is
+    adapter_grad: int = 0  # LoRA: bytes per token of fp32 input gradients in a block's backward
     dequant: int = 0  # QLoRA: one 4-bit weight dequantised for a matmul
 
     @property
     def tokens(self) -> int:
         return self.b * self.s
+
+    @property
+    def frozen_base(self) -> bool:  # LoRA / QLoRA: only adapters train
+        return self.first_adapter_stage >= 0
 
     @property
     def loss_rows(self) -> int:  # the loss reads every position's logits (the last is ignored)
@@ -380,8 +386,13 @@ def _forward_backward_peaks(
             + copy
             + 4 * rows_v
             + chunked_head_backward_extra_bytes(
-                t, h, _head_params(shape), m.c, m.r, m.autocast and not m.zero3_linear
-            )
+                t,
+                h,
+                0 if m.frozen_base else _head_params(shape),
+                m.c,
+                m.r,
+                m.autocast and not m.zero3_linear,
+            )  # fmt: skip (a frozen output layer has no weight gradient)
         )
     start = base + grads.held
     layer_bwd = _layer_backward_bytes(shape, m)  # grads of activations
@@ -404,6 +415,7 @@ def _forward_backward_peaks(
             + gather_layer
             + grads.in_layer
             + m.dequant
+            + m.adapter_grad * t
             + (grads.pending_reduce if above else 0)
         )
         backward_layers = max(backward_layers, live)
@@ -418,7 +430,16 @@ def _forward_backward_peaks(
         measured["forward_layers"] += gather_layer
     return measured | {
         # (with chunked loss the loss runs inside the model's forward, one chunk at a time)
-        "forward": start + saved + mask_bool + cache + final + gather_root + logits + in_forward,
+        # (LoRA under autocast: the last block's largest fp32 cast of an adapter's input)
+        "forward": start
+        + saved
+        + mask_bool
+        + cache
+        + final
+        + gather_root
+        + logits
+        + in_forward
+        + m.adapter_grad * t,
         "layer_gather": start + saved + mask_bool + cache + gather_root + gather_layer,
         "loss": start + saved + mask_kept + cache + final + logits + copy + 4 * rows_v + root_kept,
         "backward_start": start + saved + mask_kept + final + 12 * rows_v + root_kept,
@@ -632,8 +653,9 @@ def _micro(
         zero3_linear=row.zero_stage == 3 and not ft.adapters,
         chunk_tokens=chunk_tokens,
         offload=offload,
-        adapter=adapter_saved_per_token(shape, ft, c, private=row.engine != "fsdp"),
+        adapter=adapter_saved_per_token(shape, ft, c, private=row.engine != "fsdp" and c < 4),
         first_adapter_stage=first_adapter_stage(shape, ft),
+        adapter_grad=adapter_grad_per_token(shape, ft, private=row.engine != "fsdp" and c < 4),
         dequant=method_sizes(shape, ft, c).dequant if ft.method == "qlora" else 0,
     )
 

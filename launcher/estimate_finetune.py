@@ -232,6 +232,19 @@ def adapter_saved_per_token(shape: Any, ft: Finetune, c: int, private: bool) -> 
     return added - removed
 
 
+def adapter_grad_per_token(shape: Any, ft: Finetune, private: bool) -> int:
+    """Bytes per token of the fp32 input gradients a block's backward holds at once when peft
+    casts the adapters' inputs to fp32 (`private`): gate's and up's together (one product's
+    backward makes both), any other adapter's alone. Fitted to the traced recompute of a
+    checkpointed block (launcher/trace.py), within 3% of its peak."""
+    if not (ft.adapters and private):
+        return 0
+    targets = targeted(shape, ft)
+    together = sum(fan_in for name, (fan_in, _) in targets.items() if _STAGE[name] == 2)
+    alone = max(fan_in for fan_in, _ in targets.values())
+    return 4 * max(together, alone)
+
+
 def first_adapter_stage(shape: Any, ft: Finetune) -> int:
     """Where the first block's first adapter reads (`_STAGE`), -1 without adapters."""
     if not ft.adapters:

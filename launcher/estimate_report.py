@@ -96,7 +96,8 @@ def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, 
 
 def render_traces(rows: list[Estimate], traced: dict[str, dict[str, Any]]) -> str:
     lines = [
-        "traced (one step under FakeTensorMode) vs analytic peak tensor bytes, MiB per device:",
+        "traced (one step under FakeTensorMode; QLoRA and adamw_8bit: run for real on CPU) vs "
+        "analytic peak tensor bytes, MiB per device:",
         f"{'strategy':<22}{'micro':>6} {'ckpt':<10}{'accum':>6}{'traced':>9}{'analytic':>10}"
         f"{'error':>8}",
     ]

@@ -31,7 +31,7 @@ from torch import nn
 
 from launcher.estimate_finetune import FULL, Finetune
 from trainer.backends import OptimizerSpec
-from trainer.backends.common import COMPUTE_DTYPES, build_adamw
+from trainer.backends.common import COMPUTE_DTYPES
 from trainer.backends.fsdp import apply_fsdp, gradient_sync
 from trainer.config import ModelConfig
 from trainer.levers import MemoryLevers
@@ -263,59 +263,22 @@ def _skip_frozen(tracker: Any, model: nn.Module) -> None:
 
 
 def apply_finetune(model: nn.Module, ft: Finetune, precision: str) -> nn.Module:
-    """What `finetune.method` trains, as trainer/finetune.py builds it: the frozen base in the
-    compute dtype (QLoRA: the blocks' linears in NF4 with double quantisation and 16-bit
-    storage), peft's adapters in fp32 on the targeted linears."""
-    if not ft.adapters:
-        return model
-    from peft import LoraConfig, get_peft_model
+    """What `finetune.method` trains, built by the engine's own trainer/finetune.py."""
+    from trainer.config import FinetuneConfig, LoraConfig
+    from trainer.finetune import apply_finetune as engine_apply
 
-    compute = COMPUTE_DTYPES.get(precision, torch.float32)
-    if ft.method == "qlora":
-        _quantize_decoder_linears(model)
-    for p in model.parameters():
-        p.requires_grad_(False)
-        if p.is_floating_point() and p.dtype != compute:
-            p.data = p.data.to(compute)
     targets = ft.target_modules if isinstance(ft.target_modules, str) else list(ft.target_modules)
-    config = LoraConfig(r=ft.r, lora_dropout=ft.dropout, target_modules=targets, bias="none")
-    model = get_peft_model(model, config)
-    for name, p in model.named_parameters():
-        if "lora_" in name:
-            p.data = p.data.float()
-            p.requires_grad_(True)
-    return model
-
-
-def _quantize_decoder_linears(model: nn.Module) -> None:
-    import bitsandbytes as bnb
-
-    from trainer.model import decoder_layers
-
-    nf4 = dict(compress_statistics=True, quant_type="nf4", quant_storage=torch.bfloat16)
-    for layer in decoder_layers(model):
-        for parent in list(layer.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is not nn.Linear:
-                    continue
-                q = bnb.nn.Linear4bit(child.in_features, child.out_features,
-                                      bias=child.bias is not None,
-                                      compute_dtype=torch.bfloat16, **nf4)  # fmt: skip
-                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, **nf4)
-                if child.bias is not None:
-                    q.bias = nn.Parameter(child.bias.data, requires_grad=False)
-                setattr(parent, name, q.to(child.weight.device))
+    lora = LoraConfig(r=ft.r, dropout=ft.dropout, target_modules=targets)
+    return engine_apply(model, FinetuneConfig(method=ft.method, lora=lora), precision, seed=0)
 
 
 def _optimizer(model: nn.Module, ft: Finetune) -> torch.optim.Optimizer:
     """The engine's optimizer over what trains: fused AdamW, or bitsandbytes' AdamW8bit."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if ft.optimizer == "adamw":
-        return build_adamw(trainable, _SPEC)
-    import bitsandbytes as bnb
+    from dataclasses import replace
 
-    return bnb.optim.AdamW8bit(trainable, lr=_SPEC.lr, betas=_SPEC.betas, eps=_SPEC.eps,
-                               weight_decay=_SPEC.weight_decay)  # fmt: skip
+    from trainer.finetune import build_optimizer
+
+    return build_optimizer(list(model.parameters()), replace(_SPEC, name=ft.optimizer))
 
 
 @contextlib.contextmanager
