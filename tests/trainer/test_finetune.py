@@ -182,3 +182,17 @@ def test_every_rung_runs_lora_and_the_replicas_run_qlora_and_adamw_8bit():
     assert methods.supported_rungs("qlora") == ("single", "ddp")
     assert methods.supported_rungs("lora", "adamw_8bit") == ("single", "ddp")
     assert methods.method_support("zero3", "qlora").startswith("qlora: DeepSpeed")
+
+
+def test_the_planner_leaves_out_the_rungs_that_cannot_run_the_method(tmp_path):
+    """Escalation re-plans with the same method: the rungs that cannot run it are never chosen,
+    each with the engine's reason (trainer/methods.py)."""
+    job = _job(tmp_path, "plan", finetune={**LORA, "method": "qlora"}, precision="bf16")
+    r = oomless("plan", str(job), "hardware.devices_per_node=2", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads(r.stdout)
+    assert plan["strategy"] == "ddp"
+    why = {a["strategy"]: a["why_not"] for a in plan["alternatives"] if "change" not in a}
+    assert why["fsdp"] == methods.method_support("fsdp", "qlora")
+    assert why["fsdp"].startswith("qlora: FSDP2 shards the packed 4-bit weights")
+    assert why["zero3"].startswith("qlora: DeepSpeed ZeRO")
