@@ -73,16 +73,25 @@ def tiny_config(model_type: str) -> dict[str, Any]:
     default = cls()
     params: dict[str, Any] = {}
     for key, value in {**SMALL, **TOKEN_IDS}.items():
-        read_only = isinstance(getattr(cls, key, None), property)  # derived (falcon's head_dim)
-        if hasattr(default, key) and getattr(default, key) is not None and not read_only:
+        if hasattr(default, key) and getattr(default, key) is not None and _settable(cls, key):
             params[key] = value
+    for key, value in default.to_dict().items():  # rotary and low-rank widths within a head
+        small_width = key.endswith(("_head_dim", "rotary_dim", "lora_rank"))
+        if small_width and isinstance(value, int) and value > 16 and _settable(cls, key):
+            params[key] = 16
     for key, value in default.to_dict().items():  # no dropout: runs must compare step by step
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
             params[key] = 0.0
-    if getattr(default, "layer_types", None) is not None:
+    if getattr(default, "layer_types", None) is not None and _settable(cls, "layer_types"):
         params["layer_types"] = list(default.layer_types)[: SMALL["num_hidden_layers"]]
     cls(**params)  # valid?
     return {"model_type": model_type, **params}
+
+
+def _settable(cls: type, key: str) -> bool:
+    """Not a derived, read-only property of the config class (falcon's head_dim)."""
+    attr = getattr(cls, key, None)
+    return not (isinstance(attr, property) and attr.fset is None)
 
 
 def job(model_type: str, work: Path, steps: int, config: dict[str, Any]) -> Path:
@@ -169,7 +178,10 @@ def check_one(model_type: str, work: Path, steps: int) -> dict[str, Any]:
         losses = _losses(Path(cfg.run.dir))
         out["single_losses"] = losses
         finite = len(losses) == steps and all(math.isfinite(x) for x in losses)
+        falling = finite and losses[-1] < losses[0]
         out["single"] = "ok" if code == 0 and finite else f"exit {code}, losses {losses}"
+        if out["single"] == "ok" and not falling:
+            out["single"] = f"ok (loss not falling: {losses[0]:.3f} -> {losses[-1]:.3f})"
     except Exception as err:
         out["single"] = _first_line(err)
     return out
@@ -264,6 +276,10 @@ def collect(types: list[str], work: Path, fsdp: bool) -> list[dict[str, Any]]:
             row["single"] = "-"
         row["fsdp x2"] = "-"
         if fsdp and row.get("single") == "ok":
+            if not (work / f"{t}.fsdp.json").exists():
+                row["fsdp x2"] = "not run"
+                rows.append(row)
+                continue
             f = json.loads((work / f"{t}.fsdp.json").read_text())
             if "error" in f:
                 row["fsdp x2"] = f["error"]
@@ -305,14 +321,18 @@ def main() -> int:
     parser.add_argument("--work", help="working directory (default: a temporary one)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--markdown", help="write the table here")
+    parser.add_argument("--collect", action="store_true", help="only tabulate --work's results")
     args = parser.parse_args()
     types = args.types.split(",") if args.types else causal_lm_types()
     work = Path(args.work or tempfile.mkdtemp(prefix="all_models_"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    _walk("single", types, work, args.timeout, args.steps)
+    if args.collect:
+        types = [t for t in types if (work / f"{t}.single.json").exists()]
+    else:
+        _walk("single", types, work, args.timeout, args.steps)
     fsdp = not args.no_fsdp
-    if fsdp:
+    if fsdp and not args.collect:
         ok = [
             t
             for t in types

@@ -32,7 +32,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ from launcher.model_shape import ModelShape, hf_config_dict
 from trainer.config import JobConfig, ModelConfig
 
 log = logging.getLogger(__name__)
-ACTIVATIONS_CACHE_VERSION = 1  # bump when what is measured or how it is fitted changes
+ACTIVATIONS_CACHE_VERSION = 3  # bump when what is measured or how it is fitted changes
 MODES = {"fp32": ("fp32",), "bf16": ("autocast", "lowp"), "fp16": ("autocast", "lowp")}
 BOUND_FACTOR = 2.0  # the conservative bound: this many llama-style blocks of the same sizes
 
@@ -54,7 +54,7 @@ class Fit:
     per_token_sq: float
 
     def bytes(self, b: int, s: int) -> int:
-        return max(0, round(self.const + self.per_token * b * s + self.per_token_sq * b * s * s))
+        return round(self.const + self.per_token * b * s + self.per_token_sq * b * s * s)
 
     @classmethod
     def through(cls, half_1: float, half_2: float, full_1: float, s: int) -> Fit:
@@ -76,10 +76,31 @@ class LayerActivations:
     seq_len: int  # the sequence length measured at
     num_layer_kinds: int = 1
     note: str = ""  # why a bound: the trace's error
+    # saved once for all layers: inputs every layer reads (rotary cos/sin), per mode
+    shared: dict[str, Fit] = field(default_factory=dict)
+    # saved after the last layer: final norm, the head's input (and 16-bit weight), per mode
+    final: dict[str, Fit] = field(default_factory=dict)
+    # a layer's transients: in backward beyond its saved tensors and parameter gradients, in
+    # forward beyond what it saves; calibrated against traced steps, per mode
+    backward: dict[str, Fit] = field(default_factory=dict)
+    forward: dict[str, Fit] = field(default_factory=dict)
 
     def layer_bytes(self, mode: str, b: int, s: int) -> int:
-        fit = self.fits.get(mode) or max(self.fits.values(), key=lambda f: f.bytes(b, s))
-        return fit.bytes(b, s)
+        return _at(self.fits, mode, b, s)
+
+    def shared_bytes(self, mode: str, b: int, s: int) -> int:
+        return _at(self.shared, mode, b, s)
+
+    def final_bytes(self, mode: str, b: int, s: int) -> int:
+        return _at(self.final, mode, b, s)
+
+    def backward_bytes(self, mode: str, b: int, s: int) -> int:
+        """May be negative: a correction to the estimate's backward phase of a layer."""
+        fit = self.backward.get(mode)
+        return fit.bytes(b, s) if fit else 0
+
+    def forward_bytes(self, mode: str, b: int, s: int) -> int:
+        return _at(self.forward, mode, b, s)
 
     def reason(self, model_type: str) -> str:
         if self.source == "traced":
@@ -91,15 +112,27 @@ class LayerActivations:
         return (
             f"activations of the {model_type} decoder layers are a conservative bound "
             f"({BOUND_FACTOR:g}x a llama-style block of the same sizes plus eager attention): "
-            f"its forward could not be traced ({self.note})"
+            f"{self.note}"
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "fits": {k: asdict(v) for k, v in self.fits.items()}}
+        return asdict(self)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LayerActivations:
-        return cls(**{**d, "fits": {k: Fit(**v) for k, v in d["fits"].items()}})
+        fits = {part: {k: Fit(**v) for k, v in d[part].items()} for part in _PARTS}
+        return cls(**{**d, **fits})
+
+
+_PARTS = ("fits", "shared", "final", "backward", "forward")
+
+
+def _at(fits: dict[str, Fit], mode: str, b: int, s: int) -> int:
+    """A part's bytes in `mode` (the largest mode's where not measured in it)."""
+    if not fits:
+        return 0
+    fit = fits.get(mode) or max(fits.values(), key=lambda f: f.bytes(b, s))
+    return max(0, fit.bytes(b, s))
 
 
 def compute_mode(c: int, autocast: bool) -> str:
@@ -116,11 +149,23 @@ def analytic(model_type: str) -> bool:
     return model_type in MODELLED_TYPES
 
 
-def with_activations(shape: ModelShape, cfg: JobConfig, cache_dir: Path | None = None):
+NOT_MEASURED = (
+    "not measured, since strategy, train.micro_batch_size and memory.activation_checkpointing "
+    "are all set (nothing to choose)"
+)
+
+
+def with_activations(
+    shape: ModelShape, cfg: JobConfig, cache_dir: Path | None = None, measure: bool = True
+):
     """`shape` with the activations of its layers attached, where the analytic model does not
-    know its block type: measured (cached), or a conservative bound where tracing fails."""
+    know its block type: measured (cached), or a conservative bound where tracing fails or
+    `measure` is False (a forced plan: `oomless train` starts without tracing anything)."""
     if analytic(shape.model_type) or shape.activations is not None:
         return shape
+    if not measure:
+        bound = bound_activations(shape, cfg.data.seq_len, cfg.precision, NOT_MEASURED)
+        return replace(shape, activations=bound)
     acts = layer_activations(shape, cfg.model, cfg.data.seq_len, cfg.precision, cache_dir=cache_dir)
     return replace(shape, activations=acts)
 
@@ -154,6 +199,12 @@ def layer_activations(
         return LayerActivations.from_json(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError, KeyError):
         pass
+    log.info(
+        "measuring the activations of %s's decoder layers by tracing its steps under fake "
+        "tensors (once per config, sequence length and precision; cached in %s)",
+        shape.model_type,
+        path.parent,
+    )
     try:
         acts = trace_layer_activations(
             json.loads(config_json), seq_len, precision, model_cfg.attn_implementation
@@ -161,7 +212,8 @@ def layer_activations(
     except Exception as err:  # the model's own code failed under fake tensors: bound it
         note = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
         log.warning("%s: activations bounded, the trace failed (%s)", shape.model_type, note)
-        return bound_activations(shape, seq_len, precision, note)
+        why = f"its forward could not be traced ({note})"
+        return bound_activations(shape, seq_len, precision, why)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -189,41 +241,111 @@ def bound_activations(shape: ModelShape, seq_len: int, precision: str, note: str
         eager = (4 + c) * b * shape.num_heads * s * s
         return BOUND_FACTOR * analytic_layer_bytes(shape, m) + eager
 
+    def shared(mode: str, b: int, s: int) -> float:  # rotary cos and sin of llama's sizes
+        return 2 * (4 if mode != "lowp" else 2) * b * s * shape.head_dim
+
+    def final(mode: str, b: int, s: int) -> float:  # an fp32 norm and a 16-bit head input
+        c = 4 if mode == "fp32" else 2
+        return (4 + 4 + 4 + c) * b * s * shape.hidden_size + c * shape.num_embedding_params
+
     s = max(2, seq_len - seq_len % 2)
-    fits = {
-        mode: Fit.through(at(mode, 1, s // 2), at(mode, 2, s // 2), at(mode, 1, s), s)
-        for mode in MODES[precision]
-    }
-    return LayerActivations("bound", fits, seq_len, note=note)
+
+    def fitted(f) -> dict[str, Fit]:
+        return {
+            mode: Fit.through(f(mode, 1, s // 2), f(mode, 2, s // 2), f(mode, 1, s), s)
+            for mode in MODES[precision]
+        }
+
+    def backward(mode: str, b: int, s: int) -> float:  # activation grads, eager attention's
+        c = 4 if mode == "fp32" else 2
+        t, i = b * s, shape.intermediate_size
+        return BOUND_FACTOR * (2 * c * t * i + 4 * t * shape.hidden_size) + (
+            2 * (4 + c) * b * shape.num_heads * s * s
+        )
+
+    def forward(mode: str, b: int, s: int) -> float:  # eager attention's scores and softmax
+        return 2 * 4 * b * shape.num_heads * s * s
+
+    return LayerActivations("bound", fitted(at), seq_len, note=note, shared=fitted(shared),
+                            final=fitted(final), backward=fitted(backward),
+                            forward=fitted(forward))  # fmt: skip
 
 
 def trace_layer_activations(
     hf_config: dict[str, Any], seq_len: int, precision: str, attn_implementation: str = "sdpa"
 ) -> LayerActivations:
-    """Measure one layer of each kind in every compute mode of `precision` (see the module doc)."""
+    """Measure one layer of each kind in every compute mode of `precision` (see the module doc):
+    what it saves, then its transients against traced steps."""
+    measured = saved_activations(hf_config, seq_len, precision, attn_implementation)
+    return calibrate_transients(measured, hf_config, precision, attn_implementation)
+
+
+def saved_activations(
+    hf_config: dict[str, Any], seq_len: int, precision: str, attn_implementation: str = "sdpa"
+) -> LayerActivations:
+    """What each part keeps for backward (layers, shared inputs, final), fitted per mode."""
     from launcher.trace import moe_fake_kernels
 
     s = max(2, seq_len - seq_len % 2)
-    fits, kinds = {}, 1
+    parts: dict[str, dict[str, Fit]] = {part: {} for part in _PARTS}
+    kinds = 1
     with moe_fake_kernels():
         for mode in MODES[precision]:
-            per_point = []
+            points = []
             for b, seq in ((1, s // 2), (2, s // 2), (1, s)):
                 saved, kinds = _saved_per_layer(hf_config, mode, precision, attn_implementation,
                                                  b, seq)  # fmt: skip
-                per_point.append(saved)
-            fits[mode] = Fit.through(*per_point, s)
-    return LayerActivations("traced", fits, seq_len, num_layer_kinds=kinds)
+                points.append(saved)
+            for i, part in enumerate(_PARTS[:3]):
+                parts[part][mode] = Fit.through(*(p[i] for p in points), s)
+    return LayerActivations("traced", parts["fits"], seq_len, num_layer_kinds=kinds,
+                            shared=parts["shared"], final=parts["final"])  # fmt: skip
 
 
-def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s) -> tuple[float, int]:
-    """(mean bytes a layer saves for backward, number of kinds of layer) for one forward."""
+def calibrate_transients(
+    acts: LayerActivations, hf_config: dict[str, Any], precision: str, attn_implementation: str
+) -> LayerActivations:
+    """`acts` with each layer's forward and backward transients: what the traced step (the
+    engine's step under fake tensors, launcher/trace.py) peaks at in a layer's forward (no
+    checkpointing) and backward (full checkpointing) beyond the estimate's same phase without
+    them, at the three points, per mode (single for autocast and fp32, fsdp x2 for 16-bit
+    parameters)."""
+    from launcher.estimate import estimate
+    from launcher.model_shape import _shape_of
+    from launcher.trace import trace_step
+
+    shape = replace(_shape_of(json.dumps(hf_config, sort_keys=True)), activations=acts)
+    s = max(2, acts.seq_len - acts.seq_len % 2)
+    backward, forward = {}, {}
+    for mode in MODES[precision]:
+        strategy, world = ("fsdp", 4) if mode == "lowp" else ("single", 1)
+        bwd, fwd = [], []
+        for b, seq in ((1, s // 2), (2, s // 2), (1, s)):
+            common = dict(strategy=strategy, world_size=world, micro_batch_size=b, seq_len=seq)
+            for ckpt, out, traced_phase, phase in (
+                ("full", bwd, "backward layer", "backward_layers"),
+                ("none", fwd, "forward layer", "forward_layers"),
+            ):
+                traced = trace_step(hf_config, **common, activation_checkpointing=ckpt,
+                                    precision=precision,
+                                    attn_implementation=attn_implementation)  # fmt: skip
+                est = estimate(shape, **common, devices_per_node=world, precision=precision,
+                               activation_checkpointing=ckpt, grad_accum=1)  # fmt: skip
+                peak = max(v for k, v in traced.phases if k.startswith(traced_phase))
+                out.append(peak - est.phases[phase])
+        backward[mode] = Fit.through(*bwd, s)
+        forward[mode] = Fit.through(*fwd, s)
+    return replace(acts, backward=backward, forward=forward)
+
+
+def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s):
+    """((mean bytes a layer saves for backward, bytes of the inputs all layers share that they
+    save, bytes saved after the last layer until the logits), kinds of layer) for a forward."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from launcher.trace import _autocast, _batch
     from trainer.backends.common import COMPUTE_DTYPES
-    from trainer.loss import compute_loss
     from trainer.model import HFModelFactory, decoder_layers
 
     model_cfg = ModelConfig(config=dict(hf_config), attn_implementation=attn_implementation)
@@ -232,6 +354,7 @@ def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s) -> t
     layers = decoder_layers(model)
     kinds = _layer_kinds(model, layers)
     counted: dict[int, int] = {}  # layer index -> bytes saved
+    shared: dict[int, int] = {}  # storage -> bytes: inputs every layer reads, saved by a layer
     compute = _autocast(precision) if mode == "autocast" else contextlib.nullcontext
     if mode == "lowp":  # FSDP's mixed precision: 16-bit parameters, no autocast
         model.to(COMPUTE_DTYPES[precision])
@@ -239,18 +362,19 @@ def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s) -> t
         model.to_empty(device="cpu")
         if hasattr(model, "tie_weights"):
             model.tie_weights()
-        hooks = [_SavedBytes(layers[i], i, counted) for i in kinds.values()]
+        hooks = [_SavedBytes(layers[i], i, counted, shared) for i in kinds.values()]
+        final = _SavedAfter(model, layers[-1])
         batch = _batch(hf_config["vocab_size"], b, s)
         try:
             with compute(), torch.enable_grad():
-                compute_loss(model, batch)
+                model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
         finally:
-            for hook in hooks:
+            for hook in [*hooks, final]:
                 hook.remove()
     per_kind = {kind: counted[i] for kind, i in kinds.items()}
     members = _kind_of_each_layer(model, layers)
     total = sum(per_kind[k] for k in members)
-    return total / len(layers), len(per_kind)
+    return (total / len(layers), sum(shared.values()), final.bytes), len(per_kind)
 
 
 def _layer_signature(model, layers, i: int) -> tuple:
@@ -279,10 +403,10 @@ class _SavedBytes:
     """Counts the distinct storages autograd saves while one layer runs forward: its input
     hidden states and what it computes, not its parameters or the inputs all layers share."""
 
-    def __init__(self, layer, index: int, out: dict[int, int]):
+    def __init__(self, layer, index: int, out: dict[int, int], shared: dict[int, int]):
         import torch
 
-        self.layer, self.index, self.out = layer, index, out
+        self.layer, self.index, self.out, self.shared = layer, index, out, shared
         self.skip: set[int] = set()
         self.seen: set[int] = set()
         self.context = None
@@ -300,17 +424,20 @@ class _SavedBytes:
         self.skip = {self._key(p) for p in module.parameters()}
         self.skip |= {self._key(p) for p in module.buffers()}
         hidden = args[0] if args else kwargs.get("hidden_states")
+        common = set()  # what the model hands every layer (mask, rotary tables)
         for value in [*args, *kwargs.values()]:
             for t in _tensors(value, torch):
                 if t is not hidden:
-                    self.skip.add(self._key(t))
+                    common.add(self._key(t))
         self.seen, self.out[self.index] = set(), 0
         self.keep: list = []  # the storages stay alive, so their ids stay theirs
 
         def pack(t):
             st = t.untyped_storage()
             key = st._cdata
-            if key not in self.skip and key not in self.seen:
+            if key in common:
+                self.shared[key] = st.nbytes()
+            elif key not in self.skip and key not in self.seen:
                 self.seen.add(key)
                 self.keep.append(st)
                 self.out[self.index] += st.nbytes()
@@ -323,6 +450,46 @@ class _SavedBytes:
         if self.context is not None:
             self.context.__exit__(None, None, None)
             self.context = None
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class _SavedAfter:
+    """Counts the distinct storages autograd saves from the end of the last layer's forward to
+    the end of the model's (final norm, output head), parameters not counted."""
+
+    def __init__(self, model, last_layer):
+        import torch
+
+        self.bytes = 0
+        self.context = None
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        seen: set[int] = set()
+        keep: list = []
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st._cdata not in params and st._cdata not in seen:
+                seen.add(st._cdata)
+                keep.append(st)
+                self.bytes += st.nbytes()
+            return t
+
+        def start(module, args, kwargs, output):
+            self.context = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            self.context.__enter__()
+
+        def stop(module, args, kwargs, output):
+            if self.context is not None:
+                self.context.__exit__(None, None, None)
+                self.context = None
+
+        self.handles = [
+            last_layer.register_forward_hook(start, with_kwargs=True),
+            model.register_forward_hook(stop, with_kwargs=True, always_call=True),
+        ]
 
     def remove(self) -> None:
         for handle in self.handles:

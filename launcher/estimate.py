@@ -31,7 +31,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from launcher.estimate_finetune import FULL, Finetune, adapter_saved_per_token, method_sizes
+from launcher.estimate_finetune import (
+    FULL,
+    Finetune,
+    adapter_saved_per_token,
+    first_adapter_stage,
+    method_sizes,
+)
 from launcher.estimate_levers import chunked_head_backward_extra_bytes, logit_tokens
 from launcher.estimate_levers import loss_chunk_tokens as loss_chunk_tokens_for
 from launcher.hardware import Hardware
@@ -169,7 +175,8 @@ class _Micro:
     zero3_linear: bool = False
     chunk_tokens: int | None = None  # chunked loss: tokens per chunk (estimate_levers.py)
     offload: bool = False  # activation offload: the layers' saved tensors wait on the host
-    adapter: int = 0  # LoRA: bytes per token a block's adapters save (estimate_finetune.py)
+    adapter: int = 0  # LoRA: bytes per token a block's adapters add/drop (estimate_finetune.py)
+    first_adapter_stage: int = -1  # LoRA: where in the first block the first adapter is
     dequant: int = 0  # QLoRA: one 4-bit weight dequantised for a matmul
 
     @property
@@ -186,15 +193,40 @@ def layer_activation_bytes(shape: ModelShape, m: _Micro) -> int:
     the analytic block where it describes the model, else what `launcher/activations.py`
     measured from the model's own code (or bounded)."""
     if shape.activations is not None:
-        mode = "fp32" if m.c == 4 else "autocast" if m.autocast else "lowp"
-        return shape.activations.layer_bytes(mode, m.b, m.s)
+        return shape.activations.layer_bytes(_mode(m), m.b, m.s)
     return analytic_layer_bytes(shape, m)
+
+
+def _layer_backward_bytes(shape: ModelShape, m: _Micro) -> int:
+    """What a layer's backward allocates beyond its saved tensors and its parameters'
+    gradients: the gradients of its activations (measured for blocks the analytic model does
+    not know, against the traced step: launcher/activations.py)."""
+    if shape.activations is not None:
+        return shape.activations.backward_bytes(_mode(m), m.b, m.s)
+    return 2 * m.c * m.tokens * shape.intermediate_size + 4 * m.tokens * shape.hidden_size
+
+
+def _mode(m: _Micro) -> str:
+    """The compute mode a measured activation model is keyed by (launcher/activations.py)."""
+    return "fp32" if m.c == 4 else "autocast" if m.autocast else "lowp"
+
+
+def _shared_bytes(shape: ModelShape, m: _Micro) -> int:
+    """What every layer reads and the layers save once for all: rotary cos and sin."""
+    if shape.activations is not None:
+        return shape.activations.shared_bytes(_mode(m), m.b, m.s)
+    return 2 * m.r * m.b * m.s * shape.head_dim
 
 
 def analytic_layer_bytes(shape: ModelShape, m: _Micro) -> int:
     """Llama-style block as transformers runs it (llama, mistral, qwen2): two RMSNorms, rotary
     q/k, SDPA, SwiGLU MLP, two residual adds. Traced per op under FakeTensorMode (trace.py).
     """
+    return sum(_layer_parts(shape, m).values()) + m.adapter * m.tokens
+
+
+def _layer_parts(shape: ModelShape, m: _Micro) -> dict[str, int]:
+    """`layer_activation_bytes` by where in the block it is saved (before the adapters' terms)."""
     t, h, i = m.tokens, shape.hidden_size, shape.intermediate_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     c = m.c
@@ -214,7 +246,26 @@ def analytic_layer_bytes(shape: ModelShape, m: _Micro) -> int:
     attention = sdpa_inputs + c * t * q + 4 * m.b * shape.num_heads * m.s  # + out, log-sum-exp
     mask = c * m.b * m.s * m.s if m.masked else 0  # SDPA turns the boolean mask into a bias
     mlp = 4 * c * t * i  # gate, silu(gate), up, their product
-    return residual + norms + weights + attention + mask + mlp + m.adapter * t
+    return {"stream": residual + norms + weights, "attention": attention + mask, "mlp": mlp}
+
+
+def _first_layer_unsaved(shape: ModelShape, m: _Micro) -> int:
+    """LoRA: the first block's input needs no gradient, so nothing before its first adapter is
+    saved: the first norm's fp32 input, then (adapters from o_proj on) the attention's tensors,
+    (from gate/up on) the second norm's, (down_proj only) the MLP's."""
+    if m.first_adapter_stage < 0:
+        return 0
+    t, h = m.tokens, shape.hidden_size
+    parts = _layer_parts(shape, m)
+    stage = m.first_adapter_stage
+    unsaved = 4 * t * h
+    if stage >= 1:
+        unsaved += parts["attention"]
+    if stage >= 2:
+        unsaved += 4 * t * h
+    if stage >= 3:
+        unsaved += 3 * m.c * t * shape.intermediate_size
+    return unsaved
 
 
 def _matmul_params(shape: ModelShape) -> int:
@@ -228,7 +279,11 @@ def _head_params(shape: ModelShape) -> int:
 
 def _final_bytes(shape: ModelShape, m: _Micro) -> int:
     """The last hidden state, the final norm's saved tensors and lm_head's 16-bit input/weight."""
+    if shape.activations is not None:
+        return shape.activations.final_bytes(_mode(m), m.b, m.s)
     t, h = m.tokens, shape.hidden_size
+    if m.adapter:  # a frozen 16-bit final norm and output layer: the norm's fp32 input
+        return 4 * t * h
     if m.autocast and m.zero3_linear:
         return m.r * t * h + 2 * 4 * t * h
     if m.autocast:
@@ -303,8 +358,10 @@ def _forward_backward_peaks(
     per_layer = layer_activation_bytes(shape, m)
     kept_ckpt = m.r * t * h  # a checkpointed layer keeps its input
     mask_bool = m.b * m.s * m.s if m.masked else 0
-    rotary = 2 * m.r * m.b * m.s * shape.head_dim  # cos and sin, shared by every layer
+    rotary = _shared_bytes(shape, m)  # cos and sin, shared by every layer
     saved = (num_layers - num_ckpt) * per_layer + num_ckpt * kept_ckpt + rotary
+    if 0 not in ckpt:
+        saved -= _first_layer_unsaved(shape, m)
     mask_kept = mask_bool if num_ckpt else 0  # checkpoints keep the mask for their recompute
     cached = m.autocast and not m.zero3_linear
     cache = num_ckpt * m.c * _matmul_params(shape) if cached else 0  # autocast's weight cache
@@ -327,7 +384,7 @@ def _forward_backward_peaks(
             )
         )
     start = base + grads.held
-    layer_bwd = 2 * m.c * t * shape.intermediate_size + 4 * t * h  # grads of activations
+    layer_bwd = _layer_backward_bytes(shape, m)  # grads of activations
     released = (num_layers - 1) * grads.released_per_layer  # by the first layer's backward
     head = start + mask_kept + gather_root + grads.head
 
@@ -354,7 +411,12 @@ def _forward_backward_peaks(
         if m.offload:  # the layers below wait on the host; the next one is brought back
             below = kept_ckpt if k in ckpt else per_layer
 
-    return {
+    measured = {}
+    if shape.activations is not None:  # a layer's own transients in forward (eager attention)
+        fwd = shape.activations.forward_bytes(_mode(m), m.b, m.s)
+        measured["forward_layers"] = start + saved + mask_bool + cache + gather_root + fwd
+        measured["forward_layers"] += gather_layer
+    return measured | {
         # (with chunked loss the loss runs inside the model's forward, one chunk at a time)
         "forward": start + saved + mask_bool + cache + final + gather_root + logits + in_forward,
         "layer_gather": start + saved + mask_bool + cache + gather_root + gather_layer,
@@ -570,7 +632,8 @@ def _micro(
         zero3_linear=row.zero_stage == 3 and not ft.adapters,
         chunk_tokens=chunk_tokens,
         offload=offload,
-        adapter=adapter_saved_per_token(shape, ft, c) if ft.adapters else 0,
+        adapter=adapter_saved_per_token(shape, ft, c, private=row.engine != "fsdp"),
+        first_adapter_stage=first_adapter_stage(shape, ft),
         dequant=method_sizes(shape, ft, c).dequant if ft.method == "qlora" else 0,
     )
 
@@ -610,6 +673,8 @@ def _activation_bytes(shape: ModelShape, m: _Micro, ckpt: frozenset[int]) -> int
     host), the final hidden state and the loss's tensors (with chunked loss: one chunk's)."""
     num_ckpt = len(ckpt)
     layers = (shape.num_layers - num_ckpt) * layer_activation_bytes(shape, m)
+    if 0 not in ckpt:
+        layers -= _first_layer_unsaved(shape, m)
     layers += num_ckpt * m.r * m.tokens * shape.hidden_size
     if m.offload:
         layers = min(layers, 2 * layer_activation_bytes(shape, m))
@@ -629,13 +694,41 @@ def _runtime_overhead(device: str, peak: int, persistent: int) -> int:
     return CUDA_CONTEXT_BYTES + int(FRAGMENTATION_RATIO * max(0, peak - persistent))
 
 
+def loading_host_bytes(shape: ModelShape, row: Strategy, ranks_here: int) -> int:
+    """Host bytes per node that loading the initial (pretrained) weights adds at its peak.
+
+    A replica (single, ddp, ZeRO-1/2) is built whole in fp32 on the host by each rank (4N per
+    rank). A sharded rung reads its own part from the safetensors files into its parameters
+    (`trainer/pretrained.py`): beyond the part itself (counted with the model states) at most
+    one tensor in flight per rank, its fp32 copy on the way to the device (4 x the largest
+    tensor). zero3_nvme builds the full weights on rank 0 (the model, then its state dict
+    cloned: 8N) and sends each rank its part, as random init does on every sharded rung."""
+    n = shape.num_params
+    if not row.shards_params:
+        return 4 * n * ranks_here
+    if row.needs_nvme:
+        return 8 * n
+    return 4 * _largest_tensor_params(shape) * ranks_here
+
+
+def _largest_tensor_params(shape: ModelShape) -> int:
+    h = shape.hidden_size
+    q = shape.num_heads * shape.head_dim
+    return max(shape.vocab_size * h, shape.intermediate_size * h, q * h)
+
+
 def _host_bytes(
-    row: Strategy, states: _ModelStates, n: int, ranks_here: int, device_bytes: int, device: str
+    row: Strategy,
+    states: _ModelStates,
+    shape: ModelShape,
+    ranks_here: int,
+    device_bytes: int,
+    device: str,
 ) -> dict[str, int]:
-    """Host memory per node: every rank's offloaded states, the initial full fp32 state dict
-    the model factory builds on the host (rank 0 only for sharded rungs), process baseline."""
+    """Host memory per node: every rank's offloaded states, loading the initial weights
+    (`loading_host_bytes`), process baseline."""
     host = {k: v * ranks_here for k, v in states.on_host.items()}
-    host["initial_weights"] = 4 * n * (1 if row.shards_params else ranks_here)
+    host["initial_weights"] = loading_host_bytes(shape, row, ranks_here)
     host["processes"] = HOST_PROCESS_BYTES * ranks_here
     if device == "cpu":  # the "device" is host memory too
         host["device_memory_of_cpu_ranks"] = device_bytes * ranks_here
@@ -697,7 +790,7 @@ def estimate(
         "runtime_overhead": overhead,
     }
     ranks_here = min(devices_per_node, w)
-    host = _host_bytes(row, states, shape.num_params, ranks_here, peak + overhead, device)
+    host = _host_bytes(row, states, shape, ranks_here, peak + overhead, device)
     if offload_activations:
         host["offloaded_activations"] = offloaded_activation_bytes(shape, m, ckpt) * ranks_here
     return Estimate(

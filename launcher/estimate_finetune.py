@@ -202,17 +202,71 @@ def method_sizes(shape: Any, ft: Finetune, c: int) -> MethodSizes:
                        dequant)  # fmt: skip
 
 
-def adapter_saved_per_token(shape: Any, ft: Finetune, c: int) -> int:
-    """Bytes per token one block's adapters save beyond what the base block saves: A's output
-    (r values) per target, and with dropout its output and its mask (the base reads the
-    undropped input)."""
+# Where each linear reads its input: 0 the first norm's output (attention projections), 1 the
+# attention's output (saved by SDPA anyway), 2 the second norm's output, 3 the MLP's product.
+_STAGE = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "qkv_proj": 0, "o_proj": 1, "gate_proj": 2,
+          "up_proj": 2, "gate_up_proj": 2, "down_proj": 3}  # fmt: skip
+
+
+def adapter_saved_per_token(shape: Any, ft: Finetune, c: int, private: bool) -> int:
+    """Bytes per token one block saves under LoRA, relative to the same block with every weight
+    training (estimate.py's 16-bit-stream block). Frozen norms and a frozen MLP save neither
+    their normalised 16-bit inputs, their outputs, nor the MLP's product; each adapter saves its
+    input and A's output (r values). `private`: the adapters are fp32 under autocast (not
+    FSDP's 16-bit gathers), so peft casts each adapter's input to fp32 and autocast back to
+    16 bits: a copy per adapter instead of one shared tensor per input. With dropout each
+    adapter saves the dropped input (16-bit when shared) and its mask."""
     if not ft.adapters:
         return 0
-    targets = targeted(shape, ft).values()
-    per_token = sum(c * ft.r for _ in targets)
-    if ft.dropout > 0:
-        per_token += sum((c + 1) * fan_in for fan_in, _ in targets)
-    return per_token
+    h, i = shape.hidden_size, shape.intermediate_size
+    removed = 2 * 2 * c * h + c * i
+    targets = targeted(shape, ft)
+    added = c * ft.r * len(targets)
+    if private:
+        added += sum((c + (1 if ft.dropout > 0 else 0)) * fan_in for fan_in, _ in targets.values())
+    elif ft.dropout > 0:
+        added += sum((c + 1) * fan_in for fan_in, _ in targets.values())
+    else:  # one saved tensor per input read by an adapter (the attention's output is saved)
+        inputs = {_STAGE[name]: fan_in for name, (fan_in, _) in targets.items()}
+        added += sum(c * fan_in for stage, fan_in in inputs.items() if stage != 1)
+    return added - removed
+
+
+def first_adapter_stage(shape: Any, ft: Finetune) -> int:
+    """Where the first block's first adapter reads (`_STAGE`), -1 without adapters."""
+    if not ft.adapters:
+        return -1
+    return min(_STAGE[name] for name in targeted(shape, ft))
+
+
+@dataclass(frozen=True)
+class MethodCost:
+    """What the cost model (launcher/plan.py) needs of a method, per token and per pass."""
+
+    flops_per_token: float  # matmul FLOPs of forward + backward, attention aside (6N for full)
+    recompute_flops_per_token: float  # one more forward of every matmul (full checkpointing)
+    trained: int  # parameters whose gradients are reduced, moved and stepped
+    gathered: float  # parameters gathered or moved per use, in compute-dtype equivalents
+    dequant_bytes: int  # bytes read and written dequantising the 4-bit weights, once over
+
+
+def method_cost(shape: Any, ft: Finetune, c: int) -> MethodCost:
+    """Full fine-tuning: 2N forward, 4N backward. With adapters the frozen base still passes
+    gradients to its input (2N) but computes none for its weights; the adapters add 2A forward
+    and 4A backward. QLoRA dequantises every 4-bit weight to the compute dtype for each matmul
+    (forward, backward, recompute), a memory-bound pass: half a byte read, c bytes written.
+    Compute counts the parameters a token multiplies by (MoE: the experts it is routed to);
+    what is reduced, gathered and stepped counts every expert."""
+    n = shape.num_compute_params
+    if not ft.adapters:
+        return MethodCost(6.0 * n, 2.0 * n, shape.num_params, float(shape.num_params), 0)
+    sizes = method_sizes(shape, ft, c)
+    a = sizes.trainable
+    dequant = 0
+    if ft.method == "qlora":
+        linears = shape.num_layers * sum(x * y for x, y in layer_linears(shape).values())
+        dequant = int(linears * (0.5 + c))
+    return MethodCost(4.0 * n + 6.0 * a, 2.0 * (n + a), a, sizes.frozen / c + a, dequant)
 
 
 def why_not_on(row: Strategy, ft: Finetune) -> str | None:

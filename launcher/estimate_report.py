@@ -11,6 +11,7 @@ from typing import Any
 
 from launcher.activations import with_activations
 from launcher.estimate import Estimate, estimate
+from launcher.estimate_finetune import Finetune, why_not_on
 from launcher.estimate_levers import smallest_levers
 from launcher.hardware import Hardware, detect_hardware
 from launcher.model_shape import ModelShape, model_shape
@@ -42,14 +43,15 @@ def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, 
     """Trace one step of every traceable row at its micro-batch and checkpointing; the analytic
     peak next to it is recomputed for the same accumulation (1, or 2 standing for any more)."""
     from launcher.model_shape import hf_config_dict
-    from launcher.trace import TRACEABLE, trace_step
+    from launcher.trace import trace_step, traceable
 
     hf_config = hf_config_dict(cfg.model)
     shape = with_activations(model_shape(cfg.model), cfg)
     per_rank = max(1, cfg.train.global_batch_size // hw.world_size)
+    finetune = Finetune.of(cfg)
     out = {}
     for row in rows:
-        if row.strategy not in TRACEABLE:
+        if not traceable(row.strategy, finetune):
             continue
         grad_accum = 2 if per_rank > row.micro_batch_size else 1
         traced = trace_step(
@@ -65,6 +67,7 @@ def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, 
             chunked_loss=row.chunked_loss,
             offload_activations=row.offload_activations,
             loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
+            finetune=finetune,
         )
         analytic = estimate(
             shape,
@@ -80,6 +83,7 @@ def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, 
             chunked_loss=row.chunked_loss,
             offload_activations=row.offload_activations,
             loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
+            finetune=finetune,
         )
         out[row.strategy] = {
             "grad_accum": grad_accum,
@@ -118,6 +122,8 @@ def estimates_for(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[Estim
     for rung in strategies.rows():
         forced_other = cfg.strategy not in ("auto", rung.name)
         if forced_other or rung_world(rung, hw) is None:
+            continue
+        if why_not_on(rung, Finetune.of(cfg)) is not None:  # cannot run the method
             continue
         best, _ = best_for_rung(shape, rung, hw, cfg, per_rank, 1.0)
         if best is not None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from launcher.activations import with_activations
 from launcher.estimate import Estimate, estimate
-from launcher.estimate_finetune import Finetune, why_not_on
+from launcher.estimate_finetune import Finetune, method_cost, why_not_on
 from launcher.estimate_levers import (
     NO_LEVERS,
     Levers,
@@ -46,6 +46,7 @@ SATURATION_TOKENS = 512  # tokens per micro-batch at which utilisation is half i
 # the cost model ranks rungs coarsely, and earlier rungs have fewer moving parts.
 SIMPLER_RUNG_MARGIN = 0.10
 CPU_PEAK_FLOPS = 0.2e12  # when planning CPU processes (tests, the demo)
+DEVICE_MEMORY_BYTES_S = {"cuda": 1.5e12, "cpu": 20e9}  # QLoRA's dequantisation is memory-bound
 UNKNOWN_GPU_PEAK_FLOPS = 100e12
 
 
@@ -146,19 +147,22 @@ def step_time_s(
     seq = cfg.data.seq_len
     world = hw.world_size
     tokens = cfg.train.global_batch_size * seq
-    n = shape.num_compute_params  # MoE: the experts a token is routed to
+    c = 4 if cfg.precision == "fp32" else 2
+    cost = method_cost(shape, Finetune.of(cfg), c)  # full fine-tuning, LoRA or QLoRA; MoE
     attention = 12 * shape.num_layers * shape.hidden_size * seq  # per token, fwd + bwd
-    recompute = {"none": 0.0, "selective": 0.5, "full": 1.0}[ac] * (2 * n + attention / 3)
+    recomputed = {"none": 0.0, "selective": 0.5, "full": 1.0}[ac]
+    recompute = recomputed * (cost.recompute_flops_per_token + attention / 3)
     if levers.chunked_loss:
         recompute += recomputed_head_flops_per_token(shape.hidden_size, shape.vocab_size)
-    flops = tokens * (6 * n + attention + recompute)
+    flops = tokens * (cost.flops_per_token + attention + recompute)
     peak = hw.peak_flops or (CPU_PEAK_FLOPS if hw.device == "cpu" else UNKNOWN_GPU_PEAK_FLOPS)
     micro_tokens = micro * seq
     utilization = BASE_UTILIZATION * micro_tokens / (micro_tokens + SATURATION_TOKENS)
     compute = flops / (world * peak * utilization)
-
     grad_accum = cfg.train.global_batch_size // (world * micro)
-    c = 4 if cfg.precision == "fp32" else 2
+    passes = grad_accum * (2 + recomputed)  # forward, backward, recompute per micro-batch
+    compute += cost.dequant_bytes * passes / DEVICE_MEMORY_BYTES_S[hw.device]
+
     ring = (world - 1) / world
     given = cfg.hardware
     if hw.nodes == 1:
@@ -168,17 +172,13 @@ def step_time_s(
     pcie, nvme = given.pcie_bandwidth or PCIE_BYTES_S, given.nvme_bandwidth or NVME_BYTES_S
     gather_scale = c / 2 if rung.engine == "fsdp" else 1.0
     grad_reductions = grad_accum if rung.grads_every_micro or reduce_every_micro else 1
-    comm_bytes = shape.num_params * (  # every expert is gathered and reduced
-        rung.grad_comm * grad_reductions + rung.param_comm_per_micro * gather_scale * grad_accum
-    )
+    comm_bytes = cost.trained * rung.grad_comm * grad_reductions
+    comm_bytes += cost.gathered * rung.param_comm_per_micro * gather_scale * grad_accum
     comm = ring * comm_bytes / bandwidth
-    per_rank = shape.num_params / world
-    pcie_bytes = (
-        rung.pcie_per_step
-        + rung.pcie_per_micro * grad_accum
-        + rung.offloaded_grads * grad_reductions
-    )
-    offload = pcie_bytes * per_rank / pcie
+    per_rank = cost.trained / world  # what is stepped and moved once per step or reduction
+    pcie_bytes = (rung.pcie_per_step + rung.offloaded_grads * grad_reductions) * per_rank
+    pcie_bytes += rung.pcie_per_micro * grad_accum * cost.gathered / world  # params in, per use
+    offload = pcie_bytes / pcie
     if rung.host_adam_params_s:
         offload += per_rank * min(hw.devices_per_node, world) / rung.host_adam_params_s
     offload += rung.nvme_per_step * per_rank / nvme
@@ -457,8 +457,11 @@ def _model_reasons(shape: ModelShape) -> list[str]:
         reasons.append(
             f"mixture of experts: {shape.num_experts} experts per MoE layer, top-"
             f"{shape.experts_per_token} routing; memory counts every expert's parameters and "
-            f"states, compute the {shape.num_compute_params / 1e6:,.1f}M parameters a token "
-            f"uses of {shape.num_params / 1e6:,.1f}M"
+            f"states, activations the {shape.experts_per_token} expert rows of every token "
+            "(transformers' grouped experts keep tokens x top-k rows whatever the router picks, "
+            "so no routing is worse), compute the "
+            f"{shape.num_compute_params / 1e6:,.1f}M parameters a token uses of "
+            f"{shape.num_params / 1e6:,.1f}M"
         )
     return reasons
 

@@ -192,12 +192,26 @@ def plan_job(
 
     hw = detect_hardware(cfg.hardware)
     try:
-        plan = make_plan(cfg, hw, exclude=exclude or (), memory_scale=memory_scale)
+        shape = _forced_shape(cfg)
+        plan = make_plan(cfg, hw, shape, exclude=exclude or (), memory_scale=memory_scale)
     except (NoFitError, ConfigError):
         raise
     except Exception as err:  # the model's shape or activations cannot be worked out
         plan = _without_estimate(cfg, hw, err)
     return apply_plan(cfg, plan, hw), plan, hw
+
+
+def _forced_shape(cfg: JobConfig) -> Any:
+    """With every planning key set there is nothing to choose: the model's shape with a bound
+    on activations of blocks the analytic model does not know, rather than minutes of tracing
+    before the run starts. None otherwise (the planner measures)."""
+    from launcher.activations import with_activations
+    from launcher.model_shape import model_shape
+    from launcher.unestimated import planning_keys_forced
+
+    if not planning_keys_forced(cfg):
+        return None
+    return with_activations(model_shape(cfg.model), cfg, measure=False)
 
 
 def _without_estimate(cfg: JobConfig, hw: Any, err: Exception) -> Any:

@@ -9,6 +9,11 @@ FSDP2 `fully_shard` over a fake process group of any world size) counts the live
 every operation. The peak of a steady-state step (optimizer state already present) is what
 `torch.cuda.max_memory_allocated` would see, less allocator rounding.
 
+LoRA traces the same way (peft's layers are plain modules). QLoRA and 8-bit AdamW run for real
+on CPU (bitsandbytes quantises real weights, and its 8-bit step reads a scalar, which a fake
+tensor cannot give); the tracker counts real allocations just as well, and the grid's models
+step on a CPU in seconds.
+
 CPU stands in for the device (a CPU-only torch cannot fake CUDA tensors): autocast runs as CPU
 autocast in the same 16-bit dtype, and SDPA dispatches to its CPU flash kernel, which saves what
 the CUDA kernels save (output and fp32 log-sum-exp). The trace counts tensor bytes only; compare
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from launcher.estimate_finetune import FULL, Finetune
 from trainer.backends import OptimizerSpec
 from trainer.backends.common import COMPUTE_DTYPES, build_adamw
 from trainer.backends.fsdp import apply_fsdp, gradient_sync
@@ -35,6 +41,15 @@ from trainer.phases import OPTIMIZER, STEP, phase_markers
 
 TRACEABLE = ("single", "fsdp")
 _SPEC = OptimizerSpec(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, grad_clip=1.0)
+
+
+def _real(ft: Finetune) -> bool:
+    return ft.method == "qlora" or ft.optimizer == "adamw_8bit"
+
+
+def traceable(strategy: str, ft: Finetune = FULL) -> bool:
+    """single and fsdp; with real tensors (QLoRA, 8-bit AdamW) single only."""
+    return strategy == "single" or (strategy in TRACEABLE and not _real(ft))
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,7 @@ def trace_step(
     chunked_loss: bool = False,
     offload_activations: bool = False,
     loss_chunk_tokens: int | None = None,
+    finetune: Finetune = FULL,
 ) -> Trace:
     """Peak live tensor bytes on one device for a steady-state training step (the second one):
     `grad_accum` micro-batches, all but the last under the backend's no-sync (unless FSDP
@@ -80,7 +96,11 @@ def trace_step(
         raise ValueError(f"--trace covers {', '.join(TRACEABLE)}, not {strategy}")
     model_cfg = ModelConfig(config=dict(hf_config), attn_implementation=attn_implementation)
     factory = HFModelFactory(model_cfg, seed=0)
-    model = factory.build("meta")
+    # 4-bit weights are quantised from real ones; bitsandbytes' 8-bit step reads a scalar
+    real = _real(finetune)
+    if not traceable(strategy, finetune):
+        raise ValueError(f"--trace covers {finetune.words()} on single only")
+    model = apply_finetune(factory.build("cpu" if real else "meta"), finetune, precision)
     apply_activation_checkpointing(model, activation_checkpointing)
     model.train()
     device = torch.device("cpu")
@@ -89,9 +109,10 @@ def trace_step(
             stack.enter_context(_fake_process_group(world_size))
             apply_fsdp(model, precision=precision, reshard_after_forward=reshard_after_forward)
         stack.enter_context(moe_fake_kernels())
-        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        model.to_empty(device=device)
-        if strategy == "single" and hasattr(model, "tie_weights"):
+        if not real:
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            model.to_empty(device=device)
+        if strategy == "single" and hasattr(model, "tie_weights") and not real:
             model.tie_weights()  # to_empty made fake copies of tied weights: one tensor again
         MemoryLevers(
             model,
@@ -101,7 +122,7 @@ def trace_step(
             loss_chunk_tokens,
             offload_host=torch.device("meta"),  # host copies: not counted as the device's
         )
-        optimizer = build_adamw(model.parameters(), _SPEC)
+        optimizer = _optimizer(model, finetune)
         batch = _batch(hf_config["vocab_size"], micro_batch_size, seq_len)
         _init_optimizer_state(model, optimizer)  # the traced step is a steady-state one
         tracker = _tracker(strategy, model, optimizer, batch)
@@ -189,7 +210,8 @@ def _total(snapshot: dict[Any, dict[Any, int]]) -> int:
 def _init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """AdamW's moments and step, as after a first step (a step on zero grads: no forward)."""
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -202,12 +224,13 @@ def _autocast(precision: str):
 
 
 def _batch(vocab_size: int, micro: int, seq: int) -> dict[str, torch.Tensor]:
-    """A packed window as the data pipeline makes it: position ids restart per document."""
+    """A packed window as the data pipeline makes it: position ids restart per document (two
+    documents here; a real step's transformers reads them and builds the block-causal mask)."""
     ids = torch.zeros(micro, seq, dtype=torch.long)
     return {
         "input_ids": ids,
         "labels": ids.clone(),
-        "position_ids": torch.arange(seq).repeat(micro, 1),
+        "position_ids": (torch.arange(seq) % max(1, seq // 2)).repeat(micro, 1),
     }
 
 
@@ -216,13 +239,83 @@ def _tracker(strategy: str, model: nn.Module, optimizer: torch.optim.Optimizer, 
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
         tracker = FSDPMemTracker(model, optimizer)
+        _skip_frozen(tracker, model)
         tracker.track_inputs(tuple(batch.values()))
         return tracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
+    _skip_frozen(tracker, model)
     tracker.track_external(model, optimizer, *batch.values())
     return tracker
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _skip_frozen(tracker: Any, model: nn.Module) -> None:
+    """The tracker hooks every parameter's gradient; a frozen one (LoRA's base) has none."""
+    for p in model.parameters():
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+
+
+def apply_finetune(model: nn.Module, ft: Finetune, precision: str) -> nn.Module:
+    """What `finetune.method` trains, as trainer/finetune.py builds it: the frozen base in the
+    compute dtype (QLoRA: the blocks' linears in NF4 with double quantisation and 16-bit
+    storage), peft's adapters in fp32 on the targeted linears."""
+    if not ft.adapters:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    compute = COMPUTE_DTYPES.get(precision, torch.float32)
+    if ft.method == "qlora":
+        _quantize_decoder_linears(model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+        if p.is_floating_point() and p.dtype != compute:
+            p.data = p.data.to(compute)
+    targets = ft.target_modules if isinstance(ft.target_modules, str) else list(ft.target_modules)
+    config = LoraConfig(r=ft.r, lora_dropout=ft.dropout, target_modules=targets, bias="none")
+    model = get_peft_model(model, config)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+            p.requires_grad_(True)
+    return model
+
+
+def _quantize_decoder_linears(model: nn.Module) -> None:
+    import bitsandbytes as bnb
+
+    from trainer.model import decoder_layers
+
+    nf4 = dict(compress_statistics=True, quant_type="nf4", quant_storage=torch.bfloat16)
+    for layer in decoder_layers(model):
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not nn.Linear:
+                    continue
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features,
+                                      bias=child.bias is not None,
+                                      compute_dtype=torch.bfloat16, **nf4)  # fmt: skip
+                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, **nf4)
+                if child.bias is not None:
+                    q.bias = nn.Parameter(child.bias.data, requires_grad=False)
+                setattr(parent, name, q.to(child.weight.device))
+
+
+def _optimizer(model: nn.Module, ft: Finetune) -> torch.optim.Optimizer:
+    """The engine's optimizer over what trains: fused AdamW, or bitsandbytes' AdamW8bit."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if ft.optimizer == "adamw":
+        return build_adamw(trainable, _SPEC)
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(trainable, lr=_SPEC.lr, betas=_SPEC.betas, eps=_SPEC.eps,
+                               weight_decay=_SPEC.weight_decay)  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -225,6 +225,14 @@ def build_factory(inner: Any, cfg: JobConfig) -> Any:
     return inner if not trains_adapters(cfg) else FinetuneFactory(inner, cfg)
 
 
+def describe_method(cfg: JobConfig, model: nn.Module) -> str:
+    """For the start line: ' (lora: 1,234 trainable)', or '' for a full fine-tune."""
+    if not trains_adapters(cfg):
+        return ""
+    num = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
+    return f" ({cfg.finetune.method}: {num:,} trainable)"
+
+
 def build_optimizer(params: list[nn.Parameter], optim: Any) -> torch.optim.Optimizer:
     """AdamW over the parameters that train: torch's fused fp32 AdamW, or bitsandbytes'
     AdamW8bit (8-bit moments in blocks of 256 with an fp32 scale each; tensors under 4096

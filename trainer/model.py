@@ -12,6 +12,7 @@ from torch import nn
 
 from trainer.config import ConfigError, ModelConfig
 from trainer.offload import ActivationOffload
+from trainer.pretrained import SafetensorsCheckpoint, resolve_checkpoint
 from trainer.strategies import checkpointed_layers
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,17 @@ class HFModelFactory:
 
     def initial_state_dict(self) -> dict[str, torch.Tensor]:
         return self._initial_state
+
+    def pretrained_checkpoint(self) -> SafetensorsCheckpoint | None:
+        """The safetensors files of `model.name_or_path`, which sharded rungs read per rank
+        (`trainer.pretrained`); None for random init or weights in another format."""
+        if self.model_cfg.name_or_path is None:
+            return None
+        if not hasattr(self, "_checkpoint"):
+            self._checkpoint = resolve_checkpoint(
+                self.model_cfg.name_or_path, self.model_cfg.revision
+            )
+        return self._checkpoint
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from launcher.activations import trace_layer_activations
+from launcher.activations import saved_activations
 from launcher.cli import main
 from launcher.estimate import _Micro, analytic_layer_bytes
 from launcher.model_shape import _shape_of
@@ -80,6 +80,8 @@ def test_gpt_neox_trains_with_every_planning_key_forced(tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     losses = _losses(tmp_path)
     assert len(losses) == 4 and losses[-1] < losses[0]
+    reasons = json.loads((tmp_path / "run" / "plan.json").read_text())["reasons"]
+    assert any("conservative bound" in r and "nothing to choose" in r for r in reasons), reasons
 
 
 def test_an_untraceable_block_plans_from_a_conservative_bound(tmp_path, capsys):
@@ -106,11 +108,12 @@ def test_a_model_without_an_estimate_trains_when_forced_and_is_refused_in_one_li
     assert len(_losses(tmp_path)) == 2
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_the_trace_of_a_known_block_agrees_with_its_analytic_model(precision):
-    """The analytic fast path and the generic measurement, on the same llama layer."""
+def test_the_trace_of_a_known_block_agrees_with_its_analytic_model():
+    """The analytic fast path and the generic measurement, on the same llama layer, under
+    autocast and FSDP's 16-bit parameters."""
     shape = _shape_of(json.dumps(LLAMA, sort_keys=True))
-    measured = trace_layer_activations(LLAMA, 512, precision)
+    measured = saved_activations(LLAMA, 512, "bf16")
+    assert set(measured.fits) == {"autocast", "lowp"}
     for mode, fit in measured.fits.items():
         c = 4 if mode == "fp32" else 2
         for b, s in ((1, 512), (4, 2048)):

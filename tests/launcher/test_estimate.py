@@ -118,6 +118,20 @@ def test_the_8b_model_states_on_the_rungs_are_what_the_docs_say():
     assert offload.host_breakdown["optimizer"] == 2 * (12 * n // 2)  # two ranks on the node
 
 
+def test_loading_pretrained_weights_holds_a_full_copy_only_on_replicas():
+    """Host memory for the initial weights on a node of 8: each replica builds the fp32 model
+    (4N per rank); a sharded rung's ranks read their parts from the safetensors, one tensor in
+    flight each (the 128k x 4096 embedding, 2 GiB in fp32); zero3_nvme builds it on rank 0."""
+    shape = _llama_8b()
+    n = shape.num_params
+    rungs = ("ddp", "zero2", "fsdp", "zero3", "fsdp_offload", "zero3_nvme")
+    host = {s: _estimate(shape, s, 8).host_breakdown["initial_weights"] for s in rungs}
+    assert host["ddp"] == host["zero2"] == 8 * 4 * n
+    embedding = 4 * shape.vocab_size * shape.hidden_size
+    assert host["fsdp"] == host["zero3"] == host["fsdp_offload"] == 8 * embedding
+    assert host["zero3_nvme"] == 8 * n
+
+
 def test_the_8b_on_8x80_gib_under_fsdp_peaks_at_the_loss_gradient():
     """2N/W of model states (15 GiB), then the loss: 16-bit logits, their fp32 copy and
     cross-entropy's gradient for 2 x 4096 tokens x 128k vocabulary."""

@@ -220,3 +220,28 @@ def test_a_forced_rung_that_does_not_fit_says_which_method_would(capsys):
     assert rc == 0, err
     why = out.split("why:")[1].split("rungs:")[0]
     assert "forced by the config" in why and "finetune.method=lora would fit on single" in why
+
+
+def test_the_cost_model_counts_adapter_matmuls_and_dequantisation():
+    """LoRA skips the frozen weights' gradients (4N + 6A FLOPs per token, not 6N); QLoRA adds a
+    memory-bound dequantisation of every 4-bit weight per pass, which a smaller micro-batch
+    repeats more often; only the adapters' gradients are reduced across ranks."""
+    from launcher.hardware import detect_hardware
+    from launcher.plan import step_time_s
+    from trainer import strategies
+    from trainer.config import load_config
+
+    def seconds(method: str, micro: int = 1, strategy: str = "single", ranks: int = 1) -> float:
+        cfg = load_config(PRESET_8B, [f"finetune.method={method}", "data.seq_len=2048",
+                                      f"hardware.devices_per_node={ranks}",
+                                      "hardware.device_memory=24GiB"])  # fmt: skip
+        shape, hw = model_shape(cfg.model), detect_hardware(cfg.hardware)
+        return step_time_s(shape, strategies.row(strategy), hw, cfg, micro, "none")
+
+    full, lora, qlora = seconds("full"), seconds("lora"), seconds("qlora")
+    assert 0.65 < lora / full < 0.72  # (4N + 6A + attention) / (6N + attention)
+    assert lora < qlora < 1.05 * lora
+    assert seconds("qlora", micro=8) - seconds("lora", micro=8) < (qlora - lora) / 4
+    # ddp x8 all-reduces the adapters' gradients only: no slower than one device's share
+    assert seconds("lora", strategy="ddp", ranks=8) < 1.002 * lora / 8
+    assert seconds("full", strategy="ddp", ranks=8) > 1.01 * full / 8

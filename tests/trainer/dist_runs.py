@@ -26,6 +26,7 @@ class Run:
     # "backoff" (an injected OOM at step 3 halves the micro-batch; losses within 1e-5 of
     # `against` from step 3 on), "resume" (steps 5-10 and the moments equal `against`'s),
     # "levers" (the memory levers on: losses within 1e-6 of the same rung with them off),
+    # "pretrained" (step 1's loss within 1e-5 of `against`'s),
     # "learns" (the loss falls: QLoRA, whose 4-bit base no other run shares)
     check: str | None = None
     against: str = "single_fp32"
@@ -51,18 +52,39 @@ def _oom(name: str, strategy: str, where: str, against: str) -> Run:
 
 
 NVME = "deepspeed.nvme_path={work}/nvme_swap"
+# from the model test_distributed.py saves with save_pretrained (sharded safetensors, tied
+# embeddings): one step, whose loss is the pretrained model's loss on the first batch
+PRETRAINED = ("model.name_or_path={work}/pretrained", "model.config=null", "train.steps=1")
+_SMALL = (
+    "vocab_size: 45, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, "
+    "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 256, pad_token_id: 0, "
+    "bos_token_id: 1, eos_token_id: 2"
+)
+MODELS = {  # inline HF configs as `model.config=` overrides
+    "gemma3_text": "{model_type: gemma3_text, " + _SMALL + ", intermediate_size: 64, "
+    "sliding_window: 16, layer_types: [sliding_attention, full_attention]}",
+    "qwen3_moe": "{model_type: qwen3_moe, " + _SMALL + ", intermediate_size: 64, "
+    "moe_intermediate_size: 32, num_experts: 4, num_experts_per_tok: 2}",
+}
 # LoRA (trainer/finetune.py): adapters on every linear layer of the blocks, a frozen base
 LORA = ("finetune.method=lora", "finetune.lora.r=4", "finetune.lora.alpha=8")
 RUNS: tuple[Run, ...] = (
     # one process: the references
     Run("single_fp32", ("run.checkpoint_every=4",), world_size=1),
     Run("single_bf16", ("precision=bf16",), world_size=1),
+    # transformers' own from_pretrained: the reference of the per-rank loads below
+    Run("single_pretrained", PRETRAINED, world_size=1),
     Run("single_lora_fp32", (*LORA, "run.checkpoint_every=4"), world_size=1),
     # each decoder layer torch.compiled inside its (selective) checkpoint wrapper
     Run("single_compiled", ("train.compile=true", "memory.activation_checkpointing=selective"),
         world_size=1, check="fp32"),
     # two processes: every backend against one process
     Run("ddp_fp32", ("strategy=ddp",), check="fp32"),
+    # each rank reads its FSDP shard / ZeRO-3 partition from the safetensors files
+    Run("fsdp_pretrained", ("strategy=fsdp", *PRETRAINED), check="pretrained",
+        against="single_pretrained"),
+    Run("zero3_pretrained", ("strategy=zero3", *PRETRAINED), check="pretrained",
+        against="single_pretrained"),
     Run("fsdp_fp32", ("strategy=fsdp", *EVERY_2), check="fp32"),
     Run("fsdp_offload_fp32", ("strategy=fsdp_offload",), check="fp32"),
     # gradients reduce-scattered after each of the 2 micro-batches, accumulated sharded
@@ -103,6 +125,17 @@ RUNS: tuple[Run, ...] = (
         _oom(f"{strategy}_oom_{where}", strategy, where, against=f"{strategy}_fp32")
         for strategy in ("zero2", "zero3")
         for where in ("backward", "optimizer")
+    ),
+    # architectures other than the base llama (issue 16): sliding/global attention with a
+    # non-persistent embedding scale, and a mixture of experts
+    *(
+        run
+        for name, config in MODELS.items()
+        for run in (
+            Run(f"single_{name}", (f"model.config={config}",), world_size=1),
+            Run(f"fsdp_{name}", ("strategy=fsdp", f"model.config={config}"), check="fp32",
+                against=f"single_{name}"),
+        )
     ),
     Run("zero1_fp32", ("strategy=zero1",), check="fp32"),
     Run("zero2_fp32", ("strategy=zero2", *EVERY_2), check="fp32"),

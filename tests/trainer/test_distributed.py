@@ -23,7 +23,8 @@ import torch
 from tests.conftest import PYTHON, REPO, python_env, run_bounded, write_demo_job
 from tests.trainer.dist_runs import RESUME_AT, RUNS, STEPS, checked
 
-pytestmark = pytest.mark.slow
+# the first test pays for the module's runs (the fixture): every training of dist_runs.py
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 DEMO = REPO / "configs" / "demo"
 
 
@@ -79,10 +80,38 @@ def _needs_nvme(name: str) -> None:
         pytest.skip("DeepSpeed's async_io op cannot be built here: install libaio-dev")
 
 
+# hidden 1024, MLP 2048, 4 layers, 8 heads (4 for k/v): 37.8 M parameters, 151 MB in fp32;
+# the largest tensor (an MLP projection) 8 MB; vocabulary of the demo tokenizer, tied embeddings
+PRETRAINED_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 45,
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+
+
+def save_pretrained_model(path: Path) -> None:
+    """A model as `save_pretrained` writes it, in three safetensors shards with an index, from
+    another seed than the runs' random init (so a run that ignored the weights would show)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    params = {k: v for k, v in PRETRAINED_CONFIG.items() if k != "model_type"}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**params), dtype=torch.float32)
+    model.save_pretrained(path, max_shard_size="60MB")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("dist")
     base = _base_config(work)
+    save_pretrained_model(work / "pretrained")
     one_process = [run for run in RUNS if run.world_size == 1]
     for run in one_process:
         if run.copy_from is None:
@@ -93,7 +122,7 @@ def runs(tmp_path_factory) -> Path:
         [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(REPO / "tests" / "trainer" / "dist_worker.py"), str(base), str(work),
          ",".join(skip)],
-        env=python_env(), cwd=REPO, timeout=600,
+        env=python_env(), cwd=REPO, timeout=1200,
     )  # fmt: skip
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     left = {p.pid for p in psutil.Process().children(recursive=True)} - before
@@ -108,7 +137,8 @@ def runs(tmp_path_factory) -> Path:
 
 
 def _single_run(base: Path, work: Path, run) -> None:
-    log = _single(base, work / run.name, *run.overrides)
+    overrides = [o.replace("{work}", str(work)) for o in run.overrides]
+    log = _single(base, work / run.name, *overrides)
     (work / run.name / "stderr.txt").write_text(log)
 
 
@@ -121,6 +151,27 @@ def test_fp32_losses_match_one_process(runs, run):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: {run.name} {a} vs {run.against} {b}"
     assert got[-1] < got[0]
     assert all(m["world_size"] == run.world_size for m in _metrics(runs / run.name))
+
+
+@pytest.mark.parametrize("run", checked("pretrained"), ids=lambda run: run.name)
+def test_pretrained_weights_read_per_rank_give_the_pretrained_loss(runs, run):
+    """Fine-tuning from a saved model on two ranks, each reading only its FSDP shard / ZeRO-3
+    partition from the safetensors: step 1's loss is the loss of transformers' from_pretrained
+    model on that batch (the single run), not a random init's."""
+    (got,), (want,) = _losses(runs / run.name), _losses(runs / run.against)
+    assert abs(got - want) <= 1e-5 * want, (got, want)
+    assert abs(_losses(runs / "single_fp32")[0] - want) > 1e-3  # the weights made a difference
+    loads = [json.loads((runs / run.name / f"load_rank{r}.json").read_text()) for r in (0, 1)]
+    total = 4 * 37_804_032  # parameters of PRETRAINED_CONFIG, fp32
+    assert all(0.45 * total <= load["held_bytes"] <= 0.55 * total for load in loads), loads
+
+
+def test_rank0_loading_its_fsdp_shard_stays_below_shard_plus_largest_tensor(runs):
+    """Rank 0's resident set while reading its shard (75 MB of a 151 MB model) grows by less
+    than the shard plus the largest tensor: no full copy of the model on any rank."""
+    load = json.loads((runs / "fsdp_pretrained" / "load_rank0.json").read_text())
+    growth = load["rss_peak_bytes"] - load["rss_before_bytes"]
+    assert growth <= load["held_bytes"] + load["largest_tensor_bytes"], load
 
 
 LEVER_RUNS = [(run.name, run.against) for run in checked("levers")]

@@ -6,14 +6,51 @@ import subprocess
 
 import torch
 
-from tests.conftest import PYTHON, REPO, python_env
-from tests.trainer.test_step import _backend, _global_batch, _split
+from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env
+from tests.trainer.test_step import SEQ, _backend, _global_batch, _split
+from trainer.backends import BackendContext, OptimizerSpec, build_backend
 from trainer.checkpoint import Checkpointer
+from trainer.config import build_config
+from trainer.model import HFModelFactory
 from trainer.step import train_step
 
 
 def test_export_reproduces_the_trained_logits(tmp_path):
-    model, backend = _backend(tmp_path, micro=2, accum=2)
+    _trained_export_matches(tmp_path, *_backend(tmp_path, micro=2, accum=2))
+
+
+def test_export_of_a_model_fine_tuned_from_pretrained_weights_reproduces_its_logits(tmp_path):
+    """`model.name_or_path` a saved model with tied embeddings (what transformers' loading and
+    export must agree on): the exported directory gives the engine model's logits."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    params = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    torch.manual_seed(7)
+    pretrained = AutoModelForCausalLM.from_config(
+        LlamaConfig(**{**params, "tie_word_embeddings": True}), dtype=torch.float32
+    )
+    pretrained.save_pretrained(tmp_path / "pretrained")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "x"}\n')
+    cfg = build_config(
+        {
+            "model": {"name_or_path": str(tmp_path / "pretrained"), "tokenizer": str(tmp_path)},
+            "data": {"path": str(data), "seq_len": SEQ},
+            "train": {"global_batch_size": 4, "micro_batch_size": 2},
+            "strategy": "single",
+        }
+    )
+    ctx = BackendContext(cfg, torch.device("cpu"), 0, 0, 1, "fp32", "none", 2, 2)
+    backend = build_backend("single", ctx)
+    optim = OptimizerSpec(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0)
+    model = backend.setup(HFModelFactory(cfg.model, seed=0), optim)
+    with torch.no_grad():  # the engine starts from the saved weights
+        want = pretrained(input_ids=_global_batch()["input_ids"]).logits
+        assert torch.equal(model(input_ids=_global_batch()["input_ids"]).logits, want)
+    _trained_export_matches(tmp_path, model, backend)
+
+
+def _trained_export_matches(tmp_path, model, backend) -> None:
     batch = _global_batch()
     for _ in range(2):
         train_step(model, backend, _split(batch, 2), torch.device("cpu"))

@@ -37,6 +37,7 @@ def _job(tmp: Path, name: str, **sections) -> Path:
 def _train(job: Path, run_dir: Path, *overrides: str) -> None:
     r = oomless("train", str(job), "strategy=single", f"run.dir={run_dir}", *overrides)
     assert r.returncode == 0, r.stderr[-3000:]
+    (run_dir / "stderr.txt").write_text(r.stderr)
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -75,6 +76,9 @@ def test_lora_trains_and_its_checkpoint_holds_only_the_adapters(runs):
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.05, losses
     lora, full = runs / "lora" / "checkpoints" / "step_2", runs / "full" / "checkpoints" / "step_1"
     assert _bytes(lora) < 0.05 * _bytes(full), (_bytes(lora), _bytes(full))
+    # the start line says what trains: 7 linear layers x 2 blocks, r=2 (WIDE: 256 -> 256, 128,
+    # 128, 256; 256 -> 512, 512; 512 -> 256)
+    assert "params (lora: 16,384 trainable)" in (runs / "lora" / "stderr.txt").read_text()
     state = json.loads((lora / "trainer_state.json").read_text())
     assert state["base"]["source"] == "inline config" and len(state["base"]["fingerprint"]) == 16
 

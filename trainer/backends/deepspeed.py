@@ -37,8 +37,9 @@ from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
 from trainer.backends.common import device_memory_stats, reset_device_peak, trained_params
 from trainer.backends.deepspeed_config import build_deepspeed_config
 from trainer.config import ConfigError
-from trainer.dist import all_reduce_max, all_reduce_sum
+from trainer.dist import after_rank0, all_reduce_max, all_reduce_sum
 from trainer.model import apply_activation_checkpointing
+from trainer.pretrained import load_per_rank, load_zero3_partitions
 
 log = logging.getLogger(__name__)
 
@@ -133,13 +134,21 @@ class DeepSpeedBackend:
         adapt = getattr(factory, "adapt", None)  # LoRA: adapters (not partitioned yet) on top
         if adapt is not None:
             model = adapt(model)
-        full = factory.initial_state_dict() if self.ctx.rank == 0 else {}
+        model.config.use_cache = False
+        if not self.rung.needs_nvme and load_per_rank(
+            model, factory, load_zero3_partitions, self.ctx, "ZeRO-3 partitions"
+        ):
+            return model
+        full = after_rank0(
+            "building the initial weights",
+            factory.initial_state_dict,
+            clock_s=self.ctx.cfg.dist.timeout_s,
+        )
         for name, param in model.named_parameters():
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 if self.ctx.rank == 0:
                     with torch.no_grad():
                         param.copy_(full[name])
-        model.config.use_cache = False
         return model
 
     def _optimizer(self, model: nn.Module, optim: OptimizerSpec) -> torch.optim.Optimizer:

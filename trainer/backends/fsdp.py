@@ -2,8 +2,10 @@
 
 torchtitan's order: build on the meta device, apply activation checkpointing, shard each decoder
 layer and then the root, materialise only this rank's shards (`to_empty`), then load the initial
-weights with `set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`: rank 0 alone
-reads the full weights and sends every rank its shard, so no other rank ever holds the full model.
+weights: pretrained safetensors are read by each rank, its own rows only (`trainer.pretrained`);
+random init (and weights in other formats) with `set_model_state_dict(full_state_dict=True,
+broadcast_from_rank0=True)`: rank 0 alone builds the full weights and sends every rank its shard,
+so no other rank ever holds the full model.
 Mixed precision is `MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)` over fp32
 sharded parameters (no autocast). `fsdp_offload` keeps parameters, gradients and the AdamW step
 on the host (`CPUOffloadPolicy`; pinned memory only with an accelerator). `fsdp.hybrid: true`
@@ -39,12 +41,14 @@ from trainer.backends.common import (
     reset_device_peak,
     trained_params,
 )
+from trainer.dist import after_rank0
 from trainer.model import (
     apply_activation_checkpointing,
     apply_compile,
     canonical_name,
     decoder_layers,
 )
+from trainer.pretrained import load_fsdp_shards, load_per_rank
 
 
 class FsdpBackend:
@@ -70,12 +74,17 @@ class FsdpBackend:
         )
         model.to_empty(device="cpu" if self.offload else ctx.device)
         _rebuild_buffers(model, ctx.device if not self.offload else torch.device("cpu"))
-        full = factory.initial_state_dict() if ctx.rank == 0 else {}
-        set_model_state_dict(
-            model,
-            full,
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-        )
+        if not load_per_rank(model, factory, load_fsdp_shards, ctx, "FSDP shards"):
+            full = after_rank0(
+                "building the initial weights",
+                factory.initial_state_dict,
+                clock_s=ctx.cfg.dist.timeout_s,
+            )
+            set_model_state_dict(
+                model,
+                full or {},
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            )
         model.train()
         self.model = model
         self.optimizer = build_adamw(model.parameters(), optim)  # on the shards' device

@@ -1,0 +1,332 @@
+"""Pretrained weights read per rank from safetensors files: each rank reads only what it holds.
+
+A sharded rung builds its model on the meta device and materialises only its own part (FSDP2: a
+DTensor's local rows along dim 0; ZeRO-3: a parameter's flat partition). Here each rank reads those
+bytes straight from the checkpoint's safetensors files (`model.safetensors`, or the shards that
+`model.safetensors.index.json` maps) into its parameters, converting to the dtype it keeps (fp32
+master weights): no rank holds the whole model, none holds a second copy, and none waits for
+another (no collective runs while loading). The file format is read directly (an 8-byte header
+length, a JSON header of dtype, shape and byte offsets, then the data), with plain `readinto` into
+the parameter's memory, not an mmap whose touched pages would stay in the process's resident set.
+
+Names: a parameter named as in the HF model is looked up as is, then without / with the base
+model's prefix (`model.`); a tied `lm_head.weight` is the embedding (one parameter). A checkpoint
+this cannot map completely (.bin files, renamed or missing keys, other shapes) makes the caller
+fall back to transformers' own loading on rank 0 and a broadcast, with one log line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # of the tensor's first byte in the file
+
+
+class SafetensorsCheckpoint:
+    """The tensors of a safetensors checkpoint directory, by name: headers only until read."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        index = directory / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = [SINGLE_FILE]
+        self.entries: dict[str, _Entry] = {}
+        for name in files:
+            self.entries.update(_read_header(directory / name))
+
+    @staticmethod
+    def find(directory: Path) -> SafetensorsCheckpoint | None:
+        """The checkpoint in `directory`, or None where it holds no safetensors weights."""
+        if (directory / INDEX_FILE).is_file() or (directory / SINGLE_FILE).is_file():
+            return SafetensorsCheckpoint(directory)
+        return None
+
+    def read(self, key: str, out: torch.Tensor, start: int = 0) -> int:
+        """Fill `out` with the tensor's elements from flat index `start` on (row-major), converted
+        to `out`'s dtype; returns the bytes read. Rows along dim 0 and ZeRO's flat partitions are
+        both one contiguous run of the file."""
+        entry = self.entries[key]
+        count = out.numel()
+        itemsize = torch.empty((), dtype=entry.dtype).element_size()
+        direct = out.device.type == "cpu" and out.dtype == entry.dtype and out.is_contiguous()
+        buffer = out if direct else torch.empty(count, dtype=entry.dtype)
+        view = memoryview(buffer.detach().view(-1).view(torch.uint8).numpy())
+        with open(entry.file, "rb", buffering=0) as f:
+            f.seek(entry.offset + start * itemsize)
+            done = 0
+            while done < len(view):
+                got = f.readinto(view[done:])
+                if not got:
+                    raise OSError(f"{entry.file}: {key} ends early")
+                done += got
+        if not direct:
+            with torch.no_grad():
+                out.copy_(buffer.view(out.shape))
+        return count * itemsize
+
+
+def _read_header(path: Path) -> dict[str, _Entry]:
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    base = 8 + size
+    return {
+        key: _Entry(path, _DTYPES[v["dtype"]], tuple(v["shape"]), base + v["data_offsets"][0])
+        for key, v in header.items()
+    }
+
+
+@dataclass
+class LoadStats:
+    """What one rank's load read and cost; written to `run.dir/load_rank{R}.json`."""
+
+    seconds: float = 0.0
+    read_bytes: int = 0  # from the files
+    held_bytes: int = 0  # this rank's part, in the dtype it keeps
+    largest_tensor_bytes: int = 0  # of the whole model, fp32
+    rss_before_bytes: int = 0
+    rss_peak_bytes: int = 0  # the process's resident high-water mark while loading
+
+
+def checkpoint_keys(model: nn.Module, ckpt: SafetensorsCheckpoint) -> dict[str, str] | None:
+    """Model state name -> checkpoint key, for every parameter and persistent buffer of the
+    (meta or materialised) model, with wrappers' prefixes removed; None if any cannot be mapped
+    to a tensor of the same shape."""
+    from trainer.model import canonical_name
+
+    prefix = getattr(model, "base_model_prefix", "") or "model"
+    wanted = {canonical_name(n): _global_shape(t) for n, t in _state_tensors(model)}
+    keys = {}
+    for name, shape in wanted.items():
+        candidates = [name, name.removeprefix(f"{prefix}."), f"{prefix}.{name}"]
+        key = next((k for k in candidates if k in ckpt.entries), None)
+        if key is None or ckpt.entries[key].shape != shape:
+            log.info("pretrained: %s has no tensor of shape %s in the safetensors", name, shape)
+            return None
+        keys[name] = key
+    return keys
+
+
+def _global_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The whole tensor's shape: a ZeRO-3 parameter is empty outside its gathers."""
+    return tuple(getattr(tensor, "ds_shape", None) or tensor.shape)
+
+
+def _state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters (a tied one once) and persistent buffers: what a state dict must fill."""
+    tensors: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                tensors.append((f"{module_name}.{name}" if module_name else name, buf))
+    return tensors
+
+
+def load_fsdp_shards(model: nn.Module, ckpt: SafetensorsCheckpoint) -> LoadStats | None:
+    """Fill an FSDP2-sharded model (after `to_empty`) from the checkpoint: each rank reads its
+    local rows of every parameter. None (nothing read) if the checkpoint does not map onto it or a
+    placement is not a dim-0 shard."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    keys = checkpoint_keys(model, ckpt)
+    if keys is None:
+        return None
+    plan = []
+    for name, tensor in _state_tensors(model):
+        local, start = tensor.detach(), 0
+        if isinstance(tensor, DTensor) and tensor.dim():
+            rows, stop = tensor.shape[0], tensor.shape[0]
+            local = tensor.to_local().detach()
+            for dim, placement in enumerate(tensor.placements):
+                if placement.is_replicate():
+                    continue
+                if placement != Shard(0) or (start, stop) != (0, rows):
+                    return None  # another layout than FSDP2's: let the broadcast place it
+                chunk = -(-rows // tensor.device_mesh.size(dim))
+                start = min(rows, chunk * tensor.device_mesh.get_local_rank(dim))
+                stop = min(rows, start + chunk)
+            if tuple(local.shape) != (stop - start, *tensor.shape[1:]):
+                return None
+            start *= tensor[0].numel()
+        elif isinstance(tensor, DTensor):
+            local = tensor.to_local().detach()
+        plan.append((keys[_canonical(name)], local, start))
+    return _timed_load(ckpt, plan, model)
+
+
+def load_zero3_partitions(model: nn.Module, ckpt: SafetensorsCheckpoint) -> LoadStats | None:
+    """Fill a model built under `deepspeed.zero.Init` from the checkpoint: each rank reads the
+    flat partition of every parameter it owns (`ds_tensor`; rank r holds elements
+    [r * partition, (r + 1) * partition) of the flattened tensor, the last one padded). None if
+    the checkpoint does not map onto the model."""
+    import torch.distributed as dist
+
+    keys = checkpoint_keys(model, ckpt)
+    if keys is None:
+        return None
+    plan = []
+    for name, tensor in _state_tensors(model):
+        part = getattr(tensor, "ds_tensor", None)
+        if part is None:  # a buffer: every rank holds it whole
+            plan.append((keys[_canonical(name)], tensor.data, 0))
+            continue
+        size = part.ds_numel
+        start = min(tensor.ds_numel, size * dist.get_rank(group=tensor.ds_process_group))
+        count = min(size, tensor.ds_numel - start)
+        flat = part.data.view(-1)
+        flat[count:].zero_()
+        plan.append((keys[_canonical(name)], flat[:count], start))
+    return _timed_load(ckpt, plan, model)
+
+
+def _canonical(name: str) -> str:
+    from trainer.model import canonical_name
+
+    return canonical_name(name)
+
+
+def _timed_load(
+    ckpt: SafetensorsCheckpoint, plan: list[tuple[str, torch.Tensor, int]], model: nn.Module
+) -> LoadStats:
+    stats = LoadStats(rss_before_bytes=_rss_bytes())
+    _reset_rss_peak()
+    start = time.perf_counter()
+    for key, out, first in plan:
+        if out.numel():
+            stats.read_bytes += ckpt.read(key, out, first)
+        stats.held_bytes += out.numel() * out.element_size()
+    stats.seconds = time.perf_counter() - start
+    stats.rss_peak_bytes = max(_rss_peak_bytes(), stats.rss_before_bytes)
+    stats.largest_tensor_bytes = max(
+        (4 * math.prod(_global_shape(t)) for _, t in _state_tensors(model)), default=0
+    )
+    return stats
+
+
+def report_load(stats: LoadStats, rank: int, run_dir: Path | None, what: str) -> None:
+    """One log line from rank 0, and every rank's numbers in `run_dir/load_rank{R}.json`."""
+    if rank == 0:
+        log.info(
+            "pretrained weights: each rank read its %s from the safetensors files (rank 0: "
+            "%.2f GiB in %.1f s, host peak +%.2f GiB)",
+            what,
+            stats.read_bytes / 2**30,
+            stats.seconds,
+            (stats.rss_peak_bytes - stats.rss_before_bytes) / 2**30,
+        )
+    if run_dir is not None and run_dir.is_dir():
+        (run_dir / f"load_rank{rank}.json").write_text(json.dumps(asdict(stats)) + "\n")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+def _rss_bytes() -> int:
+    try:
+        return _status_kib("VmRSS:") * 1024
+    except OSError:
+        return 0
+
+
+def _rss_peak_bytes() -> int:
+    try:
+        return _status_kib("VmHWM:") * 1024
+    except OSError:
+        return 0
+
+
+def _reset_rss_peak() -> None:
+    """Linux: set the resident high-water mark (VmHWM) to the current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def resolve_checkpoint(name_or_path: str, revision: str | None) -> SafetensorsCheckpoint | None:
+    """The safetensors checkpoint of a local model directory or a Hub id (its files fetched into
+    the Hub cache, or found there offline); None where there are none (e.g. .bin files)."""
+    local = Path(name_or_path).expanduser()
+    if local.is_dir():
+        return SafetensorsCheckpoint.find(local)
+    try:
+        from huggingface_hub import snapshot_download
+
+        directory = snapshot_download(
+            name_or_path,
+            revision=revision,
+            allow_patterns=[SINGLE_FILE, INDEX_FILE, "model-*.safetensors"],
+        )
+    except Exception as err:  # noqa: BLE001 - any failure here means: let transformers try
+        log.debug("no safetensors for %s: %s", name_or_path, err)
+        return None
+    return SafetensorsCheckpoint.find(Path(directory))
+
+
+def load_per_rank(
+    model: nn.Module, factory: Any, loader: Callable[..., LoadStats | None], ctx: Any, what: str
+) -> bool:
+    """Fill the sharded `model` with `loader` (`load_fsdp_shards`, `load_zero3_partitions`)
+    from the factory's pretrained safetensors; False (nothing read) for random init or where the
+    checkpoint cannot be read this way, said in one line: the caller then broadcasts."""
+    source = getattr(factory, "model_cfg", None)  # None: another factory (LoRA's adapters)
+    name = getattr(source, "name_or_path", None)
+    if name is None or not hasattr(factory, "pretrained_checkpoint"):
+        return False
+    ckpt = factory.pretrained_checkpoint()
+    stats = loader(model, ckpt) if ckpt is not None else None
+    if stats is None:
+        if ctx.rank == 0:
+            why = "no safetensors weights" if ckpt is None else "keys or a layout not read per rank"
+            log.info(
+                "model.name_or_path: %s in %s: rank 0 loads the whole model with transformers "
+                "and sends each rank its part",
+                why,
+                name,
+            )
+        return False
+    report_load(stats, ctx.rank, Path(ctx.cfg.run.dir), what)
+    return True
