@@ -103,7 +103,7 @@ def main() -> None:
         ours = pool.submit(OomlessLora, Path(tmp), args, device).result()
         trainer = HFTrainerStepper(args, device, Path(tmp) / "hf", model=peft_model(args))
         runs: dict[str, Any] = {
-            "oomless_lora": lambda n: pool.submit(ours.run, batches, n).result(),
+            "oomless": lambda n: pool.submit(ours.run, batches, n).result(),
             "peft_trainer": trainer.run,
         }
         for run in runs.values():
@@ -117,7 +117,7 @@ def main() -> None:
         pool.shutdown()
     tokens = args.micro * args.accum * args.seq
     med = {name: s / args.steps for name, s in medians(times).items()}
-    ratio, q1, q3 = paired_ratio(times["oomless_lora"], times["peft_trainer"])
+    ratio, q1, q3 = paired_ratio(times["oomless"], times["peft_trainer"])
     result = {
         "machine": machine(),
         "model": args.model,
@@ -132,14 +132,14 @@ def main() -> None:
         "round_s": times,
         "median_step_s": med,
         "tokens_per_s": {name: tokens / s for name, s in med.items()},
-        "oomless_over_trainer": med["oomless_lora"] / med["peft_trainer"],
+        "oomless_over": {"peft_trainer": med["oomless"] / med["peft_trainer"]},
         "paired_ratio": {"median": ratio, "q1": q1, "q3": q3},
     }
     print(
         f"LoRA r={args.r} on single, {args.model}, {args.precision}, micro {args.micro} x accum "
         f"{args.accum}, seq {args.seq}: "
         + ", ".join(f"{n} {t:,.0f} tok/s" for n, t in result["tokens_per_s"].items())
-        + f"; oomless step time / peft + Trainer {result['oomless_over_trainer']:.3f} "
+        + f"; oomless step time / peft + Trainer {result['oomless_over']['peft_trainer']:.3f} "
         f"(paired {ratio:.3f}, quartiles {q1:.3f}-{q3:.3f})"
     )
     if args.json:

@@ -31,7 +31,7 @@ def _run(argv: list[str], env: dict[str, str]) -> None:
 
 
 def run_benchmarks(quick: bool, precision: str, work: Path) -> dict[str, Any]:
-    rounds = {"single": 2, "fsdp": 2, "zero3": 2, "plan": 1} if quick else {}
+    rounds = {"single": 2, "lora": 2, "fsdp": 2, "zero3": 2, "plan": 1} if quick else {}
     quiet = {"PYTHONWARNINGS": "ignore"}
     two_ranks = quiet | {"OMP_NUM_THREADS": "1"}
     py = [sys.executable, "-m"]
@@ -41,6 +41,7 @@ def run_benchmarks(quick: bool, precision: str, work: Path) -> dict[str, Any]:
     steps = {
         "single": py
         + ["bench.engine_vs_plain", "--rounds", str(rounds.get("single", 36)), "--compile", *same],
+        "lora": py + ["bench.lora_vs_trainer", "--rounds", str(rounds.get("lora", 12)), *same],
         "fsdp": torchrun + ["bench.fsdp_vs_plain", "--rounds", str(rounds.get("fsdp", 24)), *same],
         "zero3_offload": torchrun
         + ["bench.zero3_vs_deepspeed", "--rounds", str(rounds.get("zero3", 12)), *same],
@@ -50,7 +51,8 @@ def run_benchmarks(quick: bool, precision: str, work: Path) -> dict[str, Any]:
     for name, argv in steps.items():
         out = work / f"{name}.json"
         start = time.perf_counter()
-        _run(argv + ["--json", str(out)], quiet if name in ("single", "plan") else two_ranks)
+        one_process = name in ("single", "lora", "plan")
+        _run(argv + ["--json", str(out)], quiet if one_process else two_ranks)
         results[name] = json.loads(out.read_text())
         results[name]["wall_s"] = round(time.perf_counter() - start, 1)
     return results
@@ -75,6 +77,10 @@ def markdown(results: dict[str, Any]) -> str:
             ("hf_trainer_compiled", "`single` + `train.compile` vs `Trainer` + `torch_compile`"),
         ):
             rows.append(_row(label, single, peer, "< 1.00", ours="oomless_compiled"))
+    if "lora" in results:  # LoRA (r=16, all-linear) against peft + the Trainer on the same job
+        rows.append(
+            _row("`single` LoRA vs peft + `Trainer`", results["lora"], "peft_trainer", "<= 1.00")
+        )
     rows.append(_row("`fsdp` x2 vs hand-written FSDP2", results["fsdp"], "plain", f"<= {TARGET}"))
     rows.append(
         _row(

@@ -40,7 +40,7 @@ from trainer.dist import (
 )
 from trainer.evaluate import evaluate
 from trainer.export import save_final_model
-from trainer.finetune import build_factory
+from trainer.finetune import build_factory, describe_method
 from trainer.gpus import peak_flops_for
 from trainer.levers import LEVER_NAMES, MemoryLevers, concrete_lever
 from trainer.logs import setup_logging
@@ -249,10 +249,11 @@ def _ended(code: int, trackers: Trackers, window: ProfileWindow) -> int:
 def _log_start(run: _Run, num_params: int) -> None:
     cfg, ctx = run.cfg, run.ctx
     log.info(
-        "%s: %s params, world %d, micro-batch %d x accumulation %d x %d ranks = global batch %d, "
+        "%s: %s params%s, world %d, micro-batch %d x accumulation %d x %d ranks = global batch %d, "
         "%s, activation checkpointing %s, chunked loss %s, activation offload %s%s",
         cfg.strategy,
         f"{num_params:,}",
+        describe_method(cfg, run.model),
         ctx.world_size,
         ctx.micro_batch_size,
         ctx.grad_accum,

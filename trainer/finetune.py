@@ -120,7 +120,8 @@ def apply_finetune(model: nn.Module, cfg: FinetuneConfig, precision: str, seed: 
         compute = COMPUTE_DTYPES[precision]
     for p in model.parameters():
         p.requires_grad_(False)
-        if p.is_floating_point() and p.dtype != compute:
+        # ZeRO-3 partitions (ds_id) stay fp32: DeepSpeed keeps and gathers them in fp32
+        if p.is_floating_point() and p.dtype != compute and not hasattr(p, "ds_id"):
             p.data = p.data.to(compute)
     lora = cfg.lora
     config = peft.LoraConfig(
@@ -222,6 +223,14 @@ class FinetuneFactory:
 def build_factory(inner: Any, cfg: JobConfig) -> Any:
     """The model factory of the run: `inner` itself for a full fine-tune."""
     return inner if not trains_adapters(cfg) else FinetuneFactory(inner, cfg)
+
+
+def describe_method(cfg: JobConfig, model: nn.Module) -> str:
+    """For the start line: ' (lora: 1,234 trainable)', or '' for a full fine-tune."""
+    if not trains_adapters(cfg):
+        return ""
+    num = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
+    return f" ({cfg.finetune.method}: {num:,} trainable)"
 
 
 def build_optimizer(params: list[nn.Parameter], optim: Any) -> torch.optim.Optimizer:

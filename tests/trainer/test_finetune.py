@@ -37,6 +37,7 @@ def _job(tmp: Path, name: str, **sections) -> Path:
 def _train(job: Path, run_dir: Path, *overrides: str) -> None:
     r = oomless("train", str(job), "strategy=single", f"run.dir={run_dir}", *overrides)
     assert r.returncode == 0, r.stderr[-3000:]
+    (run_dir / "stderr.txt").write_text(r.stderr)
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -75,6 +76,9 @@ def test_lora_trains_and_its_checkpoint_holds_only_the_adapters(runs):
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.05, losses
     lora, full = runs / "lora" / "checkpoints" / "step_2", runs / "full" / "checkpoints" / "step_1"
     assert _bytes(lora) < 0.05 * _bytes(full), (_bytes(lora), _bytes(full))
+    # the start line says what trains: 7 linear layers x 2 blocks, r=2 (WIDE: 256 -> 256, 128,
+    # 128, 256; 256 -> 512, 512; 512 -> 256)
+    assert "params (lora: 16,384 trainable)" in (runs / "lora" / "stderr.txt").read_text()
     state = json.loads((lora / "trainer_state.json").read_text())
     assert state["base"]["source"] == "inline config" and len(state["base"]["fingerprint"]) == 16
 
@@ -182,3 +186,17 @@ def test_every_rung_runs_lora_and_the_replicas_run_qlora_and_adamw_8bit():
     assert methods.supported_rungs("qlora") == ("single", "ddp")
     assert methods.supported_rungs("lora", "adamw_8bit") == ("single", "ddp")
     assert methods.method_support("zero3", "qlora").startswith("qlora: DeepSpeed")
+
+
+def test_the_planner_leaves_out_the_rungs_that_cannot_run_the_method(tmp_path):
+    """Escalation re-plans with the same method: the rungs that cannot run it are never chosen,
+    each with the engine's reason (trainer/methods.py)."""
+    job = _job(tmp_path, "plan", finetune={**LORA, "method": "qlora"}, precision="bf16")
+    r = oomless("plan", str(job), "hardware.devices_per_node=2", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads(r.stdout)
+    assert plan["strategy"] == "ddp"
+    why = {a["strategy"]: a["why_not"] for a in plan["alternatives"] if "change" not in a}
+    assert why["fsdp"] == methods.method_support("fsdp", "qlora")
+    assert why["fsdp"].startswith("qlora: FSDP2 shards the packed 4-bit weights")
+    assert why["zero3"].startswith("qlora: DeepSpeed ZeRO")
