@@ -125,6 +125,8 @@ class HFTrainerStepper:
 
     `Trainer.train()` runs in a thread; a callback parks it at the end of every step until the
     next `run(n)`, so only one side computes at any moment and the timed span holds whole steps.
+    The model and the Trainer are built in that thread too, as every other contender is built in
+    the thread it runs in (its weights in that thread's malloc arena, not the main thread's).
     """
 
     def __init__(
@@ -133,7 +135,7 @@ class HFTrainerStepper:
         device: torch.device,
         out_dir: Path,
         compile: bool = False,
-        model: torch.nn.Module | None = None,  # default: the plain HF model (bench.lora_vs_trainer)
+        build_model: Any = None,  # () -> model; default: the plain HF model (bench.lora_vs_trainer)
     ):
         from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -186,38 +188,42 @@ class HFTrainerStepper:
             seed=0,
             torch_compile=compile,
         )
-        self.trainer = Trainer(
-            model=model if model is not None else build_hf_model(args.model),
-            args=targs,
-            train_dataset=dataset,
-            callbacks=[Park()],
-        )
         self.optimizer_name = str(targs.optim)
         self._go, self._done = threading.Semaphore(0), threading.Semaphore(0)
         self._remaining = 0
         self._stop = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._train, daemon=True)
         # run in the Trainer's thread when it parks and resumes (bench.profile_vs_trainer)
         self.on_park: Any = lambda: None
         self.on_resume: Any = lambda: None
 
-    def _train(self) -> None:
+        def build() -> Any:
+            model = build_model() if build_model is not None else build_hf_model(args.model)
+            return Trainer(model=model, args=targs, train_dataset=dataset, callbacks=[Park()])
+
+        self._thread = threading.Thread(target=self._build_then_train, args=(build,), daemon=True)
+        self._thread.start()
+        self._wait()  # built
+
+    def _build_then_train(self, build: Any) -> None:
         try:
+            self.trainer = build()
+            self._done.release()
+            self._go.acquire()  # the first run()
             self.trainer.train()
         except BaseException as err:  # surfaced in the main thread by run()
             self._error = err
             self._done.release()
 
-    def run(self, num_steps: int) -> None:
-        self._remaining = num_steps
-        if not self._thread.is_alive():
-            self._thread.start()
-        else:
-            self._go.release()
+    def _wait(self) -> None:
         self._done.acquire()
         if self._error is not None:
             raise self._error
+
+    def run(self, num_steps: int) -> None:
+        self._remaining = num_steps
+        self._go.release()
+        self._wait()
 
     def close(self) -> None:
         self._stop = True

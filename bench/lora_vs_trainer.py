@@ -101,7 +101,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         pool = ThreadPoolExecutor(1)  # oomless in a thread of its own, as the Trainer must be
         ours = pool.submit(OomlessLora, Path(tmp), args, device).result()
-        trainer = HFTrainerStepper(args, device, Path(tmp) / "hf", model=peft_model(args))
+        trainer = HFTrainerStepper(
+            args, device, Path(tmp) / "hf", build_model=lambda: peft_model(args)
+        )
         runs: dict[str, Any] = {
             "oomless": lambda n: pool.submit(ours.run, batches, n).result(),
             "peft_trainer": trainer.run,
