@@ -12,6 +12,7 @@ import datetime
 import functools
 import os
 import platform
+import random
 import statistics
 import tempfile
 import time
@@ -270,15 +271,20 @@ def sync(device: torch.device) -> None:
 def alternate(
     contenders: dict[str, Callable[[], float]], num_rounds: int
 ) -> dict[str, list[float]]:
-    """Call every contender once per round, the order rotated each round; each returns seconds.
+    """Call every contender once per round, in an order shuffled each round; each returns
+    seconds.
 
-    The rotation is deterministic, so all ranks of a launch run the same order.
+    Shuffled, not rotated: a rotation keeps the cyclic order, so every contender would always
+    follow the same predecessor and inherit what it leaves behind (caches, another thread
+    pool's spinning workers) every round. The shuffle is seeded by the round, so all ranks of a
+    launch run the same order.
     """
     names = list(contenders)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(num_rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
+        order = list(names)
+        random.Random(r).shuffle(order)
+        for name in order:
             times[name].append(contenders[name]())
     return times
 

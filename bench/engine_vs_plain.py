@@ -270,7 +270,14 @@ def main() -> None:
         if args.compile:
             own_thread("oomless_compiled", OomlessSingle, tmp_dir / "oc", args, device, True)
         if not args.no_trainer:
-            sides["hf_trainer"] = (None, HFTrainerStepper(args, device, tmp_dir / "hf"))
+            eager = HFTrainerStepper(args, device, tmp_dir / "hf")
+            # Its warm-up step (where the Trainer prepares its model) runs before the compiled
+            # Trainer exists: accelerate's state is one per process, and a Trainer built with
+            # torch_compile=True switches it to inductor, which would compile this one too.
+            eager.run(1)
+            if isinstance(eager.trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule):
+                raise RuntimeError("the eager Trainer's model was compiled")
+            sides["hf_trainer"] = (None, eager)
             if args.compile:
                 stepper = HFTrainerStepper(args, device, tmp_dir / "hfc", compile=True)
                 sides["hf_trainer_compiled"] = (None, stepper)
@@ -286,8 +293,9 @@ def main() -> None:
             name: (lambda run=run: timed(lambda: run(args.steps), device))
             for name, run in runs.items()
         }
-        for run in runs.values():
-            run(1)  # warm-up every side (the Trainer's set-up and any compiling happen here)
+        for name, run in runs.items():
+            if name != "hf_trainer":  # warmed up above
+                run(1)  # warm-up every side (the Trainer's set-up and any compiling happen here)
         times = alternate(contenders, args.rounds)
         for pool, side in sides.values():
             if pool is None:
