@@ -6,7 +6,10 @@ The CLI time is what a user waits for (`oomless plan ... --json`: Python start-u
 estimate of every rung, plan); the in-process time is `make_plan` alone on the same config and
 hardware (model shape read once, as the CLI does), median of many calls. The cold-start time is
 the CLI on a shape no preset ships and no cache holds (the 70B config with 79 layers, a fresh
-`XDG_CACHE_HOME` per run): the shape is counted by arithmetic, without torch.
+`XDG_CACHE_HOME` per run): the shape is counted by arithmetic, without torch. The traced cold
+start is the CLI on a block type the analytic model does not know (a 1.0B gpt_neox: 16 layers,
+hidden 2048, seq 4096, bf16) with an empty cache: its activations are measured by tracing
+(launcher/activations.py), on copies of 3 and 4 layers.
 """
 
 from __future__ import annotations
@@ -54,10 +57,34 @@ def cli_seconds(repeats: int) -> tuple[list[float], dict[str, Any]]:
 
 def cold_cli_seconds(repeats: int) -> list[float]:
     """CLI wall times on a config never seen: inline 70B-like shape, empty shape cache."""
-    oomless = Path(sys.executable).with_name("oomless")
     job = yaml.safe_load(Path(PRESET).read_text())
     config = json.loads(Path("configs/models/llama-3.1-70b.json").read_text())
     job["model"] = {"config": {**config, "num_hidden_layers": 79}}
+    return _empty_cache_seconds(job, repeats)
+
+
+NEOX_1B = {
+    "model_type": "gpt_neox",
+    "hidden_size": 2048,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "intermediate_size": 8192,
+    "vocab_size": 50304,
+    "max_position_embeddings": 4096,
+}
+
+
+def traced_cold_cli_seconds(repeats: int) -> list[float]:
+    """CLI wall times on the 1.0B gpt_neox (a traced block type, seq 4096, bf16), empty caches."""
+    job = yaml.safe_load(Path(PRESET).read_text())
+    job["model"] = {"config": NEOX_1B}
+    job["data"]["seq_len"] = 4096
+    job["precision"] = "bf16"
+    return _empty_cache_seconds(job, repeats)
+
+
+def _empty_cache_seconds(job: dict[str, Any], repeats: int) -> list[float]:
+    oomless = Path(sys.executable).with_name("oomless")
     times = []
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as tmp:
@@ -101,11 +128,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5, help="CLI runs")
     p.add_argument("--calls", type=int, default=50, help="in-process make_plan calls")
+    p.add_argument("--traced-repeats", type=int, default=1, help="traced cold CLI runs")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     cli, plan = cli_seconds(args.repeats)
     cold = cold_cli_seconds(args.repeats)
     calls = in_process_seconds(args.calls)
+    traced = traced_cold_cli_seconds(args.traced_repeats)
     result = {
         "machine": machine(),
         "command": f"oomless plan {PRESET} {' '.join(OVERRIDES)} --json",
@@ -113,6 +142,8 @@ def main() -> None:
         "cli_median_s": statistics.median(cli),
         "cold_cli_s": cold,
         "cold_cli_median_s": statistics.median(cold),
+        "traced_cold_cli_s": traced,
+        "traced_cold_cli_median_s": statistics.median(traced),
         "make_plan_median_s": statistics.median(calls),
         "make_plan_calls": args.calls,
         "strategy": plan.get("strategy"),
@@ -125,6 +156,7 @@ def main() -> None:
     print(
         f"plan 70B on 8 x 80GiB: CLI {result['cli_median_s']:.2f} s (median of {args.repeats}), "
         f"cold start {result['cold_cli_median_s']:.2f} s, "
+        f"traced cold start (1.0B gpt_neox) {result['traced_cold_cli_median_s']:.1f} s, "
         f"make_plan {result['make_plan_median_s'] * 1e3:.1f} ms (median of {args.calls}); "
         + (f"chose {result['strategy']}" if result["strategy"] else f"no fit: {result['no_fit']}")
     )

@@ -40,7 +40,7 @@ from launcher.model_shape import ModelShape, hf_config_dict
 from trainer.config import JobConfig, ModelConfig
 
 log = logging.getLogger(__name__)
-ACTIVATIONS_CACHE_VERSION = 3  # bump when what is measured or how it is fitted changes
+ACTIVATIONS_CACHE_VERSION = 4  # bump when what is measured or how it is fitted changes
 MODES = {"fp32": ("fp32",), "bf16": ("autocast", "lowp"), "fp16": ("autocast", "lowp")}
 BOUND_FACTOR = 2.0  # the conservative bound: this many llama-style blocks of the same sizes
 
@@ -275,9 +275,69 @@ def trace_layer_activations(
     hf_config: dict[str, Any], seq_len: int, precision: str, attn_implementation: str = "sdpa"
 ) -> LayerActivations:
     """Measure one layer of each kind in every compute mode of `precision` (see the module doc):
-    what it saves, then its transients against traced steps."""
-    measured = saved_activations(hf_config, seq_len, precision, attn_implementation)
-    return calibrate_transients(measured, hf_config, precision, attn_implementation)
+    what it saves, then its transients against traced steps, on copies of the model cut to
+    `REDUCED_DEPTHS` layers where that is exact (`reduced_depths`)."""
+    depths = reduced_depths(hf_config, attn_implementation)
+    saved_config = at_depth(hf_config, depths[0]) if depths else hf_config
+    measured = saved_activations(saved_config, seq_len, precision, attn_implementation)
+    return calibrate_transients(measured, hf_config, precision, attn_implementation, depths)
+
+
+# Depths of the copies traced instead of a deep model. What a layer saves does not depend on
+# the depth; its transients (traced step minus the estimate's same phase) are linear in the
+# layer count from 3 layers on (2 layers is a special case under FSDP: its backward transient
+# is 6 KB there against 336 KB from 3 layers on, gpt_neox hidden 128, seq 256).
+REDUCED_DEPTHS = (3, 4)
+_DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+def _depth_key(hf_config: dict[str, Any]) -> str:
+    """The config key that holds the layer count, as the HF config class spells it (its
+    `attribute_map` sends `num_hidden_layers` to e.g. GPT-2's `n_layer`)."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[hf_config["model_type"]]
+    mapped = getattr(cls, "attribute_map", {}).get("num_hidden_layers", "num_hidden_layers")
+    return next((k for k in (mapped, *_DEPTH_KEYS) if k in hf_config), mapped)
+
+
+def at_depth(hf_config: dict[str, Any], depth: int) -> dict[str, Any]:
+    """A copy of the config with `depth` layers, per-layer lists (`layer_types`, any list as
+    long as the model is deep) cut to their first `depth` entries."""
+    from launcher.model_shape import _shape_of
+
+    layers = _shape_of(json.dumps(hf_config, sort_keys=True)).num_layers
+    out = {
+        k: v[:depth] if isinstance(v, list) and len(v) == layers else v
+        for k, v in hf_config.items()
+    }
+    out[_depth_key(hf_config)] = depth
+    return out
+
+
+def reduced_depths(hf_config: dict[str, Any], attn_implementation: str) -> tuple[int, ...]:
+    """`REDUCED_DEPTHS`, where a model deeper than them has one kind of layer and copies of
+    that depth build with that many layers; () to trace the whole model. With several kinds
+    (sliding and global attention, dense and MoE layers) the whole model is traced: a cut copy
+    could keep the kinds in another proportion (e.g. DeepSeek's first dense layers)."""
+    from launcher.model_shape import _shape_of
+
+    layers = _shape_of(json.dumps(hf_config, sort_keys=True)).num_layers
+    if layers <= max(REDUCED_DEPTHS) or _num_layer_kinds(hf_config, attn_implementation) != 1:
+        return ()
+    for depth in REDUCED_DEPTHS:
+        cut = json.dumps(at_depth(hf_config, depth), sort_keys=True)
+        if _shape_of(cut).num_layers != depth:
+            return ()
+    return REDUCED_DEPTHS
+
+
+def _num_layer_kinds(hf_config: dict[str, Any], attn_implementation: str) -> int:
+    from trainer.model import HFModelFactory, decoder_layers
+
+    model_cfg = ModelConfig(config=dict(hf_config), attn_implementation=attn_implementation)
+    model = HFModelFactory(model_cfg, seed=0).build("meta")
+    return len(_layer_kinds(model, decoder_layers(model)))
 
 
 def saved_activations(
@@ -303,39 +363,110 @@ def saved_activations(
 
 
 def calibrate_transients(
-    acts: LayerActivations, hf_config: dict[str, Any], precision: str, attn_implementation: str
+    acts: LayerActivations,
+    hf_config: dict[str, Any],
+    precision: str,
+    attn_implementation: str,
+    depths: tuple[int, ...] = (),
 ) -> LayerActivations:
     """`acts` with each layer's forward and backward transients: what the traced step (the
     engine's step under fake tensors, launcher/trace.py) peaks at in a layer's forward (no
     checkpointing) and backward (full checkpointing) beyond the estimate's same phase without
-    them, at the three points, per mode (single for autocast and fp32, fsdp x2 for 16-bit
-    parameters)."""
+    them, at the three points, per mode (single for autocast and fp32, fsdp x4 for 16-bit
+    parameters). With two `depths`, the traced steps are those of copies of those depths, and
+    the layers' peak is extrapolated to the model's depth (`_deep_peak`)."""
     from launcher.estimate import estimate
     from launcher.model_shape import _shape_of
+
+    s = max(2, acts.seq_len - acts.seq_len % 2)
+    shape = replace(_shape_of(json.dumps(hf_config, sort_keys=True)), activations=acts)
+    if depths:
+        near, far = (
+            _layer_peaks(at_depth(hf_config, d), precision, attn_implementation, s) for d in depths
+        )
+        layers = shape.num_layers
+        peaks = {
+            key: [
+                _deep_peak(a, b, depths, layers) for a, b in zip(near[key], far[key], strict=True)
+            ]
+            for key in near
+        }
+    else:
+        whole = _layer_peaks(hf_config, precision, attn_implementation, s)
+        peaks = {key: [max(p.values()) for p in points] for key, points in whole.items()}
+    fits: dict[str, dict[str, Fit]] = {"backward": {}, "forward": {}}
+    for (mode, part), points in peaks.items():
+        strategy, world = _TRANSIENT_RUNG[mode == "lowp"]
+        ckpt, _, phase = _TRANSIENT_PHASE[part]
+        out = []
+        for peak, (b, seq) in zip(points, _points(s), strict=True):
+            est = estimate(shape, strategy=strategy, world_size=world, micro_batch_size=b,
+                           seq_len=seq, devices_per_node=world, precision=precision,
+                           activation_checkpointing=ckpt, grad_accum=1)  # fmt: skip
+            out.append(peak - est.phases[phase])
+        fits[part][mode] = Fit.through(*out, s)
+    return replace(acts, backward=fits["backward"], forward=fits["forward"])
+
+
+# (strategy, world size) the transients are traced on: single, or fsdp x4 for 16-bit weights
+_TRANSIENT_RUNG = {False: ("single", 1), True: ("fsdp", 4)}
+# part -> (checkpointing, the traced step's phase label, the estimate's phase)
+_TRANSIENT_PHASE = {
+    "backward": ("full", "backward layer ", "backward_layers"),
+    "forward": ("none", "forward layer ", "forward_layers"),
+}
+
+
+def _points(s: int) -> tuple[tuple[int, int], ...]:
+    """The (micro-batch, sequence) points every fit goes through."""
+    return ((1, s // 2), (2, s // 2), (1, s))
+
+
+def _layer_peaks(
+    hf_config: dict[str, Any], precision: str, attn_implementation: str, s: int
+) -> dict[tuple[str, str], list[dict[int, int]]]:
+    """(mode, "backward" | "forward") -> at each of `_points`, the traced step's peak in each
+    layer's phase of that part (layer index -> bytes)."""
     from launcher.trace import trace_step
 
-    shape = replace(_shape_of(json.dumps(hf_config, sort_keys=True)), activations=acts)
-    s = max(2, acts.seq_len - acts.seq_len % 2)
-    backward, forward = {}, {}
+    out: dict[tuple[str, str], list[dict[int, int]]] = {}
     for mode in MODES[precision]:
-        strategy, world = ("fsdp", 4) if mode == "lowp" else ("single", 1)
-        bwd, fwd = [], []
-        for b, seq in ((1, s // 2), (2, s // 2), (1, s)):
-            common = dict(strategy=strategy, world_size=world, micro_batch_size=b, seq_len=seq)
-            for ckpt, out, traced_phase, phase in (
-                ("full", bwd, "backward layer", "backward_layers"),
-                ("none", fwd, "forward layer", "forward_layers"),
-            ):
-                traced = trace_step(hf_config, **common, activation_checkpointing=ckpt,
-                                    precision=precision,
-                                    attn_implementation=attn_implementation)  # fmt: skip
-                est = estimate(shape, **common, devices_per_node=world, precision=precision,
-                               activation_checkpointing=ckpt, grad_accum=1)  # fmt: skip
-                peak = max(v for k, v in traced.phases if k.startswith(traced_phase))
-                out.append(peak - est.phases[phase])
-        backward[mode] = Fit.through(*bwd, s)
-        forward[mode] = Fit.through(*fwd, s)
-    return replace(acts, backward=backward, forward=forward)
+        strategy, world = _TRANSIENT_RUNG[mode == "lowp"]
+        for b, seq in _points(s):
+            for part, (ckpt, label, _) in _TRANSIENT_PHASE.items():
+                traced = trace_step(hf_config, strategy=strategy, world_size=world,
+                                    micro_batch_size=b, seq_len=seq, activation_checkpointing=ckpt,
+                                    precision=precision, attn_implementation=attn_implementation,
+                                    phase_local_peaks=True, optimizer_step=False)  # fmt: skip
+                peaks: dict[int, int] = {}
+                for k, v in traced.phases:
+                    if k.startswith(label):
+                        i = int(k[len(label) :])
+                        peaks[i] = max(peaks.get(i, 0), v)
+                out.setdefault((mode, part), []).append(peaks)
+    return out
+
+
+def _deep_peak(near: dict[int, int], far: dict[int, int], depths: tuple[int, ...], layers: int):
+    """The largest layer peak of a `layers`-deep model from those of its copies `depths` deep
+    (d and d + 1 layers, d >= 3; the peaks phase-local). A layer's peak is affine in how many
+    layers lie below it and above it (what they saved, the gradients done), plus what only the
+    layers at the ends do: the bottom one (no layer below to prefetch under FSDP, the
+    embedding's leftovers) and the top one (the head's). So the bottom, second and top layers'
+    peaks are each linear in the depth, and the inner layers' largest is at the second or the
+    second-to-last. Traced, every inner profile rises or falls with the index (forward rises;
+    backward rises to the bottom on single and to the top on fsdp), where the second-to-last
+    is the top one or below it: left out, since in a 3-layer copy it is also the second."""
+    d0, d1 = depths
+
+    def extrapolate(a: float, b: float) -> float:
+        return a + (b - a) * (layers - d0) / (d1 - d0)
+
+    return max(
+        extrapolate(near[0], far[0]),  # bottom
+        extrapolate(near[1], far[1]),  # second
+        extrapolate(near[d0 - 1], far[d1 - 1]),  # top
+    )
 
 
 def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s):

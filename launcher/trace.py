@@ -83,13 +83,19 @@ def trace_step(
     offload_activations: bool = False,
     loss_chunk_tokens: int | None = None,
     finetune: Finetune = FULL,
+    phase_local_peaks: bool = False,
+    optimizer_step: bool = True,
 ) -> Trace:
     """Peak live tensor bytes on one device for a steady-state training step (the second one):
     `grad_accum` micro-batches, all but the last under the backend's no-sync (unless FSDP
     reduces every micro-batch), as the engine runs them.
 
     Build, shard, fake and track read in the order the engine does them; `_step` is the
-    engine's step line for line."""
+    engine's step line for line. With `phase_local_peaks`, each phase's peak is the highest
+    live bytes inside that phase, even where an earlier phase went higher (by default a phase
+    below the step's peak so far reports the live bytes at its ends). Without `optimizer_step`
+    the traced step ends where its optimizer phase begins (clipping and AdamW not run: the
+    phases up to the embeddings' backward only, for a quicker trace)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if strategy not in TRACEABLE:
@@ -128,10 +134,16 @@ def trace_step(
         tracker = _tracker(strategy, model, optimizer, batch)
         marks: list[tuple[str, int, int]] = []  # (label, live bytes, peak so far) as it begins
 
+        highest: list[Any] = []  # with phase-local peaks: the step's peak snapshot so far
+
         def mark(label: str) -> None:
             current = tracker.get_tracker_snapshot("current")
             peak = tracker.get_tracker_snapshot("peak")
             marks.append((label, _total(current), _total(peak)))
+            if phase_local_peaks:
+                if not highest or _total(peak) > _total(highest[0]):
+                    highest[:] = [peak]
+                _restart_peak(tracker, current)
 
         with tracker, phase_markers(model, mark):
             _step(
@@ -144,9 +156,10 @@ def trace_step(
                 reduce_every_micro_batch,
                 tracker,
                 mark,
+                optimizer_step,
             )
             mark("end")
-        snapshot = tracker.get_tracker_snapshot("peak")
+        snapshot = highest[0] if highest else tracker.get_tracker_snapshot("peak")
     dev = next(d for d in snapshot if torch.device(d).type == device.type)
     breakdown = {getattr(k, "name", k).lower(): int(v) for k, v in snapshot[dev].items()}
     return Trace(
@@ -158,7 +171,7 @@ def trace_step(
         grad_accum=grad_accum,
         peak_bytes=breakdown.pop("total"),
         breakdown=breakdown,
-        phases=phase_peaks(marks),
+        phases=phase_peaks(marks) if not phase_local_peaks else _local_peaks(marks),
     )
 
 
@@ -172,6 +185,7 @@ def _step(
     reduce_every_micro_batch: bool,
     tracker: Any,
     mark: Any,
+    optimizer_step: bool = True,
 ) -> None:
     """One training step as the engine runs it: the micro-batches (all but the last under
     FSDP's no-sync unless it reduces every micro-batch), clipping, AdamW, zero_grad."""
@@ -188,6 +202,8 @@ def _step(
             (loss_sum / tokens).backward()
             del loss_sum
     mark(OPTIMIZER)
+    if not optimizer_step:
+        return
     torch.nn.utils.clip_grad_norm_(model.parameters(), _SPEC.grad_clip, foreach=True)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -200,6 +216,18 @@ def phase_peaks(marks: list[tuple[str, int, int]]) -> tuple[tuple[str, int], ...
     for (label, live0, peak0), (_, live1, peak1) in zip(marks, marks[1:], strict=False):
         out.append((label, max(live0, live1, peak1 if peak1 > peak0 else 0)))
     return tuple(out)
+
+
+def _local_peaks(marks: list[tuple[str, int, int]]) -> tuple[tuple[str, int], ...]:
+    """(label, peak live bytes) per phase where the tracker's peak restarts at each mark."""
+    return tuple((a[0], max(a[1], b[1], b[2])) for a, b in zip(marks, marks[1:], strict=False))
+
+
+def _restart_peak(tracker: Any, current: dict[Any, dict[Any, int]]) -> None:
+    """The tracker's peak from now on: the live bytes now (MemTracker keeps one running peak,
+    in `_peak_mem` and `_peak_mem_snap`, and offers no public reset)."""
+    tracker._peak_mem_snap = current
+    tracker._peak_mem = {dev: _total({dev: snap}) for dev, snap in current.items()}
 
 
 def _total(snapshot: dict[Any, dict[Any, int]]) -> int:

@@ -7,7 +7,13 @@ import json
 
 import pytest
 
-from launcher.activations import saved_activations
+from launcher.activations import (
+    REDUCED_DEPTHS,
+    at_depth,
+    calibrate_transients,
+    reduced_depths,
+    saved_activations,
+)
 from launcher.cli import main
 from launcher.estimate import _Micro, analytic_layer_bytes
 from launcher.model_shape import _shape_of
@@ -121,3 +127,34 @@ def test_the_trace_of_a_known_block_agrees_with_its_analytic_model():
                        masked=True)  # fmt: skip
             analytic = analytic_layer_bytes(shape, m)
             assert abs(fit.bytes(b, s) - analytic) / analytic < 0.01, (mode, b, s)
+
+
+def test_a_deep_model_is_calibrated_from_copies_of_3_and_4_layers():
+    """The transients of an 8-layer model, extrapolated from its 3- and 4-layer copies, are the
+    whole model's (autocast on single, 16-bit weights on fsdp x4)."""
+    deep = {**NEOX, "num_hidden_layers": 8}
+    assert reduced_depths(deep, "sdpa") == REDUCED_DEPTHS == (3, 4)
+    saved = saved_activations(at_depth(deep, 3), 64, "bf16")
+    whole = calibrate_transients(saved, deep, "bf16", "sdpa")
+    cut = calibrate_transients(saved, deep, "bf16", "sdpa", REDUCED_DEPTHS)
+    for part in ("backward", "forward"):
+        for mode in ("autocast", "lowp"):
+            for b, s in ((1, 32), (2, 32), (1, 64), (4, 256)):
+                a = getattr(whole, part)[mode].bytes(b, s)
+                c = getattr(cut, part)[mode].bytes(b, s)
+                assert abs(a - c) <= max(256, 0.005 * abs(a)), (part, mode, b, s, a, c)
+
+
+def test_the_cut_copies_keep_the_config_classes_spelling_of_depth_and_per_layer_lists():
+    gpt2 = {"model_type": "gpt2", "n_layer": 6, "n_embd": 32, "n_head": 4, "vocab_size": 45}
+    assert at_depth(gpt2, 3)["n_layer"] == 3 and "num_hidden_layers" not in at_depth(gpt2, 3)
+    assert reduced_depths(gpt2, "sdpa") == (3, 4)
+    qwen3 = {**NEOX, "model_type": "qwen3", "num_hidden_layers": 6, "num_key_value_heads": 2,
+             "layer_types": ["full_attention"] * 6}  # fmt: skip
+    assert at_depth(qwen3, 4)["layer_types"] == ["full_attention"] * 4
+    assert reduced_depths(qwen3, "sdpa") == (3, 4)
+    # sliding and global layers: two kinds, the whole model is traced
+    mixed = {**qwen3, "sliding_window": 16, "use_sliding_window": True, "max_window_layers": 3,
+             "layer_types": ["sliding_attention", "full_attention"] * 3}  # fmt: skip
+    assert reduced_depths(mixed, "sdpa") == ()
+    assert reduced_depths(NEOX, "sdpa") == ()  # 2 layers: the whole model
