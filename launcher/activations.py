@@ -374,7 +374,7 @@ def calibrate_transients(
     checkpointing) and backward (full checkpointing) beyond the estimate's same phase without
     them, at the three points, per mode (single for autocast and fp32, fsdp x4 for 16-bit
     parameters). With two `depths`, the traced steps are those of copies of those depths, and
-    the layers' peak is extrapolated to the model's depth (`_deep_peak`)."""
+    the layers' peak is extrapolated to the model's depth (`deep_peak`)."""
     from launcher.estimate import estimate
     from launcher.model_shape import _shape_of
 
@@ -386,9 +386,7 @@ def calibrate_transients(
         )
         layers = shape.num_layers
         peaks = {
-            key: [
-                _deep_peak(a, b, depths, layers) for a, b in zip(near[key], far[key], strict=True)
-            ]
+            key: [deep_peak(a, b, depths, layers) for a, b in zip(near[key], far[key], strict=True)]
             for key in near
         }
     else:
@@ -427,27 +425,46 @@ def _layer_peaks(
 ) -> dict[tuple[str, str], list[dict[int, int]]]:
     """(mode, "backward" | "forward") -> at each of `_points`, the traced step's peak in each
     layer's phase of that part (layer index -> bytes)."""
-    from launcher.trace import trace_step
-
     out: dict[tuple[str, str], list[dict[int, int]]] = {}
     for mode in MODES[precision]:
-        strategy, world = _TRANSIENT_RUNG[mode == "lowp"]
         for b, seq in _points(s):
-            for part, (ckpt, label, _) in _TRANSIENT_PHASE.items():
-                traced = trace_step(hf_config, strategy=strategy, world_size=world,
-                                    micro_batch_size=b, seq_len=seq, activation_checkpointing=ckpt,
-                                    precision=precision, attn_implementation=attn_implementation,
-                                    phase_local_peaks=True, optimizer_step=False)  # fmt: skip
-                peaks: dict[int, int] = {}
-                for k, v in traced.phases:
-                    if k.startswith(label):
-                        i = int(k[len(label) :])
-                        peaks[i] = max(peaks.get(i, 0), v)
+            for part in _TRANSIENT_PHASE:
+                peaks = layer_phase_peaks(hf_config, mode, part, b, seq, precision,
+                                          attn_implementation)  # fmt: skip
                 out.setdefault((mode, part), []).append(peaks)
     return out
 
 
-def _deep_peak(near: dict[int, int], far: dict[int, int], depths: tuple[int, ...], layers: int):
+def layer_phase_peaks(
+    hf_config: dict[str, Any],
+    mode: str,
+    part: str,
+    b: int,
+    seq: int,
+    precision: str,
+    attn_implementation: str = "sdpa",
+) -> dict[int, int]:
+    """Layer index -> the traced step's phase-local peak in that layer's forward (no
+    checkpointing) or backward (full checkpointing), on the rung of `mode`. The trace stops
+    where the phases after it begin (the head, or the optimizer)."""
+    from launcher.trace import trace_step
+    from trainer.phases import HEAD, OPTIMIZER
+
+    strategy, world = _TRANSIENT_RUNG[mode == "lowp"]
+    ckpt, label, _ = _TRANSIENT_PHASE[part]
+    traced = trace_step(hf_config, strategy=strategy, world_size=world, micro_batch_size=b,
+                        seq_len=seq, activation_checkpointing=ckpt, precision=precision,
+                        attn_implementation=attn_implementation, phase_local_peaks=True,
+                        until=HEAD if part == "forward" else OPTIMIZER)  # fmt: skip
+    peaks: dict[int, int] = {}
+    for k, v in traced.phases:
+        if k.startswith(label):
+            i = int(k[len(label) :])
+            peaks[i] = max(peaks.get(i, 0), v)
+    return peaks
+
+
+def deep_peak(near: dict[int, int], far: dict[int, int], depths: tuple[int, ...], layers: int):
     """The largest layer peak of a `layers`-deep model from those of its copies `depths` deep
     (d and d + 1 layers, d >= 3; the peaks phase-local). A layer's peak is affine in how many
     layers lie below it and above it (what they saved, the gradients done), plus what only the

@@ -84,7 +84,7 @@ def trace_step(
     loss_chunk_tokens: int | None = None,
     finetune: Finetune = FULL,
     phase_local_peaks: bool = False,
-    optimizer_step: bool = True,
+    until: str | None = None,
 ) -> Trace:
     """Peak live tensor bytes on one device for a steady-state training step (the second one):
     `grad_accum` micro-batches, all but the last under the backend's no-sync (unless FSDP
@@ -93,9 +93,9 @@ def trace_step(
     Build, shard, fake and track read in the order the engine does them; `_step` is the
     engine's step line for line. With `phase_local_peaks`, each phase's peak is the highest
     live bytes inside that phase, even where an earlier phase went higher (by default a phase
-    below the step's peak so far reports the live bytes at its ends). Without `optimizer_step`
-    the traced step ends where its optimizer phase begins (clipping and AdamW not run: the
-    phases up to the embeddings' backward only, for a quicker trace)."""
+    below the step's peak so far reports the live bytes at its ends). With `until` (a phase
+    label of trainer/phases.py, e.g. HEAD or OPTIMIZER) the traced step stops where that phase
+    begins: a quicker trace of the phases before it only (then `peak_bytes` is theirs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if strategy not in TRACEABLE:
@@ -144,8 +144,10 @@ def trace_step(
                 if not highest or _total(peak) > _total(highest[0]):
                     highest[:] = [peak]
                 _restart_peak(tracker, current)
+            if label == until:
+                raise _Stop
 
-        with tracker, phase_markers(model, mark):
+        with contextlib.suppress(_Stop), tracker, phase_markers(model, mark):
             _step(
                 model,
                 optimizer,
@@ -156,7 +158,6 @@ def trace_step(
                 reduce_every_micro_batch,
                 tracker,
                 mark,
-                optimizer_step,
             )
             mark("end")
         snapshot = highest[0] if highest else tracker.get_tracker_snapshot("peak")
@@ -185,7 +186,6 @@ def _step(
     reduce_every_micro_batch: bool,
     tracker: Any,
     mark: Any,
-    optimizer_step: bool = True,
 ) -> None:
     """One training step as the engine runs it: the micro-batches (all but the last under
     FSDP's no-sync unless it reduces every micro-batch), clipping, AdamW, zero_grad."""
@@ -202,8 +202,6 @@ def _step(
             (loss_sum / tokens).backward()
             del loss_sum
     mark(OPTIMIZER)
-    if not optimizer_step:
-        return
     torch.nn.utils.clip_grad_norm_(model.parameters(), _SPEC.grad_clip, foreach=True)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -216,6 +214,10 @@ def phase_peaks(marks: list[tuple[str, int, int]]) -> tuple[tuple[str, int], ...
     for (label, live0, peak0), (_, live1, peak1) in zip(marks, marks[1:], strict=False):
         out.append((label, max(live0, live1, peak1 if peak1 > peak0 else 0)))
     return tuple(out)
+
+
+class _Stop(Exception):
+    """Raised at the phase a trace stops at (`trace_step(until=...)`)."""
 
 
 def _local_peaks(marks: list[tuple[str, int, int]]) -> tuple[tuple[str, int], ...]:
