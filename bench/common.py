@@ -317,6 +317,29 @@ def paired_ratio(first: list[float], second: list[float]) -> tuple[float, float,
     return median, q1, q3
 
 
+def ratio_interval(
+    first: list[float], second: list[float], level: float = 0.9, num_resamples: int = 4000
+) -> tuple[float, float]:
+    """A bootstrap interval of median(first) / median(second): rounds resampled with
+    replacement, the two times of a round kept together (they ran back to back).
+
+    The bench's headline is the ratio of medians; this says how far it moves when the same
+    machine's noise is drawn again, so a ratio of 1.01 with an interval of [0.97, 1.04] reads as
+    "not told apart", not as "1% slower".
+    """
+    rng = random.Random(0)
+    n = len(first)
+    ratios = []
+    for _ in range(num_resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        ratios.append(
+            statistics.median(first[i] for i in idx) / statistics.median(second[i] for i in idx)
+        )
+    ratios.sort()
+    tail = (1 - level) / 2
+    return ratios[int(tail * num_resamples)], ratios[int((1 - tail) * num_resamples) - 1]
+
+
 def flops_per_token(model: str, num_params: int, seq: int) -> float:
     """Training FLOPs per token: 6N + attention's 12 x layers x hidden x seq (the engine's MFU)."""
     shape = MODELS[model]

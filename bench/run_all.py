@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, paired_ratio
+from bench.common import machine, paired_ratio, ratio_interval
 
 TARGET = 1.05  # oomless step time at most 5% above its peer's
 
@@ -38,10 +38,15 @@ def run_benchmarks(quick: bool, precision: str, work: Path) -> dict[str, Any]:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     torchrun += ["--nproc_per_node", "2", "-m"]
     same = ["--device", "cpu", "--precision", precision]
+    # One optimizer step per contender per round, twice the rounds: the same minutes, twice the
+    # independent samples of a machine whose speed drifts by +-20% over minutes.
+    one_step = ["--steps", "1"]
     steps = {
         "single": py
-        + ["bench.engine_vs_plain", "--rounds", str(rounds.get("single", 36)), "--compile", *same],
-        "lora": py + ["bench.lora_vs_trainer", "--rounds", str(rounds.get("lora", 12)), *same],
+        + ["bench.engine_vs_plain", "--rounds", str(rounds.get("single", 72)), *one_step]
+        + ["--compile", *same],
+        "lora": py
+        + ["bench.lora_vs_trainer", "--rounds", str(rounds.get("lora", 48)), *one_step, *same],
         "fsdp": torchrun + ["bench.fsdp_vs_plain", "--rounds", str(rounds.get("fsdp", 24)), *same],
         "zero3_offload": torchrun
         + ["bench.zero3_vs_deepspeed", "--rounds", str(rounds.get("zero3", 12)), *same],
@@ -62,13 +67,13 @@ def markdown(results: dict[str, Any]) -> str:
     """The comparison table: tokens/s medians, oomless/peer step-time ratio, target."""
     rows = [
         "| comparison | oomless tokens/s | peer tokens/s | oomless / peer step time "
-        "(medians) | per round: median [quartiles] | target |",
-        "|---|---|---|---|---|---|",
+        "(medians) | 90% bootstrap interval | per round: median [quartiles] | target |",
+        "|---|---|---|---|---|---|---|",
     ]
     single = results["single"]
     for peer, label, target in (
         ("plain", "`single` vs plain PyTorch loop", f"<= {TARGET:.2f}"),
-        ("hf_trainer", "`single` vs transformers `Trainer`", "< 1.00"),
+        ("hf_trainer", "`single` vs transformers `Trainer`", "<= 1.00"),
     ):
         rows.append(_row(label, single, peer, target))
     if "oomless_compiled_over" in single:  # train.compile against the Trainer as is and compiled
@@ -76,7 +81,7 @@ def markdown(results: dict[str, Any]) -> str:
             ("hf_trainer", "`single` + `train.compile` vs transformers `Trainer`"),
             ("hf_trainer_compiled", "`single` + `train.compile` vs `Trainer` + `torch_compile`"),
         ):
-            rows.append(_row(label, single, peer, "< 1.00", ours="oomless_compiled"))
+            rows.append(_row(label, single, peer, "<= 1.00", ours="oomless_compiled"))
     if "lora" in results:  # LoRA (r=16, all-linear) against peft + the Trainer on the same job
         rows.append(
             _row("`single` LoRA vs peft + `Trainer`", results["lora"], "peft_trainer", "<= 1.00")
@@ -114,9 +119,11 @@ def _row(label: str, result: dict[str, Any], peer: str, target: str, ours: str =
     rounds = result["rounds"]
     times = result.get("round_s") or result["step_s"]
     median, q1, q3 = paired_ratio(times[ours], times[peer])
+    low, high = ratio_interval(times[ours], times[peer])
     return (
         f"| {label} | {tps[ours]:,.0f} | {tps[peer]:,.0f} | {ratio:.3f} "
-        f"({rounds} rounds) | {median:.3f} [{q1:.3f}, {q3:.3f}] | {target} |"
+        f"({rounds} rounds) | [{low:.3f}, {high:.3f}] | {median:.3f} [{q1:.3f}, {q3:.3f}] "
+        f"| {target} |"
     )
 
 
