@@ -110,6 +110,12 @@ def markdown(results: dict[str, Any]) -> str:
         )
         + ".",
     ]
+    if "traced_cold_cli_median_s" in plan:  # bench/plan_time.py's cold starts (empty caches)
+        lines.append(
+            f"Planner cold start: a 70B-like config never seen {plan['cold_cli_median_s']:.2f} s; "
+            f"a 1.0B gpt_neox whose activations are traced {plan['traced_cold_cli_median_s']:.1f} "
+            "s wall."
+        )
     return "\n".join(lines)
 
 

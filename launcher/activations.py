@@ -326,8 +326,12 @@ def reduced_depths(hf_config: dict[str, Any], attn_implementation: str) -> tuple
     if layers <= max(REDUCED_DEPTHS) or _num_layer_kinds(hf_config, attn_implementation) != 1:
         return ()
     for depth in REDUCED_DEPTHS:
-        cut = json.dumps(at_depth(hf_config, depth), sort_keys=True)
-        if _shape_of(cut).num_layers != depth:
+        try:
+            cut = _shape_of(json.dumps(at_depth(hf_config, depth), sort_keys=True))
+        except Exception as err:  # a config whose copy does not build: trace the whole model
+            log.debug("no %d-layer copy of %s: %s", depth, hf_config["model_type"], err)
+            return ()
+        if cut.num_layers != depth:
             return ()
     return REDUCED_DEPTHS
 
