@@ -451,15 +451,14 @@ def layer_phase_peaks(
     """Layer index -> the traced step's phase-local peak in that layer's forward (no
     checkpointing) or backward (full checkpointing), on the rung of `mode`. The trace stops
     where the phases after it begin (the head, or the optimizer)."""
-    from launcher.trace import trace_step
-    from trainer.phases import HEAD, OPTIMIZER
+    from launcher.trace import BACKWARD_END, FORWARD_END, trace_step
 
     strategy, world = _TRANSIENT_RUNG[mode == "lowp"]
     ckpt, label, _ = _TRANSIENT_PHASE[part]
     traced = trace_step(hf_config, strategy=strategy, world_size=world, micro_batch_size=b,
                         seq_len=seq, activation_checkpointing=ckpt, precision=precision,
                         attn_implementation=attn_implementation, phase_local_peaks=True,
-                        until=HEAD if part == "forward" else OPTIMIZER)  # fmt: skip
+                        until=FORWARD_END if part == "forward" else BACKWARD_END)  # fmt: skip
     peaks: dict[int, int] = {}
     for k, v in traced.phases:
         if k.startswith(label):

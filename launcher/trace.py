@@ -37,9 +37,11 @@ from trainer.config import ModelConfig
 from trainer.levers import MemoryLevers
 from trainer.loss import compute_loss
 from trainer.model import HFModelFactory, apply_activation_checkpointing
-from trainer.phases import OPTIMIZER, STEP, phase_markers
+from trainer.phases import HEAD, OPTIMIZER, STEP, phase_markers
 
 TRACEABLE = ("single", "fsdp")
+# `until=` for a trace of the layers' forward phases only, or of the step up to its optimizer
+FORWARD_END, BACKWARD_END = HEAD, OPTIMIZER
 _SPEC = OptimizerSpec(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, grad_clip=1.0)
 
 
@@ -94,9 +96,9 @@ def trace_step(
     engine's step line for line. With `phase_local_peaks`, each phase's peak is the highest
     live bytes inside that phase, even where an earlier phase went higher (by default a phase
     below the step's peak so far reports the live bytes at its ends), and the tracker keeps no
-    per-module peaks. With `until` (a phase label of trainer/phases.py, e.g. HEAD or OPTIMIZER)
-    the traced step stops where that phase begins: a quicker trace of the phases before it
-    only (then `peak_bytes` is theirs)."""
+    per-module peaks. With `until` (a phase label of trainer/phases.py: FORWARD_END,
+    BACKWARD_END) the traced step stops where that phase begins: a quicker trace of the phases
+    before it only (then `peak_bytes` is theirs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if strategy not in TRACEABLE:
