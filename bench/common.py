@@ -1,7 +1,7 @@
 """What the benchmarks share: model shapes, batches, the alternation, medians, the machine.
 
 Every comparison runs its contenders in one process (or one torchrun launch), alternating them
-round by round with the order rotated every round, so that a busy neighbour slows both sides
+round by round with the order shuffled every round, so that a busy neighbour slows both sides
 alike; only medians and their ratios are reported. Run the scripts as modules from the repository
 root (`python -m bench.NAME`, `torchrun ... -m bench.NAME`).
 """

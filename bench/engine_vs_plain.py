@@ -1,7 +1,7 @@
 """Tokens/s of oomless `single` vs a plain hand-written PyTorch loop and the transformers Trainer.
 
 Same model, same batches, same precision, same AdamW hyper-parameters and clipping, same global
-batch (micro-batch x accumulation); the contenders alternate in one process, the order rotated
+batch (micro-batch x accumulation); the contenders alternate in one process, the order shuffled
 every round, several rounds, and the medians are compared.
 
 - `oomless`: what `run_training` runs per step: set_lr, `train_step` through the `single` backend

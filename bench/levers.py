@@ -2,7 +2,7 @@
 
 One model and optimizer on the `single` backend (the engine's `train_step`), the levers switched
 on the running model between rounds, as the OOM back-off switches them: `off`, `chunked_loss`,
-`offload_activations`, `both`; each variant's steps alternate with the others', the order rotated
+`offload_activations`, `both`; each variant's steps alternate with the others', the order shuffled
 every round. Per variant: the median step time and the largest `torch.cuda.max_memory_allocated`
 over its steps (on a CPU there is no device peak to read: `null`), and the bytes activation
 offload moved per step.

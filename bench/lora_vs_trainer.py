@@ -4,7 +4,7 @@ Same model, same batches, same precision, same LoRA (rank, alpha, the decoder bl
 layers), same AdamW hyper-parameters and clipping, same global batch; both sides hold the frozen
 base in the compute dtype (oomless by `finetune.method: lora`; the Trainer side as the usual
 recipe loads it: `dtype=bf16`, then `get_peft_model`, whose adapters are fp32). The contenders
-alternate in one process, the order rotated every round, and the medians are compared (the
+alternate in one process, the order shuffled every round, and the medians are compared (the
 machinery of bench/engine_vs_plain.py).
 
     python -m bench.lora_vs_trainer [--model llama-20m] [--rounds 10] [--steps 2] [--r 16] \
