@@ -385,16 +385,15 @@ def calibrate_transients(
     s = max(2, acts.seq_len - acts.seq_len % 2)
     shape = replace(_shape_of(json.dumps(hf_config, sort_keys=True)), activations=acts)
     if depths:
-        near, far = (
-            _layer_peaks(at_depth(hf_config, d), precision, attn_implementation, s) for d in depths
-        )
+        copies = [at_depth(hf_config, d) for d in depths]
+        near, far = _layer_peaks(copies, precision, attn_implementation, s)
         layers = shape.num_layers
         peaks = {
             key: [deep_peak(a, b, depths, layers) for a, b in zip(near[key], far[key], strict=True)]
             for key in near
         }
     else:
-        whole = _layer_peaks(hf_config, precision, attn_implementation, s)
+        (whole,) = _layer_peaks([hf_config], precision, attn_implementation, s)
         peaks = {key: [max(p.values()) for p in points] for key, points in whole.items()}
     fits: dict[str, dict[str, Fit]] = {"backward": {}, "forward": {}}
     for (mode, part), points in peaks.items():
@@ -425,18 +424,75 @@ def _points(s: int) -> tuple[tuple[int, int], ...]:
 
 
 def _layer_peaks(
-    hf_config: dict[str, Any], precision: str, attn_implementation: str, s: int
-) -> dict[tuple[str, str], list[dict[int, int]]]:
-    """(mode, "backward" | "forward") -> at each of `_points`, the traced step's peak in each
-    layer's phase of that part (layer index -> bytes)."""
-    out: dict[tuple[str, str], list[dict[int, int]]] = {}
-    for mode in MODES[precision]:
-        for b, seq in _points(s):
-            for part in _TRANSIENT_PHASE:
-                peaks = layer_phase_peaks(hf_config, mode, part, b, seq, precision,
-                                          attn_implementation)  # fmt: skip
-                out.setdefault((mode, part), []).append(peaks)
+    configs: list[dict[str, Any]], precision: str, attn_implementation: str, s: int
+) -> list[dict[tuple[str, str], list[dict[int, int]]]]:
+    """Per config: (mode, "backward" | "forward") -> at each of `_points`, the traced step's
+    peak in each layer's phase of that part (layer index -> bytes)."""
+    keys = [
+        (c, mode, part, point)
+        for c in range(len(configs))
+        for mode in MODES[precision]
+        for point in _points(s)
+        for part in _TRANSIENT_PHASE
+    ]
+    jobs = [
+        (configs[c], mode, part, b, seq, precision, attn_implementation)
+        for c, mode, part, (b, seq) in keys
+    ]
+    out: list[dict[tuple[str, str], list[dict[int, int]]]] = [{} for _ in configs]
+    for (c, mode, part, _), peaks in zip(keys, _traced_on_two_cores(jobs), strict=True):
+        out[c].setdefault((mode, part), []).append(peaks)
     return out
+
+
+# How long the second process may take over its half of the traces before its half is traced
+# again here (a child that hangs must not hang the plan).
+_CHILD_TIMEOUT_S = 900
+
+
+def _traced_on_two_cores(jobs: list[tuple]) -> list[dict[int, int]]:
+    """`layer_phase_peaks(*job)` for every job, half of them in a forked child process where
+    there is a second core: the traces are independent and run on one core each (pure Python
+    under fake tensors, so threads would not help). The same numbers as one after the other;
+    a failed or silent child's half is traced here instead."""
+    import multiprocessing
+
+    usable_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    if len(jobs) < 2 or usable_cores < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return [layer_phase_peaks(*job) for job in jobs]
+    ctx = multiprocessing.get_context("fork")
+    # jobs come in (backward, forward) pairs, a backward trace costing ~3 forward ones: each
+    # side takes the backward of every other pair and the forward of the rest
+    mine = [i for i in range(len(jobs)) if (i + i // 2) % 2 == 0]
+    others = [i for i in range(len(jobs)) if (i + i // 2) % 2 == 1]
+    theirs = [jobs[i] for i in others]
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_trace_into, args=(theirs, send), daemon=True)
+    child.start()
+    send.close()
+    ours = [layer_phase_peaks(*jobs[i]) for i in mine]
+    answer: Any = None
+    with contextlib.suppress(EOFError, OSError):
+        if receive.poll(_CHILD_TIMEOUT_S):
+            answer = receive.recv()
+    child.join(timeout=5)
+    if child.is_alive():
+        child.kill()
+    if not isinstance(answer, list):  # the child failed: its traces again, here
+        answer = [layer_phase_peaks(*job) for job in theirs]
+    merged: dict[int, dict[int, int]] = dict(zip(mine, ours, strict=True))
+    merged |= dict(zip(others, answer, strict=True))
+    return [merged[i] for i in range(len(jobs))]
+
+
+def _trace_into(jobs: list[tuple], send: Any) -> None:
+    """The forked child's half: its results, or its exception (then the parent traces them)."""
+    try:
+        send.send([layer_phase_peaks(*job) for job in jobs])
+    except BaseException as err:  # noqa: BLE001 - reported to the parent, which retries
+        send.send(repr(err))
+    finally:
+        send.close()
 
 
 def layer_phase_peaks(

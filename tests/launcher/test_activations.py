@@ -9,6 +9,7 @@ import pytest
 
 from launcher.activations import (
     REDUCED_DEPTHS,
+    _traced_on_two_cores,
     at_depth,
     deep_peak,
     layer_phase_peaks,
@@ -142,6 +143,17 @@ def test_a_deep_models_layer_peaks_are_extrapolated_from_copies_of_3_and_4_layer
                  for d in (3, 4, 6)}  # fmt: skip
         whole = max(peaks[6].values())
         assert deep_peak(peaks[3], peaks[4], (3, 4), 6) == whole, (part, peaks)
+
+
+def test_the_traces_split_over_two_processes_give_the_numbers_of_one_after_the_other():
+    """The calibration's traces run half in a forked child where there is a second core (CI
+    has two): each result must land at its job's place, as when traced one after the other."""
+    jobs = [(at_depth({**NEOX, "num_hidden_layers": 6}, d), mode, part, b, 32, "bf16", "sdpa")
+            for d in (3, 4) for mode in ("autocast", "lowp") for b in (1, 2)
+            for part in ("backward", "forward")]  # fmt: skip
+    serial = [layer_phase_peaks(*job) for job in jobs]
+    assert len({json.dumps(p, sort_keys=True) for p in serial}) > 4  # the jobs differ
+    assert _traced_on_two_cores(jobs) == serial
 
 
 def test_the_cut_copies_keep_the_config_classes_spelling_of_depth_and_per_layer_lists():
