@@ -156,6 +156,18 @@ def test_the_traces_split_over_two_processes_give_the_numbers_of_one_after_the_o
     assert _traced_on_two_cores(jobs) == serial
 
 
+def test_a_child_that_does_not_answer_in_time_has_its_traces_run_again_here(monkeypatch):
+    """A forked child that hangs must not hang the plan: past the timeout its half of the
+    traces runs in the planner's own process, with the same numbers."""
+    import launcher.activations as activations
+
+    jobs = [(at_depth({**NEOX, "num_hidden_layers": 6}, 3), "autocast", part, b, 32, "bf16",
+             "sdpa") for b in (1, 2) for part in ("backward", "forward")]  # fmt: skip
+    serial = [layer_phase_peaks(*job) for job in jobs]
+    monkeypatch.setattr(activations, "_CHILD_TIMEOUT_S", 0)
+    assert _traced_on_two_cores(jobs) == serial
+
+
 def test_the_cut_copies_keep_the_config_classes_spelling_of_depth_and_per_layer_lists():
     gpt2 = {"model_type": "gpt2", "n_layer": 6, "n_embd": 32, "n_head": 4, "vocab_size": 45}
     assert at_depth(gpt2, 3)["n_layer"] == 3 and "num_hidden_layers" not in at_depth(gpt2, 3)
