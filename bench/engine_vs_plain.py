@@ -1,23 +1,22 @@
 """Tokens/s of oomless `single` vs a plain hand-written PyTorch loop and the transformers Trainer.
 
 Same model, same batches, same precision, same AdamW hyper-parameters and clipping, same global
-batch (micro-batch x accumulation); the contenders alternate in one process, the order shuffled
-every round, several rounds, and the medians are compared.
+batch (micro-batch x accumulation); each contender runs in a process of its own
+(bench/contenders.py), they alternate in an order shuffled every round, several rounds, and the
+medians are compared.
 
 - `oomless`: what `run_training` runs per step: set_lr, `train_step` through the `single` backend
   (token-weighted accumulation, OOM agreement points), memory stats and the metrics line.
 - `plain`: the loop a person writes by hand (mean loss per micro-batch / accumulation, clip, step),
   with the engine's AdamW (`build_adamw`: fused), so the optimizer kernel is not what differs.
 - `hf_trainer`: `transformers.Trainer` with equivalent TrainingArguments and no eval, saving or
-  logging; it runs in its own thread, held at the end of every optimizer step by a callback, so
-  a timed call covers exactly N of its steps including its data loading and bookkeeping.
+  logging; it runs in a thread, held at the end of every optimizer step by a callback, so a timed
+  call covers exactly N of its steps including its data loading and bookkeeping.
 
 - with `--compile`, two more: `oomless_compiled` (`train.compile: true`: each decoder layer
   compiled) and `hf_trainer_compiled` (`TrainingArguments(torch_compile=True)`); compiling happens
-  in the untimed warm-up step.
-
-Each contender runs in a thread of its own (the Trainer has to), so that none shares a thread's
-allocator arena and OpenMP pool with another.
+  in the untimed warm-up step. In processes of their own, the compiled Trainer cannot switch the
+  eager one's accelerate state to inductor (that state is one per process).
 
     python -m bench.engine_vs_plain [--model llama-20m] [--rounds 10] [--steps 2] \
         [--precision bf16] [--no-trainer] [--compile] [--device auto] [--json out.json]
@@ -29,7 +28,6 @@ import argparse
 import json
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import (
-    alternate,
     build_hf_model,
     count_parameters,
     job_config,
@@ -46,8 +43,8 @@ from bench.common import (
     medians,
     mfu,
     resolve_device,
-    timed,
 )
+from bench.contenders import Contender, time_in_processes
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
 from trainer.backends.common import autocast_context, build_adamw
 from trainer.metrics import MetricsLog
@@ -232,6 +229,32 @@ class HFTrainerStepper:
         self._thread.join(timeout=600)
 
 
+def build_oomless(args: argparse.Namespace, device: torch.device, compile: bool) -> Contender:
+    tmp = tempfile.TemporaryDirectory()
+    side = OomlessSingle(Path(tmp.name), args, device, compile)
+    batches = make_batches(args.model, args.accum, args.micro, args.seq)
+    return Contender(run=lambda n: side.run(batches, n), close=tmp.cleanup)
+
+
+def build_plain(args: argparse.Namespace, device: torch.device) -> Contender:
+    side = PlainLoop(args, device)
+    batches = make_batches(args.model, args.accum, args.micro, args.seq)
+    return Contender(
+        run=lambda n: side.run(batches, n), info={"num_params": count_parameters(side.model)}
+    )
+
+
+def build_hf_trainer(args: argparse.Namespace, device: torch.device, compile: bool) -> Contender:
+    tmp = tempfile.TemporaryDirectory()
+    stepper = HFTrainerStepper(args, device, Path(tmp.name), compile=compile)
+
+    def close() -> None:
+        stepper.close()
+        tmp.cleanup()
+
+    return Contender(run=stepper.run, info={"optimizer": stepper.optimizer_name}, close=close)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-20m")
@@ -251,61 +274,20 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="write the raw numbers here")
     args = p.parse_args()
     device = resolve_device(args.device)
-    batches = make_batches(args.model, args.accum, args.micro, args.seq)
-    # Every contender builds and runs in a thread of its own, as the Trainer must (it is parked
-    # between steps): none shares the main thread's malloc arena and OpenMP pool with another.
-    # Sharing them cost the two main-thread contenders ~2.5% against the Trainer here.
-    sides: dict[str, tuple[ThreadPoolExecutor | None, Any]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp_dir = Path(tmp)
-        (tmp_dir / "o").mkdir()
-        (tmp_dir / "oc").mkdir()
-
-        def own_thread(name: str, build: Any, *build_args: Any) -> None:
-            pool = ThreadPoolExecutor(1)
-            sides[name] = (pool, pool.submit(build, *build_args).result())
-
-        own_thread("oomless", OomlessSingle, tmp_dir / "o", args, device)
-        own_thread("plain", PlainLoop, args, device)
+    builds: dict[str, Any] = {
+        "oomless": (build_oomless, (args, device, False)),
+        "plain": (build_plain, (args, device)),
+    }
+    if args.compile:
+        builds["oomless_compiled"] = (build_oomless, (args, device, True))
+    if not args.no_trainer:
+        builds["hf_trainer"] = (build_hf_trainer, (args, device, False))
         if args.compile:
-            own_thread("oomless_compiled", OomlessSingle, tmp_dir / "oc", args, device, True)
-        if not args.no_trainer:
-            eager = HFTrainerStepper(args, device, tmp_dir / "hf")
-            # Its warm-up step (where the Trainer prepares its model) runs before the compiled
-            # Trainer exists: accelerate's state is one per process, and a Trainer built with
-            # torch_compile=True switches it to inductor, which would compile this one too.
-            eager.run(1)
-            if isinstance(eager.trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule):
-                raise RuntimeError("the eager Trainer's model was compiled")
-            sides["hf_trainer"] = (None, eager)
-            if args.compile:
-                stepper = HFTrainerStepper(args, device, tmp_dir / "hfc", compile=True)
-                sides["hf_trainer_compiled"] = (None, stepper)
-
-        def runner(name: str) -> Any:
-            pool, side = sides[name]
-            if pool is None:  # a Trainer: its own thread already
-                return side.run
-            return lambda n: pool.submit(side.run, batches, n).result()
-
-        runs = {name: runner(name) for name in sides}
-        contenders = {
-            name: (lambda run=run: timed(lambda: run(args.steps), device))
-            for name, run in runs.items()
-        }
-        for name, run in runs.items():
-            if name != "hf_trainer":  # warmed up above
-                run(1)  # warm-up every side (the Trainer's set-up and any compiling happen here)
-        times = alternate(contenders, args.rounds)
-        for pool, side in sides.values():
-            if pool is None:
-                side.close()
-            else:
-                pool.shutdown()
-    num_params = count_parameters(sides["plain"][1].model)
-    result = report(args, device, num_params, times)
-    if "hf_trainer" in sides:
-        result["hf_trainer_optim"] = sides["hf_trainer"][1].optimizer_name
+            builds["hf_trainer_compiled"] = (build_hf_trainer, (args, device, True))
+    times, info = time_in_processes(builds, args.rounds, args.steps, device)
+    result = report(args, device, info["plain"]["num_params"], times)
+    if "hf_trainer" in info:
+        result["hf_trainer_optim"] = info["hf_trainer"]["optimizer"]
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 

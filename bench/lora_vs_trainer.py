@@ -3,12 +3,14 @@
 Same model, same batches, same precision, same LoRA (rank, alpha, the decoder blocks' linear
 layers), same AdamW hyper-parameters and clipping, same global batch; both sides hold the frozen
 base in the compute dtype (oomless by `finetune.method: lora`; the Trainer side as the usual
-recipe loads it: `dtype=bf16`, then `get_peft_model`, whose adapters are fp32). The contenders
-alternate in one process, the order shuffled every round, and the medians are compared (the
-machinery of bench/engine_vs_plain.py).
+recipe loads it: `dtype=bf16`, then `get_peft_model`, whose adapters are fp32). Each contender
+runs in a process of its own (bench/contenders.py), they alternate in an order shuffled every
+round, and the medians are compared. A second oomless process (`oomless_control`) runs beside
+them as an A/A control: the ratio of two identical contenders says how finely this run can tell
+two sides apart.
 
     python -m bench.lora_vs_trainer [--model llama-20m] [--rounds 10] [--steps 2] [--r 16] \
-        [--precision bf16] [--device auto] [--json out.json]
+        [--precision bf16] [--device auto] [--no-control] [--json out.json]
 """
 
 from __future__ import annotations
@@ -16,14 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from bench.common import (
-    alternate,
     build_hf_model,
     job_config,
     machine,
@@ -31,8 +30,8 @@ from bench.common import (
     medians,
     paired_ratio,
     resolve_device,
-    timed,
 )
+from bench.contenders import Contender, time_in_processes
 from bench.engine_vs_plain import OPTIM, HFTrainerStepper
 from trainer.backends import BackendContext, build_backend
 from trainer.config import FinetuneConfig
@@ -83,6 +82,24 @@ def peft_model(args: argparse.Namespace) -> torch.nn.Module:
     return peft.get_peft_model(base, config)
 
 
+def build_oomless(args: argparse.Namespace, device: torch.device) -> Contender:
+    tmp = tempfile.TemporaryDirectory()
+    side = OomlessLora(Path(tmp.name), args, device)
+    batches = make_batches(args.model, args.accum, args.micro, args.seq)
+    return Contender(run=lambda n: side.run(batches, n), close=tmp.cleanup)
+
+
+def build_peft_trainer(args: argparse.Namespace, device: torch.device) -> Contender:
+    tmp = tempfile.TemporaryDirectory()
+    stepper = HFTrainerStepper(args, device, Path(tmp.name), build_model=lambda: peft_model(args))
+
+    def close() -> None:
+        stepper.close()
+        tmp.cleanup()
+
+    return Contender(run=stepper.run, info={"optimizer": stepper.optimizer_name}, close=close)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-20m")
@@ -94,29 +111,22 @@ def main() -> None:
     p.add_argument("--r", type=int, default=16, help="LoRA rank (alpha = 2r)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument(
+        "--no-control",
+        action="store_true",
+        help="leave out the second oomless process (the A/A control: how far two identical "
+        "contenders' medians differ in this run)",
+    )
     p.add_argument("--json", type=Path, help="write the raw numbers here")
     args = p.parse_args()
     device = resolve_device(args.device)
-    batches = make_batches(args.model, args.accum, args.micro, args.seq)
-    with tempfile.TemporaryDirectory() as tmp:
-        pool = ThreadPoolExecutor(1)  # oomless in a thread of its own, as the Trainer must be
-        ours = pool.submit(OomlessLora, Path(tmp), args, device).result()
-        trainer = HFTrainerStepper(
-            args, device, Path(tmp) / "hf", build_model=lambda: peft_model(args)
-        )
-        runs: dict[str, Any] = {
-            "oomless": lambda n: pool.submit(ours.run, batches, n).result(),
-            "peft_trainer": trainer.run,
-        }
-        for run in runs.values():
-            run(1)  # warm-up
-        contenders = {
-            name: (lambda run=run: timed(lambda: run(args.steps), device))
-            for name, run in runs.items()
-        }
-        times = alternate(contenders, args.rounds)
-        trainer.close()
-        pool.shutdown()
+    builds = {
+        "oomless": (build_oomless, (args, device)),
+        "peft_trainer": (build_peft_trainer, (args, device)),
+    }
+    if not args.no_control:
+        builds["oomless_control"] = (build_oomless, (args, device))
+    times, info = time_in_processes(builds, args.rounds, args.steps, device)
     tokens = args.micro * args.accum * args.seq
     med = {name: s / args.steps for name, s in medians(times).items()}
     ratio, q1, q3 = paired_ratio(times["oomless"], times["peft_trainer"])
@@ -134,7 +144,8 @@ def main() -> None:
         "round_s": times,
         "median_step_s": med,
         "tokens_per_s": {name: tokens / s for name, s in med.items()},
-        "oomless_over": {"peft_trainer": med["oomless"] / med["peft_trainer"]},
+        "oomless_over": {name: med["oomless"] / t for name, t in med.items() if name != "oomless"},
+        "peft_trainer_optim": info["peft_trainer"]["optimizer"],
         "paired_ratio": {"median": ratio, "q1": q1, "q3": q3},
     }
     print(
@@ -143,6 +154,11 @@ def main() -> None:
         + ", ".join(f"{n} {t:,.0f} tok/s" for n, t in result["tokens_per_s"].items())
         + f"; oomless step time / peft + Trainer {result['oomless_over']['peft_trainer']:.3f} "
         f"(paired {ratio:.3f}, quartiles {q1:.3f}-{q3:.3f})"
+        + "".join(
+            f"; oomless / oomless in another process (A/A control) {r:.3f}"
+            for n, r in result["oomless_over"].items()
+            if n == "oomless_control"
+        )
     )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
+import torch
 
+from bench.contenders import Contender, ContenderProcess, time_in_processes
 from tests.conftest import PYTHON, REPO, run_bounded
 
 PARTS = {
@@ -102,8 +105,13 @@ def test_make_bench_table_gives_medians_and_per_round_ratios(tmp_path):
     single["step_s"]["oomless_compiled"] = [0.8, 0.8, 0.8]
     single["step_s"]["hf_trainer_compiled"] = [1.0, 0.8, 1.0]
     single["oomless_compiled_over"] = {"hf_trainer": 0.4, "hf_trainer_compiled": 0.8}
+    lora = pair("peft_trainer", [1.0, 1.0, 1.0], [1.0, 1.25, 1.0])
+    lora["tokens_per_s"]["oomless_control"] = 1000 / 1.1
+    lora["oomless_over"]["oomless_control"] = 1 / 1.1
+    lora["step_s"]["oomless_control"] = [1.1, 1.1, 1.1]
     results = {
         "single": single,
+        "lora": lora,
         "fsdp": pair("plain", [1.1, 2.2, 3.3], [1.0, 2.0, 3.0]),
         "zero3_offload": pair("deepspeed", [1.0, 3.0, 2.0], [1.0, 2.0, 2.0]),
         "plan": {
@@ -135,6 +143,14 @@ def test_make_bench_table_gives_medians_and_per_round_ratios(tmp_path):
         "| 1.500 (3 rounds) | [1.000, 1.500] | 1.000 [1.000, 1.500] |"
         in rows["`zero3_offload` x2 vs DeepSpeed by hand"]
     )
+    assert (
+        "| 0.800 (3 rounds) | [0.800, 1.000] | 1.000 [0.800, 1.000] | <= 1.00 |"
+        in rows["`single` LoRA vs peft + `Trainer`"]
+    )
+    assert (
+        "| 1,000 | 909 | 0.909 (3 rounds) | [0.909, 0.909] | 0.909 [0.909, 0.909] | control |"
+        in rows["`single` LoRA vs itself (A/A control)"]
+    )
     assert "plan: fsdp_offload, micro-batch 2, checkpointing full" in r.stdout
 
 
@@ -158,3 +174,28 @@ def test_escalation_cap_lies_between_the_offload_and_the_on_device_rungs(tmp_pat
     assert max(peaks[name] for name in OFFLOAD) * 1.1 < cap["cap_bytes"]
     assert cap["cap_bytes"] * 1.1 < min(peaks[name] for name in ON_DEVICE)
     assert cap["device_memory_fraction"] == round(cap["cap_bytes"] / (80 * 2**30), 4)
+
+
+def build_sleeper(seconds_per_step: float) -> Contender:
+    """A bench contender whose step is a sleep: a known duration, measured in the child."""
+    return Contender(run=lambda n: time.sleep(n * seconds_per_step), info={"pid": os.getpid()})
+
+
+def build_broken(message: str) -> Contender:
+    raise ValueError(message)
+
+
+def test_contenders_run_in_processes_of_their_own_and_a_failure_names_the_contender():
+    times, info = time_in_processes(
+        {"a": (build_sleeper, (0.02,)), "b": (build_sleeper, (0.06,))},
+        num_rounds=3,
+        num_steps=2,
+        device=torch.device("cpu"),
+    )
+    assert len({info["a"]["pid"], info["b"]["pid"], os.getpid()}) == 3
+    assert [len(times["a"]), len(times["b"])] == [3, 3]
+    assert all(0.04 <= t < 0.04 + 0.5 for t in times["a"])  # two steps of 20 ms each
+    assert all(0.12 <= t < 0.12 + 0.5 for t in times["b"])
+    failure = r"contender 'broken' failed:(.|\n)*ValueError: no model"
+    with pytest.raises(RuntimeError, match=failure):
+        ContenderProcess("broken", build_broken, "no model", device="cpu")
