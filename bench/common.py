@@ -269,7 +269,7 @@ def sync(device: torch.device) -> None:
 
 
 def alternate(
-    contenders: dict[str, Callable[[], float]], num_rounds: int
+    contenders: dict[str, Callable[[], float]], num_rounds: int, first_round: int = 0
 ) -> dict[str, list[float]]:
     """Call every contender once per round, in an order shuffled each round; each returns
     seconds.
@@ -277,11 +277,12 @@ def alternate(
     Shuffled, not rotated: a rotation keeps the cyclic order, so every contender would always
     follow the same predecessor and inherit what it leaves behind (caches, another thread
     pool's spinning workers) every round. The shuffle is seeded by the round, so all ranks of a
-    launch run the same order.
+    launch run the same order; `first_round` numbers the rounds of a later session on from the
+    earlier ones'.
     """
     names = list(contenders)
     times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(num_rounds):
+    for r in range(first_round, first_round + num_rounds):
         order = list(names)
         random.Random(r).shuffle(order)
         for name in order:
@@ -318,10 +319,19 @@ def paired_ratio(first: list[float], second: list[float]) -> tuple[float, float,
 
 
 def ratio_interval(
-    first: list[float], second: list[float], level: float = 0.9, num_resamples: int = 4000
+    first: list[float],
+    second: list[float],
+    level: float = 0.9,
+    num_resamples: int = 4000,
+    groups: list[int] | None = None,
 ) -> tuple[float, float]:
     """A bootstrap interval of median(first) / median(second): rounds resampled with
     replacement, the two times of a round kept together (they ran back to back).
+
+    With `groups` (the session of each round, bench/contenders.py), the sessions are resampled
+    first and then the rounds within each drawn session: rounds of one session share its
+    processes' speed, so they are not independent draws, and the interval has to show how far a
+    different set of processes could move the ratio.
 
     The bench's headline is the ratio of medians; this says how far it moves when the same
     machine's noise is drawn again, so a ratio of 1.01 with an interval of [0.97, 1.04] reads as
@@ -329,9 +339,17 @@ def ratio_interval(
     """
     rng = random.Random(0)
     n = len(first)
+    clusters: dict[int, list[int]] = {}
+    for i, group in enumerate(groups or []):
+        clusters.setdefault(group, []).append(i)
+    members = list(clusters.values())
     ratios = []
     for _ in range(num_resamples):
-        idx = [rng.randrange(n) for _ in range(n)]
+        if members:
+            drawn = [rng.choice(members) for _ in members]
+            idx = [rng.choice(cluster) for cluster in drawn for _ in cluster]
+        else:
+            idx = [rng.randrange(n) for _ in range(n)]
         ratios.append(
             statistics.median(first[i] for i in idx) / statistics.median(second[i] for i in idx)
         )

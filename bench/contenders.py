@@ -1,19 +1,27 @@
-"""Each contender of a one-machine comparison in a process of its own, stepped on request.
+"""The contenders of a one-machine comparison, each in a process of its own, in fresh sessions.
 
 In one process, the contenders share one heap and one set of thread pools, and what one leaves
 behind changes the speed of the next: with a second oomless LoRA instance alternating in the same
 process, oomless / peft + Trainer moved from 1.010 to 0.975 while the two oomless instances stayed
-at 0.996 of each other (docs/benchmarks.md). A spawned process per contender removes that: the
-parent only tells one child at a time to take N optimizer steps, the child times them, and the
-others wait on their pipe without using a core.
+at 0.996 of each other. In a spawned process each, nothing is shared, but a process has a speed
+of its own: four processes running the very same oomless LoRA step, alternated for 30 rounds,
+had medians of 562-579 ms, each pair's 90% interval clear of the others' (docs/benchmarks.md).
+Where a process's heap and libraries land decides that, and it is drawn again with each process.
+
+So the rounds are split over sessions: each session starts a fresh process per contender, steps
+them in turn for its share of the rounds, and ends them. A contender's median then spans several
+processes, and the bootstrap interval resamples sessions first (bench.common.ratio_interval), so
+it shows what one process's luck can move.
 
 Inside its process a contender builds and runs in a thread of its own, never the main thread: the
 Trainer has to run in a thread (it is parked between steps), so every side does, and all of them
-allocate from a thread's malloc arena alike.
+allocate from a thread's malloc arena alike. The parent tells one child at a time to take N
+optimizer steps; the child times them; the others wait on their pipe without using a core.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import time
 import traceback
@@ -40,12 +48,22 @@ class Contender:
     close: Callable[[], None] = lambda: None
 
 
+@dataclass
+class Timings:
+    """Seconds of every round per contender, the session each round ran in, and what each
+    contender's build reported (from the last session)."""
+
+    round_s: dict[str, list[float]]
+    session_of_round: list[int]
+    info: dict[str, dict[str, Any]]
+
+
 class ContenderProcess:
     """`build(*build_args)` -> Contender, run in a spawned child; `time(n)` -> seconds of n steps.
 
-    `build` must be importable by name (a module-level function), and so must its arguments be
-    picklable. The child takes one untimed warm-up step before it reports ready, so compiling and
-    the Trainer's preparation are not timed.
+    `build` must be importable by name (a module-level function), and its arguments picklable.
+    The child takes one untimed warm-up step before it reports ready (`wait_ready`), so compiling
+    and the Trainer's preparation are not timed.
     """
 
     def __init__(self, name: str, build: Callable[..., Contender], *build_args: Any, device):
@@ -60,7 +78,13 @@ class ContenderProcess:
         )
         self._process.start()
         child_end.close()
-        self.info: dict[str, Any] = self._reply()
+        self.info: dict[str, Any] | None = None
+        self._failed = False
+
+    def wait_ready(self) -> dict[str, Any]:
+        if self.info is None:
+            self.info = self._reply()
+        return self.info
 
     def time(self, num_steps: int) -> float:
         time.sleep(SETTLE_S)
@@ -68,22 +92,26 @@ class ContenderProcess:
         return self._reply()
 
     def close(self) -> None:
-        if self._process.is_alive():
-            try:
-                self._conn.send(None)
-                self._reply()
-            finally:
-                self._process.join(timeout=60)
+        if self._failed or not self._process.is_alive():  # its error is raised already
+            self._process.join(timeout=10)
+            return
+        try:
+            self._conn.send(None)
+            self._reply()
+        finally:
+            self._process.join(timeout=60)
 
     def _reply(self) -> Any:
         try:
             status, value = self._conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
+            self._failed = True
             self._process.join(timeout=10)
             raise RuntimeError(
                 f"bench contender {self.name!r} died (exit code {self._process.exitcode})"
             ) from None
         if status == "error":
+            self._failed = True
             raise RuntimeError(f"bench contender {self.name!r} failed:\n{value}")
         return value
 
@@ -111,18 +139,36 @@ def time_in_processes(
     num_rounds: int,
     num_steps: int,
     device: torch.device,
-) -> tuple[dict[str, list[float]], dict[str, dict[str, Any]]]:
-    """Build every contender in its own process (one after the other), then alternate them
-    (`bench.common.alternate`: shuffled every round). Returns the seconds of each round per
-    contender and what each build reported."""
-    processes: dict[str, ContenderProcess] = {}
-    try:
-        for name, (build, build_args) in builds.items():
-            processes[name] = ContenderProcess(name, build, *build_args, device=device)
-        times = alternate(
-            {name: (lambda p=p: p.time(num_steps)) for name, p in processes.items()}, num_rounds
-        )
-    finally:
-        for process in processes.values():
-            process.close()
-    return times, {name: p.info for name, p in processes.items()}
+    num_sessions: int = 1,
+) -> Timings:
+    """`num_rounds` rounds of `num_steps` steps per contender, spread evenly over `num_sessions`
+    sessions of fresh processes. In a session every contender's process starts at once (builds
+    and warm-ups overlap, untimed), then they alternate (`bench.common.alternate`: the order
+    shuffled every round)."""
+    num_sessions = max(1, min(num_sessions, num_rounds))
+    per_session = [
+        math.ceil(num_rounds * (s + 1) / num_sessions) - math.ceil(num_rounds * s / num_sessions)
+        for s in range(num_sessions)
+    ]
+    round_s: dict[str, list[float]] = {name: [] for name in builds}
+    session_of_round: list[int] = []
+    info: dict[str, dict[str, Any]] = {}
+    for session, num_session_rounds in enumerate(per_session):
+        processes: dict[str, ContenderProcess] = {}
+        try:
+            for name, (build, build_args) in builds.items():
+                processes[name] = ContenderProcess(name, build, *build_args, device=device)
+            info = {name: p.wait_ready() for name, p in processes.items()}
+            times = alternate(
+                {name: (lambda p=p: p.time(num_steps)) for name, p in processes.items()},
+                num_session_rounds,
+                first_round=len(session_of_round),
+            )
+        finally:
+            for process in processes.values():
+                process.close()
+        for name, values in times.items():
+            round_s[name] += values
+        session_of_round += [session] * num_session_rounds
+        print(f"session {session + 1}/{num_sessions}: {num_session_rounds} rounds", flush=True)
+    return Timings(round_s, session_of_round, info)

@@ -271,6 +271,13 @@ def main() -> None:
         action="store_true",
         help="also oomless with train.compile and the Trainer with torch_compile",
     )
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=1,
+        help="spread the rounds over this many sessions, each with a fresh process per "
+        "contender (a process's speed varies by a few %% from one to the next)",
+    )
     p.add_argument("--json", type=Path, help="write the raw numbers here")
     args = p.parse_args()
     device = resolve_device(args.device)
@@ -284,8 +291,10 @@ def main() -> None:
         builds["hf_trainer"] = (build_hf_trainer, (args, device, False))
         if args.compile:
             builds["hf_trainer_compiled"] = (build_hf_trainer, (args, device, True))
-    times, info = time_in_processes(builds, args.rounds, args.steps, device)
+    timings = time_in_processes(builds, args.rounds, args.steps, device, args.sessions)
+    times, info = timings.round_s, timings.info
     result = report(args, device, info["plain"]["num_params"], times)
+    result |= {"sessions": args.sessions, "session_of_round": timings.session_of_round}
     if "hf_trainer" in info:
         result["hf_trainer_optim"] = info["hf_trainer"]["optimizer"]
     if args.json:

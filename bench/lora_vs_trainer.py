@@ -117,6 +117,13 @@ def main() -> None:
         help="leave out the second oomless process (the A/A control: how far two identical "
         "contenders' medians differ in this run)",
     )
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=1,
+        help="spread the rounds over this many sessions, each with a fresh process per "
+        "contender (a process's speed varies by a few %% from one to the next)",
+    )
     p.add_argument("--json", type=Path, help="write the raw numbers here")
     args = p.parse_args()
     device = resolve_device(args.device)
@@ -126,7 +133,8 @@ def main() -> None:
     }
     if not args.no_control:
         builds["oomless_control"] = (build_oomless, (args, device))
-    times, info = time_in_processes(builds, args.rounds, args.steps, device)
+    timings = time_in_processes(builds, args.rounds, args.steps, device, args.sessions)
+    times, info = timings.round_s, timings.info
     tokens = args.micro * args.accum * args.seq
     med = {name: s / args.steps for name, s in medians(times).items()}
     ratio, q1, q3 = paired_ratio(times["oomless"], times["peft_trainer"])
@@ -142,6 +150,8 @@ def main() -> None:
         "rounds": args.rounds,
         "steps_per_round": args.steps,
         "round_s": times,
+        "sessions": args.sessions,
+        "session_of_round": timings.session_of_round,
         "median_step_s": med,
         "tokens_per_s": {name: tokens / s for name, s in med.items()},
         "oomless_over": {name: med["oomless"] / t for name, t in med.items() if name != "oomless"},

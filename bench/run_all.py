@@ -32,6 +32,9 @@ def _run(argv: list[str], env: dict[str, str]) -> None:
 
 def run_benchmarks(quick: bool, precision: str, work: Path) -> dict[str, Any]:
     rounds = {"single": 2, "lora": 2, "fsdp": 2, "zero3": 2, "plan": 1} if quick else {}
+    # Fresh processes for every contender in each session: one process's speed is a draw of
+    # its own (+-1.5% here), so a median over one process per side carries that draw.
+    sessions = {"single": 6, "lora": 8} if not quick else {}
     quiet = {"PYTHONWARNINGS": "ignore"}
     two_ranks = quiet | {"OMP_NUM_THREADS": "1"}
     py = [sys.executable, "-m"]
@@ -44,9 +47,10 @@ def run_benchmarks(quick: bool, precision: str, work: Path) -> dict[str, Any]:
     steps = {
         "single": py
         + ["bench.engine_vs_plain", "--rounds", str(rounds.get("single", 72)), *one_step]
-        + ["--compile", *same],
+        + ["--sessions", str(sessions.get("single", 1)), "--compile", *same],
         "lora": py
-        + ["bench.lora_vs_trainer", "--rounds", str(rounds.get("lora", 48)), *one_step, *same],
+        + ["bench.lora_vs_trainer", "--rounds", str(rounds.get("lora", 48)), *one_step]
+        + ["--sessions", str(sessions.get("lora", 1)), *same],
         "fsdp": torchrun + ["bench.fsdp_vs_plain", "--rounds", str(rounds.get("fsdp", 24)), *same],
         "zero3_offload": torchrun
         + ["bench.zero3_vs_deepspeed", "--rounds", str(rounds.get("zero3", 12)), *same],
@@ -128,10 +132,12 @@ def _row(label: str, result: dict[str, Any], peer: str, target: str, ours: str =
     rounds = result["rounds"]
     times = result.get("round_s") or result["step_s"]
     median, q1, q3 = paired_ratio(times[ours], times[peer])
-    low, high = ratio_interval(times[ours], times[peer])
+    sessions = result.get("session_of_round")
+    low, high = ratio_interval(times[ours], times[peer], groups=sessions)
+    spread = f"{rounds} rounds" + (f", {len(set(sessions))} sessions" if sessions else "")
     return (
         f"| {label} | {tps[ours]:,.0f} | {tps[peer]:,.0f} | {ratio:.3f} "
-        f"({rounds} rounds) | [{low:.3f}, {high:.3f}] | {median:.3f} [{q1:.3f}, {q3:.3f}] "
+        f"({spread}) | [{low:.3f}, {high:.3f}] | {median:.3f} [{q1:.3f}, {q3:.3f}] "
         f"| {target} |"
     )
 

@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from bench.contenders import Contender, ContenderProcess, time_in_processes
+from bench.common import ratio_interval
+from bench.contenders import Contender
 from tests.conftest import PYTHON, REPO, run_bounded
 
 PARTS = {
@@ -159,7 +160,6 @@ def test_escalation_cap_lies_between_the_offload_and_the_on_device_rungs(tmp_pat
     every rung that keeps all state on the device and leave room for the offload rungs."""
     import argparse
 
-    import torch
     import yaml
 
     from bench.escalation import OFFLOAD, ON_DEVICE, job_tree, memory_cap
@@ -185,17 +185,45 @@ def build_broken(message: str) -> Contender:
     raise ValueError(message)
 
 
+# Run as a script of its own, as `make bench` runs the benches: spawning starts multiprocessing's
+# resource tracker, which lives as long as the process that spawned (here: that script).
+CONTENDERS_SCRIPT = """
+import json, os, torch
+from bench.contenders import time_in_processes
+from tests.test_bench import build_broken, build_sleeper
+cpu = torch.device("cpu")
+timings = time_in_processes(
+    {"a": (build_sleeper, (0.02,)), "b": (build_sleeper, (0.06,))}, 5, 2, cpu, num_sessions=2
+)
+try:
+    time_in_processes({"broken": (build_broken, ("no model",))}, 1, 1, cpu)
+    failure = None
+except RuntimeError as err:
+    failure = str(err)
+print(json.dumps({"pid": os.getpid(), "timings": timings.__dict__, "failure": failure}))
+"""
+
+
 def test_contenders_run_in_processes_of_their_own_and_a_failure_names_the_contender():
-    times, info = time_in_processes(
-        {"a": (build_sleeper, (0.02,)), "b": (build_sleeper, (0.06,))},
-        num_rounds=3,
-        num_steps=2,
-        device=torch.device("cpu"),
-    )
-    assert len({info["a"]["pid"], info["b"]["pid"], os.getpid()}) == 3
-    assert [len(times["a"]), len(times["b"])] == [3, 3]
+    r = run_bounded([PYTHON, "-c", CONTENDERS_SCRIPT], timeout=180, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.splitlines()[-1])
+    timings, info = out["timings"], out["timings"]["info"]
+    assert len({info["a"]["pid"], info["b"]["pid"], out["pid"]}) == 3
+    assert timings["session_of_round"] == [0, 0, 0, 1, 1]
+    times = timings["round_s"]
+    assert [len(times["a"]), len(times["b"])] == [5, 5]
     assert all(0.04 <= t < 0.04 + 0.5 for t in times["a"])  # two steps of 20 ms each
     assert all(0.12 <= t < 0.12 + 0.5 for t in times["b"])
-    failure = r"contender 'broken' failed:(.|\n)*ValueError: no model"
-    with pytest.raises(RuntimeError, match=failure):
-        ContenderProcess("broken", build_broken, "no model", device="cpu")
+    assert out["failure"].startswith("bench contender 'broken' failed:")
+    assert "ValueError: no model" in out["failure"]
+
+
+def test_the_interval_resamples_sessions_when_rounds_share_a_process():
+    """Five sessions whose processes ran 0.90-1.10x the peer's time, every round of a session
+    alike: resampling rounds alone hides what another draw of processes could give."""
+    per_session = [0.9, 0.95, 1.0, 1.05, 1.1]
+    ours = [r for r in per_session for _ in range(8)]
+    sessions = [s for s in range(5) for _ in range(8)]
+    assert ratio_interval(ours, [1.0] * 40) == (0.95, 1.05)
+    assert ratio_interval(ours, [1.0] * 40, groups=sessions) == (0.9, 1.1)
