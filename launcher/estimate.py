@@ -716,18 +716,22 @@ def _runtime_overhead(device: str, peak: int, persistent: int) -> int:
     return CUDA_CONTEXT_BYTES + int(FRAGMENTATION_RATIO * max(0, peak - persistent))
 
 
-def loading_host_bytes(shape: ModelShape, row: Strategy, ranks_here: int) -> int:
+def loading_host_bytes(
+    shape: ModelShape, row: Strategy, ranks_here: int, bytes_per_param: int = 4
+) -> int:
     """Host bytes per node that loading the initial (pretrained) weights adds at its peak.
 
-    A replica (single, ddp, ZeRO-1/2) is built whole in fp32 on the host by each rank (4N per
-    rank). A sharded rung reads its own part from the safetensors files into its parameters
+    A replica (single, ddp, ZeRO-1/2) is built whole on the host by each rank: in fp32 (4N per
+    rank), or for a frozen LoRA/QLoRA base loaded from pretrained weights in the 16-bit compute
+    dtype (`bytes_per_param` 2: 2N; QLoRA quantises it layer by layer afterwards). A sharded
+    rung reads its own part from the safetensors files into its parameters
     (`trainer/pretrained.py`): beyond the part itself (counted with the model states) at most
     one tensor in flight per rank, its fp32 copy on the way to the device (4 x the largest
     tensor). zero3_nvme builds the full weights on rank 0 (the model, then its state dict
     cloned: 8N) and sends each rank its part, as random init does on every sharded rung."""
     n = shape.num_params
     if not row.shards_params:
-        return 4 * n * ranks_here
+        return bytes_per_param * n * ranks_here
     if row.needs_nvme:
         return 8 * n
     return 4 * _largest_tensor_params(shape) * ranks_here
@@ -746,11 +750,12 @@ def _host_bytes(
     ranks_here: int,
     device_bytes: int,
     device: str,
+    load_bytes_per_param: int,
 ) -> dict[str, int]:
     """Host memory per node: every rank's offloaded states, loading the initial weights
     (`loading_host_bytes`), process baseline."""
     host = {k: v * ranks_here for k, v in states.on_host.items()}
-    host["initial_weights"] = loading_host_bytes(shape, row, ranks_here)
+    host["initial_weights"] = loading_host_bytes(shape, row, ranks_here, load_bytes_per_param)
     host["processes"] = HOST_PROCESS_BYTES * ranks_here
     if device == "cpu":  # the "device" is host memory too
         host["device_memory_of_cpu_ranks"] = device_bytes * ranks_here
@@ -812,7 +817,9 @@ def estimate(
         "runtime_overhead": overhead,
     }
     ranks_here = min(devices_per_node, w)
-    host = _host_bytes(row, states, shape, ranks_here, peak + overhead, device)
+    # a frozen base from pretrained weights loads in its compute dtype (trainer/finetune.py)
+    load_bytes = m.c if finetune.adapters and finetune.pretrained else 4
+    host = _host_bytes(row, states, shape, ranks_here, peak + overhead, device, load_bytes)
     if offload_activations:
         host["offloaded_activations"] = offloaded_activation_bytes(shape, m, ckpt) * ranks_here
     return Estimate(

@@ -49,6 +49,7 @@ class Finetune:
     r: int = 16
     target_modules: str | tuple[str, ...] = "all-linear"
     dropout: float = 0.0
+    pretrained: bool = True  # the base loads from model.name_or_path (random init: False)
 
     @classmethod
     def of(cls, cfg: Any) -> Finetune:
@@ -60,6 +61,7 @@ class Finetune:
             r=lora.r,
             target_modules=targets if isinstance(targets, str) else tuple(targets),
             dropout=lora.dropout,
+            pretrained=cfg.model.name_or_path is not None,
         )
 
     @property

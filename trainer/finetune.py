@@ -5,9 +5,10 @@ The backends see an ordinary model whose frozen parameters have `requires_grad=F
 the optimizer only what trains, and their canonical state (the checkpoint) holds only that.
 
 - LoRA: `peft.get_peft_model` with adapters on every `nn.Linear` of the decoder blocks
-  (`target_modules: all-linear`; never the LM head) or the named modules. The frozen base is cast
-  to the compute dtype (bf16 under `precision: bf16`; fp32 under fp32) and has no fp32 master, no
-  gradient and no optimizer state; the adapters are fp32 parameters with their own AdamW state.
+  (`target_modules: all-linear`; never the LM head) or the named modules. The frozen base is in
+  the compute dtype (bf16 under `precision: bf16`; fp32 under fp32; pretrained weights load
+  straight in it, a random init is drawn in fp32 and cast) and has no fp32 master, no gradient
+  and no optimizer state; the adapters are fp32 parameters with their own AdamW state.
   Adapter init (lora_A's Kaiming draw) is seeded by `train.seed`, so every rung starts alike.
 - QLoRA: the decoder blocks' linear layers become `bitsandbytes.nn.Linear4bit` holding NF4
   weights (double quantisation, bf16 compute and bf16 quant storage, as a
@@ -167,7 +168,7 @@ def quantize_decoder_linears(model: nn.Module) -> None:
                     device=child.weight.device,
                 )
                 q.weight = bnb.nn.Params4bit(
-                    child.weight.data,
+                    child.weight.data.float(),  # quantised from fp32, whatever it loaded in
                     requires_grad=False,
                     compress_statistics=qc.bnb_4bit_use_double_quant,
                     quant_type=qc.bnb_4bit_quant_type,
@@ -210,7 +211,16 @@ class FinetuneFactory:
         device = torch.device(device)
         if device.type == "meta":
             return self.adapt(self.inner.build("meta"))
-        return self.adapt(self.inner.build("cpu")).to(device)
+        # pretrained weights load straight in the dtype the frozen base keeps: 2 bytes per
+        # parameter on the host instead of 4, the same values as loading fp32 and casting
+        base = self.inner.build("cpu", pretrained_dtype=self.base_dtype)
+        return self.adapt(base).to(device)
+
+    @property
+    def base_dtype(self) -> torch.dtype:
+        if self.finetune.method == "qlora":
+            return QLORA_COMPUTE_DTYPE
+        return COMPUTE_DTYPES[self.precision]
 
     def initial_state_dict(self) -> dict[str, torch.Tensor]:
         if not hasattr(self, "_initial"):

@@ -74,7 +74,12 @@ class HFModelFactory:
         self.seed = seed
         self.hf_config = load_hf_config(model_cfg)
 
-    def build(self, device: str | torch.device) -> nn.Module:
+    def build(
+        self, device: str | torch.device, pretrained_dtype: torch.dtype = torch.float32
+    ) -> nn.Module:
+        """`pretrained_dtype`: the dtype pretrained weights are loaded in (a frozen LoRA base
+        loads straight in the compute dtype: half the host memory of fp32, the same numbers as
+        loading fp32 and casting). Random init is always fp32."""
         from transformers import AutoModelForCausalLM
 
         device = torch.device(device)
@@ -85,10 +90,10 @@ class HFModelFactory:
                     dtype=torch.float32,
                     trust_remote_code=self.model_cfg.trust_remote_code,
                 )
-        model = self._build_cpu()
+        model = self._build_cpu(pretrained_dtype)
         return model.to(device)
 
-    def _build_cpu(self) -> nn.Module:
+    def _build_cpu(self, pretrained_dtype: torch.dtype = torch.float32) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
         if self.model_cfg.name_or_path is not None:
@@ -96,7 +101,7 @@ class HFModelFactory:
                 AutoModelForCausalLM.from_pretrained,
                 self.model_cfg.name_or_path,
                 config=self.hf_config,
-                dtype=torch.float32,
+                dtype=pretrained_dtype,
                 trust_remote_code=self.model_cfg.trust_remote_code,
                 revision=self.model_cfg.revision,
             )

@@ -156,6 +156,25 @@ def test_model_states_of_8b_per_method():
     assert fsdp["params"] == (2 * n + 4 * adapters) // 4 and fsdp["optimizer"] == 2 * adapters
 
 
+def test_a_pretrained_frozen_base_loads_on_the_host_in_16_bits():
+    """LoRA and QLoRA on a replica rung load the base's files straight in bf16
+    (trainer/finetune.py): 2 bytes per parameter on the host while loading, where a full
+    fine-tune (fp32 masters) and a random init (drawn in fp32) take 4."""
+    shape = model_shape(ModelConfig(name_or_path="meta-llama/Llama-3.1-8B"))
+
+    def loading(ft: Finetune, strategy: str = "single", world: int = 1) -> int:
+        est = estimate(shape, strategy=strategy, world_size=world, devices_per_node=world,
+                       micro_batch_size=1, seq_len=2048, activation_checkpointing="full",
+                       precision="bf16", finetune=ft)  # fmt: skip
+        return est.host_breakdown["initial_weights"]
+
+    n = shape.num_params
+    assert loading(FULL) == 4 * n
+    assert loading(Finetune(method="lora")) == 2 * n == loading(Finetune(method="qlora"))
+    assert loading(Finetune(method="lora"), "ddp", 2) == 2 * 2 * n  # each rank its replica
+    assert loading(Finetune(method="lora", pretrained=False)) == 4 * n
+
+
 def _cli(capsys, *args: str) -> tuple[int, str, str]:
     rc = main(list(args))
     out, err = capsys.readouterr()

@@ -114,6 +114,44 @@ def test_qlora_trains_a_4bit_base(runs):
     assert names and all(".lora_" in k for k in names)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().flatten().view(torch.uint8)
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_a_pretrained_base_loads_in_its_compute_dtype_with_the_numbers_of_fp32_then_cast(
+    tmp_path, method
+):
+    """A frozen base loads from its files straight in bf16 (2 bytes per parameter on the host,
+    not 4): every tensor, the quantised ones of QLoRA included, equals loading fp32 and casting."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from trainer.config import load_config
+    from trainer.finetune import FinetuneFactory, apply_finetune
+    from trainer.model import HFModelFactory
+
+    base = tmp_path / "base"
+    config = LlamaConfig(**{k: v for k, v in WIDE.items() if k != "model_type"})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(base)
+    job = _job(tmp_path, method, finetune={**LORA, "method": method}, precision="bf16")
+    cfg = load_config(job, [f"model.name_or_path={base}", "model.config=null"])
+    inner = HFModelFactory(cfg.model, cfg.train.seed)
+
+    loaded = FinetuneFactory(inner, cfg).build("cpu")
+    cast = apply_finetune(inner.build("cpu"), cfg.finetune, cfg.precision, cfg.train.seed)
+
+    assert loaded.base_model.model.config.dtype == torch.bfloat16  # as from_pretrained loaded it
+    assert cast.base_model.model.config.dtype == torch.float32
+    got, want = loaded.state_dict(), cast.state_dict()
+    assert got.keys() == want.keys()
+    for name, t in want.items():  # bit for bit (QLoRA's packed bytes, viewed as bf16, hold NaNs)
+        assert got[name].dtype == t.dtype, name
+        assert torch.equal(_bits(got[name]), _bits(t)), name
+    assert {t.dtype for n, t in got.items() if ".lora_" in n} == {torch.float32}
+    assert got["base_model.model.model.norm.weight"].dtype == torch.bfloat16
+
+
 def test_a_resume_on_another_base_is_refused_in_one_line(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
