@@ -134,6 +134,16 @@ def _serve(conn: Any, build: Callable[..., Contender], build_args: tuple, device
         thread.shutdown()
 
 
+def add_sessions_arg(parser: Any) -> None:
+    parser.add_argument(
+        "--sessions",
+        type=int,
+        default=1,
+        help="spread the rounds over this many sessions, each with a fresh process per "
+        "contender (a process's speed varies by a few %% from one to the next)",
+    )
+
+
 def time_in_processes(
     builds: dict[str, tuple[Callable[..., Contender], tuple]],
     num_rounds: int,

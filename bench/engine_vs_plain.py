@@ -44,7 +44,7 @@ from bench.common import (
     mfu,
     resolve_device,
 )
-from bench.contenders import Contender, time_in_processes
+from bench.contenders import Contender, add_sessions_arg, time_in_processes
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
 from trainer.backends.common import autocast_context, build_adamw
 from trainer.metrics import MetricsLog
@@ -271,13 +271,7 @@ def main() -> None:
         action="store_true",
         help="also oomless with train.compile and the Trainer with torch_compile",
     )
-    p.add_argument(
-        "--sessions",
-        type=int,
-        default=1,
-        help="spread the rounds over this many sessions, each with a fresh process per "
-        "contender (a process's speed varies by a few %% from one to the next)",
-    )
+    add_sessions_arg(p)
     p.add_argument("--json", type=Path, help="write the raw numbers here")
     args = p.parse_args()
     device = resolve_device(args.device)

@@ -31,7 +31,7 @@ from bench.common import (
     paired_ratio,
     resolve_device,
 )
-from bench.contenders import Contender, time_in_processes
+from bench.contenders import Contender, add_sessions_arg, time_in_processes
 from bench.engine_vs_plain import OPTIM, HFTrainerStepper
 from trainer.backends import BackendContext, build_backend
 from trainer.config import FinetuneConfig
@@ -117,13 +117,7 @@ def main() -> None:
         help="leave out the second oomless process (the A/A control: how far two identical "
         "contenders' medians differ in this run)",
     )
-    p.add_argument(
-        "--sessions",
-        type=int,
-        default=1,
-        help="spread the rounds over this many sessions, each with a fresh process per "
-        "contender (a process's speed varies by a few %% from one to the next)",
-    )
+    add_sessions_arg(p)
     p.add_argument("--json", type=Path, help="write the raw numbers here")
     args = p.parse_args()
     device = resolve_device(args.device)
