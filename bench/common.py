@@ -1,9 +1,11 @@
 """What the benchmarks share: model shapes, batches, the alternation, medians, the machine.
 
-Every comparison runs its contenders in one process (or one torchrun launch), alternating them
-round by round with the order shuffled every round, so that a busy neighbour slows both sides
-alike; only medians and their ratios are reported. Run the scripts as modules from the repository
-root (`python -m bench.NAME`, `torchrun ... -m bench.NAME`).
+Every comparison alternates its contenders round by round with the order shuffled every round,
+so that a busy neighbour slows both sides alike; only medians and their ratios are reported. The
+one-process comparisons run each contender in a process of its own, in sessions of fresh
+processes (bench/contenders.py); the 2-rank ones alternate inside one torchrun launch. Run the
+scripts as modules from the repository root (`python -m bench.NAME`, `torchrun ... -m
+bench.NAME`).
 """
 
 from __future__ import annotations
