@@ -244,9 +244,11 @@ def build_plain(args: argparse.Namespace, device: torch.device) -> Contender:
     )
 
 
-def build_hf_trainer(args: argparse.Namespace, device: torch.device, compile: bool) -> Contender:
+def build_hf_trainer(
+    args: argparse.Namespace, device: torch.device, compile: bool, build_model: Any = None
+) -> Contender:
     tmp = tempfile.TemporaryDirectory()
-    stepper = HFTrainerStepper(args, device, Path(tmp.name), compile=compile)
+    stepper = HFTrainerStepper(args, device, Path(tmp.name), compile, build_model)
 
     def close() -> None:
         stepper.close()
