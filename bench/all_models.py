@@ -144,7 +144,7 @@ def check_one(model_type: str, work: Path, steps: int) -> dict[str, Any]:
     from launcher.activations import with_activations
     from launcher.estimate import estimate
     from launcher.model_shape import model_shape
-    from trainer.config import load_config
+    from trainer.core.config import load_config
 
     cfg = load_config(path, ["strategy=single", f"run.dir={work / 'runs' / model_type / 'single'}"])
     analytic = None
@@ -193,7 +193,7 @@ def check_one(model_type: str, work: Path, steps: int) -> dict[str, Any]:
 
 def fsdp_one(model_type: str, work: Path, steps: int) -> dict[str, Any]:
     """The same training under fsdp on this torchrun launch's two ranks (in the worker)."""
-    from trainer.config import load_config
+    from trainer.core.config import load_config
     from trainer.engine import run_training
 
     path = work / f"{model_type}.yaml"

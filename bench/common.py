@@ -145,7 +145,7 @@ def job_config(
     compile: bool = False,
 ) -> Any:
     """A resolved JobConfig for the engine's side of a comparison (data is never read)."""
-    from trainer.config import build_config
+    from trainer.core.config import build_config
 
     data = tmp / "d.jsonl"
     data.write_text('{"text": "x"}\n')
@@ -185,7 +185,7 @@ def largest_model_that_fits(
 
     from launcher.hardware import Hardware
     from launcher.plan import NoFitError, make_plan
-    from trainer import strategies
+    from trainer.core import strategies
 
     if device.type == "cuda":
         device_bytes = torch.cuda.get_device_properties(device).total_memory
@@ -394,7 +394,7 @@ def mfu(
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    from trainer.gpus import peak_flops_for
+    from trainer.core.gpus import peak_flops_for
 
     return peak_flops_for(torch.cuda.get_device_name(device))
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import MODELS, machine
-from trainer.units import GIB
+from trainer.core.units import GIB
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def estimate_for(run: Run, device_type: str, device_memory_bytes: int) -> dict[s
 
 
 def _job(run: Run, device_type: str, tmp: Path) -> Any:
-    from trainer.config import build_config
+    from trainer.core.config import build_config
 
     data = tmp / "d.jsonl"
     data.write_text('{"text": "x"}\n')

@@ -19,9 +19,9 @@ import json
 from launcher.estimate import estimate
 from launcher.estimate_finetune import Finetune
 from launcher.model_shape import model_shape
-from trainer.config import ModelConfig
-from trainer.hf_config import preset_index
-from trainer.units import GIB
+from trainer.core.config import ModelConfig
+from trainer.core.hf_config import preset_index
+from trainer.core.units import GIB
 
 METHODS = {
     "full, AdamW": Finetune(),

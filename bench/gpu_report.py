@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine
-from trainer.units import GIB
+from trainer.core.units import GIB
 
 LABELS = {
     "estimate": "estimator vs max_memory_allocated",

@@ -61,7 +61,7 @@ def worker(model_dir: Path, mode: str, out: Path) -> None:
     import torch.distributed as dist
 
     from trainer.backends import BackendContext, OptimizerSpec, build_backend
-    from trainer.config import build_config
+    from trainer.core.config import build_config
     from trainer.model import HFModelFactory
 
     dist.init_process_group("gloo")

@@ -108,7 +108,7 @@ def in_process_seconds(num_calls: int) -> list[float]:
     from launcher.hardware import detect_hardware
     from launcher.model_shape import model_shape
     from launcher.plan import NoFitError, make_plan
-    from trainer.config import load_config
+    from trainer.core.config import load_config
 
     cfg = load_config(PRESET, OVERRIDES)
     hw = detect_hardware(cfg.hardware)

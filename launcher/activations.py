@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.model_shape import ModelShape, hf_config_dict
-from trainer.config import JobConfig, ModelConfig
+from trainer.core.config import JobConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 ACTIVATIONS_CACHE_VERSION = 4  # bump when what is measured or how it is fitted changes
@@ -180,7 +180,9 @@ def layer_activations(
     """The traced fit for this model (from the cache when measured before), or the bound."""
     from launcher.model_shape import _transformers_version
 
-    config_json = json.dumps(hf_config_dict(model_cfg), sort_keys=True)
+    config_json = json.dumps(
+        hf_config_dict(model_cfg.config, model_cfg.name_or_path), sort_keys=True
+    )
     key = "\n".join(
         map(
             str,

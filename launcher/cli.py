@@ -10,9 +10,9 @@ import argparse
 import sys
 
 from launcher.plan import NoFitError
-from trainer.config import ConfigError, dump_config, load_config
-from trainer.contract import EXIT_CUT_OFF, EXIT_NO_FIT, EXIT_OK, EXIT_USAGE
-from trainer.logs import setup_logging
+from trainer.core.config import ConfigError, dump_config, load_config
+from trainer.core.contract import EXIT_CUT_OFF, EXIT_NO_FIT, EXIT_OK, EXIT_USAGE
+from trainer.core.logs import setup_logging
 
 
 class _Parser(argparse.ArgumentParser):

@@ -43,10 +43,10 @@ from launcher.estimate_levers import chunked_head_backward_extra_bytes, logit_to
 from launcher.estimate_levers import loss_chunk_tokens as loss_chunk_tokens_for
 from launcher.hardware import Hardware
 from launcher.model_shape import ModelShape
-from trainer import strategies
-from trainer.config import ConfigError
-from trainer.strategies import DEEPSPEED_BUCKET_ELEMENTS, Strategy, checkpointed_layers
-from trainer.units import GIB
+from trainer.core import strategies
+from trainer.core.config import ConfigError
+from trainer.core.strategies import DEEPSPEED_BUCKET_ELEMENTS, Strategy, checkpointed_layers
+from trainer.core.units import GIB
 
 CUDA_CONTEXT_BYTES = int(0.75 * GIB)  # CUDA context + cuBLAS/cuDNN workspaces, measured typical
 FRAGMENTATION_RATIO = 0.08  # caching-allocator slack over peak tensor bytes
@@ -619,7 +619,7 @@ def _zero_states(row: Strategy, z: _Sizes, shape: ModelShape, fsdp_every: bool):
     )
 
 
-# Model-state accounting per engine (the `engine` column of trainer/strategies.py)
+# Model-state accounting per engine (the `engine` column of trainer/core/strategies.py)
 _MODEL_STATES = {
     "single": _replicated_states,
     "ddp": _replicated_states,

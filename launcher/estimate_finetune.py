@@ -26,9 +26,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.config import ConfigError
-from trainer.methods import method_support
-from trainer.strategies import Strategy
+from trainer.core.config import ConfigError
+from trainer.core.methods import method_support
+from trainer.core.strategies import Strategy
 
 METHODS = ("full", "lora", "qlora")
 OPTIMIZERS = ("adamw", "adamw_8bit")
@@ -286,5 +286,5 @@ def method_cost(shape: Any, ft: Finetune, c: int) -> MethodCost:
 
 def why_not_on(row: Strategy, ft: Finetune) -> str | None:
     """Why this rung cannot run the method or optimizer, or None: the engine's own table
-    (trainer/methods.py), so the planner never picks a rung that the config then refuses."""
+    (trainer/core/methods.py), so the planner never picks a rung that the config then refuses."""
     return method_support(row.name, ft.method, ft.optimizer)

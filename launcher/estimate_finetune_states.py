@@ -25,7 +25,7 @@ from launcher.estimate import (
 )
 from launcher.estimate_finetune import Finetune, MethodSizes, method_sizes
 from launcher.model_shape import ModelShape
-from trainer.strategies import DEEPSPEED_BUCKET_ELEMENTS, Strategy
+from trainer.core.strategies import DEEPSPEED_BUCKET_ELEMENTS, Strategy
 
 
 def finetune_states(

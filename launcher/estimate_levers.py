@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.strategies import loss_chunk_tokens
+from trainer.core.strategies import loss_chunk_tokens
 
 __all__ = [
     "NO_LEVERS",

@@ -16,9 +16,9 @@ from launcher.estimate_levers import smallest_levers
 from launcher.hardware import Hardware, detect_hardware
 from launcher.model_shape import ModelShape, model_shape
 from launcher.plan import best_for_rung, estimate_for, rung_world
-from trainer import strategies
-from trainer.config import JobConfig
-from trainer.units import GIB, MIB
+from trainer.core import strategies
+from trainer.core.config import JobConfig
+from trainer.core.units import GIB, MIB
 
 
 def estimate_command(cfg: JobConfig, as_json: bool, trace: bool) -> int:
@@ -45,7 +45,7 @@ def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, 
     from launcher.model_shape import hf_config_dict
     from launcher.trace import trace_step, traceable
 
-    hf_config = hf_config_dict(cfg.model)
+    hf_config = hf_config_dict(cfg.model.config, cfg.model.name_or_path)
     shape = with_activations(model_shape(cfg.model), cfg)
     per_rank = max(1, cfg.train.global_batch_size // hw.world_size)
     finetune = Finetune.of(cfg)

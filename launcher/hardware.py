@@ -13,9 +13,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config import HardwareConfig
-from trainer.gpus import peak_flops_for
-from trainer.units import GIB
+from trainer.core.config import HardwareConfig
+from trainer.core.gpus import peak_flops_for
+from trainer.core.units import GIB
 
 log = logging.getLogger(__name__)
 

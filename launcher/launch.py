@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer.config import JobConfig
-from trainer.contract import EXIT_SIGNAL
+from trainer.core.config import JobConfig
+from trainer.core.contract import EXIT_SIGNAL
 
 if TYPE_CHECKING:
     from launcher.torchrun_output import TorchrunOutput
@@ -78,7 +78,7 @@ def run_command(argv: list[str], env: dict[str, str], output: TorchrunOutput | N
     SIGUSR1, which torchrun does not handle, is forwarded as SIGTERM. A run stopped that way
     returns 143 (INTERFACE.md: stopped by a signal after writing a checkpoint).
     """
-    from trainer.run_lock import die_with_parent
+    from trainer.core.run_lock import die_with_parent
 
     child_env = dict(os.environ, **env)
     # Its own session (a Ctrl-C reaches it once, through us), but it dies with us: a supervisor

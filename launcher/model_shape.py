@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher.analytic_shape import analytic_shape_fields, counts_analytically
-from trainer.config import ModelConfig
-from trainer.hf_config import PRESETS, hf_config_dict, preset_index
+from trainer.core.config import ModelConfig
+from trainer.core.hf_config import PRESETS, hf_config_dict, preset_index
 
 if TYPE_CHECKING:
     from launcher.activations import LayerActivations
@@ -74,7 +74,7 @@ def model_shape(
     the shape is read from `cache_dir` (default: `$XDG_CACHE_HOME/oomless/shapes`). The presets'
     shapes ship computed (`configs/models/shapes.json`; a test recomputes them); `shipped=False`
     ignores them."""
-    config = hf_config_dict(model_cfg)
+    config = hf_config_dict(model_cfg.config, model_cfg.name_or_path)
     config_json = json.dumps(config, sort_keys=True)
     if shipped and (known := _shipped_shapes().get(_config_digest(config_json))) is not None:
         return ModelShape(**known["shape"])

@@ -29,10 +29,10 @@ from launcher.estimate_levers import (
 from launcher.hardware import Hardware
 from launcher.model_shape import ModelShape, model_shape
 from launcher.plan_finetune import MethodAlternative, method_alternatives
-from trainer import strategies
-from trainer.config import ConfigError, JobConfig
-from trainer.strategies import AC_LEVELS, Strategy
-from trainer.units import GIB
+from trainer.core import strategies
+from trainer.core.config import ConfigError, JobConfig
+from trainer.core.strategies import AC_LEVELS, Strategy
+from trainer.core.units import GIB
 
 # Cost-model constants (docs/planner.md): effective bandwidths and rates, not peaks. The
 # bandwidths are defaults for the `hardware.*_bandwidth` keys.

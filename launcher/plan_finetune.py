@@ -11,9 +11,9 @@ from typing import Any
 
 from launcher.hardware import Hardware
 from launcher.model_shape import ModelShape
-from trainer import strategies
-from trainer.config import ConfigError, JobConfig
-from trainer.units import GIB
+from trainer.core import strategies
+from trainer.core.config import ConfigError, JobConfig
+from trainer.core.units import GIB
 
 # The opt-in (method, optimizer) pairs, least change to what is learned first: 8-bit moments
 # still train every weight; LoRA trains adapters on the 16-bit base; QLoRA on a 4-bit base.

@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 from launcher.plan import NoFitError, Plan
-from trainer import strategies
-from trainer.config import ConfigError, JobConfig
-from trainer.contract import CONFIG_FILE
-from trainer.units import GIB
+from trainer.core import strategies
+from trainer.core.config import ConfigError, JobConfig
+from trainer.core.contract import CONFIG_FILE
+from trainer.core.units import GIB
 
 
 def plan_command(cfg: JobConfig, as_json: bool, emit: str | None) -> int:

@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from trainer.config import ConfigError, JobConfig
+from trainer.core.config import ConfigError, JobConfig
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def ensure_run_dir(path: str | Path) -> None:
 def check_rows(cfg: JobConfig) -> None:
     """Read every row of the local data and check its fields (torch-free: a broken file answers
     as fast as it is read)."""
-    from trainer.rows import check_rows as check_data_rows
+    from trainer.core.rows import check_rows as check_data_rows
 
     check_data_rows(cfg.data)
 

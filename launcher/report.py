@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainer.config import ConfigError
-from trainer.contract import METRICS_FILE, PLAN_FILE
-from trainer.units import GIB
+from trainer.core.config import ConfigError
+from trainer.core.contract import METRICS_FILE, PLAN_FILE
+from trainer.core.units import GIB
 
 _PARTS = ("params", "grads", "optimizer", "activations", "temporary", "runtime_overhead")
 

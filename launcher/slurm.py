@@ -30,10 +30,10 @@ from string import Template
 from launcher.plan import NoFitError
 from launcher.preflight import check_rows, check_run_dir, ensure_run_dir, tokenize_data
 from launcher.slurm_nodes import PartitionNodes, SlurmRequest, read_partition, size_request
-from trainer.config import ConfigError, JobConfig, write_config
-from trainer.contract import CONFIG_FILE, PLAN_FILE
-from trainer.files import write_atomic
-from trainer.units import GIB, MIB
+from trainer.core.config import ConfigError, JobConfig, write_config
+from trainer.core.contract import CONFIG_FILE, PLAN_FILE
+from trainer.core.files import write_atomic
+from trainer.core.units import GIB, MIB
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "submit.sbatch.tmpl"
 CPUS_PER_RANK = 8
@@ -192,7 +192,7 @@ def submit_command(cfg: JobConfig, dry_run: bool) -> int:
         return 0
     if shutil.which("sbatch") is None:
         raise ConfigError("submit", "sbatch is not on PATH", "run on a Slurm login node")
-    from trainer.run_lock import check_run_lock
+    from trainer.core.run_lock import check_run_lock
 
     check_run_lock(run_dir)  # a live job's config, plan and script stay as they are
     check_resume(resolved)  # before anything is written into run.dir

@@ -14,7 +14,7 @@ import subprocess
 from dataclasses import dataclass
 
 from launcher.plan import NoFitError
-from trainer.units import GIB, MIB
+from trainer.core.units import GIB, MIB
 
 SINFO_FORMAT = "%N|%c|%m|%G|%P"
 SINFO_TIMEOUT_S = 30

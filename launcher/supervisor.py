@@ -21,9 +21,9 @@ from typing import Any
 
 from launcher.plan import NoFitError
 from launcher.preflight import check_rows, check_run_dir, ensure_run_dir, tokenize_data
-from trainer import strategies
-from trainer.config import ConfigError, JobConfig, write_config
-from trainer.contract import (
+from trainer.core import strategies
+from trainer.core.config import ConfigError, JobConfig, write_config
+from trainer.core.contract import (
     CONFIG_ERROR_FILE,
     CONFIG_FILE,
     ESCALATIONS_FILE,
@@ -34,8 +34,8 @@ from trainer.contract import (
     PLAN_FILE,
     TORCHRUN_LOG,
 )
-from trainer.files import write_atomic
-from trainer.run_lock import LOCK_OWNER_ENV, acquire_run_lock, check_run_lock
+from trainer.core.files import write_atomic
+from trainer.core.run_lock import LOCK_OWNER_ENV, acquire_run_lock, check_run_lock
 
 log = logging.getLogger(__name__)
 

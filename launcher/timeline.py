@@ -19,10 +19,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.contract import CONFIG_FILE
+from trainer.core.contract import CONFIG_FILE
+from trainer.core.units import MIB
 from trainer.phases import MARKER, OPTIMIZER
 from trainer.profile import trace_path
-from trainer.units import MIB
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ def predicted_phases(run_dir: Path, record: dict[str, Any]) -> list[tuple[str, i
     """The estimate's live bytes per phase for the profiled step's shape, from a FakeTensor
     trace of one step; None for strategies the trace does not cover."""
     from launcher.trace import TRACEABLE, trace_step
-    from trainer.config import load_config
-    from trainer.hf_config import hf_config_dict
+    from trainer.core.config import load_config
+    from trainer.core.hf_config import hf_config_dict
 
     strategy = record["strategy"]
     if strategy not in TRACEABLE:
@@ -108,7 +108,7 @@ def predicted_phases(run_dir: Path, record: dict[str, Any]) -> list[tuple[str, i
     cfg = load_config(run_dir / CONFIG_FILE)
     every = cfg.fsdp.reduce_every_micro_batch
     traced = trace_step(
-        hf_config_dict(cfg.model),
+        hf_config_dict(cfg.model.config, cfg.model.name_or_path),
         strategy=strategy,
         world_size=int(record["world_size"]),
         micro_batch_size=int(record["micro_batch_size"]),

@@ -33,7 +33,7 @@ from launcher.estimate_finetune import FULL, Finetune
 from trainer.backends import OptimizerSpec
 from trainer.backends.common import COMPUTE_DTYPES
 from trainer.backends.fsdp import apply_fsdp, gradient_sync
-from trainer.config import ModelConfig
+from trainer.core.config import ModelConfig
 from trainer.levers import MemoryLevers
 from trainer.loss import compute_loss
 from trainer.model import HFModelFactory, apply_activation_checkpointing
@@ -317,7 +317,7 @@ def _skip_frozen(tracker: Any, model: nn.Module) -> None:
 
 def apply_finetune(model: nn.Module, ft: Finetune, precision: str) -> nn.Module:
     """What `finetune.method` trains, built by the engine's own trainer/finetune.py."""
-    from trainer.config import FinetuneConfig, LoraConfig
+    from trainer.core.config import FinetuneConfig, LoraConfig
     from trainer.finetune import apply_finetune as engine_apply
 
     targets = ft.target_modules if isinstance(ft.target_modules, str) else list(ft.target_modules)

@@ -14,8 +14,8 @@ from launcher.estimate import DEVICE_PARTS, Estimate
 from launcher.estimate_levers import Levers
 from launcher.hardware import Hardware
 from launcher.plan import Plan, _per_rank_batch, rung_world
-from trainer import strategies
-from trainer.config import ConfigError, JobConfig
+from trainer.core import strategies
+from trainer.core.config import ConfigError, JobConfig
 
 log = logging.getLogger(__name__)
 PLANNING_KEYS = ("strategy", "train.micro_batch_size", "memory.activation_checkpointing")

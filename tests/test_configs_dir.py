@@ -9,7 +9,7 @@ import yaml
 
 from launcher.model_shape import PRESETS
 from tests.conftest import REPO
-from trainer.config import load_config
+from trainer.core.config import load_config
 
 INDEX = PRESETS / "index.yaml"
 JOBS = sorted(p for p in (REPO / "configs").rglob("*.yaml") if p != INDEX)

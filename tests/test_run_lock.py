@@ -15,8 +15,8 @@ import pytest
 
 from tests.conftest import PYTHON, REPO, kill_tree, python_env, run_bounded
 from tests.test_cli_train import DEMO
-from trainer.config import ConfigError
-from trainer.run_lock import LOCK_FILE, acquire_run_lock
+from trainer.core.config import ConfigError
+from trainer.core.run_lock import LOCK_FILE, acquire_run_lock
 
 
 @pytest.mark.slow

@@ -6,9 +6,9 @@ import os
 import sys
 from pathlib import Path
 
-from trainer.config import ConfigError, load_config
-from trainer.contract import CONFIG_ERROR_FILE
-from trainer.run_lock import acquire_run_lock, die_with_parent, exit_if_orphaned
+from trainer.core.config import ConfigError, load_config
+from trainer.core.contract import CONFIG_ERROR_FILE
+from trainer.core.run_lock import acquire_run_lock, die_with_parent, exit_if_orphaned
 
 
 def main(argv: list[str]) -> int:

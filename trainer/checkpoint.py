@@ -33,7 +33,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
-from trainer.config import (
+from trainer.core.config import (
     ConfigError,
     JobConfig,
     read_yaml,

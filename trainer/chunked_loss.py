@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.strategies import loss_chunk_tokens
+from trainer.core.strategies import loss_chunk_tokens
 
 IGNORE_INDEX = -100
 

@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.config import ConfigError, DataConfig, JobConfig, ModelConfig
+from trainer.core.config import ConfigError, DataConfig, JobConfig, ModelConfig
+from trainer.core.rows import bad_row_error, data_files, field, messages, no_rows_error, read_rows
 from trainer.dist import after_rank0, slow_down
 from trainer.loss import IGNORE_INDEX
-from trainer.rows import bad_row_error, data_files, field, messages, no_rows_error, read_rows
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
-from trainer import strategies
-from trainer.config import JobConfig
+from trainer.core import strategies
+from trainer.core.config import JobConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -26,8 +26,11 @@ from trainer.checkpoint import (
     resolve_resume,
     restore_rng,
 )
-from trainer.config import JobConfig
-from trainer.contract import EXIT_OOM, EXIT_SIGNAL, FINAL_DIR, PLAN_FILE
+from trainer.core.config import JobConfig
+from trainer.core.contract import EXIT_OOM, EXIT_SIGNAL, FINAL_DIR, PLAN_FILE
+from trainer.core.gpus import peak_flops_for
+from trainer.core.logs import setup_logging
+from trainer.core.strategies import AC_LEVELS
 from trainer.data import build_data, build_tokenizer
 from trainer.dist import (
     after_rank0,
@@ -41,9 +44,7 @@ from trainer.dist import (
 from trainer.evaluate import evaluate
 from trainer.export import save_final_model
 from trainer.finetune import build_factory, describe_method
-from trainer.gpus import peak_flops_for
 from trainer.levers import LEVER_NAMES, MemoryLevers, concrete_lever
-from trainer.logs import setup_logging
 from trainer.metrics import MetricsLog
 from trainer.model import (
     HFModelFactory,
@@ -65,7 +66,6 @@ from trainer.schedule import lr_at
 from trainer.signals import StopSignals
 from trainer.slurm_requeue import after_stop
 from trainer.step import train_step
-from trainer.strategies import AC_LEVELS
 from trainer.trackers import Trackers
 
 log = logging.getLogger(__name__)

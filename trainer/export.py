@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from trainer.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig, read_yaml
-from trainer.contract import CONFIG_FILE
-from trainer.files import fsync_dir, umask_mode
+from trainer.core.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig, read_yaml
+from trainer.core.contract import CONFIG_FILE
+from trainer.core.files import fsync_dir, umask_mode
 
 
 def save_hf_model(

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig
+from trainer.core.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 # bitsandbytes' CPU backend logs at import (also when peft or transformers imports it) that an

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from trainer.chunked_loss import apply_chunked_loss, chunkable
-from trainer.config import ConfigError
+from trainer.core.config import ConfigError
 from trainer.model import set_offload_activations
 from trainer.offload import ActivationOffload
 

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.config import ConfigError
-from trainer.contract import METRICS_FILE
-from trainer.files import write_atomic
+from trainer.core.config import ConfigError
+from trainer.core.contract import METRICS_FILE
+from trainer.core.files import write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.config import ConfigError, ModelConfig
+from trainer.core.config import ConfigError, ModelConfig
+from trainer.core.strategies import checkpointed_layers
 from trainer.offload import ActivationOffload
 from trainer.pretrained import SafetensorsCheckpoint, resolve_checkpoint
-from trainer.strategies import checkpointed_layers
 
 log = logging.getLogger(__name__)
 
@@ -230,16 +230,6 @@ def set_offload_activations(model: nn.Module, offload: ActivationOffload | None)
     sharded; the OOM back-off switches it on mid-run."""
     for switch in _layer_switches(model):
         switch.offload = offload
-
-
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
-
-
-def canonical_name(name: str) -> str:
-    """Parameter name as in the plain HF model (wrappers' prefixes removed)."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 def count_parameters(model: nn.Module) -> int:

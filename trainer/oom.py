@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from trainer.config import InjectOomConfig
-from trainer.contract import OOM_REPORT_FILE
+from trainer.core.config import InjectOomConfig
+from trainer.core.contract import OOM_REPORT_FILE
 from trainer.dist import all_reduce_max
 
 log = logging.getLogger(__name__)

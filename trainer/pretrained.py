@@ -47,6 +47,16 @@ _DTYPES = {
 }
 
 
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def canonical_name(name: str) -> str:
+    """Parameter name as in the plain HF model (wrappers' prefixes removed)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 @dataclass(frozen=True)
 class _Entry:
     file: Path
@@ -129,8 +139,6 @@ def checkpoint_keys(model: nn.Module, ckpt: SafetensorsCheckpoint) -> dict[str, 
     """Model state name -> checkpoint key, for every parameter and persistent buffer of the
     (meta or materialised) model, with wrappers' prefixes removed; None if any cannot be mapped
     to a tensor of the same shape."""
-    from trainer.model import canonical_name
-
     prefix = getattr(model, "base_model_prefix", "") or "model"
     wanted = {canonical_name(n): _global_shape(t) for n, t in _state_tensors(model)}
     keys = {}
@@ -187,7 +195,7 @@ def load_fsdp_shards(model: nn.Module, ckpt: SafetensorsCheckpoint) -> LoadStats
             start *= tensor[0].numel()
         elif isinstance(tensor, DTensor):
             local = tensor.to_local().detach()
-        plan.append((keys[_canonical(name)], local, start))
+        plan.append((keys[canonical_name(name)], local, start))
     return _timed_load(ckpt, plan, model)
 
 
@@ -205,21 +213,15 @@ def load_zero3_partitions(model: nn.Module, ckpt: SafetensorsCheckpoint) -> Load
     for name, tensor in _state_tensors(model):
         part = getattr(tensor, "ds_tensor", None)
         if part is None:  # a buffer: every rank holds it whole
-            plan.append((keys[_canonical(name)], tensor.data, 0))
+            plan.append((keys[canonical_name(name)], tensor.data, 0))
             continue
         size = part.ds_numel
         start = min(tensor.ds_numel, size * dist.get_rank(group=tensor.ds_process_group))
         count = min(size, tensor.ds_numel - start)
         flat = part.data.view(-1)
         flat[count:].zero_()
-        plan.append((keys[_canonical(name)], flat[:count], start))
+        plan.append((keys[canonical_name(name)], flat[:count], start))
     return _timed_load(ckpt, plan, model)
-
-
-def _canonical(name: str) -> str:
-    from trainer.model import canonical_name
-
-    return canonical_name(name)
 
 
 def _timed_load(

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.contract import PROFILE_DIR
+from trainer.core.contract import PROFILE_DIR
 from trainer.phases import STEP, mark_in_profile, phase_markers
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from trainer.config import TrainConfig
+from trainer.core.config import TrainConfig
 
 
 def lr_at(train: TrainConfig, step: int) -> float:

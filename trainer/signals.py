@@ -16,7 +16,7 @@ import signal
 
 import torch
 
-from trainer.contract import EXIT_CUT_OFF, EXIT_SIGNAL
+from trainer.core.contract import EXIT_CUT_OFF, EXIT_SIGNAL
 from trainer.dist import all_reduce_max, all_reduce_max_many
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.contract import CONFIG_FILE, ESCALATIONS_FILE, PLAN_FILE, TRACKERS_FILE
-from trainer.files import write_atomic
+from trainer.core.contract import CONFIG_FILE, ESCALATIONS_FILE, PLAN_FILE, TRACKERS_FILE
+from trainer.core.files import write_atomic
 
 log = logging.getLogger(__name__)
 

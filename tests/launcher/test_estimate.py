@@ -9,7 +9,7 @@ import pytest
 
 from launcher.estimate import GIB, estimate, zero_model_state_bytes
 from launcher.model_shape import model_shape
-from trainer.config import ConfigError, ModelConfig
+from trainer.core.config import ConfigError, ModelConfig
 
 N = 8_030_261_248  # Llama-3.1-8B
 LARGEST_LAYER = 128_256 * 4096  # its embedding (or lm_head): the largest module's parameters

@@ -20,8 +20,8 @@ from launcher.estimate_finetune import (
     root_tensors,
 )
 from launcher.model_shape import _shape_of, model_shape
-from trainer.config import ConfigError, ModelConfig
-from trainer.units import GIB
+from trainer.core.config import ConfigError, ModelConfig
+from trainer.core.units import GIB
 
 PRESET_8B = "configs/models/llama-3.1-8b.yaml"
 ONE_4090 = [
@@ -247,8 +247,8 @@ def test_the_cost_model_counts_adapter_matmuls_and_dequantisation():
     repeats more often; only the adapters' gradients are reduced across ranks."""
     from launcher.hardware import detect_hardware
     from launcher.plan import step_time_s
-    from trainer import strategies
-    from trainer.config import load_config
+    from trainer.core import strategies
+    from trainer.core.config import load_config
 
     def seconds(method: str, micro: int = 1, strategy: str = "single", ranks: int = 1) -> float:
         cfg = load_config(PRESET_8B, [f"finetune.method={method}", "data.seq_len=2048",

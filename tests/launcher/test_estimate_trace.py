@@ -265,7 +265,7 @@ def test_fsdp_reducing_every_micro_batch_matches_the_trace(arch, size, world, mi
 # Issue 17: LoRA (traced under FakeTensorMode like a full fine-tune), QLoRA and 8-bit AdamW
 # (bitsandbytes, run for real on CPU: launcher/trace.py) against the estimate, within a median
 # of 2% and a maximum of 5%. Adapters r=8 on every linear; QLoRA and adamw_8bit on `single`, the
-# rungs trainer/methods.py runs them on among the traceable ones. Cases after the seventh field
+# rungs trainer/core/methods.py runs them on among the traceable ones. Cases after the seventh field
 # add accumulation and the exact levers. The walk over the whole covering grid per method is
 # `python -m bench.finetune_trace`.
 METHODS = {

@@ -13,7 +13,7 @@ from launcher.hardware import (
     gpu_driver_present,
     peak_flops_for,
 )
-from trainer.config import HardwareConfig
+from trainer.core.config import HardwareConfig
 
 GiB = 2**30
 NO_GPU = DeviceProbe(0, 0, "cpu", 64 * GiB)

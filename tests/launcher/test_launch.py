@@ -10,7 +10,7 @@ from pathlib import Path
 
 from launcher.launch import build_torchrun_command, run_command
 from tests.conftest import TINY_LLAMA
-from trainer.config import build_config
+from trainer.core.config import build_config
 
 
 def _cfg(**hardware):

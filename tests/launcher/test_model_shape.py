@@ -8,7 +8,7 @@ import json
 import pytest
 
 from launcher.model_shape import PRESETS, ModelShape, model_shape, preset_shapes
-from trainer.config import ConfigError, ModelConfig
+from trainer.core.config import ConfigError, ModelConfig
 
 # Parameter counts the model cards publish (safetensors index totals).
 PUBLISHED = {

@@ -9,7 +9,7 @@ import yaml
 
 from launcher.hardware import Hardware
 from launcher.plan import NoFitError, make_plan
-from trainer.config import ConfigError, build_config, parse_size
+from trainer.core.config import ConfigError, build_config, parse_size
 
 CASES = yaml.safe_load((Path(__file__).parent / "plan_cases.yaml").read_text())
 HUB_IDS = {

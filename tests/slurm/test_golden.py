@@ -13,7 +13,7 @@ import pytest
 
 from launcher.slurm import render_sbatch
 from tests.conftest import REPO
-from trainer.config import load_config
+from trainer.core.config import load_config
 
 GOLDEN = Path(__file__).parent / "golden"
 GIB = 1024**3

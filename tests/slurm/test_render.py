@@ -97,7 +97,7 @@ def _sbatch_args(line: str) -> list[str]:
 
 def test_item7_sbatch_quotes_every_value(tmp_path):
     from launcher.slurm import render_sbatch
-    from trainer.config import load_config
+    from trainer.core.config import load_config
 
     run_dir = tmp_path / "my runs" / 'it\'s "odd" $(touch PWNED) `touch PWNED2` 100%'
     run_dir.mkdir(parents=True)

@@ -24,7 +24,7 @@ def child(cfg_path: str, overrides: list[str]) -> int:
     if pid == 0:
         code = 1
         try:
-            from trainer.config import load_config
+            from trainer.core.config import load_config
             from trainer.engine import run_training
 
             code = run_training(load_config(cfg_path, overrides))

@@ -20,7 +20,7 @@ def main() -> int:
     probe below)."""
     base, work = sys.argv[1], Path(sys.argv[2])
     skip = set(sys.argv[3].split(",")) if len(sys.argv) > 3 else set()
-    from trainer.config import load_config
+    from trainer.core.config import load_config
     from trainer.engine import run_training
 
     for run in RUNS:
@@ -44,7 +44,7 @@ def probe_deepspeed_state_split(base: str, work: Path) -> None:
     import torch
 
     from trainer.backends import BackendContext, build_backend
-    from trainer.config import load_config
+    from trainer.core.config import load_config
     from trainer.dist import env_rank
     from trainer.engine import _optimizer_spec
     from trainer.model import HFModelFactory

@@ -20,7 +20,7 @@ from trainer.checkpoint import (
     load_template,
     unflatten_state,
 )
-from trainer.config import ConfigError, build_config
+from trainer.core.config import ConfigError, build_config
 
 
 def _state() -> dict:

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, TINY_LLAMA, oomless
-from trainer.config import ConfigError, load_config, parse_size
+from trainer.core.config import ConfigError, load_config, parse_size
 
 TOKENIZER = str(REPO / "configs" / "demo" / "tokenizer")
 
@@ -167,7 +167,7 @@ INVALID = [
     ("no lora targets", {}, ["finetune.lora.target_modules=[]"], "finetune.lora", "module"),
     ("unknown method", {}, ["finetune.method=dora"], "finetune.method", "one of"),
     ("unknown optimizer", {}, ["train.optimizer=sgd"], "train.optimizer", "adamw_8bit"),
-    # a forced rung that cannot run the chosen method or optimizer (trainer/methods.py)
+    # a forced rung that cannot run the chosen method or optimizer (trainer/core/methods.py)
     (
         "qlora forced onto fsdp",
         {},

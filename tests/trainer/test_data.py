@@ -9,7 +9,7 @@ import torch
 
 import trainer.data as data_mod
 from tests.conftest import REPO, TINY_LLAMA
-from trainer.config import ConfigError, build_config
+from trainer.core.config import ConfigError, build_config
 from trainer.data import build_data, build_tokenizer, tokenize_source
 from trainer.loss import IGNORE_INDEX
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env
 from trainer.backends.deepspeed_config import build_deepspeed_config
-from trainer.config import build_config
+from trainer.core.config import build_config
 
 
 def _cfg(tmp_path, strategy, **extra):

@@ -10,7 +10,7 @@ from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env
 from tests.trainer.test_step import SEQ, _backend, _global_batch, _split
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
 from trainer.checkpoint import Checkpointer
-from trainer.config import build_config
+from trainer.core.config import build_config
 from trainer.model import HFModelFactory
 from trainer.step import train_step
 

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from tests.conftest import TINY_LLAMA, oomless, write_demo_job
-from trainer import methods, strategies
+from trainer.core import methods, strategies
 
 pytestmark = pytest.mark.slow
 
@@ -126,7 +126,7 @@ def test_a_pretrained_base_loads_in_its_compute_dtype_with_the_numbers_of_fp32_t
     not 4): every tensor, the quantised ones of QLoRA included, equals loading fp32 and casting."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from trainer.config import load_config
+    from trainer.core.config import load_config
     from trainer.finetune import FinetuneFactory, apply_finetune
     from trainer.model import HFModelFactory
 
@@ -175,7 +175,7 @@ def test_a_resume_on_another_base_is_refused_in_one_line(tmp_path):
 def _engine_model(ckpt: Path) -> torch.nn.Module:
     """The model the engine trained, rebuilt from the checkpoint's config and adapter weights."""
     from trainer.checkpoint import read_full_weights
-    from trainer.config import load_config
+    from trainer.core.config import load_config
     from trainer.finetune import FinetuneFactory
     from trainer.model import HFModelFactory
 
@@ -196,7 +196,7 @@ def test_export_writes_a_peft_adapter_dir_and_merge_a_plain_model(runs, tmp_path
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from trainer.config import load_config
+    from trainer.core.config import load_config
     from trainer.model import HFModelFactory
 
     ckpt = runs / "lora" / "checkpoints" / "step_4"
@@ -228,7 +228,7 @@ def test_every_rung_runs_lora_and_the_replicas_run_qlora_and_adamw_8bit():
 
 def test_the_planner_leaves_out_the_rungs_that_cannot_run_the_method(tmp_path):
     """Escalation re-plans with the same method: the rungs that cannot run it are never chosen,
-    each with the engine's reason (trainer/methods.py)."""
+    each with the engine's reason (trainer/core/methods.py)."""
     job = _job(tmp_path, "plan", finetune={**LORA, "method": "qlora"}, precision="bf16")
     r = oomless("plan", str(job), "hardware.devices_per_node=2", "--json")
     assert r.returncode == 0, r.stderr[-2000:]

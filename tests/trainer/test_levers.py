@@ -9,7 +9,7 @@ import torch
 
 from tests.conftest import TINY_LLAMA
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
-from trainer.config import build_config
+from trainer.core.config import build_config
 from trainer.levers import MemoryLevers
 from trainer.loss import IGNORE_INDEX
 from trainer.model import HFModelFactory
@@ -140,7 +140,7 @@ def test_both_levers_with_full_checkpointing_learn_the_same(tmp_path):
 def test_a_model_whose_head_cannot_be_chunked_runs_without_it(tmp_path):
     """An output layer that is not a plain nn.Linear: chunked loss off is fine (the back-off
     skips it), forced on is one config error naming the key."""
-    from trainer.config import ConfigError, ModelConfig
+    from trainer.core.config import ConfigError, ModelConfig
     from trainer.model import apply_activation_checkpointing
 
     model = HFModelFactory(ModelConfig(config=TINY_LLAMA), seed=0).build(CPU)
@@ -156,7 +156,7 @@ def test_backward_finds_the_next_layer_already_brought_back():
     """The copies back run one layer ahead of backward (on CUDA they overlap its compute): when
     backward first needs a tensor of layer k, layer k-1's are already on their way, for every
     layer, not only the top one."""
-    from trainer.config import ModelConfig
+    from trainer.core.config import ModelConfig
     from trainer.loss import compute_loss
     from trainer.model import apply_activation_checkpointing, set_offload_activations
     from trainer.offload import ActivationOffload

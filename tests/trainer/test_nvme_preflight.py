@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trainer.backends.deepspeed import _require_async_io
-from trainer.config import ConfigError
+from trainer.core.config import ConfigError
 
 
 def test_without_libaio_zero3_nvme_is_one_config_error(monkeypatch):

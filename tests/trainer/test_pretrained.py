@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import TINY_LLAMA
-from trainer.config import ModelConfig
+from trainer.core.config import ModelConfig
 from trainer.model import HFModelFactory
 from trainer.pretrained import SafetensorsCheckpoint, checkpoint_keys, resolve_checkpoint
 

@@ -9,7 +9,7 @@ import yaml
 
 from launcher.cli import main
 from tests.trainer.test_config import _job
-from trainer.config import load_config, write_config
+from trainer.core.config import load_config, write_config
 
 HF = "hf_" + "aBcDeFgHiJkLmNoPqRsTuVwXyZ012345"  # split so that scanners leave this file alone
 WANDB = "0123456789abcdef" * 2 + "89abcdef"

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from tests.conftest import TINY_LLAMA
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
-from trainer.config import build_config
+from trainer.core.config import build_config
 from trainer.loss import IGNORE_INDEX
 from trainer.model import HFModelFactory, decoder_layers, set_activation_checkpointing
 from trainer.step import train_step

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from trainer import strategies
-from trainer.config import JobConfig
+from trainer.core import strategies
+from trainer.core.config import JobConfig
 
 
 @dataclass(frozen=True)

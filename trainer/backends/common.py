@@ -13,7 +13,8 @@ from torch import nn
 
 from trainer.backends import OptimizerSpec
 from trainer.finetune import build_optimizer
-from trainer.model import apply_activation_checkpointing, apply_compile, canonical_name
+from trainer.model import apply_activation_checkpointing, apply_compile
+from trainer.pretrained import canonical_name
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -32,11 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer import strategies
 from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
 from trainer.backends.common import device_memory_stats, reset_device_peak, trained_params
 from trainer.backends.deepspeed_config import build_deepspeed_config
-from trainer.config import ConfigError
+from trainer.core import strategies
+from trainer.core.config import ConfigError
 from trainer.dist import after_rank0, all_reduce_max, all_reduce_sum
 from trainer.model import apply_activation_checkpointing
 from trainer.pretrained import load_per_rank, load_zero3_partitions

@@ -14,9 +14,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from trainer import strategies
-from trainer.config import JobConfig
-from trainer.strategies import DEEPSPEED_BUCKET_ELEMENTS
+from trainer.core import strategies
+from trainer.core.config import JobConfig
+from trainer.core.strategies import DEEPSPEED_BUCKET_ELEMENTS
 
 AUTOCAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 

@@ -31,7 +31,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from trainer import strategies
 from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
 from trainer.backends.common import (
     COMPUTE_DTYPES,
@@ -41,14 +40,10 @@ from trainer.backends.common import (
     reset_device_peak,
     trained_params,
 )
+from trainer.core import strategies
 from trainer.dist import after_rank0
-from trainer.model import (
-    apply_activation_checkpointing,
-    apply_compile,
-    canonical_name,
-    decoder_layers,
-)
-from trainer.pretrained import load_fsdp_shards, load_per_rank
+from trainer.model import apply_activation_checkpointing, apply_compile, decoder_layers
+from trainer.pretrained import canonical_name, load_fsdp_shards, load_per_rank
 
 
 class FsdpBackend:

@@ -8,7 +8,7 @@ learned, so they are never changed to make a rung work: the rung is left out ins
 
 from __future__ import annotations
 
-from trainer import strategies
+from trainer.core import strategies
 
 # The methods and optimizers the engine runs (trainer/finetune.py).
 METHODS = ("full", "lora", "qlora")

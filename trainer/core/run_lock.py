@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.config import ConfigError
-from trainer.contract import RUN_LOCK_FILE
-from trainer.files import make_private_dir
+from trainer.core.config import ConfigError
+from trainer.core.contract import RUN_LOCK_FILE
+from trainer.core.files import make_private_dir
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trainer.config import ConfigError, DataConfig
+from trainer.core.config import ConfigError, DataConfig
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t\r\f\v]*\n")

@@ -14,16 +14,16 @@ from typing import Any
 
 import yaml
 
-from trainer.config import ConfigError, ModelConfig
+from trainer.core.errors import ConfigError
 
-PRESETS = Path(__file__).resolve().parents[1] / "configs" / "models"
+PRESETS = Path(__file__).resolve().parents[2] / "configs" / "models"
 
 
-def hf_config_dict(model_cfg: ModelConfig) -> dict[str, Any]:
-    """The HF config as a dict, without network access."""
-    if model_cfg.config is not None:
-        return dict(model_cfg.config)
-    name = model_cfg.name_or_path
+def hf_config_dict(inline: dict[str, Any] | None, name: str | None) -> dict[str, Any]:
+    """The HF config as a dict, without network access: the inline `model.config`, else the one
+    `model.name_or_path` names."""
+    if inline is not None:
+        return dict(inline)
     assert name is not None
     local = Path(name).expanduser()
     if (local / "config.json").is_file():

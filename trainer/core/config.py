@@ -18,9 +18,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from trainer import methods, strategies
-from trainer.contract import CONFIG_FILE
-from trainer.units import parse_size
+from trainer.core import methods, strategies
+from trainer.core.contract import CONFIG_FILE
+from trainer.core.errors import ConfigError
+from trainer.core.hf_config import hf_config_dict
+from trainer.core.units import parse_size
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -55,14 +57,6 @@ _YamlLoader.add_implicit_resolver(  # after int: YAML 1.2 floats, `1e-4` and `3e
 def read_yaml(text: str) -> Any:
     """Parse YAML safely (no Python objects), without base-60 numbers."""
     return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
-
-
-class ConfigError(ValueError):
-    """A bad config value. `str()` is the one line the user sees: key, problem, fix."""
-
-    def __init__(self, key: str, problem: str, fix: str):
-        self.key, self.problem, self.fix = key, problem, fix
-        super().__init__(f"config error: {key}: {problem}; {fix}")
 
 
 _SLURM_TIME_RE = re.compile(r"^(\d+|\d+:\d{2}(:\d{2})?|\d+-\d{1,2}(:\d{2}(:\d{2})?)?)$")
@@ -320,7 +314,7 @@ class JobConfig(_Section):
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
-    strategy: str = "auto"  # auto or a row of trainer/strategies.py
+    strategy: str = "auto"  # auto or a row of trainer/core/strategies.py
     hardware: HardwareConfig = Field(default_factory=HardwareConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
     run: RunConfig = Field(default_factory=RunConfig)
@@ -591,7 +585,7 @@ def _check_across_sections(cfg: JobConfig) -> None:
 
 def _check_finetune(cfg: JobConfig) -> None:
     """The fine-tune method and optimizer: their libraries installed, their precision, and a
-    forced strategy that can run them (trainer/methods.py); never trained another way."""
+    forced strategy that can run them (trainer/core/methods.py); never trained another way."""
     method, optimizer = cfg.finetune.method, cfg.train.optimizer
     needs = []
     if method != "full":
@@ -627,10 +621,8 @@ def _check_finetune(cfg: JobConfig) -> None:
 
 def _check_positions(cfg: JobConfig) -> None:
     """data.seq_len within the model's positions, where the shape is known offline."""
-    from trainer.hf_config import hf_config_dict
-
     try:
-        hf = hf_config_dict(cfg.model)
+        hf = hf_config_dict(cfg.model.config, cfg.model.name_or_path)
     except ConfigError:  # a hub id without a shipped preset: checked when the model loads
         return
     text = hf.get("text_config") or hf
@@ -762,6 +754,6 @@ def dump_config(cfg: JobConfig) -> str:
 
 def write_config(cfg: JobConfig, run_dir: str | Path) -> Path:
     """run_dir/config.yaml, replaced in one rename after an fsync (0600: it holds paths)."""
-    from trainer.files import write_atomic
+    from trainer.core.files import write_atomic
 
     return write_atomic(Path(run_dir) / CONFIG_FILE, dump_config(cfg))
