@@ -1,7 +1,7 @@
 """The estimator's memory for each fine-tune method on the presets, and beside torchtune's table.
 
 Pure arithmetic (launcher/estimate.py, no torch, no GPU): one device, bf16, packed windows. Per
-preset of configs/models and per method (full fine-tuning with fp32 AdamW or 8-bit moments, LoRA
+shipped preset and per method (full fine-tuning with fp32 AdamW or 8-bit moments, LoRA
 r=16 on every linear, QLoRA), the model states (parameters + gradients + optimizer state) and the
 device total of one step (micro-batch 1, sequence 2048, full activation checkpointing; what must
 fit, runtime overhead included). Then Llama-3.1-8B as torchtune measured it on one RTX 4090

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from bench.common import machine
+from trainer.core.hf_config import PRESETS
 
 PRESET = "configs/models/llama-3.1-70b.yaml"
 OVERRIDES = [
@@ -58,7 +59,7 @@ def cli_seconds(repeats: int) -> tuple[list[float], dict[str, Any]]:
 def cold_cli_seconds(repeats: int) -> list[float]:
     """CLI wall times on a config never seen: inline 70B-like shape, empty shape cache."""
     job = yaml.safe_load(Path(PRESET).read_text())
-    config = json.loads(Path("configs/models/llama-3.1-70b.json").read_text())
+    config = json.loads((PRESETS / "llama-3.1-70b.json").read_text())
     job["model"] = {"config": {**config, "num_hidden_layers": 79}}
     return _empty_cache_seconds(job, repeats)
 

@@ -1,7 +1,7 @@
 """The shape of a model from its HF config alone: exact parameter counts, no weights, no GPU.
 
 Sources: an inline `model.config`, a local directory with `config.json`, or a hub id that names a
-preset shipped in `configs/models/` (read offline; `configs/models/index.yaml` maps hub ids to
+preset shipped in `trainer/core/presets/` (read offline; its `index.yaml` maps hub ids to
 preset files). Parameter counts of the block types the estimate models are arithmetic
 (`launcher.analytic_shape`, no torch: cold start under 3 s); any other type is instantiated on
 the meta device, once per config and transformers version, and cached.
@@ -72,8 +72,8 @@ def model_shape(
     """The shape of the configured model, from a meta-device instantiation: the seconds of
     importing torch and transformers are paid once per HF config and transformers version, then
     the shape is read from `cache_dir` (default: `$XDG_CACHE_HOME/oomless/shapes`). The presets'
-    shapes ship computed (`configs/models/shapes.json`; a test recomputes them); `shipped=False`
-    ignores them."""
+    shapes ship computed (`trainer/core/presets/shapes.json`; a test recomputes them);
+    `shipped=False` ignores them."""
     config = hf_config_dict(model_cfg.config, model_cfg.name_or_path)
     config_json = json.dumps(config, sort_keys=True)
     if shipped and (known := _shipped_shapes().get(_config_digest(config_json))) is not None:
@@ -119,7 +119,7 @@ def _shipped_shapes() -> dict[str, dict[str, Any]]:
 
 
 def preset_shapes() -> dict[str, dict[str, Any]]:
-    """Every preset's shape computed now, keyed as `configs/models/shapes.json` keys them."""
+    """Every preset's shape computed now, keyed as `trainer/core/presets/shapes.json` keys them."""
     shapes = {}
     for file in sorted(set(preset_index().values())):
         config_json = json.dumps(json.loads((PRESETS / file).read_text()), sort_keys=True)
@@ -207,7 +207,7 @@ def _experts(model: Any, text: Any) -> tuple[int, int, int]:
     return num_experts, top_k, routed
 
 
-if __name__ == "__main__":  # python -m launcher.model_shape: rewrite configs/models/shapes.json
+if __name__ == "__main__":  # python -m launcher.model_shape: rewrite the presets' shapes.json
     (PRESETS / "shapes.json").write_text(
         json.dumps(preset_shapes(), indent=1, sort_keys=True) + "\n"
     )

@@ -24,6 +24,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from importlib import resources
 from pathlib import Path
 from string import Template
 
@@ -35,7 +36,7 @@ from trainer.core.contract import CONFIG_FILE, PLAN_FILE
 from trainer.core.files import write_atomic
 from trainer.core.units import GIB, MIB
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "submit.sbatch.tmpl"
+TEMPLATE = resources.files("launcher") / "templates" / "submit.sbatch.tmpl"
 CPUS_PER_RANK = 8
 MIN_MEM_BYTES = 16 * GIB
 

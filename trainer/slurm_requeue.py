@@ -27,7 +27,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 REQUEUE_TIMEOUT_S = 30
-REQUEUE_BY_SCRIPT_ENV = "OOMLESS_REQUEUE_BY_SCRIPT"  # exported by slurm/submit.sbatch.tmpl
+# exported by the sbatch template, launcher/templates/submit.sbatch.tmpl
+REQUEUE_BY_SCRIPT_ENV = "OOMLESS_REQUEUE_BY_SCRIPT"
 REQUEUE_MARKER = "requeue.json"  # left for that script by rank 0
 
 

@@ -23,7 +23,7 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("hub_id", PUBLISHED)
 def test_presets_have_the_published_parameter_counts(hub_id, tmp_path):
-    """Counted on the meta device now, and as shipped in configs/models/shapes.json."""
+    """Counted on the meta device now, and as shipped in trainer/core/presets/shapes.json."""
     fresh = model_shape(ModelConfig(name_or_path=hub_id), cache_dir=tmp_path, shipped=False)
     assert fresh.num_params == PUBLISHED[hub_id]
     assert fresh.num_root_params + fresh.num_layers * fresh.num_layer_params == fresh.num_params
@@ -31,11 +31,11 @@ def test_presets_have_the_published_parameter_counts(hub_id, tmp_path):
 
 
 def test_the_shipped_preset_shapes_are_what_the_meta_model_gives():
-    """configs/models/shapes.json is current (else: python -m launcher.model_shape)."""
+    """trainer/core/presets/shapes.json is current (else: python -m launcher.model_shape)."""
     shipped = json.loads((PRESETS / "shapes.json").read_text())
     assert shipped == preset_shapes()
     assert {entry["preset"] for entry in shipped.values()} == {
-        p.name for p in PRESETS.glob("*.json") if p.name != "shapes.json"
+        p.name for p in PRESETS.iterdir() if p.name.endswith(".json") and p.name != "shapes.json"
     }
 
 

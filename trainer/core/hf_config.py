@@ -1,7 +1,8 @@
 """The model's Hugging Face config as a plain dict, offline and without torch.
 
 Sources: an inline `model.config`, a local directory with `config.json`, or a hub id that names a
-preset shipped in `configs/models/` (`configs/models/index.yaml` maps hub ids to preset files).
+preset shipped inside the package in `trainer/core/presets/` (its `index.yaml` maps hub ids to
+preset files; read with importlib.resources, so an installed wheel has them too).
 The config validator (positions), the launcher (shape, estimate) and the engine all read it here.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ import yaml
 
 from trainer.core.errors import ConfigError
 
-PRESETS = Path(__file__).resolve().parents[2] / "configs" / "models"
+PRESETS = resources.files("trainer.core") / "presets"
 
 
 def hf_config_dict(inline: dict[str, Any] | None, name: str | None) -> dict[str, Any]:
@@ -42,8 +44,6 @@ def hf_config_dict(inline: dict[str, Any] | None, name: str | None) -> dict[str,
 
 @lru_cache(maxsize=1)
 def preset_index() -> dict[str, str]:
-    """Hub id -> preset file name in `configs/models/`."""
-    index = PRESETS / "index.yaml"
-    if not index.is_file():
-        return {}
-    return {str(k): str(v) for k, v in (yaml.safe_load(index.read_text()) or {}).items()}
+    """Hub id -> preset file name in `PRESETS`."""
+    index = yaml.safe_load((PRESETS / "index.yaml").read_text())
+    return {str(k): str(v) for k, v in index.items()}
