@@ -38,6 +38,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from trainer.core.step_spec import StepSpec
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo"
 SMALL = {
@@ -150,9 +152,20 @@ def check_one(model_type: str, work: Path, steps: int) -> dict[str, Any]:
     analytic = None
     try:
         shape = with_activations(model_shape(cfg.model, cache_dir=work / "shapes"), cfg)
-        analytic = estimate(shape, strategy="single", world_size=1, devices_per_node=1,
-                            micro_batch_size=2, seq_len=SEQ_LEN, activation_checkpointing="none",
-                            precision="fp32", device="cpu", grad_accum=1)  # fmt: skip
+        analytic = estimate(
+            shape,
+            StepSpec(
+                strategy="single",
+                world_size=1,
+                devices_per_node=1,
+                micro_batch_size=2,
+                seq_len=SEQ_LEN,
+                activation_checkpointing="none",
+                precision="fp32",
+                device="cpu",
+                grad_accum=1,
+            ),
+        )
         source = shape.activations.source if shape.activations else "analytic"
         out["estimated"] = f"ok ({source})"
         out["moe"] = bool(shape.num_experts)
@@ -161,10 +174,18 @@ def check_one(model_type: str, work: Path, steps: int) -> dict[str, Any]:
     try:
         from launcher.trace import trace_step
 
-        traced = trace_step(dict(cfg.model.config), strategy="single", world_size=1,
-                            micro_batch_size=2, seq_len=SEQ_LEN,
-                            activation_checkpointing="none", precision="fp32",
-                            attn_implementation=cfg.model.attn_implementation)  # fmt: skip
+        traced = trace_step(
+            dict(cfg.model.config),
+            StepSpec(
+                strategy="single",
+                world_size=1,
+                micro_batch_size=2,
+                seq_len=SEQ_LEN,
+                activation_checkpointing="none",
+                precision="fp32",
+            ),
+            attn_implementation=cfg.model.attn_implementation,
+        )
         if analytic is not None:
             error = (analytic.peak_tensor_bytes - traced.peak_bytes) / traced.peak_bytes
             out["traced"] = f"ok ({error:+.1%})"

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import MODELS, machine
+from trainer.core.step_spec import StepSpec
 from trainer.core.units import GIB
 
 
@@ -78,15 +79,17 @@ def estimate_for(run: Run, device_type: str, device_memory_bytes: int) -> dict[s
         shape = model_shape(_job(run, device_type, Path(tmp)).model)
     est = estimate(
         shape,
-        strategy=run.strategy,
-        world_size=1,
-        devices_per_node=1,
-        micro_batch_size=run.micro_batch_size,
-        seq_len=run.seq_len,
-        activation_checkpointing=run.activation_checkpointing,
-        precision=run.precision,
-        device=device_type,
-        grad_accum=run.grad_accum,
+        StepSpec(
+            strategy=run.strategy,
+            world_size=1,
+            devices_per_node=1,
+            micro_batch_size=run.micro_batch_size,
+            seq_len=run.seq_len,
+            activation_checkpointing=run.activation_checkpointing,
+            precision=run.precision,
+            device=device_type,
+            grad_accum=run.grad_accum,
+        ),
     )
     return {
         "peak_tensor_bytes": est.peak_tensor_bytes,

@@ -17,10 +17,10 @@ import argparse
 import json
 
 from launcher.estimate import estimate
-from launcher.estimate_finetune import Finetune
 from launcher.model_shape import model_shape
 from trainer.core.config import ModelConfig
 from trainer.core.hf_config import preset_index
+from trainer.core.step_spec import Finetune, StepSpec
 from trainer.core.units import GIB
 
 METHODS = {
@@ -37,9 +37,21 @@ TORCHTUNE_4090 = {"LoRA r=16": 16.2, "QLoRA r=16": 7.4, "full, adamw_8bit": 18.9
 
 def one_step(hub_id: str, ft: Finetune, micro: int = 1, seq: int = 2048, **kw) -> dict:
     shape = model_shape(ModelConfig(name_or_path=hub_id))
-    est = estimate(shape, strategy="single", world_size=1, devices_per_node=1,
-                   micro_batch_size=micro, seq_len=seq, activation_checkpointing="full",
-                   precision="bf16", grad_accum=1, **kw, finetune=ft)  # fmt: skip
+    est = estimate(
+        shape,
+        StepSpec(
+            strategy="single",
+            world_size=1,
+            devices_per_node=1,
+            micro_batch_size=micro,
+            seq_len=seq,
+            activation_checkpointing="full",
+            precision="bf16",
+            grad_accum=1,
+            **kw,
+            finetune=ft,
+        ),
+    )
     states = sum(est.device_breakdown[k] for k in ("params", "grads", "optimizer"))
     return {
         "params": shape.num_params,

@@ -20,6 +20,8 @@ import statistics
 from dataclasses import replace
 from typing import Any
 
+from trainer.core.step_spec import StepSpec
+
 TYPES = ("gpt_neox", "gpt2", "falcon", "gemma3_text", "qwen3", "olmo2", "mixtral", "qwen3_moe",
          "gpt_oss")  # fmt: skip
 SIZES = {
@@ -57,9 +59,9 @@ def sized_config(model_type: str, size: str) -> dict[str, Any]:
 def measured_shape(config: dict[str, Any]):
     """The shape with the activations `oomless plan` would attach (measured at SEQ_LEN)."""
     from launcher.activations import trace_layer_activations
-    from launcher.model_shape import _shape_of
+    from launcher.model_shape import shape_of
 
-    shape = _shape_of(json.dumps(config, sort_keys=True))
+    shape = shape_of(json.dumps(config, sort_keys=True))
     acts = trace_layer_activations(config, SEQ_LEN, "bf16")  # gpt_oss: eager, as it runs
     return replace(shape, activations=acts)
 
@@ -72,8 +74,10 @@ def relative_error(config: dict[str, Any], shape, case: tuple) -> tuple[float, s
     (strategy, world), micro, ckpt = case
     common = {"strategy": strategy, "world_size": world, "micro_batch_size": micro,
               "seq_len": SEQ_LEN, "activation_checkpointing": ckpt}  # fmt: skip
-    traced = trace_step(config, **common)
-    est = estimate(shape, **common, devices_per_node=world, precision="bf16", grad_accum=1)
+    traced = trace_step(config, StepSpec(**common))
+    est = estimate(
+        shape, StepSpec(**common, devices_per_node=world, precision="bf16", grad_accum=1)
+    )
     error = (est.peak_tensor_bytes - traced.peak_bytes) / traced.peak_bytes
     est_phase = max(est.phases, key=est.phases.get)
     traced_phase = max(traced.phases, key=lambda p: p[1])[0]

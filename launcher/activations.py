@@ -32,120 +32,25 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from launcher.model_shape import ModelShape, hf_config_dict
+from launcher.estimate import estimate
+from launcher.estimate_activations import MODELLED_TYPES, Micro, analytic_layer_bytes
+from launcher.layer_fits import BOUND_FACTOR, PARTS, Fit, LayerActivations
+from launcher.model_shape import ModelShape, shape_of, transformers_version
 from trainer.core.config import JobConfig, ModelConfig
+from trainer.core.hf_config import hf_config_dict
+from trainer.core.step_spec import StepSpec
 
 log = logging.getLogger(__name__)
 ACTIVATIONS_CACHE_VERSION = 4  # bump when what is measured or how it is fitted changes
 MODES = {"fp32": ("fp32",), "bf16": ("autocast", "lowp"), "fp16": ("autocast", "lowp")}
-BOUND_FACTOR = 2.0  # the conservative bound: this many llama-style blocks of the same sizes
-
-
-@dataclass(frozen=True)
-class Fit:
-    """Bytes one decoder layer keeps for backward: const + per_token*b*s + per_token_sq*b*s*s."""
-
-    const: float
-    per_token: float
-    per_token_sq: float
-
-    def bytes(self, b: int, s: int) -> int:
-        return round(self.const + self.per_token * b * s + self.per_token_sq * b * s * s)
-
-    @classmethod
-    def through(cls, half_1: float, half_2: float, full_1: float, s: int) -> Fit:
-        """The fit through bytes at (b=1, s/2), (b=2, s/2) and (b=1, s)."""
-        h = s / 2
-        d_batch = half_2 - half_1  # per_token * h + per_token_sq * h^2
-        d_seq = full_1 - half_1  # per_token * h + per_token_sq * 3 h^2
-        sq = (d_seq - d_batch) / (2 * h * h)
-        per_token = (d_batch - sq * h * h) / h
-        return cls(half_1 - per_token * h - sq * h * h, per_token, sq)
-
-
-@dataclass(frozen=True)
-class LayerActivations:
-    """What one decoder layer keeps for backward, per compute mode (mean over the layers)."""
-
-    source: str  # "traced" (measured from the model's code) or "bound" (conservative)
-    fits: dict[str, Fit]  # compute mode -> fit
-    seq_len: int  # the sequence length measured at
-    num_layer_kinds: int = 1
-    note: str = ""  # why a bound: the trace's error
-    # saved once for all layers: inputs every layer reads (rotary cos/sin), per mode
-    shared: dict[str, Fit] = field(default_factory=dict)
-    # saved after the last layer: final norm, the head's input (and 16-bit weight), per mode
-    final: dict[str, Fit] = field(default_factory=dict)
-    # a layer's transients: in backward beyond its saved tensors and parameter gradients, in
-    # forward beyond what it saves; calibrated against traced steps, per mode
-    backward: dict[str, Fit] = field(default_factory=dict)
-    forward: dict[str, Fit] = field(default_factory=dict)
-
-    def layer_bytes(self, mode: str, b: int, s: int) -> int:
-        return _at(self.fits, mode, b, s)
-
-    def shared_bytes(self, mode: str, b: int, s: int) -> int:
-        return _at(self.shared, mode, b, s)
-
-    def final_bytes(self, mode: str, b: int, s: int) -> int:
-        return _at(self.final, mode, b, s)
-
-    def backward_bytes(self, mode: str, b: int, s: int) -> int:
-        """May be negative: a correction to the estimate's backward phase of a layer."""
-        fit = self.backward.get(mode)
-        return fit.bytes(b, s) if fit else 0
-
-    def forward_bytes(self, mode: str, b: int, s: int) -> int:
-        return _at(self.forward, mode, b, s)
-
-    def reason(self, model_type: str) -> str:
-        if self.source == "traced":
-            kinds = f" ({self.num_layer_kinds} kinds of layer)" if self.num_layer_kinds > 1 else ""
-            return (
-                f"activations of the {model_type} decoder layers{kinds} measured by tracing "
-                "the model's own forward under fake tensors (cached)"
-            )
-        return (
-            f"activations of the {model_type} decoder layers are a conservative bound "
-            f"({BOUND_FACTOR:g}x a llama-style block of the same sizes plus eager attention): "
-            f"{self.note}"
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> LayerActivations:
-        fits = {part: {k: Fit(**v) for k, v in d[part].items()} for part in _PARTS}
-        return cls(**{**d, **fits})
-
-
-_PARTS = ("fits", "shared", "final", "backward", "forward")
-
-
-def _at(fits: dict[str, Fit], mode: str, b: int, s: int) -> int:
-    """A part's bytes in `mode` (the largest mode's where not measured in it)."""
-    if not fits:
-        return 0
-    fit = fits.get(mode) or max(fits.values(), key=lambda f: f.bytes(b, s))
-    return max(0, fit.bytes(b, s))
-
-
-def compute_mode(c: int, autocast: bool) -> str:
-    """The mode a micro-batch computes in (estimate._Micro's c and autocast)."""
-    if c == 4:
-        return "fp32"
-    return "autocast" if autocast else "lowp"
 
 
 def analytic(model_type: str) -> bool:
     """Whether the closed-form activation model describes this block type."""
-    from launcher.estimate import MODELLED_TYPES
-
     return model_type in MODELLED_TYPES
 
 
@@ -178,8 +83,6 @@ def layer_activations(
     cache_dir: Path | None = None,
 ) -> LayerActivations:
     """The traced fit for this model (from the cache when measured before), or the bound."""
-    from launcher.model_shape import _transformers_version
-
     config_json = json.dumps(
         hf_config_dict(model_cfg.config, model_cfg.name_or_path), sort_keys=True
     )
@@ -188,7 +91,7 @@ def layer_activations(
             str,
             (
                 ACTIVATIONS_CACHE_VERSION,
-                _transformers_version(),
+                transformers_version(),
                 config_json,
                 seq_len,
                 precision,
@@ -234,11 +137,10 @@ def _default_cache_dir() -> Path:
 def bound_activations(shape: ModelShape, seq_len: int, precision: str, note: str):
     """BOUND_FACTOR llama-style blocks of these sizes (masked, k/v repeated) plus eager
     attention's probabilities in fp32 and the compute dtype, per layer."""
-    from launcher.estimate import _Micro, analytic_layer_bytes
 
     def at(mode: str, b: int, s: int) -> float:
         c = 4 if mode == "fp32" else 2
-        m = _Micro(b=b, s=s, c=c, r=4 if mode != "lowp" else c, autocast=mode == "autocast",
+        m = Micro(b=b, s=s, c=c, r=4 if mode != "lowp" else c, autocast=mode == "autocast",
                    masked=True)  # fmt: skip
         eager = (4 + c) * b * shape.num_heads * s * s
         return BOUND_FACTOR * analytic_layer_bytes(shape, m) + eager
@@ -306,9 +208,7 @@ def _depth_key(hf_config: dict[str, Any]) -> str:
 def at_depth(hf_config: dict[str, Any], depth: int) -> dict[str, Any]:
     """A copy of the config with `depth` layers, per-layer lists (`layer_types`, any list as
     long as the model is deep) cut to their first `depth` entries."""
-    from launcher.model_shape import _shape_of
-
-    layers = _shape_of(json.dumps(hf_config, sort_keys=True)).num_layers
+    layers = shape_of(json.dumps(hf_config, sort_keys=True)).num_layers
     out = {
         k: v[:depth] if isinstance(v, list) and len(v) == layers else v
         for k, v in hf_config.items()
@@ -322,14 +222,12 @@ def reduced_depths(hf_config: dict[str, Any], attn_implementation: str) -> tuple
     that depth build with that many layers; () to trace the whole model. With several kinds
     (sliding and global attention, dense and MoE layers) the whole model is traced: a cut copy
     could keep the kinds in another proportion (e.g. DeepSeek's first dense layers)."""
-    from launcher.model_shape import _shape_of
-
-    layers = _shape_of(json.dumps(hf_config, sort_keys=True)).num_layers
+    layers = shape_of(json.dumps(hf_config, sort_keys=True)).num_layers
     if layers <= max(REDUCED_DEPTHS) or _num_layer_kinds(hf_config, attn_implementation) != 1:
         return ()
     for depth in REDUCED_DEPTHS:
         try:
-            cut = _shape_of(json.dumps(at_depth(hf_config, depth), sort_keys=True))
+            cut = shape_of(json.dumps(at_depth(hf_config, depth), sort_keys=True))
         except Exception as err:  # a config whose copy does not build: trace the whole model
             log.debug("no %d-layer copy of %s: %s", depth, hf_config["model_type"], err)
             return ()
@@ -353,7 +251,7 @@ def saved_activations(
     from launcher.trace import moe_fake_kernels
 
     s = max(2, seq_len - seq_len % 2)
-    parts: dict[str, dict[str, Fit]] = {part: {} for part in _PARTS}
+    parts: dict[str, dict[str, Fit]] = {part: {} for part in PARTS}
     kinds = 1
     with moe_fake_kernels():
         for mode in MODES[precision]:
@@ -362,7 +260,7 @@ def saved_activations(
                 saved, kinds = _saved_per_layer(hf_config, mode, precision, attn_implementation,
                                                  b, seq)  # fmt: skip
                 points.append(saved)
-            for i, part in enumerate(_PARTS[:3]):
+            for i, part in enumerate(PARTS[:3]):
                 parts[part][mode] = Fit.through(*(p[i] for p in points), s)
     return LayerActivations("traced", parts["fits"], seq_len, num_layer_kinds=kinds,
                             shared=parts["shared"], final=parts["final"])  # fmt: skip
@@ -381,11 +279,8 @@ def calibrate_transients(
     them, at the three points, per mode (single for autocast and fp32, fsdp x4 for 16-bit
     parameters). With two `depths`, the traced steps are those of copies of those depths, and
     the layers' peak is extrapolated to the model's depth (`deep_peak`)."""
-    from launcher.estimate import estimate
-    from launcher.model_shape import _shape_of
-
     s = max(2, acts.seq_len - acts.seq_len % 2)
-    shape = replace(_shape_of(json.dumps(hf_config, sort_keys=True)), activations=acts)
+    shape = replace(shape_of(json.dumps(hf_config, sort_keys=True)), activations=acts)
     if depths:
         copies = [at_depth(hf_config, d) for d in depths]
         near, far = _layer_peaks(copies, precision, attn_implementation, s)
@@ -403,9 +298,8 @@ def calibrate_transients(
         ckpt, _, phase = _TRANSIENT_PHASE[part]
         out = []
         for peak, (b, seq) in zip(points, _points(s), strict=True):
-            est = estimate(shape, strategy=strategy, world_size=world, micro_batch_size=b,
-                           seq_len=seq, devices_per_node=world, precision=precision,
-                           activation_checkpointing=ckpt, grad_accum=1)  # fmt: skip
+            spec = StepSpec(strategy, world, b, seq, ckpt, precision)
+            est = estimate(shape, spec)
             out.append(peak - est.phases[phase])
         fits[part][mode] = Fit.through(*out, s)
     return replace(acts, backward=fits["backward"], forward=fits["forward"])
@@ -513,8 +407,7 @@ def layer_phase_peaks(
 
     strategy, world = _TRANSIENT_RUNG[mode == "lowp"]
     ckpt, label, _ = _TRANSIENT_PHASE[part]
-    traced = trace_step(hf_config, strategy=strategy, world_size=world, micro_batch_size=b,
-                        seq_len=seq, activation_checkpointing=ckpt, precision=precision,
+    traced = trace_step(hf_config, StepSpec(strategy, world, b, seq, ckpt, precision),
                         attn_implementation=attn_implementation, phase_local_peaks=True,
                         until=FORWARD_END if part == "forward" else BACKWARD_END)  # fmt: skip
     peaks: dict[int, int] = {}
@@ -553,7 +446,7 @@ def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from launcher.trace import _autocast, _batch
+    from launcher.trace import autocast_for, packed_batch
     from trainer.backends.common import COMPUTE_DTYPES
     from trainer.model import HFModelFactory, decoder_layers
 
@@ -564,7 +457,7 @@ def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s):
     kinds = _layer_kinds(model, layers)
     counted: dict[int, int] = {}  # layer index -> bytes saved
     shared: dict[int, int] = {}  # storage -> bytes: inputs every layer reads, saved by a layer
-    compute = _autocast(precision) if mode == "autocast" else contextlib.nullcontext
+    compute = autocast_for(precision) if mode == "autocast" else contextlib.nullcontext
     if mode == "lowp":  # FSDP's mixed precision: 16-bit parameters, no autocast
         model.to(COMPUTE_DTYPES[precision])
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -573,7 +466,7 @@ def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s):
             model.tie_weights()
         hooks = [_SavedBytes(layers[i], i, counted, shared) for i in kinds.values()]
         final = _SavedAfter(model, layers[-1])
-        batch = _batch(hf_config["vocab_size"], b, s)
+        batch = packed_batch(hf_config["vocab_size"], b, s)
         try:
             with compute(), torch.enable_grad():
                 model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])

@@ -28,6 +28,7 @@ from typing import Any
 
 from trainer.core.config import ConfigError
 from trainer.core.methods import method_support
+from trainer.core.step_spec import Finetune
 from trainer.core.strategies import Strategy
 
 METHODS = ("full", "lora", "qlora")
@@ -38,44 +39,6 @@ NF4_TABLES = 4 * (16 + 256)  # per tensor: the NF4 code and the absmaxes' 8-bit 
 ADAM8_BLOCK = 256  # elements per absmax of an 8-bit moment (bitsandbytes 0.50 blockwise)
 ADAM8_MIN_SIZE = 4096  # smaller tensors keep fp32 moments (bitsandbytes' min_8bit_size)
 ADAM8_QMAPS = 2 * 256 * 4  # the two 256-entry fp32 quantisation maps, shared by all tensors
-
-
-@dataclass(frozen=True)
-class Finetune:
-    """What trains and how its optimizer stores state (`finetune.*`, `train.optimizer`)."""
-
-    method: str = "full"
-    optimizer: str = "adamw"
-    r: int = 16
-    target_modules: str | tuple[str, ...] = "all-linear"
-    dropout: float = 0.0
-    pretrained: bool = True  # the base loads from model.name_or_path (random init: False)
-
-    @classmethod
-    def of(cls, cfg: Any) -> Finetune:
-        lora = cfg.finetune.lora
-        targets = lora.target_modules
-        return cls(
-            method=cfg.finetune.method,
-            optimizer=cfg.train.optimizer,
-            r=lora.r,
-            target_modules=targets if isinstance(targets, str) else tuple(targets),
-            dropout=lora.dropout,
-            pretrained=cfg.model.name_or_path is not None,
-        )
-
-    @property
-    def adapters(self) -> bool:
-        return self.method != "full"
-
-    def words(self) -> str:
-        parts = [] if self.method == "full" else [f"finetune.method={self.method}"]
-        if self.optimizer != "adamw":
-            parts.append(f"train.optimizer={self.optimizer}")
-        return " and ".join(parts) or "full fine-tuning with AdamW"
-
-
-FULL = Finetune()
 
 
 def layer_linears(shape: Any) -> dict[str, tuple[int, int]]:

@@ -13,60 +13,6 @@ its time (launcher/plan.py). Pure arithmetic, torch-free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from trainer.core.strategies import loss_chunk_tokens
-
-__all__ = [
-    "NO_LEVERS",
-    "Levers",
-    "chunked_head_backward_extra_bytes",
-    "loss_chunk_tokens",
-    "logit_tokens",
-    "offload_pcie_seconds",
-    "recomputed_head_flops_per_token",
-]
-
-
-@dataclass(frozen=True)
-class Levers:
-    """The exact levers of one candidate plan."""
-
-    chunked_loss: bool = False
-    offload_activations: bool = False
-
-    def words(self) -> str:
-        on = [
-            n
-            for n, v in (
-                ("chunked loss", self.chunked_loss),
-                ("activation offload", self.offload_activations),
-            )
-            if v
-        ]
-        return " and ".join(on) or "none"
-
-
-NO_LEVERS = Levers()
-
-
-def lever_variants(
-    chunked_loss: object, offload_activations: object, device: str = "cuda"
-) -> list[Levers]:
-    """The combinations the planner tries: each `auto` lever off and on, a forced one as set;
-    cheapest first (off before on, chunked loss before offload). CPU ranks keep their
-    activations in host memory anyway: `auto` does not offload them."""
-    chunked = (False, True) if chunked_loss == "auto" else (bool(chunked_loss),)
-    offload = (False, True) if offload_activations == "auto" else (bool(offload_activations),)
-    if offload_activations == "auto" and device == "cpu":
-        offload = (False,)
-    return [Levers(c, o) for o in offload for c in chunked]
-
-
-def smallest_levers(chunked_loss: object, offload_activations: object) -> Levers:
-    """The combination with the smallest footprint (a forced rung that may not fit)."""
-    return lever_variants(chunked_loss, offload_activations)[-1]
-
 
 def logit_tokens(tokens: int, chunk_tokens: int | None) -> int:
     """Tokens whose logits are alive at once: the micro-batch's, or one chunk's."""

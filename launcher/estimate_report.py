@@ -7,17 +7,20 @@ can trace (`launcher/trace.py`: single, fsdp) and prints traced and analytic pea
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from launcher.activations import with_activations
 from launcher.estimate import Estimate, estimate
-from launcher.estimate_finetune import Finetune, why_not_on
-from launcher.estimate_levers import smallest_levers
+from launcher.estimate_finetune import why_not_on
 from launcher.hardware import Hardware, detect_hardware
+from launcher.ladder import best_for_rung, job_step, rung_world
 from launcher.model_shape import ModelShape, model_shape
-from launcher.plan import best_for_rung, estimate_for, rung_world
+from launcher.plan import model_reasons
 from trainer.core import strategies
 from trainer.core.config import JobConfig
+from trainer.core.hf_config import hf_config_dict
+from trainer.core.step_spec import Finetune, Levers, smallest_levers
 from trainer.core.units import GIB, MIB
 
 
@@ -42,7 +45,6 @@ def estimate_command(cfg: JobConfig, as_json: bool, trace: bool) -> int:
 def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, dict[str, Any]]:
     """Trace one step of every traceable row at its micro-batch and checkpointing; the analytic
     peak next to it is recomputed for the same accumulation (1, or 2 standing for any more)."""
-    from launcher.model_shape import hf_config_dict
     from launcher.trace import trace_step, traceable
 
     hf_config = hf_config_dict(cfg.model.config, cfg.model.name_or_path)
@@ -54,37 +56,13 @@ def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, 
         if not traceable(row.strategy, finetune):
             continue
         grad_accum = 2 if per_rank > row.micro_batch_size else 1
-        traced = trace_step(
-            hf_config,
-            strategy=row.strategy,
-            world_size=row.world_size,
-            micro_batch_size=row.micro_batch_size,
-            seq_len=cfg.data.seq_len,
-            activation_checkpointing=row.activation_checkpointing,
-            grad_accum=grad_accum,
-            precision=cfg.precision,
-            attn_implementation=cfg.model.attn_implementation,
-            chunked_loss=row.chunked_loss,
-            offload_activations=row.offload_activations,
-            loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
-            finetune=finetune,
-        )
-        analytic = estimate(
-            shape,
-            strategy=row.strategy,
-            world_size=row.world_size,
-            devices_per_node=hw.devices_per_node,
-            micro_batch_size=row.micro_batch_size,
-            seq_len=cfg.data.seq_len,
-            activation_checkpointing=row.activation_checkpointing,
-            precision=cfg.precision,
-            device=hw.device,
-            grad_accum=grad_accum,
-            chunked_loss=row.chunked_loss,
-            offload_activations=row.offload_activations,
-            loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
-            finetune=finetune,
-        )
+        rung = strategies.row(row.strategy)
+        levers = Levers(row.chunked_loss, row.offload_activations)
+        step = job_step(cfg, hw, rung, row.micro_batch_size, row.activation_checkpointing,
+                        levers=levers)  # fmt: skip
+        spec = replace(step, grad_accum=grad_accum)
+        traced = trace_step(hf_config, spec, attn_implementation=cfg.model.attn_implementation)
+        analytic = estimate(shape, spec)
         out[row.strategy] = {
             "grad_accum": grad_accum,
             "analytic_peak_tensor_bytes": analytic.peak_tensor_bytes,
@@ -135,7 +113,8 @@ def estimates_for(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[Estim
         levers = smallest_levers(cfg.memory.chunked_loss, cfg.memory.offload_activations)
         ac = "full" if ac == "auto" else ac
         every = rung.engine == "fsdp" and cfg.fsdp.reduce_every_micro_batch is not False
-        out.append(estimate_for(shape, rung, hw, cfg, micro, ac, 1.0, every, levers))
+        spec = job_step(cfg, hw, rung, micro, ac, reduce_every_micro=every, levers=levers)
+        out.append(estimate(shape, spec))
     return out
 
 
@@ -188,8 +167,6 @@ def render(shape: ModelShape, hw: Hardware, rows: list[Estimate], cfg: JobConfig
 def model_notes(shape: ModelShape) -> dict[str, Any]:
     """How this model's activations and compute are counted, where not by the analytic block:
     the activations' source (traced / bound) and, for MoE models, experts and active params."""
-    from launcher.plan import _model_reasons
-
     out: dict[str, Any] = {}
     if shape.activations is not None:
         out["activations"] = shape.activations.source
@@ -199,7 +176,7 @@ def model_notes(shape: ModelShape) -> dict[str, Any]:
             "experts_per_token": shape.experts_per_token,
             "active_params": shape.num_compute_params,
         }
-    if notes := _model_reasons(shape):
+    if notes := model_reasons(shape):
         out["notes"] = notes
     return out
 

@@ -111,3 +111,20 @@ def run_command(argv: list[str], env: dict[str, str], output: TorchrunOutput | N
     if stopped and rc != 0:
         return EXIT_SIGNAL
     return 128 - rc if rc < 0 else rc
+
+
+def launch_spec(cfg: JobConfig, config_path: Path) -> tuple[list[str], dict[str, str], bool]:
+    """(argv, env, spawn): torchrun for several processes, else this process runs the engine."""
+    world_size = cfg.hardware.nodes * (cfg.hardware.devices_per_node or 1)
+    if world_size > 1 and not under_launcher():
+        argv, env = build_torchrun_command(cfg, config_path)
+        return argv, env, True
+    return [sys.executable, "-m", "trainer", str(config_path)], {}, False
+
+
+def under_launcher() -> bool:
+    """Already one rank of torchrun, or one of several srun tasks: run here, spawn nothing."""
+    env = os.environ
+    return (
+        "TORCHELASTIC_RUN_ID" in env or "LOCAL_RANK" in env or int(env.get("SLURM_NTASKS", "1")) > 1
+    )

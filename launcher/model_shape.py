@@ -17,14 +17,12 @@ import os
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from launcher.analytic_shape import analytic_shape_fields, counts_analytically
+from launcher.layer_fits import LayerActivations
 from trainer.core.config import ModelConfig
 from trainer.core.hf_config import PRESETS, hf_config_dict, preset_index
-
-if TYPE_CHECKING:
-    from launcher.activations import LayerActivations
 
 log = logging.getLogger(__name__)
 SHAPE_CACHE_VERSION = 1  # bump when what a shape holds or how it is counted changes
@@ -80,13 +78,13 @@ def model_shape(
         return ModelShape(**known["shape"])
     if counts_analytically(config):  # known blocks: arithmetic, no torch (cold start)
         return ModelShape(**analytic_shape_fields(config))
-    key = f"{SHAPE_CACHE_VERSION}\n{_transformers_version()}\n{config_json}"
+    key = f"{SHAPE_CACHE_VERSION}\n{transformers_version()}\n{config_json}"
     path = (cache_dir or _default_cache_dir()) / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
     try:
         return ModelShape(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         pass  # not cached yet, or unreadable: compute it
-    shape = _shape_of(config_json)
+    shape = shape_of(config_json)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -125,7 +123,7 @@ def preset_shapes() -> dict[str, dict[str, Any]]:
         config_json = json.dumps(json.loads((PRESETS / file).read_text()), sort_keys=True)
         shapes[_config_digest(config_json)] = {
             "preset": file,
-            "shape": shape_record(_shape_of(config_json)),
+            "shape": shape_record(shape_of(config_json)),
         }
     return shapes
 
@@ -135,7 +133,7 @@ def _default_cache_dir() -> Path:
     return Path(base) / "oomless" / "shapes"
 
 
-def _transformers_version() -> str:
+def transformers_version() -> str:
     try:
         return importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
@@ -143,7 +141,7 @@ def _transformers_version() -> str:
 
 
 @lru_cache(maxsize=32)
-def _shape_of(config_json: str) -> ModelShape:
+def shape_of(config_json: str) -> ModelShape:
     import torch
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 

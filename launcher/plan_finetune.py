@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher.hardware import Hardware
+from launcher.ladder import per_rank_batch, rank, walk_ladder
 from launcher.model_shape import ModelShape
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
@@ -91,9 +92,7 @@ def method_alternatives(
 ) -> list[MethodAlternative]:
     """The opt-in changes with which this job fits on this hardware, each on the rung the
     planner would pick for it; a change is left out when a smaller one fits."""
-    from launcher.plan import _per_rank_batch, _rank, _walk_ladder
-
-    per_rank = _per_rank_batch(cfg, hw)
+    per_rank = per_rank_batch(cfg, hw)
     forced = cfg.strategy if cfg.strategy != "auto" else None
     rungs = [r for r in strategies.rows() if not forced or r.name == forced]
     now = (cfg.finetune.method, cfg.train.optimizer)
@@ -106,12 +105,12 @@ def method_alternatives(
             continue
         try:
             changed = _with(cfg, *pair)
-            candidates, _ = _walk_ladder(rungs, shape, hw, changed, per_rank, exclude, memory_scale)
+            candidates, _ = walk_ladder(rungs, shape, hw, changed, per_rank, exclude, memory_scale)
         except ConfigError:  # e.g. target modules this model does not have
             continue
         if not candidates:
             continue
-        best = _rank(candidates)[0]
+        best = rank(candidates)[0]
         fitting.append(pair)
         overrides = tuple(
             f"{key}={new}"

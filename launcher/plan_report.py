@@ -6,7 +6,9 @@ import json
 import sys
 from pathlib import Path
 
+from launcher.launch import launch_spec
 from launcher.plan import NoFitError, Plan
+from launcher.planning import plan_job
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
 from trainer.core.contract import CONFIG_FILE
@@ -14,7 +16,6 @@ from trainer.core.units import GIB
 
 
 def plan_command(cfg: JobConfig, as_json: bool, emit: str | None) -> int:
-    from launcher.supervisor import launch_spec, plan_job
 
     try:
         resolved, plan, hw = plan_job(cfg)

@@ -74,3 +74,19 @@ def tokenize_data(cfg: JobConfig) -> None:
         train_docs.num_docs,
         f", {eval_docs.num_docs} eval documents" if eval_docs is not None else "",
     )
+
+
+def check_resume(cfg: JobConfig) -> None:
+    """ConfigError (exit 2) when the checkpoint this run would resume was trained with other
+    math or on other data; the changes that keep the math are logged."""
+    from trainer.checkpoint import check_resumable, resolve_resume  # engine code: torch
+    from trainer.data import train_data_fingerprint
+
+    path = resolve_resume(cfg)
+    if path is None:
+        return
+
+    def fingerprint() -> str:
+        return train_data_fingerprint(cfg)
+
+    check_resumable(path, cfg, fingerprint, announce=True)

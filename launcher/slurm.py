@@ -29,11 +29,19 @@ from pathlib import Path
 from string import Template
 
 from launcher.plan import NoFitError
-from launcher.preflight import check_rows, check_run_dir, ensure_run_dir, tokenize_data
+from launcher.planning import resolve_plan
+from launcher.preflight import (
+    check_resume,
+    check_rows,
+    check_run_dir,
+    ensure_run_dir,
+    tokenize_data,
+)
 from launcher.slurm_nodes import PartitionNodes, SlurmRequest, read_partition, size_request
 from trainer.core.config import ConfigError, JobConfig, write_config
 from trainer.core.contract import CONFIG_FILE, PLAN_FILE
-from trainer.core.files import write_atomic
+from trainer.core.files import absolute_path, write_atomic, write_json
+from trainer.core.run_lock import check_run_lock
 from trainer.core.units import GIB, MIB
 
 TEMPLATE = resources.files("launcher") / "templates" / "submit.sbatch.tmpl"
@@ -176,9 +184,9 @@ def _request_for_partition(cfg: JobConfig, plan_json: dict, dry_run: bool) -> Sl
 
 def submit_command(cfg: JobConfig, dry_run: bool) -> int:
     """`oomless submit`: plan, write run dir + submit.sbatch, sbatch it, print the job id."""
-    from launcher.supervisor import _abs, _write_json, check_resume, resolve_plan
-
-    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": _abs(cfg.run.dir)})})
+    cfg = cfg.model_copy(
+        update={"run": cfg.run.model_copy(update={"dir": absolute_path(cfg.run.dir)})}
+    )
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
     run_dir = Path(cfg.run.dir)
     if not dry_run:
@@ -193,14 +201,13 @@ def submit_command(cfg: JobConfig, dry_run: bool) -> int:
         return 0
     if shutil.which("sbatch") is None:
         raise ConfigError("submit", "sbatch is not on PATH", "run on a Slurm login node")
-    from trainer.core.run_lock import check_run_lock
 
     check_run_lock(run_dir)  # a live job's config, plan and script stay as they are
     check_resume(resolved)  # before anything is written into run.dir
     tokenize_data(resolved)  # what only the tokenizer sees stops here, not in the queue
     ensure_run_dir(run_dir)
     write_config(resolved, run_dir)
-    _write_json(run_dir / PLAN_FILE, plan_json)
+    write_json(run_dir / PLAN_FILE, plan_json)
     path = write_atomic(run_dir / "submit.sbatch", script)  # 0600: it holds paths and commands
     out = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
     if out.returncode != 0:

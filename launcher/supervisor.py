@@ -19,8 +19,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from launcher.launch import launch_spec, run_command, under_launcher
 from launcher.plan import NoFitError
-from launcher.preflight import check_rows, check_run_dir, ensure_run_dir, tokenize_data
+from launcher.planning import resolve_plan
+from launcher.preflight import (
+    check_resume,
+    check_rows,
+    check_run_dir,
+    ensure_run_dir,
+    tokenize_data,
+)
+from launcher.torchrun_output import TorchrunOutput
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig, write_config
 from trainer.core.contract import (
@@ -34,14 +43,16 @@ from trainer.core.contract import (
     PLAN_FILE,
     TORCHRUN_LOG,
 )
-from trainer.core.files import write_atomic
+from trainer.core.files import absolute_path, write_json
 from trainer.core.run_lock import LOCK_OWNER_ENV, acquire_run_lock, check_run_lock
 
 log = logging.getLogger(__name__)
 
 
 def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
-    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": _abs(cfg.run.dir)})})
+    cfg = cfg.model_copy(
+        update={"run": cfg.run.model_copy(update={"dir": absolute_path(cfg.run.dir)})}
+    )
     with contextlib.ExitStack() as held:  # the run-dir lock, once the input has been checked
         return _train(cfg, dry_run, held)
 
@@ -68,7 +79,7 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
             print(" ".join(argv))
             return 0
         if attempt == 0:  # bad input stops here, before anything is written or launched
-            if not _under_launcher():  # srun tasks would write one cache at once: rank 0 does
+            if not under_launcher():  # srun tasks would write one cache at once: rank 0 does
                 tokenize_data(resolved)
             ensure_run_dir(run_dir)
             # one run per run.dir, for the life of this one
@@ -91,7 +102,7 @@ def _launch(resolved: JobConfig, plan_json: dict, argv, env, spawn) -> int:
     with a worker's bad-input line printed (exit 2) and an out-of-memory report read as 75."""
     run_dir = Path(resolved.run.dir)
     write_config(resolved, run_dir)
-    _write_json(run_dir / PLAN_FILE, plan_json)
+    write_json(run_dir / PLAN_FILE, plan_json)
     report_path = run_dir / OOM_REPORT_FILE
     report_path.unlink(missing_ok=True)
     config_error = run_dir / CONFIG_ERROR_FILE
@@ -148,23 +159,6 @@ def _climb(cfg: JobConfig, resolved: JobConfig, failed: list[str], memory_scale:
     return cfg, failed, memory_scale
 
 
-def check_resume(cfg: JobConfig) -> None:
-    """ConfigError (exit 2) when the checkpoint this run would resume was trained with other
-    math or on other data; the changes that keep the math are logged."""
-    from trainer.checkpoint import check_resumable, resolve_resume
-
-    path = resolve_resume(cfg)
-    if path is None:
-        return
-
-    def fingerprint() -> str:
-        from trainer.data import train_data_fingerprint
-
-        return train_data_fingerprint(cfg)
-
-    check_resumable(path, cfg, fingerprint, announce=True)
-
-
 def climb_from_forced(cfg: JobConfig, failed: list[str]) -> tuple[JobConfig, list[str]]:
     """After a forced rung ran out of memory: plan `auto` over the rungs above it on the ladder
     (the same math; only where the bytes live changes)."""
@@ -175,73 +169,6 @@ def climb_from_forced(cfg: JobConfig, failed: list[str]) -> tuple[JobConfig, lis
     )
 
 
-def resolve_plan(
-    cfg: JobConfig, exclude: list[str] | None = None, memory_scale: float = 1.0
-) -> tuple[JobConfig, dict[str, Any]]:
-    """The resolved config (every `auto` made concrete) and the plan JSON for plan.json."""
-    resolved, plan, hw = plan_job(cfg, exclude, memory_scale)
-    return resolved, plan.to_json(hw, cfg.memory.headroom, command=[])
-
-
-def plan_job(
-    cfg: JobConfig, exclude: list[str] | None = None, memory_scale: float = 1.0
-) -> tuple[JobConfig, Any, Any]:
-    """(resolved config, Plan, Hardware) for this job on the detected hardware."""
-    from launcher.hardware import detect_hardware
-    from launcher.plan import apply_plan, make_plan
-
-    hw = detect_hardware(cfg.hardware)
-    try:
-        shape = _forced_shape(cfg)
-        plan = make_plan(cfg, hw, shape, exclude=exclude or (), memory_scale=memory_scale)
-    except (NoFitError, ConfigError):
-        raise
-    except Exception as err:  # the model's shape or activations cannot be worked out
-        plan = _without_estimate(cfg, hw, err)
-    return apply_plan(cfg, plan, hw), plan, hw
-
-
-def _forced_shape(cfg: JobConfig) -> Any:
-    """With every planning key set there is nothing to choose: the model's shape with a bound
-    on activations of blocks the analytic model does not know, rather than minutes of tracing
-    before the run starts. None otherwise (the planner measures)."""
-    from launcher.activations import with_activations
-    from launcher.model_shape import model_shape
-    from launcher.unestimated import planning_keys_forced
-
-    if not planning_keys_forced(cfg):
-        return None
-    return with_activations(model_shape(cfg.model), cfg, measure=False)
-
-
-def _without_estimate(cfg: JobConfig, hw: Any, err: Exception) -> Any:
-    """A model transformers builds but the estimate cannot read: with every planning key
-    forced it trains as configured (one warning line), else a one-line config error."""
-    from launcher.unestimated import planning_keys_forced, unestimated_plan, unestimated_warning
-
-    why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
-    if not planning_keys_forced(cfg):
-        raise ConfigError(
-            "model",
-            f"its memory cannot be estimated ({why})",
-            "set strategy, train.micro_batch_size and memory.activation_checkpointing to train "
-            "it as configured without an estimate",
-        ) from None
-    log.warning(unestimated_warning(why))
-    return unestimated_plan(cfg, hw, why)
-
-
-def launch_spec(cfg: JobConfig, config_path: Path) -> tuple[list[str], dict[str, str], bool]:
-    """(argv, env, spawn): torchrun for several processes, else this process runs the engine."""
-    world_size = cfg.hardware.nodes * (cfg.hardware.devices_per_node or 1)
-    if world_size > 1 and not _under_launcher():
-        from launcher.launch import build_torchrun_command
-
-        argv, env = build_torchrun_command(cfg, config_path)
-        return argv, env, True
-    return [sys.executable, "-m", "trainer", str(config_path)], {}, False
-
-
 def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> int:
     if not spawn:
         from trainer.engine import run_training
@@ -250,9 +177,6 @@ def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> i
             return run_training(cfg)
         finally:
             _release_device_memory()
-    from launcher.launch import run_command
-    from launcher.torchrun_output import TorchrunOutput
-
     log.info("launching: %s", " ".join(argv))
     output = TorchrunOutput(Path(cfg.run.dir) / TORCHRUN_LOG, sys.stderr)
     rc = run_command(argv, dict(env, **{LOCK_OWNER_ENV: str(os.getpid())}), output)
@@ -279,21 +203,5 @@ def _measured_over_estimated(report: dict[str, Any]) -> float:
     return max(1.0, measured / estimated)
 
 
-def _under_launcher() -> bool:
-    """Already one rank of torchrun, or one of several srun tasks: run here, spawn nothing."""
-    env = os.environ
-    return (
-        "TORCHELASTIC_RUN_ID" in env or "LOCAL_RANK" in env or int(env.get("SLURM_NTASKS", "1")) > 1
-    )
-
-
-def _abs(path: str) -> str:
-    return str(Path(path).expanduser().resolve())
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    write_atomic(path, json.dumps(obj, indent=2) + "\n")

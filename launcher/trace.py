@@ -29,15 +29,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from launcher.estimate_finetune import FULL, Finetune
-from trainer.backends import OptimizerSpec
-from trainer.backends.common import COMPUTE_DTYPES
-from trainer.backends.fsdp import apply_fsdp, gradient_sync
-from trainer.core.config import ModelConfig
+from trainer.backends import BackendContext, OptimizerSpec, build_backend
+from trainer.backends.common import COMPUTE_DTYPES, attach, clip_and_step
+from trainer.backends.fsdp import apply_fsdp
+from trainer.core.config import JobConfig, ModelConfig
+from trainer.core.step_spec import FULL, Finetune, StepSpec
 from trainer.levers import MemoryLevers
-from trainer.loss import compute_loss
 from trainer.model import HFModelFactory, apply_activation_checkpointing
 from trainer.phases import HEAD, OPTIMIZER, STEP, phase_markers
+from trainer.step import accumulation_context, micro_batch_loss
 
 TRACEABLE = ("single", "fsdp")
 # `until=` for a trace of the layers' forward phases only, or of the step up to its optimizer
@@ -56,12 +56,7 @@ def traceable(strategy: str, ft: Finetune = FULL) -> bool:
 
 @dataclass(frozen=True)
 class Trace:
-    strategy: str
-    world_size: int
-    micro_batch_size: int
-    seq_len: int
-    activation_checkpointing: str
-    grad_accum: int
+    spec: StepSpec
     peak_bytes: int  # live tensor bytes at the step's peak, on one device
     breakdown: dict[str, int]  # the tracker's categories at that peak
     # (label, peak live bytes) of each phase of the step in order (trainer/phases.py's labels)
@@ -70,146 +65,126 @@ class Trace:
 
 def trace_step(
     hf_config: dict[str, Any],
+    spec: StepSpec,
     *,
-    strategy: str,
-    world_size: int,
-    micro_batch_size: int,
-    seq_len: int,
-    activation_checkpointing: str,
-    grad_accum: int = 1,
-    precision: str = "bf16",
     attn_implementation: str = "sdpa",
     reshard_after_forward: bool = True,
-    reduce_every_micro_batch: bool = False,
-    chunked_loss: bool = False,
-    offload_activations: bool = False,
-    loss_chunk_tokens: int | None = None,
-    finetune: Finetune = FULL,
     phase_local_peaks: bool = False,
     until: str | None = None,
 ) -> Trace:
-    """Peak live tensor bytes on one device for a steady-state training step (the second one):
-    `grad_accum` micro-batches, all but the last under the backend's no-sync (unless FSDP
-    reduces every micro-batch), as the engine runs them.
+    """Peak live tensor bytes on one device for a steady-state training step (the second one)
+    of `spec`: `grad_accum` micro-batches, all but the last under the backend's no-sync (unless
+    FSDP reduces every micro-batch), as the engine runs them.
 
-    Build, shard, fake and track read in the order the engine does them; `_step` is the
-    engine's step line for line. With `phase_local_peaks`, each phase's peak is the highest
-    live bytes inside that phase, even where an earlier phase went higher (by default a phase
-    below the step's peak so far reports the live bytes at its ends), and the tracker keeps no
-    per-module peaks. With `until` (a phase label of trainer/phases.py: FORWARD_END,
-    BACKWARD_END) the traced step stops where that phase begins: a quicker trace of the phases
-    before it only (then `peak_bytes` is theirs)."""
+    Build, shard, fake and track read in the order the engine does them; the step runs through
+    the engine's own backend and step functions. With `phase_local_peaks`, each phase's peak is
+    the highest live bytes inside that phase, even where an earlier phase went higher (by
+    default a phase below the step's peak so far reports the live bytes at its ends), and the
+    tracker keeps no per-module peaks. With `until` (a phase label of trainer/phases.py:
+    FORWARD_END, BACKWARD_END) the traced step stops where that phase begins: a quicker trace of
+    the phases before it only (then `peak_bytes` is theirs)."""
+    if not traceable(spec.strategy, spec.finetune):
+        raise ValueError(f"--trace covers {', '.join(TRACEABLE)} ({spec.finetune.words()} on "
+                         f"single only), not {spec.strategy}")  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        model, backend = _traced_model(hf_config, spec, attn_implementation,
+                                       reshard_after_forward, stack)  # fmt: skip
+        batch = packed_batch(hf_config["vocab_size"], spec.micro_batch_size, spec.seq_len)
+        _init_optimizer_state(model, backend.optimizer)  # the traced step is a steady-state one
+        tracker = _tracker(spec.strategy, model, backend.optimizer, batch)
+        marks = _PhaseMarks(tracker, phase_local_peaks, until)
+        with contextlib.suppress(_Stop), tracker, phase_markers(model, marks):
+            _step(model, backend, [batch] * spec.grad_accum, tracker, marks)
+            marks("end")
+        snapshot = marks.highest or tracker.get_tracker_snapshot("peak")
+    dev = next(d for d in snapshot if torch.device(d).type == "cpu")
+    breakdown = {getattr(k, "name", k).lower(): int(v) for k, v in snapshot[dev].items()}
+    phases = _local_peaks(marks.marks) if phase_local_peaks else phase_peaks(marks.marks)
+    return Trace(spec, breakdown.pop("total"), breakdown, phases)
+
+
+def _traced_model(
+    hf_config: dict[str, Any], spec: StepSpec, attn_implementation: str,
+    reshard_after_forward: bool, stack: contextlib.ExitStack,
+) -> tuple[nn.Module, Any]:  # fmt: skip
+    """The engine's model for `spec` on fake tensors (QLoRA, 8-bit AdamW: real CPU tensors),
+    sharded over a fake process group for fsdp, and its backend attached to it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if strategy not in TRACEABLE:
-        raise ValueError(f"--trace covers {', '.join(TRACEABLE)}, not {strategy}")
+    real = _real(spec.finetune)  # 4-bit weights are quantised from real ones
     model_cfg = ModelConfig(config=dict(hf_config), attn_implementation=attn_implementation)
     factory = HFModelFactory(model_cfg, seed=0)
-    # 4-bit weights are quantised from real ones; bitsandbytes' 8-bit step reads a scalar
-    real = _real(finetune)
-    if not traceable(strategy, finetune):
-        raise ValueError(f"--trace covers {finetune.words()} on single only")
-    model = apply_finetune(factory.build("cpu" if real else "meta"), finetune, precision)
-    apply_activation_checkpointing(model, activation_checkpointing)
+    model = apply_finetune(factory.build("cpu" if real else "meta"), spec.finetune, spec.precision)
+    apply_activation_checkpointing(model, spec.activation_checkpointing)
     model.train()
-    device = torch.device("cpu")
-    with contextlib.ExitStack() as stack:
-        if strategy == "fsdp":
-            stack.enter_context(_fake_process_group(world_size))
-            apply_fsdp(model, precision=precision, reshard_after_forward=reshard_after_forward)
-        stack.enter_context(moe_fake_kernels())
-        if not real:
-            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-            model.to_empty(device=device)
-        if strategy == "single" and hasattr(model, "tie_weights") and not real:
+    sharded = spec.row.engine == "fsdp"
+    if sharded:
+        stack.enter_context(_fake_process_group(spec.world_size))
+        apply_fsdp(model, precision=spec.precision, reshard_after_forward=reshard_after_forward)
+    stack.enter_context(moe_fake_kernels())
+    if not real:
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        model.to_empty(device="cpu")
+        if not sharded and hasattr(model, "tie_weights"):
             model.tie_weights()  # to_empty made fake copies of tied weights: one tensor again
-        MemoryLevers(
-            model,
-            device,
-            chunked_loss,
-            offload_activations,
-            loss_chunk_tokens,
-            offload_host=torch.device("meta"),  # host copies: not counted as the device's
-        )
-        optimizer = _optimizer(model, finetune)
-        batch = _batch(hf_config["vocab_size"], micro_batch_size, seq_len)
-        _init_optimizer_state(model, optimizer)  # the traced step is a steady-state one
-        tracker = _tracker(strategy, model, optimizer, batch)
+    device = torch.device("cpu")
+    MemoryLevers(
+        model, device, spec.chunked_loss, spec.offload_activations, spec.loss_chunk_tokens,
+        offload_host=torch.device("meta"),  # host copies: not counted as the device's
+    )  # fmt: skip
+    backend = build_backend(spec.strategy, _backend_context(spec, device))
+    return model, attach(backend, model, _optimizer(model, spec.finetune), _SPEC.grad_clip)
+
+
+def _backend_context(spec: StepSpec, device: torch.device) -> BackendContext:
+    job = JobConfig(
+        model={"config": {"model_type": "traced"}},
+        data={"path": "traced"},
+        fsdp={"reduce_every_micro_batch": spec.fsdp_reduce_every_micro_batch},
+    )
+    return BackendContext(
+        cfg=job, device=device, rank=0, local_rank=0, world_size=spec.world_size,
+        precision=spec.precision, activation_checkpointing=spec.activation_checkpointing,
+        micro_batch_size=spec.micro_batch_size, grad_accum=spec.grad_accum,
+    )  # fmt: skip
+
+
+class _PhaseMarks:
+    """The tracker's live and peak bytes as each phase begins (`trainer/phases.py` calls it)."""
+
+    def __init__(self, tracker: Any, phase_local_peaks: bool, until: str | None):
+        self.tracker, self.local, self.until = tracker, phase_local_peaks, until
+        self.marks: list[tuple[str, int, int]] = []  # (label, live bytes, peak so far)
+        self.highest: Any = None  # with phase-local peaks: the step's peak snapshot so far
         if phase_local_peaks:
             _global_peak_only(tracker)
-        marks: list[tuple[str, int, int]] = []  # (label, live bytes, peak so far) as it begins
 
-        highest: list[Any] = []  # with phase-local peaks: the step's peak snapshot so far
-
-        def mark(label: str) -> None:
-            current = tracker.get_tracker_snapshot("current")
-            peak = tracker.get_tracker_snapshot("peak")
-            marks.append((label, _total(current), _total(peak)))
-            if phase_local_peaks:
-                if not highest or _total(peak) > _total(highest[0]):
-                    highest[:] = [peak]
-                _restart_peak(tracker, current)
-            if label == until:
-                raise _Stop
-
-        with contextlib.suppress(_Stop), tracker, phase_markers(model, mark):
-            _step(
-                model,
-                optimizer,
-                batch,
-                strategy,
-                precision,
-                grad_accum,
-                reduce_every_micro_batch,
-                tracker,
-                mark,
-            )
-            mark("end")
-        snapshot = highest[0] if highest else tracker.get_tracker_snapshot("peak")
-    dev = next(d for d in snapshot if torch.device(d).type == device.type)
-    breakdown = {getattr(k, "name", k).lower(): int(v) for k, v in snapshot[dev].items()}
-    return Trace(
-        strategy=strategy,
-        world_size=world_size if strategy == "fsdp" else 1,
-        micro_batch_size=micro_batch_size,
-        seq_len=seq_len,
-        activation_checkpointing=activation_checkpointing,
-        grad_accum=grad_accum,
-        peak_bytes=breakdown.pop("total"),
-        breakdown=breakdown,
-        phases=phase_peaks(marks) if not phase_local_peaks else _local_peaks(marks),
-    )
+    def __call__(self, label: str) -> None:
+        current = self.tracker.get_tracker_snapshot("current")
+        peak = self.tracker.get_tracker_snapshot("peak")
+        self.marks.append((label, _total(current), _total(peak)))
+        if self.local:
+            if self.highest is None or _total(peak) > _total(self.highest):
+                self.highest = peak
+            _restart_peak(self.tracker, current)
+        if label == self.until:
+            raise _Stop
 
 
-def _step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: dict[str, torch.Tensor],
-    strategy: str,
-    precision: str,
-    grad_accum: int,
-    reduce_every_micro_batch: bool,
-    tracker: Any,
-    mark: Any,
-) -> None:
-    """One training step as the engine runs it: the micro-batches (all but the last under
-    FSDP's no-sync unless it reduces every micro-batch), clipping, AdamW, zero_grad."""
-    compute = _autocast(precision) if strategy == "single" else contextlib.nullcontext
-    tokens = batch["input_ids"].numel()
+def _step(model: nn.Module, backend: Any, batches: list[dict], tracker: Any, mark: Any) -> None:
+    """One training step through the engine's functions (trainer/step.py): the micro-batches
+    in the backend's accumulation context, forward under its compute context, its backward;
+    then clipping, the optimizer step and zero_grad as the replica rungs' backends run them."""
+    tokens = batches[0]["input_ids"].numel()
     mark(STEP)
-    for i in range(grad_accum):
+    for i, batch in enumerate(batches):
         tracker.reset_mod_stats()  # its per-module stats allow one call per module
-        last = reduce_every_micro_batch or i == grad_accum - 1
-        sync = contextlib.nullcontext() if strategy != "fsdp" else gradient_sync(model, last)
-        with sync:
-            with compute():
-                loss_sum = compute_loss(model, batch)
-            (loss_sum / tokens).backward()
+        with accumulation_context(backend, last=i == len(batches) - 1):
+            loss_sum = micro_batch_loss(model, backend, batch)
+            backend.backward(loss_sum / tokens)
             del loss_sum
     mark(OPTIMIZER)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), _SPEC.grad_clip, foreach=True)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    clip_and_step(model.parameters(), backend.optimizer, None, backend.grad_clip)
 
 
 def phase_peaks(marks: list[tuple[str, int, int]]) -> tuple[tuple[str, int], ...]:
@@ -269,14 +244,14 @@ def _init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     optimizer.zero_grad(set_to_none=True)
 
 
-def _autocast(precision: str):
+def autocast_for(precision: str):
     dtype = COMPUTE_DTYPES.get(precision)
     if dtype is None:
         return contextlib.nullcontext
     return lambda: torch.autocast("cpu", dtype=dtype)
 
 
-def _batch(vocab_size: int, micro: int, seq: int) -> dict[str, torch.Tensor]:
+def packed_batch(vocab_size: int, micro: int, seq: int) -> dict[str, torch.Tensor]:
     """A packed window as the data pipeline makes it: position ids restart per document (two
     documents here; a real step's transformers reads them and builds the block-causal mask)."""
     ids = torch.zeros(micro, seq, dtype=torch.long)

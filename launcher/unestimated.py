@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 
 from launcher.estimate import DEVICE_PARTS, Estimate
-from launcher.estimate_levers import Levers
 from launcher.hardware import Hardware
-from launcher.plan import Plan, _per_rank_batch, rung_world
+from launcher.ladder import per_rank_batch, rung_world
+from launcher.plan import Plan
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
+from trainer.core.step_spec import Levers
 
 log = logging.getLogger(__name__)
 PLANNING_KEYS = ("strategy", "train.micro_batch_size", "memory.activation_checkpointing")
@@ -37,7 +38,7 @@ def unestimated_plan(cfg: JobConfig, hw: Hardware, why: str) -> Plan:
         raise ConfigError(
             "strategy", f"{rung.name} cannot run on {hw.world_size} rank(s)", "pick another rung"
         )
-    per_rank = _per_rank_batch(cfg, hw)
+    per_rank = per_rank_batch(cfg, hw)
     micro = int(cfg.train.micro_batch_size)
     ac = cfg.memory.activation_checkpointing
     every = None

@@ -20,20 +20,18 @@ LAUNCHER_RUNS_ENGINE = {
     ("launcher.cli", "trainer.export"),  # oomless export
     ("launcher.model_shape", "trainer.model"),  # the decoder layers of a meta-device model
     ("launcher.plan_report", "trainer.backends.deepspeed_config"),  # --emit deepspeed
-    ("launcher.supervisor", "trainer.checkpoint"),  # resume compatibility, before any write
-    ("launcher.supervisor", "trainer.data"),  # ... and the training data's fingerprint
     ("launcher.supervisor", "trainer.engine"),  # the in-process run
     # a resume's compatibility (the checkpoint's config and data fingerprint), before launch
-    ("launcher.supervisor", "trainer.checkpoint"),
-    ("launcher.supervisor", "trainer.data"),
-    ("launcher.preflight", "trainer.data"),  # the data tokenised once, before launch
-    ("launcher.trace", "trainer.backends"),  # the traced step runs the backends' own code
+    ("launcher.preflight", "trainer.checkpoint"),
+    ("launcher.preflight", "trainer.data"),  # ... and the data tokenised once, before launch
+    # the traced step runs the engine's own model, backends, levers and step functions
+    ("launcher.trace", "trainer.backends"),
     ("launcher.trace", "trainer.backends.common"),
     ("launcher.trace", "trainer.backends.fsdp"),
-    ("launcher.trace", "trainer.levers"),  # chunked loss and activation offload, traced
-    ("launcher.trace", "trainer.loss"),
+    ("launcher.trace", "trainer.levers"),
     ("launcher.trace", "trainer.model"),
     ("launcher.trace", "trainer.phases"),  # the same phase markers as a profiled step
+    ("launcher.trace", "trainer.step"),
     ("launcher.trace", "trainer.finetune"),  # LoRA / QLoRA / 8-bit AdamW as the engine builds them
     # the activations of a block the analytic model does not know: one traced forward
     ("launcher.activations", "trainer.backends.common"),
@@ -124,3 +122,58 @@ def test_a_rung_is_one_row_and_one_backend(monkeypatch, capsys):
     monkeypatch.setattr(strategies, "TABLE", strategies.TABLE[:-2])
     assert main(["plan", *preset, "strategy=fsdp_twin"]) == 2
     assert "'fsdp_twin' is not a strategy" in capsys.readouterr().err
+
+
+def _module_graph() -> tuple[dict[str, set[str]], list[str], list[str]]:
+    """launcher/ and trainer/: module -> the modules it imports (function-level imports too),
+    the imports of another module's `_private` names, and functions over 80 lines."""
+    paths = {}
+    for package in ("launcher", "trainer"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            paths[".".join(parts).removesuffix(".__init__")] = path
+
+    def owner(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {m: set() for m in paths}
+    private, long_functions = [], []
+    for module, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if node.end_lineno - node.lineno + 1 > 80:
+                    long_functions.append(f"{module}.{node.name}")
+            elif isinstance(node, ast.Import):
+                edges[module] |= {owner(a.name) for a in node.names} - {None, module}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    target = owner(full) if full in paths else owner(node.module)
+                    if target in (None, module):
+                        continue
+                    edges[module].add(target)
+                    if alias.name.startswith("_") and full not in paths:
+                        private.append(f"{module} imports {full}")
+    return edges, private, long_functions
+
+
+def test_no_import_circles_no_private_imports_no_long_functions():
+    edges, private, long_functions = _module_graph()
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            module = todo.pop()
+            if module == goal:
+                return True
+            if module not in seen:
+                seen.add(module)
+                todo.extend(edges[module])
+        return False
+
+    circles = sorted(f"{a} <-> {b}" for a in edges for b in edges[a] if reaches(b, a))
+    assert not circles, circles
+    assert not private, private
+    assert not long_functions, long_functions

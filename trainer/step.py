@@ -49,7 +49,7 @@ def train_step(
     for i, batch in enumerate(batches):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         last = i == len(batches) - 1
-        with backend.no_sync() if not last else contextlib.nullcontext():
+        with accumulation_context(backend, last):
             # One agreement covers forward and the entry of backward (the injection point sits
             # before backward's collectives); a second one follows backward itself and, after
             # the last micro-batch, the entry of the optimizer step: an OOM there on one rank
@@ -77,10 +77,20 @@ def train_step(
     )
 
 
+def accumulation_context(backend: Backend, last: bool) -> contextlib.AbstractContextManager:
+    """Every micro-batch but the last of a step accumulates without gradient sync."""
+    return contextlib.nullcontext() if last else backend.no_sync()
+
+
+def micro_batch_loss(model: torch.nn.Module, backend: Backend, batch) -> torch.Tensor:
+    """One micro-batch's forward and summed loss, under the backend's compute context."""
+    with backend.compute_context():
+        return compute_loss(model, batch)
+
+
 def _forward_then_enter_backward(model, backend: Backend, batch, faults: FaultInjector):
     faults.at("forward")
-    with backend.compute_context():
-        loss_sum = compute_loss(model, batch)
+    loss_sum = micro_batch_loss(model, backend, batch)
     faults.at("backward")
     return loss_sum
 

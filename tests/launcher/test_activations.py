@@ -17,8 +17,8 @@ from launcher.activations import (
     saved_activations,
 )
 from launcher.cli import main
-from launcher.estimate import _Micro, analytic_layer_bytes
-from launcher.model_shape import _shape_of
+from launcher.estimate_activations import Micro, analytic_layer_bytes
+from launcher.model_shape import shape_of
 from tests.conftest import write_demo_job
 
 NEOX = {
@@ -119,13 +119,13 @@ def test_a_model_without_an_estimate_trains_when_forced_and_is_refused_in_one_li
 def test_the_trace_of_a_known_block_agrees_with_its_analytic_model():
     """The analytic fast path and the generic measurement, on the same llama layer, under
     autocast and FSDP's 16-bit parameters."""
-    shape = _shape_of(json.dumps(LLAMA, sort_keys=True))
+    shape = shape_of(json.dumps(LLAMA, sort_keys=True))
     measured = saved_activations(LLAMA, 512, "bf16")
     assert set(measured.fits) == {"autocast", "lowp"}
     for mode, fit in measured.fits.items():
         c = 4 if mode == "fp32" else 2
         for b, s in ((1, 512), (4, 2048)):
-            m = _Micro(b=b, s=s, c=c, r=c if mode == "lowp" else 4, autocast=mode == "autocast",
+            m = Micro(b=b, s=s, c=c, r=c if mode == "lowp" else 4, autocast=mode == "autocast",
                        masked=True)  # fmt: skip
             analytic = analytic_layer_bytes(shape, m)
             assert abs(fit.bytes(b, s) - analytic) / analytic < 0.01, (mode, b, s)

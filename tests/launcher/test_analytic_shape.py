@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from launcher.analytic_shape import ANALYTIC_TYPES, analytic_shape_fields, counts_analytically
-from launcher.model_shape import PRESETS, ModelShape, _shape_of
+from launcher.model_shape import PRESETS, ModelShape, shape_of
 from tests.conftest import REPO
 
 SMALL = {
@@ -54,7 +54,7 @@ def _presets() -> list[dict]:
 def test_the_arithmetic_count_is_the_meta_model_count(config):
     assert counts_analytically(config)
     counted = ModelShape(**analytic_shape_fields(config))  # the dense defaults for MoE fields
-    assert asdict(counted) == asdict(_shape_of(json.dumps(config, sort_keys=True)))
+    assert asdict(counted) == asdict(shape_of(json.dumps(config, sort_keys=True)))
 
 
 def test_remote_code_and_unknown_types_go_to_the_meta_model():

@@ -7,9 +7,11 @@ import json
 
 import pytest
 
-from launcher.estimate import GIB, estimate, zero_model_state_bytes
+from launcher.estimate import GIB, estimate
 from launcher.model_shape import model_shape
+from launcher.model_states import zero_model_state_bytes
 from trainer.core.config import ConfigError, ModelConfig
+from trainer.core.step_spec import StepSpec
 
 N = 8_030_261_248  # Llama-3.1-8B
 LARGEST_LAYER = 128_256 * 4096  # its embedding (or lm_head): the largest module's parameters
@@ -92,18 +94,9 @@ def _llama_8b():
     return model_shape(ModelConfig(name_or_path="meta-llama/Llama-3.1-8B"))
 
 
-def _estimate(shape, strategy, world, micro=1, seq=4096, ckpt="full", **kw):
-    return estimate(
-        shape,
-        strategy=strategy,
-        world_size=world,
-        devices_per_node=min(world, 8),
-        micro_batch_size=micro,
-        seq_len=seq,
-        activation_checkpointing=ckpt,
-        precision="bf16",
-        **kw,
-    )
+def _estimate(shape, strategy, world, micro=1, seq=4096, ckpt="full", grad_accum=2, **kw):
+    spec = StepSpec(strategy, world, micro, seq, ckpt, "bf16", grad_accum, min(world, 8), **kw)
+    return estimate(shape, spec)
 
 
 def test_the_8b_model_states_on_the_rungs_are_what_the_docs_say():

@@ -11,16 +11,15 @@ import torch
 from launcher.cli import main
 from launcher.estimate import estimate
 from launcher.estimate_finetune import (
-    FULL,
-    Finetune,
     adam_state_bytes,
     adapter_params,
     layer_tensors,
     nf4_bytes,
     root_tensors,
 )
-from launcher.model_shape import _shape_of, model_shape
+from launcher.model_shape import model_shape, shape_of
 from trainer.core.config import ConfigError, ModelConfig
+from trainer.core.step_spec import FULL, Finetune, StepSpec
 from trainer.core.units import GIB
 
 PRESET_8B = "configs/models/llama-3.1-8b.yaml"
@@ -72,7 +71,7 @@ def test_adapter_count_is_what_peft_makes_trainable(model_type, targets):
     from peft import LoraConfig, get_peft_model
 
     config = {"model_type": model_type, **TINY}
-    shape = _shape_of(json.dumps(config, sort_keys=True))
+    shape = shape_of(json.dumps(config, sort_keys=True))
     ft = Finetune(method="lora", r=8, target_modules=targets)
     lora = LoraConfig(r=8, target_modules=targets if isinstance(targets, str) else list(targets))
     model = get_peft_model(_meta_model(config), lora)
@@ -133,9 +132,19 @@ def test_model_states_of_8b_per_method():
     shape = model_shape(ModelConfig(name_or_path="meta-llama/Llama-3.1-8B"))
 
     def states(ft: Finetune, strategy: str = "single", world: int = 1) -> dict[str, int]:
-        est = estimate(shape, strategy=strategy, world_size=world, devices_per_node=world,
-                       micro_batch_size=1, seq_len=2048, activation_checkpointing="full",
-                       precision="bf16", finetune=ft)  # fmt: skip
+        est = estimate(
+            shape,
+            StepSpec(
+                strategy=strategy,
+                world_size=world,
+                devices_per_node=world,
+                micro_batch_size=1,
+                seq_len=2048,
+                activation_checkpointing="full",
+                precision="bf16",
+                finetune=ft,
+            ),
+        )
         return {k: est.device_breakdown[k] for k in ("params", "grads", "optimizer")}
 
     n = shape.num_params
@@ -163,9 +172,19 @@ def test_a_pretrained_frozen_base_loads_on_the_host_in_16_bits():
     shape = model_shape(ModelConfig(name_or_path="meta-llama/Llama-3.1-8B"))
 
     def loading(ft: Finetune, strategy: str = "single", world: int = 1) -> int:
-        est = estimate(shape, strategy=strategy, world_size=world, devices_per_node=world,
-                       micro_batch_size=1, seq_len=2048, activation_checkpointing="full",
-                       precision="bf16", finetune=ft)  # fmt: skip
+        est = estimate(
+            shape,
+            StepSpec(
+                strategy=strategy,
+                world_size=world,
+                devices_per_node=world,
+                micro_batch_size=1,
+                seq_len=2048,
+                activation_checkpointing="full",
+                precision="bf16",
+                finetune=ft,
+            ),
+        )
         return est.host_breakdown["initial_weights"]
 
     n = shape.num_params
@@ -245,8 +264,9 @@ def test_the_cost_model_counts_adapter_matmuls_and_dequantisation():
     """LoRA skips the frozen weights' gradients (4N + 6A FLOPs per token, not 6N); QLoRA adds a
     memory-bound dequantisation of every 4-bit weight per pass, which a smaller micro-batch
     repeats more often; only the adapters' gradients are reduced across ranks."""
+    from launcher.cost import Links, step_time_s
     from launcher.hardware import detect_hardware
-    from launcher.plan import step_time_s
+    from launcher.ladder import job_step
     from trainer.core import strategies
     from trainer.core.config import load_config
 
@@ -255,7 +275,8 @@ def test_the_cost_model_counts_adapter_matmuls_and_dequantisation():
                                       f"hardware.devices_per_node={ranks}",
                                       "hardware.device_memory=24GiB"])  # fmt: skip
         shape, hw = model_shape(cfg.model), detect_hardware(cfg.hardware)
-        return step_time_s(shape, strategies.row(strategy), hw, cfg, micro, "none")
+        spec = job_step(cfg, hw, strategies.row(strategy), micro, "none")
+        return step_time_s(shape, spec, hw, Links.of(cfg.hardware, hw.device))
 
     full, lora, qlora = seconds("full"), seconds("lora"), seconds("qlora")
     assert 0.65 < lora / full < 0.72  # (4N + 6A + attention) / (6N + attention)

@@ -17,9 +17,9 @@ import statistics
 import pytest
 
 from launcher.estimate import estimate
-from launcher.estimate_finetune import FULL, Finetune
-from launcher.model_shape import _shape_of
+from launcher.model_shape import shape_of
 from launcher.trace import trace_step
+from trainer.core.step_spec import FULL, Finetune, StepSpec
 
 SIZES = {
     "small": {
@@ -75,27 +75,31 @@ def relative_error(
     }
     traced = trace_step(
         config,
-        strategy=strategy,
-        world_size=world,
-        micro_batch_size=micro,
-        seq_len=seq,
-        activation_checkpointing=ckpt,
-        grad_accum=grad_accum,
-        finetune=finetune,
-        **on,
+        StepSpec(
+            strategy=strategy,
+            world_size=world,
+            micro_batch_size=micro,
+            seq_len=seq,
+            activation_checkpointing=ckpt,
+            grad_accum=grad_accum,
+            finetune=finetune,
+            **on,
+        ),
     )
     analytic = estimate(
-        _shape_of(json.dumps(config, sort_keys=True)),
-        strategy=strategy,
-        world_size=world,
-        devices_per_node=world,
-        micro_batch_size=micro,
-        seq_len=seq,
-        activation_checkpointing=ckpt,
-        precision="bf16",
-        grad_accum=grad_accum,
-        finetune=finetune,
-        **on,
+        shape_of(json.dumps(config, sort_keys=True)),
+        StepSpec(
+            strategy=strategy,
+            world_size=world,
+            devices_per_node=world,
+            micro_batch_size=micro,
+            seq_len=seq,
+            activation_checkpointing=ckpt,
+            precision="bf16",
+            grad_accum=grad_accum,
+            finetune=finetune,
+            **on,
+        ),
     )
     return (analytic.peak_tensor_bytes - traced.peak_bytes) / traced.peak_bytes
 
@@ -201,23 +205,27 @@ def test_the_error_would_show_a_missing_part():
     config = hf_config("llama", "medium")
     traced = trace_step(
         config,
-        strategy="single",
-        world_size=1,
-        micro_batch_size=4,
-        seq_len=2048,
-        activation_checkpointing="full",
+        StepSpec(
+            strategy="single",
+            world_size=1,
+            micro_batch_size=4,
+            seq_len=2048,
+            activation_checkpointing="full",
+        ),
     )
-    shape = _shape_of(json.dumps(config, sort_keys=True))
+    shape = shape_of(json.dumps(config, sort_keys=True))
     analytic = estimate(
         shape,
-        strategy="single",
-        world_size=1,
-        devices_per_node=1,
-        micro_batch_size=4,
-        seq_len=2048,
-        activation_checkpointing="full",
-        precision="bf16",
-        grad_accum=1,
+        StepSpec(
+            strategy="single",
+            world_size=1,
+            devices_per_node=1,
+            micro_batch_size=4,
+            seq_len=2048,
+            activation_checkpointing="full",
+            precision="bf16",
+            grad_accum=1,
+        ),
     )
     upcast = 4 * 4 * 2047 * shape.vocab_size
     assert (analytic.peak_tensor_bytes - upcast) / traced.peak_bytes < 0.95
@@ -244,18 +252,35 @@ def test_fsdp_reducing_every_micro_batch_matches_the_trace(arch, size, world, mi
     """fsdp.reduce_every_micro_batch: sharded accumulation, no unsharded fp32 gradients held;
     the trace shows the lower peak and the estimate follows it."""
     config = hf_config(arch, size)
-    shape = _shape_of(json.dumps(config, sort_keys=True))
+    shape = shape_of(json.dumps(config, sort_keys=True))
     peaks = {}
     for every in (False, True):
         traced = trace_step(
-            config, strategy="fsdp", world_size=world, micro_batch_size=micro, seq_len=seq,
-            activation_checkpointing=ckpt, grad_accum=3, reduce_every_micro_batch=every,
-        )  # fmt: skip
+            config,
+            StepSpec(
+                strategy="fsdp",
+                world_size=world,
+                micro_batch_size=micro,
+                seq_len=seq,
+                activation_checkpointing=ckpt,
+                grad_accum=3,
+                fsdp_reduce_every_micro_batch=every,
+            ),
+        )
         analytic = estimate(
-            shape, strategy="fsdp", world_size=world, devices_per_node=world,
-            micro_batch_size=micro, seq_len=seq, activation_checkpointing=ckpt,
-            precision="bf16", grad_accum=3, fsdp_reduce_every_micro_batch=every,
-        )  # fmt: skip
+            shape,
+            StepSpec(
+                strategy="fsdp",
+                world_size=world,
+                devices_per_node=world,
+                micro_batch_size=micro,
+                seq_len=seq,
+                activation_checkpointing=ckpt,
+                precision="bf16",
+                grad_accum=3,
+                fsdp_reduce_every_micro_batch=every,
+            ),
+        )
         err = (analytic.peak_tensor_bytes - traced.peak_bytes) / traced.peak_bytes
         assert -0.05 <= err <= 0.10, f"reduce every micro-batch {every}: {err:+.1%}"
         peaks[every] = (traced.peak_bytes, analytic.peak_tensor_bytes)

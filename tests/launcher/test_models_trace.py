@@ -16,7 +16,7 @@ import statistics
 import pytest
 
 from bench.models_trace import measured_shape, relative_error, sized_config
-from launcher.model_shape import _shape_of
+from launcher.model_shape import shape_of
 
 COVERING = {
     "gemma3_text": ((("fsdp", 4), 1, "full"), (("single", 1), 4, "none")),
@@ -42,7 +42,7 @@ def test_measured_activations_put_the_estimate_within_the_band_of_the_trace():
 
 
 def test_an_moe_shape_counts_every_expert_for_memory_and_the_routed_ones_for_compute():
-    shape = _shape_of(json.dumps(sized_config("qwen3_moe", "small"), sort_keys=True))
+    shape = shape_of(json.dumps(sized_config("qwen3_moe", "small"), sort_keys=True))
     assert shape.num_experts == 4 and shape.experts_per_token == 2
     experts = shape.num_params - shape.num_compute_params  # the half a token does not use
     # 2 layers x 4 experts x (gate, up, down) x hidden 64 x moe width 64; 2 of 4 unused

@@ -121,17 +121,30 @@ def reset_device_peak(device: torch.device) -> None:
 def clip_and_step(
     parameters: Iterable[torch.Tensor],
     optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
+    scaler: torch.amp.GradScaler | None,
     grad_clip: float,
-) -> float:
-    """Unscale, clip the global grad norm, step, free the grads. Returns the pre-clip norm."""
-    scaler.unscale_(optimizer)
+) -> torch.Tensor:
+    """Unscale, clip the global grad norm, step, free the grads. Returns the pre-clip norm as a
+    tensor (a DTensor for sharded parameters); `scaler` None: no loss scaling."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, foreach=True)
-    scaler.step(optimizer)
-    scaler.update()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm)
+    return grad_norm
+
+
+def attach(backend: Any, model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float):
+    """A backend over a model and optimizer built elsewhere (the planner's traced step,
+    launcher/trace.py): what `setup` would have left on it, for `no_sync`, `backward`,
+    `compute_context` and `clip_and_step` to act on."""
+    backend.model, backend.optimizer, backend.grad_clip = model, optimizer, grad_clip
+    return backend
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -35,6 +35,7 @@ from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
 from trainer.backends.common import (
     COMPUTE_DTYPES,
     build_adamw,
+    clip_and_step,
     device_memory_stats,
     load_canonical_optim_state,
     reset_device_peak,
@@ -98,19 +99,8 @@ class FsdpBackend:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def step(self) -> float:
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
+        norm = clip_and_step(self.model.parameters(), self.optimizer, self.scaler, self.grad_clip)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -54,7 +54,8 @@ class SingleBackend:
         self.scaler.scale(loss).backward()
 
     def step(self) -> float:
-        return clip_and_step(self.model.parameters(), self.optimizer, self.scaler, self.grad_clip)
+        norm = clip_and_step(self.model.parameters(), self.optimizer, self.scaler, self.grad_clip)
+        return float(norm)
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)

@@ -8,6 +8,7 @@ paths and commands: they are written 0600 and new run directories are made 0700.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -61,3 +62,13 @@ def umask_mode(mode: int = 0o777) -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mode & ~mask
+
+
+def write_json(path: str | Path, obj: object) -> Path:
+    """`obj` as indented JSON, written atomically."""
+    return write_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def absolute_path(path: str | Path) -> str:
+    """`~` expanded, symlinks resolved: the same run dir whatever the working directory."""
+    return str(Path(path).expanduser().resolve())

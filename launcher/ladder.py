@@ -1,0 +1,229 @@
+"""The ladder walk: for every rung, the fastest combination of micro-batch, activation
+checkpointing and exact levers that the estimate says fits; then the rungs ranked.
+
+Each combination is one `StepSpec` (trainer/core/step_spec.py): the estimate
+(`launcher/estimate.py`) says whether it fits, the cost model (`launcher/cost.py`) how long its
+step takes. What is learned never changes here: the global batch, optimizer, schedule and
+precision stay as configured; only micro-batch x accumulation, recomputation, sharding and
+offload move.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Any
+
+from launcher.cost import Links, step_time_s
+from launcher.estimate import Estimate, estimate
+from launcher.estimate_finetune import why_not_on
+from launcher.hardware import Hardware
+from launcher.model_shape import ModelShape
+from trainer.core import strategies
+from trainer.core.config import ConfigError, JobConfig
+from trainer.core.step_spec import NO_LEVERS, Finetune, Levers, StepSpec, lever_variants
+from trainer.core.strategies import AC_LEVELS, Strategy
+
+# A rung later on the ladder must be predicted this much faster to be chosen over an earlier one:
+# the cost model ranks rungs coarsely, and earlier rungs have fewer moving parts.
+SIMPLER_RUNG_MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class Alternative:
+    strategy: str
+    fits: bool
+    why_not: str | None
+    relative_step_time: float | None
+    micro_batch_size: int | None = None
+    activation_checkpointing: str | None = None
+    levers: str | None = None  # the exact levers in words (`Levers.words`)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "fits": self.fits,
+            "why_not": self.why_not,
+            "relative_step_time": self.relative_step_time,
+            "micro_batch_size": self.micro_batch_size,
+            "activation_checkpointing": self.activation_checkpointing,
+            "levers": self.levers,
+        }
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One rung's fastest fitting step, its estimate and predicted step time."""
+
+    rung: Strategy
+    spec: StepSpec
+    estimate: Estimate
+    time_s: float
+    reduce_every_micro: bool | None = None  # fsdp rungs only
+
+    @property
+    def micro(self) -> int:
+        return self.spec.micro_batch_size
+
+    @property
+    def ac(self) -> str:
+        return self.spec.activation_checkpointing
+
+    @property
+    def levers(self) -> Levers:
+        return self.spec.levers
+
+
+def rung_world(rung: Strategy, hw: Hardware) -> int | None:
+    world = hw.world_size
+    if world < rung.min_world or (rung.max_world is not None and world > rung.max_world):
+        return None
+    return world
+
+
+def per_rank_batch(cfg: JobConfig, hw: Hardware) -> int:
+    """Sequences per rank per optimizer step; the global batch must split evenly."""
+    world = hw.world_size
+    gbs = cfg.train.global_batch_size
+    if gbs % world:
+        fits = [m * world for m in range(max(1, gbs // world), gbs // world + 3)]
+        raise ConfigError(
+            "train.global_batch_size",
+            f"{gbs} sequences cannot be split evenly over {world} ranks",
+            f"use a multiple of {world} (e.g. {', '.join(map(str, fits))})",
+        )
+    per_rank = gbs // world
+    if isinstance(cfg.train.micro_batch_size, int) and per_rank % cfg.train.micro_batch_size:
+        raise ConfigError(
+            "train.micro_batch_size",
+            f"{cfg.train.micro_batch_size} does not divide the {per_rank} sequences per rank "
+            f"({gbs} over {world} ranks)",
+            f"use one of {', '.join(map(str, sorted(_divisors_desc(per_rank))))} or auto",
+        )
+    return per_rank
+
+
+def _divisors_desc(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def job_step(
+    cfg: JobConfig, hw: Hardware, rung: Strategy, micro: int, ac: str, *,
+    reduce_every_micro: bool | None = False, levers: Levers = NO_LEVERS,
+) -> StepSpec:  # fmt: skip
+    """The step this job runs on `rung` at this micro-batch, checkpointing and levers, with the
+    global batch's accumulation."""
+    return StepSpec(
+        strategy=rung.name,
+        world_size=hw.world_size,
+        micro_batch_size=micro,
+        seq_len=cfg.data.seq_len,
+        activation_checkpointing=ac,
+        precision=cfg.precision,
+        grad_accum=max(1, cfg.train.global_batch_size // (hw.world_size * micro)),
+        devices_per_node=hw.devices_per_node,
+        device=hw.device,
+        fsdp_reduce_every_micro_batch=bool(reduce_every_micro),
+        chunked_loss=levers.chunked_loss,
+        offload_activations=levers.offload_activations,
+        loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
+        finetune=Finetune.of(cfg),
+    )
+
+
+def scaled_estimate(shape: ModelShape, spec: StepSpec, memory_scale: float) -> Estimate:
+    """The estimate of one step, device bytes scaled by a measured `memory_scale`."""
+    est = estimate(shape, spec)
+    if memory_scale == 1.0:
+        return est
+    return replace(
+        est,
+        device_breakdown={k: int(v * memory_scale) for k, v in est.device_breakdown.items()},
+        peak_tensor_bytes=int(est.peak_tensor_bytes * memory_scale),
+        device_total_bytes=int(est.device_total_bytes * memory_scale),
+        phases={},
+    )
+
+
+def reduce_variants(rung: Strategy, cfg: JobConfig) -> tuple[bool | None, ...]:
+    """FSDP's gradient accumulation: unsharded under no-sync (False) or sharded, reducing after
+    every micro-batch (True); both are tried under `fsdp.reduce_every_micro_batch: auto`. Other
+    rungs have no such choice (None)."""
+    if rung.engine != "fsdp":
+        return (None,)
+    chosen = cfg.fsdp.reduce_every_micro_batch
+    return (False, True) if chosen == "auto" else (chosen,)
+
+
+def best_for_rung(
+    shape: ModelShape, rung: Strategy, hw: Hardware, cfg: JobConfig, per_rank: int,
+    memory_scale: float,
+) -> tuple[Candidate | None, str]:  # fmt: skip
+    """The rung's fastest fitting step, or None and why the smallest one does not fit."""
+    micros = _divisors_desc(per_rank)
+    if isinstance(cfg.train.micro_batch_size, int):
+        micros = [cfg.train.micro_batch_size]
+    acs = AC_LEVELS
+    if cfg.memory.activation_checkpointing != "auto":
+        acs = (cfg.memory.activation_checkpointing,)
+    links = Links.of(cfg.hardware, hw.device)
+    best: Candidate | None = None
+    smallest: Estimate | None = None
+    levers = lever_variants(cfg.memory.chunked_loss, cfg.memory.offload_activations, hw.device)
+    for every, ac, lev in itertools.product(reduce_variants(rung, cfg), acs, levers):
+        for micro in micros:
+            spec = job_step(cfg, hw, rung, micro, ac, reduce_every_micro=every, levers=lev)
+            est = scaled_estimate(shape, spec, memory_scale)
+            if smallest is None or est.device_total_bytes < smallest.device_total_bytes:
+                smallest = est
+            if not est.fits(hw, cfg.memory.headroom):
+                continue
+            t = step_time_s(shape, spec, hw, links, est.offloaded_bytes)
+            if best is None or t < best.time_s:
+                best = Candidate(rung, spec, est, t, every)
+            break  # smaller micro-batches at this checkpointing level are only slower
+    why = "" if best else (smallest.why_not(hw, cfg.memory.headroom) or "does not fit")
+    return best, why
+
+
+def walk_ladder(
+    rungs: list[Strategy], shape: ModelShape, hw: Hardware, cfg: JobConfig, per_rank: int,
+    exclude: tuple[str, ...] | list[str], memory_scale: float,
+) -> tuple[list[Candidate], list[Alternative]]:  # fmt: skip
+    """Each rung's best fitting candidate, and why the others were turned down."""
+    candidates: list[Candidate] = []
+    rejected: list[Alternative] = []
+    for rung in rungs:
+        why = _why_not_tried(rung, hw, cfg, exclude)
+        if why is None:
+            best, why = best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale)
+            if best is not None:
+                candidates.append(best)
+                continue
+        rejected.append(Alternative(rung.name, False, why, None))
+    return candidates, rejected
+
+
+def _why_not_tried(rung: Strategy, hw: Hardware, cfg: JobConfig, exclude) -> str | None:
+    if rung.name in exclude:
+        return "ran out of memory in this run"
+    if rung_world(rung, hw) is None:
+        need = f"{rung.min_world}+ ranks" if rung.max_world is None else "exactly 1 rank"
+        return f"needs {need}, has {hw.world_size}"
+    if rung.needs_nvme and not cfg.deepspeed.nvme_path:
+        return "needs deepspeed.nvme_path"
+    return why_not_on(rung, Finetune.of(cfg))
+
+
+def rank(candidates: list[Candidate]) -> list[Candidate]:
+    """Fastest first, except that a rung earlier on the ladder within SIMPLER_RUNG_MARGIN of
+    the fastest goes first (the cost model ranks coarsely; earlier rungs are simpler)."""
+    ranked = sorted(candidates, key=lambda cand: cand.time_s)  # stable: ladder order on ties
+    fastest = ranked[0]
+    ladder = strategies.names()
+    chosen = min(
+        (c for c in ranked if c.time_s <= fastest.time_s * (1 + SIMPLER_RUNG_MARGIN)),
+        key=lambda cand: ladder.index(cand.rung.name),
+    )
+    ranked.remove(chosen)
+    return [chosen, *ranked]

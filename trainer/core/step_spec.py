@@ -1,0 +1,139 @@
+"""One training step as the estimator, the cost model and the tracer see it: the rung, the world,
+the micro-batch and sequence, precision, checkpointing, the exact levers and the fine-tune method.
+
+A plan makes one `StepSpec` per candidate it weighs; `launcher/estimate.py` turns it into bytes,
+`launcher/cost.py` into seconds and `launcher/trace.py` into a traced step of the engine. The
+model's shape travels beside it (`launcher/model_shape.py`), derived once per plan. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.core import strategies
+from trainer.core.strategies import Strategy, checkpointed_layers
+
+
+@dataclass(frozen=True)
+class Finetune:
+    """What trains and how its optimizer stores state (`finetune.*`, `train.optimizer`)."""
+
+    method: str = "full"
+    optimizer: str = "adamw"
+    r: int = 16
+    target_modules: str | tuple[str, ...] = "all-linear"
+    dropout: float = 0.0
+    pretrained: bool = True  # the base loads from model.name_or_path (random init: False)
+
+    @classmethod
+    def of(cls, cfg: Any) -> Finetune:
+        lora = cfg.finetune.lora
+        targets = lora.target_modules
+        return cls(
+            method=cfg.finetune.method,
+            optimizer=cfg.train.optimizer,
+            r=lora.r,
+            target_modules=targets if isinstance(targets, str) else tuple(targets),
+            dropout=lora.dropout,
+            pretrained=cfg.model.name_or_path is not None,
+        )
+
+    @property
+    def adapters(self) -> bool:
+        return self.method != "full"
+
+    def words(self) -> str:
+        parts = [] if self.method == "full" else [f"finetune.method={self.method}"]
+        if self.optimizer != "adamw":
+            parts.append(f"train.optimizer={self.optimizer}")
+        return " and ".join(parts) or "full fine-tuning with AdamW"
+
+
+FULL = Finetune()
+
+
+@dataclass(frozen=True)
+class Levers:
+    """The exact levers of one candidate plan."""
+
+    chunked_loss: bool = False
+    offload_activations: bool = False
+
+    def words(self) -> str:
+        on = [
+            n
+            for n, v in (
+                ("chunked loss", self.chunked_loss),
+                ("activation offload", self.offload_activations),
+            )
+            if v
+        ]
+        return " and ".join(on) or "none"
+
+
+NO_LEVERS = Levers()
+
+
+def lever_variants(
+    chunked_loss: object, offload_activations: object, device: str = "cuda"
+) -> list[Levers]:
+    """The combinations the planner tries: each `auto` lever off and on, a forced one as set;
+    cheapest first (off before on, chunked loss before offload). CPU ranks keep their
+    activations in host memory anyway: `auto` does not offload them."""
+    chunked = (False, True) if chunked_loss == "auto" else (bool(chunked_loss),)
+    offload = (False, True) if offload_activations == "auto" else (bool(offload_activations),)
+    if offload_activations == "auto" and device == "cpu":
+        offload = (False,)
+    return [Levers(c, o) for o in offload for c in chunked]
+
+
+def smallest_levers(chunked_loss: object, offload_activations: object) -> Levers:
+    """The combination with the smallest footprint (a forced rung that may not fit)."""
+    return lever_variants(chunked_loss, offload_activations)[-1]
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What one rank runs in one optimizer step: `grad_accum` micro-batches of
+    `micro_batch_size` sequences of `seq_len` tokens on the rung `strategy` over `world_size`
+    ranks (`devices_per_node` of them per node; 0: all on one node)."""
+
+    strategy: str
+    world_size: int
+    micro_batch_size: int
+    seq_len: int
+    activation_checkpointing: str  # none | selective | full
+    precision: str = "bf16"
+    grad_accum: int = 1
+    devices_per_node: int = 0
+    device: str = "cuda"
+    packed: bool = True  # windows hold several documents: attention gets a block-causal mask
+    # FSDP reduce-scatters after every micro-batch and accumulates sharded gradients, instead of
+    # accumulating unsharded ones under no-sync
+    fsdp_reduce_every_micro_batch: bool = False
+    chunked_loss: bool = False
+    offload_activations: bool = False
+    loss_chunk_tokens: int | None = None  # memory.loss_chunk_tokens (None: chosen by vocabulary)
+    finetune: Finetune = FULL
+
+    @property
+    def row(self) -> Strategy:
+        return strategies.row(self.strategy)
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.devices_per_node or self.world_size, self.world_size)
+
+    @property
+    def levers(self) -> Levers:
+        return Levers(self.chunked_loss, self.offload_activations)
+
+    def checkpointed(self, num_layers: int) -> frozenset[int]:
+        """The decoder layers activation checkpointing wraps."""
+        return frozenset(checkpointed_layers(num_layers, self.activation_checkpointing))
