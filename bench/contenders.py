@@ -5,8 +5,9 @@ behind changes the speed of the next: with a second oomless LoRA instance altern
 process, oomless / peft + Trainer moved from 1.010 to 0.975 while the two oomless instances stayed
 at 0.996 of each other. In a spawned process each, nothing is shared, but a process has a speed
 of its own: four processes running the very same oomless LoRA step, alternated for 30 rounds,
-had medians of 562-579 ms, each pair's 90% interval clear of the others' (docs/benchmarks.md).
-Where a process's heap and libraries land decides that, and it is drawn again with each process.
+had medians of 562-579 ms, and 4 of the 6 pairs had a 90% interval without 1.00
+(docs/benchmarks.md). Where a process's heap and libraries land decides that, and it is drawn
+again with each process.
 
 So the rounds are split over sessions: each session starts a fresh process per contender, steps
 them in turn for its share of the rounds, and ends them. A contender's median then spans several

@@ -2,10 +2,9 @@
 # GPU validation of oomless in one command, under 9 minutes: a short table printed last, the
 # details (each part's JSON and log, summary.md) under $OUT (a temporary directory when unset).
 #
-# On a lent GPU machine (../shared/device/README.md): once, on this machine, from the repository
-# root, `../shared/device/stage.sh` (copies the wheels into .whl/); then the device tool's run with
-#     command: bash bench/gpu_validate.sh      carry: [".whl"]      timeout_s: 600
-# The script installs the wheels from .whl/ into /tmp/site itself when deepspeed is missing.
+# On a GPU machine, from the repository root: `bash bench/gpu_validate.sh` (one command, 600 s
+# is enough). Without network there, put the wheels into .whl/ first: the script installs them
+# from .whl/ into /tmp/site itself when deepspeed is missing.
 #
 # Parts, in this order, each under its own `timeout` and all under one deadline
 # (GPU_VALIDATE_BUDGET_S, 520 s; a part that would start with under 20 s left is skipped):

@@ -1,4 +1,4 @@
-"""`oomless` command line. Parses, loads the config once, dispatches; exit codes per INTERFACE.md.
+"""`oomless` command line. Parses, loads the config once, dispatches; exit codes: docs/interface.md.
 
 Each subcommand's work lives in the module that owns the concept; this file only wires them, and
 imports them lazily so `oomless config` and bad input answer fast.

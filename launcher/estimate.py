@@ -91,7 +91,7 @@ class Estimate:
         return None
 
     def to_json(self, hw: Hardware, headroom: float) -> dict[str, Any]:
-        """The `strategies[]` entry of INTERFACE.md."""
+        """The `strategies[]` entry of docs/interface.md."""
         return {
             "name": self.strategy,
             "world_size": self.world_size,

@@ -119,7 +119,7 @@ def estimates_for(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[Estim
 
 
 def to_json(shape: ModelShape, hw: Hardware, rows: list[Estimate], headroom: float) -> dict:
-    """INTERFACE.md's `oomless estimate --json`."""
+    """docs/interface.md's `oomless estimate --json`."""
     return {
         "model": {
             "params": shape.num_params,

@@ -76,7 +76,7 @@ def run_command(argv: list[str], env: dict[str, str], output: TorchrunOutput | N
     The child gets SIGTERM when this process dies (PR_SET_PDEATHSIG), even by SIGKILL.
     torchrun turns SIGTERM/SIGINT into a stop of its workers (which checkpoint and exit 143);
     SIGUSR1, which torchrun does not handle, is forwarded as SIGTERM. A run stopped that way
-    returns 143 (INTERFACE.md: stopped by a signal after writing a checkpoint).
+    returns 143 (docs/interface.md: stopped by a signal after writing a checkpoint).
     """
     from trainer.core.run_lock import die_with_parent
 

@@ -1,6 +1,6 @@
 """The planner: walk the ladder, keep what fits, pick the fastest. A pure function of its inputs.
 
-For every rung (DESIGN.md's ladder, as data below) the planner tries activation checkpointing
+For every rung (trainer/core/strategies.py) the planner tries activation checkpointing
 none -> selective -> full and every micro-batch that divides this rank's share of the global batch,
 keeps the combinations the estimate says fit with `memory.headroom`, and predicts a step time for
 each with a small cost model (docs/planner.md). The fastest fitting combination of each rung is
@@ -54,7 +54,7 @@ class Plan:
     levers: Levers = NO_LEVERS
 
     def to_json(self, hw: Hardware, headroom: float, command: list[str]) -> dict[str, Any]:
-        """INTERFACE.md's `plan --json`."""
+        """docs/interface.md's `plan --json`."""
         return {
             "strategy": self.strategy,
             "world_size": self.world_size,

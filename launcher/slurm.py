@@ -81,7 +81,7 @@ def render_sbatch(
     python: str,
     request: SlurmRequest | None = None,
 ) -> str:
-    """The sbatch script for a resolved config and its plan (INTERFACE.md plan JSON); `request`
+    """The sbatch script for a resolved config and its plan (docs/interface.md plan JSON); `request`
     is what the partition's nodes can give (`size_for_partition`), else the plan's own sizes."""
     _refuse_line_breaks(cfg, run_dir, python)
     hw = cfg.hardware

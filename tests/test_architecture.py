@@ -1,4 +1,4 @@
-"""The shape of the code (DESIGN.md "Layers"): imports go one way, the bottom layer is torch-free,
+"""The shape of the code (docs/architecture.md): imports go one way, the bottom layer is torch-free,
 and the ladder is one table that every reader follows."""
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""oomless training engine: one loop, pluggable backends (see DESIGN.md)."""
+"""oomless training engine: one loop, pluggable backends (docs/architecture.md)."""

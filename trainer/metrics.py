@@ -1,4 +1,4 @@
-"""metrics.jsonl (one object per optimizer step, INTERFACE.md) and the human progress line."""
+"""metrics.jsonl (one object per optimizer step, docs/interface.md) and the human progress line."""
 
 from __future__ import annotations
 

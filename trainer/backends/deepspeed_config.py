@@ -4,7 +4,7 @@ Nothing is left as "auto": batch arithmetic, ZeRO stage, offload targets and buc
 written out, and `deepspeed.overrides` from the job is deep-merged last (and logged by the
 backend). Precision: DeepSpeed runs on fp32 parameters; bf16 compute comes from DeepSpeed's own
 `torch_autocast` section (autocast inside the engine's forward), so master weights, gradients and
-optimizer state stay fp32 as INTERFACE.md says. `lower_precision_safe_modules` is empty so that
+optimizer state stay fp32 as docs/interface.md says. `lower_precision_safe_modules` is empty so that
 ZeRO also all-gathers parameters and reduces gradients in fp32 (like FSDP's reduce_dtype=fp32).
 DeepSpeed's `bf16` section is not used: it keeps bf16 parameters and bf16 gradients.
 """

@@ -1,6 +1,6 @@
 """`single`: the whole model, its gradients and AdamW state on one device.
 
-Mixed precision is the INTERFACE.md contract: fp32 master weights, grads and optimizer state;
+Mixed precision is the docs/interface.md contract: fp32 master weights, grads and optimizer state;
 forward and loss under autocast in bf16/fp16; fp16 adds a dynamic gradient scaler.
 """
 

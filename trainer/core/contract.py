@@ -1,4 +1,4 @@
-"""What processes outside this one rely on (INTERFACE.md): exit codes and run-dir file names.
+"""What processes outside this one rely on (docs/interface.md): exit codes and run-dir file names.
 
 Torch-free: the launcher, the engine and the tests all read these names from here.
 """
