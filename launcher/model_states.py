@@ -202,11 +202,7 @@ def _fsdp_states(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool):
         head=4 * z.head_n,
         root_at_embedding=4 * root_n + root_unsharded,
     )
-    if fsdp_every:  # later micro-batches add to the sharded grads
-        first = replace(sync, held=0, released_per_layer=0)
-        later = replace(first, held=on_device["grads"], per_layer=0)
-    else:
-        first, later = (no_sync, sync) if z.accumulating else (sync, sync)
+    first, later = _fsdp_flows(sync, no_sync, fsdp_every, z.accumulating, on_device["grads"])
     return ModelStates(
         on_device,
         on_host,
@@ -260,6 +256,18 @@ _FULL_STATES = {
     "fsdp": _fsdp_states,
     "deepspeed": _zero_states,
 }
+
+
+def _fsdp_flows(
+    sync: GradFlow, no_sync: GradFlow, every: bool, accumulating: bool, sharded_grads: int
+) -> tuple[GradFlow, GradFlow]:
+    """FSDP's gradients in the first and a later micro-batch: reduced after every one (later
+    micro-batches add to the sharded grads), or accumulated unsharded under no-sync and
+    reduced after the last."""
+    if every:
+        first = replace(sync, held=0, released_per_layer=0)
+        return first, replace(first, held=sharded_grads, per_layer=0)
+    return (no_sync, sync) if accumulating else (sync, sync)
 
 
 def reduce_scatter_bytes(num_params: int, c: int, w: int) -> int:
@@ -322,11 +330,7 @@ def _fsdp_adapters(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool,
         pending_reduce=reduce_scatter_bytes(a_layer, c, w),
     )
     no_sync = GradFlow(per_layer=4 * a_layer, in_layer=4 * a_layer)
-    if fsdp_every:
-        first = replace(sync, held=0, released_per_layer=0)
-        later = replace(first, held=on_device["grads"], per_layer=0)
-    else:
-        first, later = (no_sync, sync) if z.accumulating else (sync, sync)
+    first, later = _fsdp_flows(sync, no_sync, fsdp_every, z.accumulating, on_device["grads"])
     root = c * z.root_n
     return ModelStates(
         on_device,

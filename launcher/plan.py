@@ -33,7 +33,7 @@ from launcher.model_shape import ModelShape, model_shape
 from launcher.plan_finetune import MethodAlternative, method_alternatives
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
-from trainer.core.step_spec import NO_LEVERS, Levers, smallest_levers
+from trainer.core.step_spec import NO_LEVERS, Levers, StepSpec, smallest_levers
 from trainer.core.units import GIB
 
 
@@ -52,6 +52,28 @@ class Plan:
     alternatives: list[Alternative] = field(default_factory=list)
     fsdp_reduce_every_micro_batch: bool | None = None  # fsdp rungs only
     levers: Levers = NO_LEVERS
+
+    @classmethod
+    def of(
+        cls, spec: StepSpec, hw: Hardware, estimate: Estimate, step_time_s: float,
+        reasons: list[str], alternatives: list = (), reduce_every_micro: bool | None = None,
+    ) -> Plan:  # fmt: skip
+        """The plan that runs `spec` on `hw`."""
+        return cls(
+            strategy=spec.strategy,
+            world_size=hw.world_size,
+            nodes=hw.nodes,
+            devices_per_node=hw.devices_per_node,
+            micro_batch_size=spec.micro_batch_size,
+            grad_accum=spec.grad_accum,
+            activation_checkpointing=spec.activation_checkpointing,
+            estimate=estimate,
+            step_time_s=step_time_s,
+            reasons=list(reasons),
+            alternatives=list(alternatives),
+            fsdp_reduce_every_micro_batch=reduce_every_micro,
+            levers=spec.levers,
+        )
 
     def to_json(self, hw: Hardware, headroom: float, command: list[str]) -> dict[str, Any]:
         """docs/interface.md's `plan --json`."""
@@ -124,21 +146,9 @@ def make_plan(
         )
         for cand in ranked
     ] + rejected
-    return Plan(
-        strategy=chosen.rung.name,
-        world_size=hw.world_size,
-        nodes=hw.nodes,
-        devices_per_node=hw.devices_per_node,
-        micro_batch_size=chosen.micro,
-        grad_accum=per_rank // chosen.micro,
-        activation_checkpointing=chosen.ac,
-        estimate=chosen.estimate,
-        step_time_s=chosen.time_s,
-        reasons=_reasons(cfg, hw, ranked, memory_scale) + model_reasons(shape),
-        alternatives=alternatives,
-        fsdp_reduce_every_micro_batch=chosen.reduce_every_micro,
-        levers=chosen.levers,
-    )
+    reasons = _reasons(cfg, hw, ranked, memory_scale) + model_reasons(shape)
+    return Plan.of(chosen.spec, hw, chosen.estimate, chosen.time_s, reasons, alternatives,
+                   chosen.reduce_every_micro)  # fmt: skip
 
 
 def _reasons(cfg: JobConfig, hw: Hardware, ranked: list[Candidate], memory_scale: float):
@@ -239,28 +249,15 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
         if est.fits(hw, cfg.memory.headroom)
         else method_alternatives(cfg, hw, shape, (), memory_scale)
     )
-    return Plan(
-        strategy=name,
-        world_size=hw.world_size,
-        nodes=hw.nodes,
-        devices_per_node=hw.devices_per_node,
-        micro_batch_size=micro,
-        grad_accum=per_rank // micro,
-        activation_checkpointing=ac,
-        estimate=est,
-        step_time_s=step_time_s(
-            shape, spec, hw, Links.of(cfg.hardware, hw.device), est.offloaded_bytes
-        ),
-        reasons=[
-            f"strategy {name} is forced by the config, but the estimate says it will not fit: "
-            f"{est.why_not(hw, cfg.memory.headroom)}",
-            *model_reasons(shape),
-            *(alt.words() for alt in changes),
-        ],
-        alternatives=[*rejected, *changes],
-        fsdp_reduce_every_micro_batch=every,
-        levers=levers,
-    )
+    links = Links.of(cfg.hardware, hw.device)
+    reasons = [
+        f"strategy {name} is forced by the config, but the estimate says it will not fit: "
+        f"{est.why_not(hw, cfg.memory.headroom)}",
+        *model_reasons(shape),
+        *(alt.words() for alt in changes),
+    ]
+    time_s = step_time_s(shape, spec, hw, links, est.offloaded_bytes)
+    return Plan.of(spec, hw, est, time_s, reasons, [*rejected, *changes], every)
 
 
 def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected, changes) -> str:

@@ -12,7 +12,7 @@ import logging
 
 from launcher.estimate import DEVICE_PARTS, Estimate
 from launcher.hardware import Hardware
-from launcher.ladder import per_rank_batch, rung_world
+from launcher.ladder import job_step, per_rank_batch, rung_world
 from launcher.plan import Plan
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
@@ -38,13 +38,11 @@ def unestimated_plan(cfg: JobConfig, hw: Hardware, why: str) -> Plan:
         raise ConfigError(
             "strategy", f"{rung.name} cannot run on {hw.world_size} rank(s)", "pick another rung"
         )
-    per_rank = per_rank_batch(cfg, hw)
-    micro = int(cfg.train.micro_batch_size)
-    ac = cfg.memory.activation_checkpointing
-    every = None
-    if rung.engine == "fsdp":
-        every = cfg.fsdp.reduce_every_micro_batch is True
+    per_rank_batch(cfg, hw)  # the global batch splits evenly
+    every = cfg.fsdp.reduce_every_micro_batch is True if rung.engine == "fsdp" else None
     levers = Levers(cfg.memory.chunked_loss is True, cfg.memory.offload_activations is True)
+    micro, ac = int(cfg.train.micro_batch_size), cfg.memory.activation_checkpointing
+    spec = job_step(cfg, hw, rung, micro, ac, reduce_every_micro=every, levers=levers)
     empty = Estimate(
         strategy=rung.name,
         world_size=hw.world_size,
@@ -56,23 +54,11 @@ def unestimated_plan(cfg: JobConfig, hw: Hardware, why: str) -> Plan:
         chunked_loss=levers.chunked_loss,
         offload_activations=levers.offload_activations,
     )
-    return Plan(
-        strategy=rung.name,
-        world_size=hw.world_size,
-        nodes=hw.nodes,
-        devices_per_node=hw.devices_per_node,
-        micro_batch_size=micro,
-        grad_accum=per_rank // micro,
-        activation_checkpointing=ac,
-        estimate=empty,
-        step_time_s=0.0,
-        reasons=[
-            f"no memory estimate ({why}); running as configured: strategy {rung.name}, "
-            f"micro-batch {micro}, activation checkpointing {ac}"
-        ],
-        fsdp_reduce_every_micro_batch=every,
-        levers=levers,
+    reason = (
+        f"no memory estimate ({why}); running as configured: strategy {rung.name}, "
+        f"micro-batch {micro}, activation checkpointing {ac}"
     )
+    return Plan.of(spec, hw, empty, 0.0, [reason], reduce_every_micro=every)
 
 
 def unestimated_warning(why: str) -> str:
