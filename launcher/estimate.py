@@ -25,21 +25,10 @@ from typing import Any
 from launcher.estimate_activations import (
     MODELLED_TYPES,
     Micro,
-    activation_bytes,
-    final_bytes,
-    first_layer_unsaved,
-    head_params,
-    layer_activation_bytes,
-    layer_backward_bytes,
-    matmul_params,
+    MicroActivations,
+    micro_activations,
     micro_for,
-    mode_of,
-    offloaded_activation_bytes,
-    offloaded_saved,
-    shared_bytes,
 )
-from launcher.estimate_levers import chunked_head_backward_extra_bytes, logit_tokens
-from launcher.hardware import Hardware
 from launcher.model_shape import ModelShape
 from launcher.model_states import GradFlow, ModelStates, model_states
 from trainer.core.errors import ConfigError
@@ -72,25 +61,7 @@ class Estimate:
     chunked_loss: bool = False
     offload_activations: bool = False
 
-    def fits(self, hw: Hardware, headroom: float) -> bool:
-        device_ok = self.device_total_bytes <= hw.device_memory_bytes * (1 - headroom)
-        host_ok = self.host_total_bytes <= hw.host_memory_bytes * (1 - headroom)
-        return device_ok and host_ok
-
-    def why_not(self, hw: Hardware, headroom: float) -> str | None:
-        if self.device_total_bytes > hw.device_memory_bytes * (1 - headroom):
-            return (
-                f"needs {self.device_total_bytes / GIB:.1f} GiB per device, has "
-                f"{hw.device_memory_bytes / GIB:.1f} GiB less {headroom:.0%} headroom"
-            )
-        if self.host_total_bytes > hw.host_memory_bytes * (1 - headroom):
-            return (
-                f"needs {self.host_total_bytes / GIB:.1f} GiB host memory per node, has "
-                f"{hw.host_memory_bytes / GIB:.1f} GiB less {headroom:.0%} headroom"
-            )
-        return None
-
-    def to_json(self, hw: Hardware, headroom: float) -> dict[str, Any]:
+    def to_json(self, fits: bool) -> dict[str, Any]:
         """The `strategies[]` entry of docs/interface.md."""
         return {
             "name": self.strategy,
@@ -99,7 +70,7 @@ class Estimate:
             "activation_checkpointing": self.activation_checkpointing,
             "chunked_loss": self.chunked_loss,
             "offload_activations": self.offload_activations,
-            "fits": self.fits(hw, headroom),
+            "fits": fits,
             "device": {
                 "peak_tensor_bytes": self.peak_tensor_bytes,
                 "total_bytes": self.device_total_bytes,
@@ -109,92 +80,29 @@ class Estimate:
         }
 
 
-@dataclass(frozen=True)
-class _Forward:
-    """What one micro-batch's forward leaves on the device for backward."""
-
-    saved: int  # the layers' saved tensors (a checkpointed layer: its input), rotary tables
-    per_layer: int  # one non-checkpointed layer's saved tensors
-    kept_ckpt: int  # what a checkpointed layer keeps: its input
-    rotary: int  # cos and sin, shared by every layer
-    mask: int  # the boolean block-causal mask of packed windows
-    mask_kept: int  # ... kept into backward by the checkpoints, for their recompute
-    cache: int  # autocast's 16-bit weight copies, cached until forward ends
-
-
-def _forward_saved(shape: ModelShape, m: Micro, ckpt: frozenset[int]) -> _Forward:
-    t, h = m.tokens, shape.hidden_size
-    num_ckpt = len(ckpt)
-    per_layer = layer_activation_bytes(shape, m)
-    kept_ckpt = m.r * t * h
-    mask = m.b * m.s * m.s if m.masked else 0
-    rotary = shared_bytes(shape, m)
-    saved = (shape.num_layers - num_ckpt) * per_layer + num_ckpt * kept_ckpt + rotary
-    if 0 not in ckpt:
-        saved -= first_layer_unsaved(shape, m)
-    cached = m.autocast and not m.zero3_linear
-    cache = num_ckpt * m.c * matmul_params(shape) if cached else 0
-    if m.offload:
-        saved, cache = offloaded_saved(shape, m, ckpt, rotary, cache)
-    mask_kept = mask if num_ckpt else 0
-    return _Forward(saved, per_layer, kept_ckpt, rotary, mask, mask_kept, cache)
-
-
-@dataclass(frozen=True)
-class _Head:
-    """The output layer and the loss: logits, their fp32 copy, the log-probabilities."""
-
-    logits: int
-    copy: int
-    rows_v: int  # logit rows the loss reads, times the vocabulary
-    backward: int  # the head's backward
-    in_forward: int  # with chunked loss: the loss's tensors of one chunk, inside forward
-
-
-def _head(shape: ModelShape, m: Micro) -> _Head:
-    t, v = m.tokens, shape.vocab_size
-    lt = logit_tokens(t, m.chunk_tokens)
-    logits = m.c * lt * v
-    rows_v = (m.loss_rows if m.chunk_tokens is None else lt) * v
-    copy = 4 * rows_v if m.c < 4 else 0
-    backward = 2 * m.c * lt * v
-    if m.chunk_tokens is None:
-        return _Head(logits, copy, rows_v, backward, 0)
-    # each chunk recomputed: its logits, copy and loss again (a frozen head has no weight grad)
-    head_grad_params = 0 if m.frozen_base else head_params(shape)
-    cached = m.autocast and not m.zero3_linear
-    extra = chunked_head_backward_extra_bytes(
-        t, shape.hidden_size, head_grad_params, m.c, m.r, cached
-    )
-    backward += logits + copy + 4 * rows_v + extra
-    return _Head(logits, copy, rows_v, backward, copy + 4 * rows_v)
-
-
 def _backward_layers(
-    shape: ModelShape, m: Micro, ckpt: frozenset[int], f: _Forward, head: int, grads: GradFlow,
-    gather_layer: int,
-) -> int:  # fmt: skip
+    shape: ModelShape, m: Micro, a: MicroActivations, head: int, grads: GradFlow, gather: int
+) -> int:
     """The highest live bytes of any decoder layer's backward: what the layers below it saved,
     its own activations (rebuilt if checkpointed), the gradients of the layers above it."""
-    num_layers, t = shape.num_layers, m.tokens
-    layer_bwd = layer_backward_bytes(shape, m)  # grads of activations
+    num_layers, f = shape.num_layers, a.forward
     peak, below = 0, 0
     for k in range(num_layers):
         above = num_layers - 1 - k
         live = (
             head - above * grads.released_per_layer + below + f.rotary + f.per_layer
-            + above * grads.per_layer + layer_bwd + gather_layer + grads.in_layer + m.dequant
-            + m.adapter_grad * t + (grads.pending_reduce if above else 0)
+            + above * grads.per_layer + a.layer_backward + gather + grads.in_layer + m.dequant
+            + m.adapter_grad * m.tokens + (grads.pending_reduce if above else 0)
         )  # fmt: skip
         peak = max(peak, live)
-        below += f.kept_ckpt if k in ckpt else f.per_layer
+        below += f.kept_ckpt if k in m.ckpt else f.per_layer
         if m.offload:  # the layers below wait on the host; the next one is brought back
-            below = f.kept_ckpt if k in ckpt else f.per_layer
+            below = f.kept_ckpt if k in m.ckpt else f.per_layer
     return peak
 
 
 def _forward_backward_peaks(
-    shape: ModelShape, m: Micro, ckpt: frozenset[int], states: ModelStates, grads: GradFlow
+    shape: ModelShape, m: Micro, a: MicroActivations, states: ModelStates, grads: GradFlow
 ) -> dict[str, int]:
     """Live bytes at the points where one micro-batch's forward and backward peak, with the
     gradients coming and going as `grads` says (the first or a later micro-batch).
@@ -203,18 +111,17 @@ def _forward_backward_peaks(
     computes; `states.root_kept`: the part of it held from forward's end into backward (FSDP2
     does not reshard the root after forward)."""
     num_layers, t, h = shape.num_layers, m.tokens, shape.hidden_size
-    f, hd = _forward_saved(shape, m, ckpt), _head(shape, m)
-    final = final_bytes(shape, m)
+    f, hd, final = a.forward, a.head, a.final
     gather_root, root_kept = states.gather_root, states.root_kept
     start = states.base + grads.held
     head = start + f.mask_kept + gather_root + grads.head
     released = (num_layers - 1) * grads.released_per_layer  # by the first layer's backward
     in_forward = start + f.saved + f.mask + f.cache + gather_root
     measured = {}
-    if shape.activations is not None:  # a layer's own transients in forward (eager attention)
-        fwd = shape.activations.forward_bytes(mode_of(m), m.b, m.s)
-        measured["forward_layers"] = in_forward + fwd + states.gather_layer
+    if a.forward_transient is not None:  # a layer's own transients in forward (eager attention)
+        measured["forward_layers"] = in_forward + a.forward_transient + states.gather_layer
     loss_tensors = hd.logits + hd.copy + 4 * hd.rows_v
+    backward_layers = _backward_layers(shape, m, a, head, grads, states.gather_layer)
     return measured | {
         # (with chunked loss the loss runs inside the model's forward, one chunk at a time)
         # (LoRA under autocast: the last block's largest fp32 cast of an adapter's input)
@@ -223,7 +130,7 @@ def _forward_backward_peaks(
         "loss": start + f.saved + f.mask_kept + f.cache + final + loss_tensors + root_kept,
         "backward_start": start + f.saved + f.mask_kept + final + 12 * hd.rows_v + root_kept,
         "backward_head": head + f.saved + final + hd.backward,
-        "backward_layers": _backward_layers(shape, m, ckpt, f, head, grads, states.gather_layer),
+        "backward_layers": backward_layers,
         # the embedding's backward, with the last layer's reduce-scatter still in flight
         "backward_embedding": start - released - grads.released_per_layer + f.mask_kept
         + num_layers * grads.per_layer + 4 * t * h + gather_root + grads.root_at_embedding
@@ -235,13 +142,13 @@ def _forward_backward_peaks(
 
 
 def _step_phases(
-    shape: ModelShape, m: Micro, states: ModelStates, ckpt: frozenset[int], accumulating: bool
+    shape: ModelShape, m: Micro, a: MicroActivations, states: ModelStates, accumulating: bool
 ) -> dict[str, int]:
     """Live bytes at each peak point of the step: the first micro-batch, a later one (with the
     accumulated gradients alive), and the optimizer step."""
-    phases = _forward_backward_peaks(shape, m, ckpt, states, states.first)
+    phases = _forward_backward_peaks(shape, m, a, states, states.first)
     if accumulating:
-        again = _forward_backward_peaks(shape, m, ckpt, states, states.later)
+        again = _forward_backward_peaks(shape, m, a, states, states.later)
         phases = {k: max(v, again[k]) for k, v in phases.items()}
     phases["optimizer"] = states.base + states.grads_at_step  # fused AdamW: no temporaries
     return phases
@@ -273,13 +180,7 @@ def loading_host_bytes(
         return bytes_per_param * n * ranks_here
     if row.needs_nvme:
         return 8 * n
-    return 4 * _largest_tensor_params(shape) * ranks_here
-
-
-def _largest_tensor_params(shape: ModelShape) -> int:
-    h = shape.hidden_size
-    q = shape.num_heads * shape.head_dim
-    return max(shape.vocab_size * h, shape.intermediate_size * h, q * h)
+    return 4 * shape.largest_tensor_params * ranks_here
 
 
 def _host_bytes(
@@ -310,17 +211,16 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
     says."""
     _check_modelled(shape)
     m = micro_for(spec, shape)
+    acts = micro_activations(shape, m)
     states = model_states(spec, shape)
-    ckpt = spec.checkpointed(shape.num_layers)
-    phases = _step_phases(shape, m, states, ckpt, spec.grad_accum > 1)
+    phases = _step_phases(shape, m, acts, states, spec.grad_accum > 1)
     peak = max(phases.values())
-    activations = activation_bytes(shape, m, ckpt)
     persistent = states.base + states.grads_at_step
     overhead = _runtime_overhead(spec.device, peak, persistent)
     breakdown = {
         **states.on_device,
-        "activations": activations,
-        "temporary": max(0, peak - persistent - activations),
+        "activations": acts.on_device,
+        "temporary": max(0, peak - persistent - acts.on_device),
         "runtime_overhead": overhead,
     }
     ranks_here = spec.ranks_per_node
@@ -330,7 +230,7 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
     host = _host_bytes(
         spec.row, states, shape, ranks_here, peak + overhead, spec.device, load_bytes
     )
-    offloaded = offloaded_activation_bytes(shape, m, ckpt) if spec.offload_activations else 0
+    offloaded = acts.offloaded
     if spec.offload_activations:
         host["offloaded_activations"] = offloaded * ranks_here
     return Estimate(

@@ -8,24 +8,22 @@ checkpointed layer keeps only its input. Then the loss: 16-bit logits, their fp3
 cross-entropy's fp32 log-probabilities. Under FSDP's mixed precision the stream is 16-bit; under
 ZeRO-3 DeepSpeed's own linear function saves its fp32 input and no 16-bit weight copy. Blocks the
 analytic model does not know carry measured activations (`launcher/activations.py`), which these
-functions read from the shape. Notation: b micro-batch, s sequence, c compute-dtype bytes.
+functions read from the shape. The exact levers: with chunked loss (`trainer/chunked_loss.py`)
+the logits, their fp32 copy and the loss's tensors exist for one chunk of tokens at a time, in
+forward and again in backward; with activation offload (`trainer/offload.py`) what the layers
+save waits in host memory, and the device keeps the layer in flight and the next one.
+Notation: b micro-batch, s sequence, c compute-dtype bytes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.estimate_finetune import (
-    adapter_grad_per_token,
-    adapter_saved_per_token,
-    first_adapter_stage,
-    method_sizes,
-)
-from launcher.estimate_levers import logit_tokens
+from launcher.estimate_finetune import adapter_terms
 from launcher.layer_fits import compute_mode
 from launcher.model_shape import ModelShape
 from trainer.core.step_spec import StepSpec
-from trainer.core.strategies import loss_chunk_tokens
+from trainer.core.strategies import checkpointed_layers, loss_chunk_tokens
 
 # Decoder blocks the activation model describes (RMSNorm, rotary, SDPA, gated MLP), checked
 # against traced steps in tests/launcher/test_estimate_trace.py
@@ -42,11 +40,12 @@ class Micro:
     r: int  # residual stream bytes (fp32 under autocast, the parameter dtype under FSDP)
     autocast: bool  # 16-bit compute by autocast over fp32 weights (single, ddp, DeepSpeed)
     masked: bool  # packed windows: a block-causal mask, GQA's k/v repeated for SDPA
+    ckpt: frozenset[int] = frozenset()  # the decoder layers activation checkpointing wraps
     # ZeRO-3 builds the model in deepspeed.zero.Init, which swaps F.linear for its own autograd
     # function: it saves the linear's input as given (fp32 under autocast) and the parameter
     # itself (re-gathered in backward), so no 16-bit weight copy is saved or cached
     zero3_linear: bool = False
-    chunk_tokens: int | None = None  # chunked loss: tokens per chunk (estimate_levers.py)
+    chunk_tokens: int | None = None  # chunked loss: tokens per chunk
     offload: bool = False  # activation offload: the layers' saved tensors wait on the host
     adapter: int = 0  # LoRA: bytes per token a block's adapters add/drop (estimate_finetune.py)
     first_adapter_stage: int = -1  # LoRA: where in the first block the first adapter is
@@ -150,11 +149,6 @@ def matmul_params(shape: ModelShape) -> int:
     return shape.num_layer_params - 2 * shape.hidden_size  # all but the two norm weights
 
 
-def head_params(shape: ModelShape) -> int:
-    """lm_head's weight (the embedding's when tied)."""
-    return shape.vocab_size * shape.hidden_size
-
-
 def final_bytes(shape: ModelShape, m: Micro) -> int:
     """The last hidden state, the final norm's saved tensors and lm_head's 16-bit input/weight."""
     if shape.activations is not None:
@@ -165,7 +159,7 @@ def final_bytes(shape: ModelShape, m: Micro) -> int:
     if m.autocast and m.zero3_linear:
         return m.r * t * h + 2 * 4 * t * h
     if m.autocast:
-        return m.r * t * h + 4 * t * h + m.c * t * h + m.c * head_params(shape)
+        return m.r * t * h + 4 * t * h + m.c * t * h + m.c * shape.num_head_params
     if m.c == 4:
         return 3 * 4 * t * h
     return (4 + 2 * m.c) * t * h
@@ -201,10 +195,12 @@ def micro_for(spec: StepSpec, shape: ModelShape) -> Micro:
     """One micro-batch of `spec` on one device. With adapters the frozen base computes in the
     compute dtype: a 16-bit stream and no autocast copies of its weights, as under FSDP's mixed
     precision."""
+    ckpt = frozenset(checkpointed_layers(shape.num_layers, spec.activation_checkpointing))
+    chunk = loss_chunk_tokens(shape.vocab_size, spec.loss_chunk_tokens)
     row, ft, c = spec.row, spec.finetune, spec.compute_bytes
     sixteen_bit = row.engine == "fsdp" or ft.adapters
     private = row.engine != "fsdp" and c < 4  # peft casts an adapter's input under autocast
-    chunk = loss_chunk_tokens(shape.vocab_size, spec.loss_chunk_tokens)
+    adapters = adapter_terms(shape, ft, c, private)
     return Micro(
         b=spec.micro_batch_size,
         s=spec.seq_len,
@@ -212,13 +208,14 @@ def micro_for(spec: StepSpec, shape: ModelShape) -> Micro:
         r=c if sixteen_bit else 4,
         autocast=spec.precision != "fp32" and not sixteen_bit,
         masked=spec.packed,
+        ckpt=ckpt,
         zero3_linear=row.zero_stage == 3 and not ft.adapters,
         chunk_tokens=chunk if spec.chunked_loss else None,
         offload=spec.offload_activations,
-        adapter=adapter_saved_per_token(shape, ft, c, private=private),
-        first_adapter_stage=first_adapter_stage(shape, ft),
-        adapter_grad=adapter_grad_per_token(shape, ft, private=private),
-        dequant=method_sizes(shape, ft, c).dequant if ft.method == "qlora" else 0,
+        adapter=adapters.saved_per_token,
+        first_adapter_stage=adapters.first_stage,
+        adapter_grad=adapters.grad_per_token,
+        dequant=adapters.dequant,
     )
 
 
@@ -239,3 +236,109 @@ def activation_bytes(shape: ModelShape, m: Micro, ckpt: frozenset[int]) -> int:
         rows = logit_tokens(m.tokens, m.chunk_tokens)
         loss = (m.c + (4 if m.c < 4 else 0) + 4) * rows * shape.vocab_size
     return layers + final_bytes(shape, m) + loss
+
+
+def logit_tokens(tokens: int, chunk_tokens: int | None) -> int:
+    """Tokens whose logits are alive at once: the micro-batch's, or one chunk's."""
+    return tokens if chunk_tokens is None else min(tokens, chunk_tokens)
+
+
+def chunked_head_backward_extra_bytes(
+    tokens: int, hidden: int, head_params: int, c: int, r: int, autocast: bool
+) -> int:
+    """Transients of the chunked head's backward besides one chunk's loss tensors: a chunk's
+    weight gradient next to the sum over the chunks so far (under autocast both 16-bit, and the
+    recomputed chunk casts the weight again where the unchunked forward had saved its copy),
+    and the chunks' hidden-state gradients joined into one tensor."""
+    weight = (2 if autocast else 1) * c * head_params
+    return weight + r * tokens * hidden
+
+
+@dataclass(frozen=True)
+class Forward:
+    """What one micro-batch's forward leaves on the device for backward."""
+
+    saved: int  # the layers' saved tensors (a checkpointed layer: its input), rotary tables
+    per_layer: int  # one non-checkpointed layer's saved tensors
+    kept_ckpt: int  # what a checkpointed layer keeps: its input
+    rotary: int  # cos and sin, shared by every layer
+    mask: int  # the boolean block-causal mask of packed windows
+    mask_kept: int  # ... kept into backward by the checkpoints, for their recompute
+    cache: int  # autocast's 16-bit weight copies, cached until forward ends
+
+
+def _forward_saved(shape: ModelShape, m: Micro, ckpt: frozenset[int]) -> Forward:
+    t, h = m.tokens, shape.hidden_size
+    num_ckpt = len(ckpt)
+    per_layer = layer_activation_bytes(shape, m)
+    kept_ckpt = m.r * t * h
+    mask = m.b * m.s * m.s if m.masked else 0
+    rotary = shared_bytes(shape, m)
+    saved = (shape.num_layers - num_ckpt) * per_layer + num_ckpt * kept_ckpt + rotary
+    if 0 not in ckpt:
+        saved -= first_layer_unsaved(shape, m)
+    cached = m.autocast and not m.zero3_linear
+    cache = num_ckpt * m.c * matmul_params(shape) if cached else 0
+    if m.offload:
+        saved, cache = offloaded_saved(shape, m, ckpt, rotary, cache)
+    mask_kept = mask if num_ckpt else 0
+    return Forward(saved, per_layer, kept_ckpt, rotary, mask, mask_kept, cache)
+
+
+@dataclass(frozen=True)
+class Head:
+    """The output layer and the loss: logits, their fp32 copy, the log-probabilities."""
+
+    logits: int
+    copy: int
+    rows_v: int  # logit rows the loss reads, times the vocabulary
+    backward: int  # the head's backward
+    in_forward: int  # with chunked loss: the loss's tensors of one chunk, inside forward
+
+
+def _head(shape: ModelShape, m: Micro) -> Head:
+    t, v = m.tokens, shape.vocab_size
+    lt = logit_tokens(t, m.chunk_tokens)
+    logits = m.c * lt * v
+    rows_v = (m.loss_rows if m.chunk_tokens is None else lt) * v
+    copy = 4 * rows_v if m.c < 4 else 0
+    backward = 2 * m.c * lt * v
+    # with chunked loss each chunk is recomputed in backward: its logits, copy and loss again,
+    # and the head's weight gradient summed over chunks (a frozen head has none)
+    head_grad_params = 0 if m.frozen_base else shape.num_head_params
+    cached = m.autocast and not m.zero3_linear
+    extra = chunked_head_backward_extra_bytes(
+        t, shape.hidden_size, head_grad_params, m.c, m.r, cached
+    )
+    if m.chunk_tokens is None:
+        return Head(logits, copy, rows_v, backward, 0)
+    return Head(logits, copy, rows_v, backward + logits + copy + 4 * rows_v + extra,
+                copy + 4 * rows_v)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MicroActivations:
+    """Every activation term of one micro-batch that the step's phases combine."""
+
+    forward: Forward
+    head: Head
+    final: int  # the last hidden state, the final norm's tensors, the head's input
+    layer_backward: int  # a layer's backward beyond its saved tensors: activation gradients
+    forward_transient: int | None  # measured blocks: a layer's own transients in forward
+    on_device: int  # what the breakdown lists as activations
+    offloaded: int  # with activation offload: what waits on the host, per rank
+
+
+def micro_activations(shape: ModelShape, m: Micro) -> MicroActivations:
+    """All of one micro-batch's activation terms, computed once."""
+    measured = shape.activations
+    transient = measured.forward_bytes(mode_of(m), m.b, m.s) if measured is not None else None
+    return MicroActivations(
+        forward=_forward_saved(shape, m, m.ckpt),
+        head=_head(shape, m),
+        final=final_bytes(shape, m),
+        layer_backward=layer_backward_bytes(shape, m),
+        forward_transient=transient,
+        on_device=activation_bytes(shape, m, m.ckpt),
+        offloaded=offloaded_activation_bytes(shape, m, m.ckpt) if m.offload else 0,
+    )

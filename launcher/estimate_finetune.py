@@ -218,6 +218,27 @@ def first_adapter_stage(shape: Any, ft: Finetune) -> int:
 
 
 @dataclass(frozen=True)
+class AdapterTerms:
+    """What a method adds to one micro-batch's activations (launcher/estimate_activations.py)."""
+
+    saved_per_token: int  # bytes per token a block's adapters add/drop
+    first_stage: int  # where in the first block the first adapter is (-1: full fine-tuning)
+    grad_per_token: int  # bytes per token of fp32 input gradients in a block's backward
+    dequant: int  # QLoRA: one 4-bit weight dequantised for a matmul
+
+
+def adapter_terms(shape: Any, ft: Finetune, c: int, private: bool) -> AdapterTerms:
+    """The activation terms of `ft` for a base computing in c-byte floats; `private`: peft casts
+    each adapter's input to fp32 under autocast."""
+    return AdapterTerms(
+        saved_per_token=adapter_saved_per_token(shape, ft, c, private=private),
+        first_stage=first_adapter_stage(shape, ft),
+        grad_per_token=adapter_grad_per_token(shape, ft, private=private),
+        dequant=method_sizes(shape, ft, c).dequant if ft.method == "qlora" else 0,
+    )
+
+
+@dataclass(frozen=True)
 class MethodCost:
     """What the cost model (launcher/plan.py) needs of a method, per token and per pass."""
 

@@ -14,7 +14,7 @@ from launcher.activations import with_activations
 from launcher.estimate import Estimate, estimate
 from launcher.estimate_finetune import why_not_on
 from launcher.hardware import Hardware, detect_hardware
-from launcher.ladder import best_for_rung, job_step, rung_world
+from launcher.ladder import best_for_rung, job_step, rung_world, shortfall
 from launcher.model_shape import ModelShape, model_shape
 from launcher.plan import model_reasons
 from trainer.core import strategies
@@ -135,7 +135,7 @@ def to_json(shape: ModelShape, hw: Hardware, rows: list[Estimate], headroom: flo
             "device_memory_bytes": hw.device_memory_bytes,
             "host_memory_bytes": hw.host_memory_bytes,
         },
-        "strategies": [r.to_json(hw, headroom) for r in rows],
+        "strategies": [r.to_json(shortfall(r, hw, headroom) is None) for r in rows],
     }
 
 
@@ -154,7 +154,7 @@ def render(shape: ModelShape, hw: Hardware, rows: list[Estimate], cfg: JobConfig
     lines = [head, *(f"  {note}" for note in model_notes(shape).get("notes", [])), cols]
     for r in rows:
         b: dict[str, Any] = r.device_breakdown
-        fits = "yes" if r.fits(hw, cfg.memory.headroom) else "no"
+        fits = "yes" if shortfall(r, hw, cfg.memory.headroom) is None else "no"
         lines.append(
             f"{r.strategy:<22}{r.micro_batch_size:>6} {r.activation_checkpointing:<10}"
             f"{gib(b['params'])} {gib(b['grads'])} {gib(b['optimizer'])} "

@@ -23,6 +23,7 @@ from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
 from trainer.core.step_spec import NO_LEVERS, Finetune, Levers, StepSpec, lever_variants
 from trainer.core.strategies import AC_LEVELS, Strategy
+from trainer.core.units import GIB
 
 # A rung later on the ladder must be predicted this much faster to be chosen over an earlier one:
 # the cost model ranks rungs coarsely, and earlier rungs have fewer moving parts.
@@ -74,6 +75,22 @@ class Candidate:
         return self.spec.levers
 
 
+def shortfall(est: Estimate, hw: Hardware, headroom: float) -> str | None:
+    """Why the estimate does not fit the device or the host memory less the headroom, in words;
+    None when it fits."""
+    if est.device_total_bytes > hw.device_memory_bytes * (1 - headroom):
+        return (
+            f"needs {est.device_total_bytes / GIB:.1f} GiB per device, has "
+            f"{hw.device_memory_bytes / GIB:.1f} GiB less {headroom:.0%} headroom"
+        )
+    if est.host_total_bytes > hw.host_memory_bytes * (1 - headroom):
+        return (
+            f"needs {est.host_total_bytes / GIB:.1f} GiB host memory per node, has "
+            f"{hw.host_memory_bytes / GIB:.1f} GiB less {headroom:.0%} headroom"
+        )
+    return None
+
+
 def rung_world(rung: Strategy, hw: Hardware) -> int | None:
     world = hw.world_size
     if world < rung.min_world or (rung.max_world is not None and world > rung.max_world):
@@ -110,6 +127,7 @@ def _divisors_desc(n: int) -> list[int]:
 def job_step(
     cfg: JobConfig, hw: Hardware, rung: Strategy, micro: int, ac: str, *,
     reduce_every_micro: bool | None = False, levers: Levers = NO_LEVERS,
+    finetune: Finetune | None = None,
 ) -> StepSpec:  # fmt: skip
     """The step this job runs on `rung` at this micro-batch, checkpointing and levers, with the
     global batch's accumulation."""
@@ -127,7 +145,7 @@ def job_step(
         chunked_loss=levers.chunked_loss,
         offload_activations=levers.offload_activations,
         loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
-        finetune=Finetune.of(cfg),
+        finetune=finetune or Finetune.of(cfg),
     )
 
 
@@ -155,53 +173,99 @@ def reduce_variants(rung: Strategy, cfg: JobConfig) -> tuple[bool | None, ...]:
     return (False, True) if chosen == "auto" else (chosen,)
 
 
+@dataclass(frozen=True)
+class Climb:
+    """What a walk up the ladder found: each fitting rung's best step, fastest first (the
+    simplest within SIMPLER_RUNG_MARGIN of the fastest leading), and why the others did not."""
+
+    per_rank: int  # sequences per rank per optimizer step
+    ranked: list[Candidate]
+    rejected: list[Alternative]
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """What every rung's search shares, worked out once per climb."""
+
+    cfg: JobConfig
+    hw: Hardware
+    shape: ModelShape
+    per_rank: int
+    memory_scale: float
+    finetune: Finetune
+    levers: list[Levers]
+    links: Links
+
+
+def climb(
+    cfg: JobConfig, hw: Hardware, shape: ModelShape, rungs: list[Strategy],
+    exclude: tuple[str, ...] | list[str] = (), memory_scale: float = 1.0,
+) -> Climb:  # fmt: skip
+    """Walk `rungs` for this job: each one's fastest fitting step, then the ranking."""
+    per_rank = per_rank_batch(cfg, hw)
+    finetune = Finetune.of(cfg)
+    unsupported = {rung.name: why_not_on(rung, finetune) for rung in rungs}
+    levers = lever_variants(cfg.memory.chunked_loss, cfg.memory.offload_activations, hw.device)
+    walk = _Walk(cfg, hw, shape, per_rank, memory_scale, finetune, levers,
+                 Links.of(cfg.hardware, hw.device))  # fmt: skip
+    candidates: list[Candidate] = []
+    rejected: list[Alternative] = []
+    for rung in rungs:
+        why = _why_not_tried(rung, hw, cfg, exclude) or unsupported[rung.name]
+        if why is None:
+            best, why = _best_on(walk, rung)
+            if best is not None:
+                candidates.append(best)
+                continue
+        rejected.append(Alternative(rung.name, False, why, None))
+    if not candidates:
+        return Climb(per_rank, [], rejected)
+    # fastest first, except that a rung earlier on the ladder within SIMPLER_RUNG_MARGIN of
+    # the fastest goes first (the cost model ranks coarsely; earlier rungs are simpler)
+    ranked = sorted(candidates, key=lambda cand: cand.time_s)  # stable: ladder order on ties
+    ladder = strategies.names()
+    limit = ranked[0].time_s * (1 + SIMPLER_RUNG_MARGIN)
+    chosen = min((c for c in ranked if c.time_s <= limit), key=lambda c: ladder.index(c.rung.name))
+    ranked.remove(chosen)
+    return Climb(per_rank, [chosen, *ranked], rejected)
+
+
 def best_for_rung(
     shape: ModelShape, rung: Strategy, hw: Hardware, cfg: JobConfig, per_rank: int,
     memory_scale: float,
 ) -> tuple[Candidate | None, str]:  # fmt: skip
     """The rung's fastest fitting step, or None and why the smallest one does not fit."""
-    micros = _divisors_desc(per_rank)
+    finetune = Finetune.of(cfg)
+    levers = lever_variants(cfg.memory.chunked_loss, cfg.memory.offload_activations, hw.device)
+    links = Links.of(cfg.hardware, hw.device)
+    return _best_on(_Walk(cfg, hw, shape, per_rank, memory_scale, finetune, levers, links), rung)
+
+
+def _best_on(walk: _Walk, rung: Strategy) -> tuple[Candidate | None, str]:
+    cfg, hw = walk.cfg, walk.hw
+    micros = _divisors_desc(walk.per_rank)
     if isinstance(cfg.train.micro_batch_size, int):
         micros = [cfg.train.micro_batch_size]
     acs = AC_LEVELS
     if cfg.memory.activation_checkpointing != "auto":
         acs = (cfg.memory.activation_checkpointing,)
-    links = Links.of(cfg.hardware, hw.device)
     best: Candidate | None = None
     smallest: Estimate | None = None
-    levers = lever_variants(cfg.memory.chunked_loss, cfg.memory.offload_activations, hw.device)
-    for every, ac, lev in itertools.product(reduce_variants(rung, cfg), acs, levers):
+    for every, ac, lev in itertools.product(reduce_variants(rung, cfg), acs, walk.levers):
         for micro in micros:
-            spec = job_step(cfg, hw, rung, micro, ac, reduce_every_micro=every, levers=lev)
-            est = scaled_estimate(shape, spec, memory_scale)
+            spec = job_step(cfg, hw, rung, micro, ac, reduce_every_micro=every, levers=lev,
+                            finetune=walk.finetune)  # fmt: skip
+            est = scaled_estimate(walk.shape, spec, walk.memory_scale)
             if smallest is None or est.device_total_bytes < smallest.device_total_bytes:
                 smallest = est
-            if not est.fits(hw, cfg.memory.headroom):
+            if shortfall(est, hw, cfg.memory.headroom) is not None:
                 continue
-            t = step_time_s(shape, spec, hw, links, est.offloaded_bytes)
+            t = step_time_s(walk.shape, spec, hw, walk.links, est.offloaded_bytes)
             if best is None or t < best.time_s:
                 best = Candidate(rung, spec, est, t, every)
             break  # smaller micro-batches at this checkpointing level are only slower
-    why = "" if best else (smallest.why_not(hw, cfg.memory.headroom) or "does not fit")
+    why = "" if best else (shortfall(smallest, hw, cfg.memory.headroom) or "does not fit")
     return best, why
-
-
-def walk_ladder(
-    rungs: list[Strategy], shape: ModelShape, hw: Hardware, cfg: JobConfig, per_rank: int,
-    exclude: tuple[str, ...] | list[str], memory_scale: float,
-) -> tuple[list[Candidate], list[Alternative]]:  # fmt: skip
-    """Each rung's best fitting candidate, and why the others were turned down."""
-    candidates: list[Candidate] = []
-    rejected: list[Alternative] = []
-    for rung in rungs:
-        why = _why_not_tried(rung, hw, cfg, exclude)
-        if why is None:
-            best, why = best_for_rung(shape, rung, hw, cfg, per_rank, memory_scale)
-            if best is not None:
-                candidates.append(best)
-                continue
-        rejected.append(Alternative(rung.name, False, why, None))
-    return candidates, rejected
 
 
 def _why_not_tried(rung: Strategy, hw: Hardware, cfg: JobConfig, exclude) -> str | None:
@@ -212,18 +276,4 @@ def _why_not_tried(rung: Strategy, hw: Hardware, cfg: JobConfig, exclude) -> str
         return f"needs {need}, has {hw.world_size}"
     if rung.needs_nvme and not cfg.deepspeed.nvme_path:
         return "needs deepspeed.nvme_path"
-    return why_not_on(rung, Finetune.of(cfg))
-
-
-def rank(candidates: list[Candidate]) -> list[Candidate]:
-    """Fastest first, except that a rung earlier on the ladder within SIMPLER_RUNG_MARGIN of
-    the fastest goes first (the cost model ranks coarsely; earlier rungs are simpler)."""
-    ranked = sorted(candidates, key=lambda cand: cand.time_s)  # stable: ladder order on ties
-    fastest = ranked[0]
-    ladder = strategies.names()
-    chosen = min(
-        (c for c in ranked if c.time_s <= fastest.time_s * (1 + SIMPLER_RUNG_MARGIN)),
-        key=lambda cand: ladder.index(cand.rung.name),
-    )
-    ranked.remove(chosen)
-    return [chosen, *ranked]
+    return None

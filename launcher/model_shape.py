@@ -58,6 +58,19 @@ class ModelShape:
         return self.vocab_size * self.hidden_size
 
     @property
+    def num_head_params(self) -> int:
+        """lm_head's weight (the embedding's when tied)."""
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def largest_tensor_params(self) -> int:
+        """The largest weight: the embedding or output layer, an MLP or attention matrix."""
+        h = self.hidden_size
+        return max(
+            self.vocab_size * h, self.intermediate_size * h, self.num_heads * self.head_dim * h
+        )
+
+    @property
     def num_compute_params(self) -> int:
         """Parameters one token's forward multiplies by: all of them, except the experts a
         token is not routed to."""

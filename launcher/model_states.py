@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from launcher.estimate_activations import head_params
 from launcher.estimate_finetune import MethodSizes, method_sizes
 from launcher.model_shape import ModelShape
 from trainer.core.step_spec import FULL, StepSpec
@@ -28,7 +27,7 @@ def model_states(spec: StepSpec, shape: ModelShape) -> ModelStates:
     row, ft = spec.row, spec.finetune
     z = Sizes.of(shape, max(1, spec.world_size), spec.compute_bytes, spec.grad_accum)
     every = spec.fsdp_reduce_every_micro_batch
-    if ft == FULL:
+    if not ft.adapters and ft.optimizer == FULL.optimizer:
         return _FULL_STATES[row.engine](row, z, shape, every)
     sizes = method_sizes(shape, ft, z.c)
     if not ft.adapters:
@@ -137,7 +136,7 @@ class Sizes:
             c=c,
             layer_n=shape.num_layer_params,
             root_n=shape.num_root_params,
-            head_n=head_params(shape) + shape.hidden_size,
+            head_n=shape.num_head_params + shape.hidden_size,
             embed_n=embed_n,
             tied_embed=embed_n if shape.tied_embeddings else 0,
             accumulating=grad_accum > 1,
@@ -236,7 +235,7 @@ def _zero_states(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool):
     gather_layer = gather_root = 0
     if row.zero_stage == 3:  # the gathered fp32 layer and the prefetched one; root matrices
         gather_layer = 4 * z.layer_n + min(z.bucket, 4 * z.layer_n)
-        gather_root = 4 * head_params(shape)
+        gather_root = 4 * shape.num_head_params
     return ModelStates(
         on_device,
         host,
@@ -376,7 +375,7 @@ def _zero_adapters(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool,
     if row.zero_stage == 3:  # the gathered layer and the prefetched one; the output layer
         layer = s.frozen_layer + 4 * a_layer
         gather_layer = layer + min(bucket, layer)
-        gather_root = z.c * head_params(shape)
+        gather_root = z.c * shape.num_head_params
     return ModelStates(
         on_device,
         host,

@@ -22,12 +22,11 @@ from launcher.ladder import (
     SIMPLER_RUNG_MARGIN,
     Alternative,
     Candidate,
+    climb,
     job_step,
-    per_rank_batch,
-    rank,
     reduce_variants,
     scaled_estimate,
-    walk_ladder,
+    shortfall,
 )
 from launcher.model_shape import ModelShape, model_shape
 from launcher.plan_finetune import MethodAlternative, method_alternatives
@@ -93,7 +92,7 @@ class Plan:
                 if self.fsdp_reduce_every_micro_batch is not None
                 else {}
             ),
-            "estimate": self.estimate.to_json(hw, headroom),
+            "estimate": self.estimate.to_json(shortfall(self.estimate, hw, headroom) is None),
             "reasons": list(self.reasons),
             "alternatives": [a.to_json() for a in self.alternatives],
             "command": list(command),
@@ -119,20 +118,19 @@ def make_plan(
 ) -> Plan:
     """The plan for this job on this hardware (raises NoFitError or ConfigError)."""
     shape = with_activations(shape or model_shape(cfg.model), cfg)
-    per_rank = per_rank_batch(cfg, hw)
     forced = cfg.strategy if cfg.strategy != "auto" else None
     rungs = [r for r in strategies.rows() if not forced or r.name == forced]
-    candidates, rejected = walk_ladder(rungs, shape, hw, cfg, per_rank, exclude, memory_scale)
-    if forced and not candidates:
+    found = climb(cfg, hw, shape, rungs, exclude, memory_scale)
+    per_rank, ranked, rejected = found.per_rank, found.ranked, found.rejected
+    if forced and not ranked:
         if rejected and " rank" in (rejected[0].why_not or ""):
             raise ConfigError("strategy", f"{forced} {rejected[0].why_not}", "pick another rung")
         if forced in exclude:
             raise NoFitError(f"strategy {forced} ran out of memory and is forced by the config")
         return _forced_plan(cfg, hw, shape, forced, per_rank, rejected, memory_scale)
-    if not candidates:
+    if not ranked:
         changes = method_alternatives(cfg, hw, shape, exclude, memory_scale)
         raise NoFitError(_what_would_fit(cfg, hw, shape, rejected, changes), changes)
-    ranked = rank(candidates)
     chosen = ranked[0]
     alternatives = [
         Alternative(
@@ -246,13 +244,13 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
     est = scaled_estimate(shape, spec, memory_scale)
     changes = (
         []
-        if est.fits(hw, cfg.memory.headroom)
+        if shortfall(est, hw, cfg.memory.headroom) is None
         else method_alternatives(cfg, hw, shape, (), memory_scale)
     )
     links = Links.of(cfg.hardware, hw.device)
     reasons = [
         f"strategy {name} is forced by the config, but the estimate says it will not fit: "
-        f"{est.why_not(hw, cfg.memory.headroom)}",
+        f"{shortfall(est, hw, cfg.memory.headroom)}",
         *model_reasons(shape),
         *(alt.words() for alt in changes),
     ]
@@ -294,7 +292,7 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected, c
             continue
         spec = job_step(cfg, bigger, fsdp, 1, "full", reduce_every_micro=True)
         est = scaled_estimate(shape, spec, 1.0)
-        if est.fits(bigger, cfg.memory.headroom):
+        if shortfall(est, bigger, cfg.memory.headroom) is None:
             offers.append(
                 f"{fsdp.name} would fit on {bigger.world_size} such devices "
                 f"({bigger.nodes} nodes x {bigger.devices_per_node})"

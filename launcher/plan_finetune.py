@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher.hardware import Hardware
-from launcher.ladder import per_rank_batch, rank, walk_ladder
+from launcher.ladder import climb
 from launcher.model_shape import ModelShape
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
@@ -92,7 +92,6 @@ def method_alternatives(
 ) -> list[MethodAlternative]:
     """The opt-in changes with which this job fits on this hardware, each on the rung the
     planner would pick for it; a change is left out when a smaller one fits."""
-    per_rank = per_rank_batch(cfg, hw)
     forced = cfg.strategy if cfg.strategy != "auto" else None
     rungs = [r for r in strategies.rows() if not forced or r.name == forced]
     now = (cfg.finetune.method, cfg.train.optimizer)
@@ -105,12 +104,12 @@ def method_alternatives(
             continue
         try:
             changed = _with(cfg, *pair)
-            candidates, _ = walk_ladder(rungs, shape, hw, changed, per_rank, exclude, memory_scale)
+            ranked = climb(changed, hw, shape, rungs, exclude, memory_scale).ranked
         except ConfigError:  # e.g. target modules this model does not have
             continue
-        if not candidates:
+        if not ranked:
             continue
-        best = rank(candidates)[0]
+        best = ranked[0]
         fitting.append(pair)
         overrides = tuple(
             f"{key}={new}"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.core import strategies
-from trainer.core.strategies import Strategy, checkpointed_layers
+from trainer.core.strategies import Strategy
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,3 @@ class StepSpec:
     @property
     def levers(self) -> Levers:
         return Levers(self.chunked_loss, self.offload_activations)
-
-    def checkpointed(self, num_layers: int) -> frozenset[int]:
-        """The decoder layers activation checkpointing wraps."""
-        return frozenset(checkpointed_layers(num_layers, self.activation_checkpointing))
