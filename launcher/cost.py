@@ -22,6 +22,8 @@ from trainer.core.step_spec import StepSpec
 INTRA_NODE_BYTES_S = {"cuda": 150e9, "cpu": 2e9}  # NVLink-class / shared memory via gloo
 INTER_NODE_BYTES_S = {"cuda": 20e9, "cpu": 1e9}  # per device over the network
 PCIE_BYTES_S = 12e9
+# Pinned host memory a node's devices copy to and from at once: their PCIe links share it
+HOST_MEMORY_BYTES_S = {"cuda": 80e9, "cpu": 20e9}
 NVME_BYTES_S = 3e9
 BASE_UTILIZATION = 0.45  # fraction of peak FLOP/s a well-fed step reaches
 SATURATION_TOKENS = 512  # tokens per micro-batch at which utilisation is half its base
@@ -41,6 +43,7 @@ class Links:
     inter_node: float
     pcie: float
     nvme: float
+    host: float  # the node's pinned host memory, shared by its devices
 
     @classmethod
     def of(cls, hardware_cfg: Any, device: str) -> Links:
@@ -50,6 +53,7 @@ class Links:
             inter_node=given.inter_node_bandwidth or INTER_NODE_BYTES_S[device],
             pcie=given.pcie_bandwidth or PCIE_BYTES_S,
             nvme=given.nvme_bandwidth or NVME_BYTES_S,
+            host=HOST_MEMORY_BYTES_S[device],
         )
 
 
@@ -114,7 +118,10 @@ def _host_s(
         seconds += per_rank * min(hw.devices_per_node, world) / rung.host_adam_params_s
     seconds += rung.nvme_per_step * per_rank / links.nvme
     if spec.offload_activations:
-        seconds += offload_pcie_seconds(offloaded_bytes * spec.grad_accum, links.pcie, compute_s)
+        per_node = spec.ranks_per_node * offloaded_bytes * spec.grad_accum
+        seconds += offload_seconds(
+            offloaded_bytes * spec.grad_accum, per_node, links.pcie, links.host, compute_s
+        )
     return seconds
 
 
@@ -123,9 +130,14 @@ def recomputed_head_flops_per_token(hidden: int, vocab: int) -> float:
     return 2.0 * hidden * vocab
 
 
-def offload_pcie_seconds(saved_bytes: int, pcie_bytes_per_s: float, compute_s: float) -> float:
-    """Copies out in forward and back in backward, on side streams: what compute does not hide.
-    The copies overlap the layers' compute (torchtune measured <1% slowdown at 8B); charge the
-    part of the transfer that exceeds the compute time, plus a fixed 2% for the stream syncs."""
-    transfer = 2 * saved_bytes / pcie_bytes_per_s
+def offload_seconds(
+    saved_bytes: int, node_bytes: int, pcie_bytes_per_s: float, host_bytes_per_s: float,
+    compute_s: float,
+) -> float:  # fmt: skip
+    """Activation offload's copies, out in forward and back in backward, on side streams: what
+    compute does not hide. Each device's bytes cross its own PCIe link, and all of the node's
+    devices' bytes (`node_bytes`) cross the host memory they share; the slower of the two is the
+    transfer. The copies overlap the layers' compute (torchtune measured <1% slowdown at 8B);
+    charge the part that exceeds the compute time, plus a fixed 2% for the stream syncs."""
+    transfer = max(2 * saved_bytes / pcie_bytes_per_s, 2 * node_bytes / host_bytes_per_s)
     return max(0.0, transfer - compute_s) + 0.02 * compute_s

@@ -26,6 +26,26 @@ def resolve_plan(
     return resolved, plan.to_json(hw, cfg.memory.headroom, command=[])
 
 
+def next_rung(
+    cfg: JobConfig, exclude: list[str], memory_scale: float, ceiling_bytes: float
+) -> tuple[JobConfig, list[str]]:
+    """Where to climb after an out-of-memory: the plan without the `exclude`d rungs, and never a
+    rung whose estimated device peak (unscaled) is above `ceiling_bytes`, the failed rung's own;
+    such a rung joins the excluded ones. (resolved config, rungs excluded); NoFitError when no
+    rung is left."""
+    exclude = list(exclude)
+    while True:
+        resolved, plan_json = resolve_plan(cfg, exclude=exclude, memory_scale=memory_scale)
+        peak = plan_json["estimate"]["device"]["peak_tensor_bytes"] / memory_scale
+        if not ceiling_bytes or not peak or peak <= ceiling_bytes:
+            return resolved, exclude
+        log.info(
+            "escalation: not %s, whose estimated peak (%.2f GiB) is above the failed rung's "
+            "(%.2f GiB)", resolved.strategy, peak / 2**30, ceiling_bytes / 2**30,
+        )  # fmt: skip
+        exclude.append(resolved.strategy)
+
+
 def plan_job(
     cfg: JobConfig, exclude: list[str] | None = None, memory_scale: float = 1.0
 ) -> tuple[JobConfig, Plan, Hardware]:

@@ -21,7 +21,7 @@ from typing import Any
 
 from launcher.launch import launch_spec, run_command, under_launcher
 from launcher.plan import NoFitError
-from launcher.planning import resolve_plan
+from launcher.planning import next_rung, resolve_plan
 from launcher.preflight import (
     check_resume,
     check_rows,
@@ -91,7 +91,7 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
         if attempt > cfg.escalation.max_attempts:
             log.error("out of memory; escalation.max_attempts=%d reached", attempt - 1)
             return rc
-        climbed = _climb(cfg, resolved, failed, memory_scale)
+        climbed = _climb(cfg, resolved, plan_json, failed, memory_scale)
         if climbed is None:
             return rc
         cfg, failed, memory_scale = climbed
@@ -117,19 +117,22 @@ def _launch(resolved: JobConfig, plan_json: dict, argv, env, spawn) -> int:
     return rc
 
 
-def _climb(cfg: JobConfig, resolved: JobConfig, failed: list[str], memory_scale: float):
-    """After an out-of-memory exit on `resolved.strategy`: (the config to plan next, the rungs
-    to exclude, the memory scale measured), with the escalation recorded and said; None when
-    no higher rung fits."""
+def _climb(
+    cfg: JobConfig, resolved: JobConfig, plan_json: dict, failed: list[str], memory_scale: float
+):
+    """After an out-of-memory exit on `resolved.strategy` (planned as `plan_json`): (the config
+    to plan next, the rungs to exclude, the memory scale measured), with the escalation recorded
+    and said; None when no higher rung fits."""
     run_dir = Path(cfg.run.dir)
     report = _read_json(run_dir / OOM_REPORT_FILE)
     failed = [*failed, resolved.strategy]
     left_forced = cfg.strategy if cfg.strategy != "auto" else None
     if left_forced:  # a forced rung is where the ladder starts: climb from it
         cfg, failed = climb_from_forced(cfg, failed)
+    ceiling = plan_json["estimate"]["device"]["peak_tensor_bytes"] / memory_scale
     memory_scale = max(memory_scale, _measured_over_estimated(report))
     try:
-        next_cfg, _ = resolve_plan(cfg, exclude=failed, memory_scale=memory_scale)
+        next_cfg, failed = next_rung(cfg, failed, memory_scale, ceiling)
     except (NoFitError, ConfigError) as err:  # nothing higher fits
         log.error("out of memory on %s and no higher rung fits: %s", resolved.strategy, err)
         return None

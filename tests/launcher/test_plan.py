@@ -186,3 +186,50 @@ def test_cpu_ranks_are_not_planned_with_activation_offload():
             "offload" in (a.levers or "") for a in plan.alternatives
         )
     assert on == {"cuda": True, "cpu": False}
+
+
+PRESET_8B = Path(__file__).resolve().parents[2] / "configs" / "models" / "llama-3.1-8b.yaml"
+TWO_NODES = ["hardware.nodes=2", "hardware.devices_per_node=8", "hardware.device=cuda",
+             "hardware.device_memory=80GiB", "hardware.host_memory=512GiB"]  # fmt: skip
+
+
+def test_activation_offload_earns_its_place_and_the_sbatch_asks_what_the_plan_needs(tmp_path):
+    """8B on 2 x 8 x 80 GiB: plans without offload fit within the cost model's margin, so none
+    offloads, and the host and the sbatch `--mem` hold what the job needs, not 248 GiB of
+    activations per node (the node's devices share its host memory bandwidth)."""
+    from launcher.hardware import detect_hardware
+    from launcher.planning import resolve_plan
+    from launcher.slurm import render_sbatch
+    from trainer.core.config import load_config
+    from trainer.core.units import GIB
+
+    cfg = load_config(PRESET_8B, [*TWO_NODES, f"run.dir={tmp_path / 'run'}"])
+    plan = make_plan(cfg, detect_hardware(cfg.hardware))
+    assert not plan.levers.offload_activations
+    assert "offloaded_activations" not in plan.estimate.host_breakdown
+    assert plan.estimate.host_total_bytes < 40 * GIB
+    resolved, plan_json = resolve_plan(cfg)
+    script = render_sbatch(resolved, plan_json, tmp_path / "run", "python")
+    mem = next(x for x in script.splitlines() if x.startswith("#SBATCH --mem="))
+    assert int(mem.removeprefix("#SBATCH --mem=").removesuffix("G")) <= 40
+
+
+def test_escalation_never_climbs_to_a_rung_with_a_larger_estimated_peak():
+    """After fsdp runs out of memory, a plain re-plan without it would take zero2, whose
+    estimated peak is above fsdp's; the climb passes it over for a rung whose estimate is at
+    most the failed one's."""
+    from launcher.planning import next_rung, resolve_plan
+    from trainer.core.config import load_config
+
+    cfg = load_config(PRESET_8B, [*TWO_NODES[1:], "hardware.nodes=1", "train.micro_batch_size=1",
+                                  "memory.activation_checkpointing=full"])  # fmt: skip
+    resolved, plan_json = resolve_plan(cfg)
+    assert resolved.strategy == "fsdp"
+    ceiling = plan_json["estimate"]["device"]["peak_tensor_bytes"]
+    plain, plain_json = resolve_plan(cfg, exclude=["fsdp"])
+    assert plain.strategy == "zero2"
+    assert plain_json["estimate"]["device"]["peak_tensor_bytes"] > ceiling
+    climbed, excluded = next_rung(cfg, ["fsdp"], 1.0, ceiling)
+    assert climbed.strategy == "zero3" and excluded == ["fsdp", "zero2"]
+    again = resolve_plan(cfg, exclude=excluded)[1]
+    assert again["estimate"]["device"]["peak_tensor_bytes"] <= ceiling
