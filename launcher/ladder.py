@@ -258,21 +258,29 @@ def _best_on(walk: _Walk, rung: Strategy) -> tuple[Candidate | None, str]:
             est = scaled_estimate(walk.shape, spec, walk.memory_scale)
             if smallest is None or est.device_total_bytes < smallest.device_total_bytes:
                 smallest = est
-            if shortfall(est, hw, cfg.memory.headroom) is not None:
-                continue
             t = step_time_s(walk.shape, spec, hw, walk.links, est.offloaded_bytes)
-            if best is None or _faster(t, spec, best):
-                best = Candidate(rung, spec, est, t, every)
+            if not _fits_faster(est, t, spec, best, hw, cfg.memory.headroom):
+                if shortfall(est, hw, cfg.memory.headroom) is None:
+                    break  # fits, but slower: smaller micro-batches here are only slower still
+                continue
+            best = Candidate(rung, spec, est, t, every)
             break  # smaller micro-batches at this checkpointing level are only slower
     why = "" if best else (shortfall(smallest, hw, cfg.memory.headroom) or "does not fit")
     return best, why
 
 
-def _faster(time_s: float, spec: StepSpec, than: Candidate) -> bool:
-    """Whether a step beats the best so far on its rung. Activation offload must earn its place:
-    it fills the node's host memory (and the job's `--mem`), so a step that offloads is chosen
-    over one that does not only when predicted faster by more than SIMPLER_RUNG_MARGIN, and a
-    step that does not offload wins back within it."""
+def _fits_faster(
+    est: Estimate, time_s: float, spec: StepSpec, than: Candidate | None, hw: Hardware,
+    headroom: float,
+) -> bool:  # fmt: skip
+    """Whether a step fits and beats the best so far on its rung. Activation offload must earn
+    its place: it fills the node's host memory (and the job's `--mem`), so a step that offloads
+    is chosen over one that does not only when predicted faster by more than
+    SIMPLER_RUNG_MARGIN, and a step that does not offload wins back within it."""
+    if shortfall(est, hw, headroom) is not None:
+        return False
+    if than is None:
+        return True
     offloads, best_offloads = spec.offload_activations, than.spec.offload_activations
     if offloads and not best_offloads:
         return time_s < than.time_s * (1 - SIMPLER_RUNG_MARGIN)

@@ -177,3 +177,56 @@ def test_no_import_circles_no_private_imports_no_long_functions():
     assert not circles, circles
     assert not private, private
     assert not long_functions, long_functions
+
+
+def _first_entries(argv: list[str]) -> list[str]:
+    """The modules of launcher/ and trainer/ in the order their functions are first entered
+    (properties and comprehensions aside) while `oomless ARGV` runs, one entry per stay."""
+    import inspect
+
+    from launcher.cli import main
+
+    seen: set[tuple[str, int]] = set()
+    stays: list[str] = []
+
+    def trace(frame, event, arg):  # "call" events only: no line tracing inside
+        code = frame.f_code
+        path = Path(code.co_filename)
+        if event != "call" or not path.is_relative_to(REPO) or code.co_name.startswith("<"):
+            return
+        parts = path.relative_to(REPO).with_suffix("").parts
+        if (
+            parts[0] not in ("launcher", "trainer")
+            or (code.co_filename, code.co_firstlineno) in seen
+        ):
+            return
+        owner = frame.f_locals.get("self")
+        attr = (
+            inspect.getattr_static(type(owner), code.co_name, None) if owner is not None else None
+        )
+        if isinstance(attr, property):
+            return
+        seen.add((code.co_filename, code.co_firstlineno))
+        module = ".".join(parts)
+        if not stays or stays[-1] != module:
+            stays.append(module)
+
+    sys.settrace(trace)
+    try:
+        main(argv)
+    finally:
+        sys.settrace(None)
+    return stays
+
+
+def test_following_the_config_from_train_to_launch_revisits_no_module_more_than_3_times(
+    tmp_path, capsys
+):
+    """docs/architecture.md "The walk": `oomless train --dry-run` on the demo, function by
+    function, enters no module more than 4 times (3 returns)."""
+    stays = _first_entries(["train", str(REPO / "configs" / "demo.yaml"),
+                            f"run.dir={tmp_path / 'run'}", "--dry-run"])  # fmt: skip
+    capsys.readouterr()
+    assert "launcher.launch" in stays and "launcher.plan" in stays
+    counts = {m: stays.count(m) for m in stays}
+    assert max(counts.values()) <= 4, sorted(counts.items(), key=lambda kv: -kv[1])[:5]
