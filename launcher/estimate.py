@@ -207,7 +207,7 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
 
     Every `grad_accum` above 1 costs the same (later micro-batches run with the earlier ones'
     gradients alive); the exact levers count as the engine runs them
-    (launcher/estimate_levers.py); the method and optimizer as launcher/estimate_finetune.py
+    (launcher/estimate_activations.py); the method and optimizer as launcher/estimate_finetune.py
     says."""
     _check_modelled(shape)
     m = micro_for(spec, shape)
