@@ -149,10 +149,10 @@ def tokenize_source(
     cache = cache_dir / _cache_key(path, data, tokenizer)
     if (cache / "done").is_file():
         docs = _load_docs(cache)
-    else:
-        docs = _tokenize_rows(path, key, data, tokenizer)
-        _save_docs(cache, docs)
-    check_targets(docs, key, path, data)
+        check_targets(docs, key, path, data)
+        return docs
+    docs = _tokenize_rows(path, key, data, tokenizer)
+    _save_docs(cache, docs)
     return docs
 
 
@@ -182,6 +182,12 @@ def _tokenize_rows(path: str, key: str, data: DataConfig, tokenizer: Any) -> Doc
             log.info("tokenised %d rows of %s", num_rows, path)
     if len(offsets) == 1:
         raise no_rows_error(key, path)
+    docs = Documents(
+        np.asarray(tokens, dtype=np.int64),
+        np.asarray(targets, dtype=bool),
+        np.asarray(offsets, dtype=np.int64),
+    )
+    check_targets(docs, key, path, data)  # before the warnings: an exit 2 is one line
     if num_skipped:
         log.warning("%s: skipped %d malformed rows (data.on_bad_row=skip)", path, num_skipped)
     if num_truncated:
@@ -191,11 +197,7 @@ def _tokenize_rows(path: str, key: str, data: DataConfig, tokenizer: Any) -> Doc
             num_truncated,
             num_emptied,
         )
-    return Documents(
-        np.asarray(tokens, dtype=np.int64),
-        np.asarray(targets, dtype=bool),
-        np.asarray(offsets, dtype=np.int64),
-    )
+    return docs
 
 
 def check_targets(docs: Documents, key: str, path: str, data: DataConfig) -> None:

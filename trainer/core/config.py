@@ -503,13 +503,21 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+_MAX_KEY_PARTS = 32
+
+
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `a.b=value` overrides in order; values parse as YAML."""
     for item in overrides:
         key, sep, raw = item.partition("=")
+        shown = item if len(item) <= 80 else item[:77] + "..."
         if not sep or not key or any(not p for p in key.split(".")):
             raise ConfigError(
-                item, "is not a KEY=VALUE override", "write it like train.lr=1e-4 or strategy=fsdp"
+                shown, "is not a KEY=VALUE override", "write it like train.lr=1e-4 or strategy=fsdp"
+            )
+        if key.count(".") >= _MAX_KEY_PARTS:
+            raise ConfigError(
+                shown, f"has more than {_MAX_KEY_PARTS} dotted parts", "no key is that deep"
             )
         try:
             value = read_yaml(raw) if raw != "" else None
