@@ -133,6 +133,10 @@ def _export_missing(s: Space) -> list[str]:
     return ["export", str(s.root / "nope"), str(s.root / "out")]
 
 
+def _cache_dir_is_a_file(s: Space) -> list[str]:
+    return [f"data.cache_dir={s.write('cache_file', 'x')}"]
+
+
 def _run_dir_is_a_file(s: Space) -> list[str]:
     return [f"run.dir={s.write('a_file', 'x')}"]
 
@@ -273,6 +277,8 @@ CASES = [
         BAD,
         "does not exist",
     ),
+    Case("cache-dir-is-a-file", train_with(_cache_dir_is_a_file), BAD, "data.cache_dir: "),
+    Case("cache-dir-in-proc", train_with(lambda s: ["data.cache_dir=/proc/oomless"]), BAD, "cache"),
     # ---- run-dir states
     Case("run-dir-is-a-file", train_with(_run_dir_is_a_file), BAD, "is a file"),
     Case("resume-from-non-checkpoint", train_with(_resume_from_empty_dir), BAD, "run.resume: "),

@@ -242,10 +242,19 @@ def _cache_key(path: str, data: DataConfig, tokenizer: Any) -> str:
 
 
 def _save_docs(cache: Path, docs: Documents) -> None:
-    cache.mkdir(parents=True, exist_ok=True)
-    for name in ("tokens", "targets", "offsets"):
-        np.save(cache / f"{name}.npy", getattr(docs, name), allow_pickle=False)
-    (cache / "done").write_text("ok\n")
+    """Into the cache (`done` last: a cut-off save is tokenised again); a cache dir that cannot
+    be written is the user's to fix (exit 2), found before anything is written into run.dir."""
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        for name in ("tokens", "targets", "offsets"):
+            np.save(cache / f"{name}.npy", getattr(docs, name), allow_pickle=False)
+        (cache / "done").write_text("ok\n")
+    except OSError as err:
+        raise ConfigError(
+            "data.cache_dir",
+            f"'{cache.parent}' cannot hold the tokenised data ({err.strerror})",
+            "point data.cache_dir at a writable directory",
+        ) from None
 
 
 def _load_docs(cache: Path) -> Documents:

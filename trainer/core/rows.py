@@ -119,13 +119,14 @@ def _starts_with(f: Path, prefix: bytes) -> bool:
 
 def _lines(f: Path, key: str, max_line_bytes: int) -> Iterator[tuple[int, str]]:
     """(1-based line number, text with its line end) of every line of a UTF-8 file, read one
-    line at a time; ConfigError naming the line when one is not UTF-8 or is longer than
-    `data.max_line_bytes` (a multi-megabyte line would take minutes and gigabytes to tokenise)."""
+    line at a time; ConfigError naming the line when one is not UTF-8 or holds more than
+    `data.max_line_bytes` bytes before its line end (a multi-megabyte line would take minutes
+    and gigabytes to tokenise)."""
     with f.open("rb") as stream:
         number = 0
-        while raw := stream.readline(max_line_bytes + 1):
+        while raw := stream.readline(max_line_bytes + 2):  # room for a CRLF line end
             number += 1
-            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+            if len(raw.rstrip(b"\r\n")) > max_line_bytes:
                 raise ConfigError(
                     key,
                     f"{f} line {number} is longer than data.max_line_bytes={max_line_bytes:,}",
