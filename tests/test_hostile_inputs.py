@@ -279,6 +279,32 @@ CASES = [
     ),
     Case("cache-dir-is-a-file", train_with(_cache_dir_is_a_file), BAD, "data.cache_dir: "),
     Case("cache-dir-in-proc", train_with(lambda s: ["data.cache_dir=/proc/oomless"]), BAD, "cache"),
+    # ---- inline models transformers cannot build (found before the launch, not in every rank)
+    Case(
+        "heads-do-not-divide",
+        train_with(lambda s: ["model.config.num_attention_heads=3"]),
+        BAD,
+        "not a multiple of the number of attention heads",
+        process=True,
+    ),
+    Case(
+        "no-decoder-layers",
+        train_with(lambda s: ["model.config.num_hidden_layers=0"]),
+        BAD,
+        "model.config.num_hidden_layers: is 0",
+    ),
+    Case(
+        "unknown-model-type",
+        train_with(lambda s: ["model.config.model_type=llamma"]),
+        BAD,
+        "'llamma'",
+    ),
+    Case(
+        "negative-vocab",
+        train_with(lambda s: ["model.config.vocab_size=-3"]),
+        BAD,
+        "model.config.vocab_size: is -3",
+    ),
     # ---- run-dir states
     Case("run-dir-is-a-file", train_with(_run_dir_is_a_file), BAD, "is a file"),
     Case("resume-from-non-checkpoint", train_with(_resume_from_empty_dir), BAD, "run.resume: "),
