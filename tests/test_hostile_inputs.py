@@ -133,6 +133,16 @@ def _export_missing(s: Space) -> list[str]:
     return ["export", str(s.root / "nope"), str(s.root / "out")]
 
 
+def _model_dir(config_json: str | bytes) -> Callable[[Space], list[str]]:
+    """`oomless plan` of a pretrained model dir whose config.json is as given."""
+
+    def argv(s: Space) -> list[str]:
+        s.write("model/config.json", config_json)
+        return ["plan", str(s.job), "model.config=null", f"model.name_or_path={s.root / 'model'}"]
+
+    return argv
+
+
 def _cache_dir_is_a_file(s: Space) -> list[str]:
     return [f"data.cache_dir={s.write('cache_file', 'x')}"]
 
@@ -305,6 +315,9 @@ CASES = [
         BAD,
         "model.config.vocab_size: is -3",
     ),
+    Case("model-dir-broken-json", _model_dir('{"model_type": "llama",'), BAD, "is not valid JSON"),
+    Case("model-dir-json-list", _model_dir("[1, 2]"), BAD, "holds a list, not a JSON object"),
+    Case("model-dir-not-utf8", _model_dir(b"\xff\xfe{}"), BAD, "config.json is not valid JSON"),
     # ---- run-dir states
     Case("run-dir-is-a-file", train_with(_run_dir_is_a_file), BAD, "is a file"),
     Case("resume-from-non-checkpoint", train_with(_resume_from_empty_dir), BAD, "run.resume: "),
