@@ -68,3 +68,14 @@ def test_text_files_read_as_open_reads_them(tmp_path, unit):
         "line": [(1, {"text": "a"}), (2, {"text": "b"}), (4, {"text": "c"}), (5, {"text": "d"})],
     }[unit]
     assert _rows(data, text_unit=unit) == expected
+
+
+def test_a_broken_json_line_is_shown_without_its_line_end(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "a"}\r\n{"text" "b"}\r\n')
+    with pytest.raises(ConfigError) as err:
+        check_rows(DataConfig(path=str(data)))
+    assert str(err.value).endswith(
+        f'{data} row 2 is not a JSON object: \'{{"text" "b"}}\'; '
+        "fix the row, or set data.on_bad_row=skip to skip such rows"
+    )

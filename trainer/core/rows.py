@@ -102,6 +102,7 @@ def _read_json_rows(f: Path, key: str, max_line_bytes: int) -> Iterator[tuple[st
             yield str(f), i + 1, row if isinstance(row, dict) else {}
         return
     for number, line in _lines(f, key, max_line_bytes):
+        line = line.rstrip("\r\n")
         if not line.strip():
             continue
         try:
