@@ -97,6 +97,11 @@ LIST_ROLE = jsonl(
     {"messages": [{"role": ["user"], "content": "hi"}, {"role": "assistant", "content": "ok"}]}
 )
 NO_ASSISTANT = jsonl({"messages": [{"role": "user", "content": "hi"}]})
+ODD_BUT_VALID = "".join(
+    json.dumps({"prompt": f"{i}+{i}=\u2028", "completion": f"{2 * i}\x0c"}, ensure_ascii=False)
+    + "\r\n"
+    for i in range(8)
+)
 PY_TAG = '!!python/object/apply:os.system ["touch pwned"]\n'
 
 
@@ -122,6 +127,10 @@ def _flow_bomb() -> str:
         prev, name = chr(ord("a") + i - 1), chr(ord("a") + i)
         parts.append(f"{name}: &{name} [{', '.join([f'*{prev}'] * 10)}]")
     return "{" + ", ".join(parts) + "}"
+
+
+def _resume_from_a_file(s: Space) -> list[str]:
+    return [f"run.resume={s.write('step_3', 'not a checkpoint')}"]
 
 
 def _resume_from_empty_dir(s: Space) -> list[str]:
@@ -321,6 +330,9 @@ CASES = [
     # ---- run-dir states
     Case("run-dir-is-a-file", train_with(_run_dir_is_a_file), BAD, "is a file"),
     Case("resume-from-non-checkpoint", train_with(_resume_from_empty_dir), BAD, "run.resume: "),
+    Case("resume-from-a-file", train_with(_resume_from_a_file), BAD, "neither auto, never nor"),
+    # ---- odd but valid: trains (exit 0) and leaves the earlier run's other files alone
+    Case("crlf-u2028-form-feed", train_on("d.jsonl", ODD_BUT_VALID), OK, process=True),
 ]
 
 
@@ -383,7 +395,12 @@ def test_hostile_input(space: Space, case: Case) -> None:
         assert lines[0].startswith(("config error: ", "oomless: ")), lines[0]
         assert case.says in lines[0], lines[0]
         assert len(lines[0]) < 600, lines[0]  # a line a user reads, not a dump of the input
-    assert _snapshot(space.run) == before  # nothing lost, nothing written
+    if code == OK:  # a run that trained owns its files; the user's own stay as they were
+        assert (space.run / "notes.txt").read_text() == "mine\n"
+        last = json.loads((space.run / "metrics.jsonl").read_text().splitlines()[-1])
+        assert last["tokens"] > 0 and 0 < last["loss"] < 100  # it learned from the rows
+    else:
+        assert _snapshot(space.run) == before  # nothing lost, nothing written
     assert not (REPO / "pwned").exists()  # no YAML tag ran a command
 
 
