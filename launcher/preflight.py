@@ -3,8 +3,9 @@
 - `check_run_dir`: run.dir is a directory (or can become one) that this user can write.
 - `check_rows`: every row of the local data reads and has its fields (torch-free, so a broken
   file answers as fast as it is read; it runs before the plan).
-- `tokenize_data`: the data tokenised once into the cache, so a problem only the tokenizer sees
-  stops here too and the ranks start on a warm cache.
+- `tokenize_data`: an inline `model.config` checked by its transformers config class
+  (`check_model`), then the data tokenised once into the cache, so a problem only transformers
+  or the tokenizer sees stops here too, and the ranks start on a warm cache.
 """
 
 from __future__ import annotations
@@ -61,10 +62,57 @@ def check_rows(cfg: JobConfig) -> None:
     check_data_rows(cfg.data)
 
 
+# sizes of an HF config that must be positive where a model has them
+_DIMENSIONS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+
+
+def check_model(cfg: JobConfig) -> None:
+    """An inline `model.config` that transformers refuses (an unknown model_type, heads that do
+    not divide the hidden size) or with a size below 1 stops here with one line, not as a
+    traceback in every rank. Only the config class is built: the model classes are not
+    imported here (importing them prints other libraries' warnings)."""
+    if cfg.model.config is None:  # a pretrained model's config is its own
+        return
+    from transformers import CONFIG_MAPPING
+
+    params = dict(cfg.model.config)
+    model_type = params.pop("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(
+            "model.config.model_type",
+            f"'{model_type}' is not a model type this transformers knows",
+            "use one of its model types (llama, qwen2, mistral, gemma3_text, ...)",
+        )
+    try:
+        hf = CONFIG_MAPPING[model_type](**params)
+    except Exception as err:  # transformers' checks raise ValueError, TypeError, its own kinds
+        said = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        raise ConfigError(
+            "model.config",
+            f"transformers refuses it ({type(err).__name__}: {said[:240]})",
+            "fix model.config: its keys are those of the model type's Hugging Face config",
+        ) from None
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    for name in _DIMENSIONS:
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value < 1:
+            raise ConfigError(f"model.config.{name}", f"is {value}", "give a positive size")
+
+
 def tokenize_data(cfg: JobConfig) -> None:
-    """Tokenise the data into the cache the ranks read (what only the tokenizer sees stops here)."""
+    """Check an inline model config, then tokenise the data into the cache the ranks read (what
+    only transformers or the tokenizer sees stops here)."""
     from trainer.data import build_tokenizer, split_eval, tokenize_all
 
+    check_model(cfg)
     start = time.perf_counter()
     tokenizer = build_tokenizer(cfg.model)
     train_docs, eval_docs = split_eval(cfg, *tokenize_all(cfg, tokenizer))

@@ -148,11 +148,19 @@ def tokenize_source(
     """Tokenise every row of a source once; later calls read the cache (keyed by content)."""
     cache = cache_dir / _cache_key(path, data, tokenizer)
     if (cache / "done").is_file():
-        return _load_docs(cache)
+        docs = _load_docs(cache)
+        check_targets(docs, key, path, data)
+        return docs
+    docs = _tokenize_rows(path, key, data, tokenizer)
+    _save_docs(cache, docs)
+    return docs
+
+
+def _tokenize_rows(path: str, key: str, data: DataConfig, tokenizer: Any) -> Documents:
     tokens: list[int] = []
     targets: list[bool] = []
     offsets = [0]
-    num_skipped = num_truncated = 0
+    num_skipped = num_truncated = num_emptied = 0
     for num_rows, (source, row_number, row) in enumerate(read_rows(path, key, data), start=1):
         try:
             ids, mask = _example(row, data, tokenizer)
@@ -166,6 +174,7 @@ def tokenize_source(
         if data.format != "text" and len(ids) > data.seq_len:
             ids, mask = ids[: data.seq_len], mask[: data.seq_len]
             num_truncated += 1
+            num_emptied += not any(mask[1:])
         tokens += ids
         targets += mask
         offsets.append(len(tokens))
@@ -173,17 +182,36 @@ def tokenize_source(
             log.info("tokenised %d rows of %s", num_rows, path)
     if len(offsets) == 1:
         raise no_rows_error(key, path)
-    if num_skipped:
-        log.warning("%s: skipped %d malformed rows (data.on_bad_row=skip)", path, num_skipped)
-    if num_truncated:
-        log.warning("%s: %d examples longer than seq_len were truncated", path, num_truncated)
     docs = Documents(
         np.asarray(tokens, dtype=np.int64),
         np.asarray(targets, dtype=bool),
         np.asarray(offsets, dtype=np.int64),
     )
-    _save_docs(cache, docs)
+    check_targets(docs, key, path, data)  # before the warnings: an exit 2 is one line
+    if num_skipped:
+        log.warning("%s: skipped %d malformed rows (data.on_bad_row=skip)", path, num_skipped)
+    if num_truncated:
+        log.warning(
+            "%s: %d examples longer than seq_len were truncated (%d of them to no target token)",
+            path,
+            num_truncated,
+            num_emptied,
+        )
     return docs
+
+
+def check_targets(docs: Documents, key: str, path: str, data: DataConfig) -> None:
+    """ConfigError when no document has a token to learn from once packed (a document's first
+    token is never a target): training on it would print loss 0 and learn nothing."""
+    firsts = docs.offsets[:-1][np.diff(docs.offsets) > 0]
+    if int(docs.targets.sum()) - int(docs.targets[firsts].sum()) > 0:
+        return
+    raise ConfigError(
+        key,
+        f"'{path}' has no token to learn from within data.seq_len={data.seq_len} (every "
+        "completion or assistant turn is cut off by the window or empty)",
+        "raise data.seq_len, shorten the prompts, or check data.format and its fields",
+    )
 
 
 def _cache_key(path: str, data: DataConfig, tokenizer: Any) -> str:
@@ -214,10 +242,19 @@ def _cache_key(path: str, data: DataConfig, tokenizer: Any) -> str:
 
 
 def _save_docs(cache: Path, docs: Documents) -> None:
-    cache.mkdir(parents=True, exist_ok=True)
-    for name in ("tokens", "targets", "offsets"):
-        np.save(cache / f"{name}.npy", getattr(docs, name), allow_pickle=False)
-    (cache / "done").write_text("ok\n")
+    """Into the cache (`done` last: a cut-off save is tokenised again); a cache dir that cannot
+    be written is the user's to fix (exit 2), found before anything is written into run.dir."""
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        for name in ("tokens", "targets", "offsets"):
+            np.save(cache / f"{name}.npy", getattr(docs, name), allow_pickle=False)
+        (cache / "done").write_text("ok\n")
+    except OSError as err:
+        raise ConfigError(
+            "data.cache_dir",
+            f"'{cache.parent}' cannot hold the tokenised data ({err.strerror})",
+            "point data.cache_dir at a writable directory",
+        ) from None
 
 
 def _load_docs(cache: Path) -> Documents:

@@ -227,3 +227,37 @@ def test_missing_file_and_bad_usage(tmp_path):
 def test_config_error_is_a_value_error_with_key_problem_fix():
     err = ConfigError("train.lr", "must be positive", "set train.lr=1e-4")
     assert str(err) == "config error: train.lr: must be positive; set train.lr=1e-4"
+
+
+def _alias_tree(levels: int) -> str:
+    """YAML whose last key expands, through aliases, to 10**levels numbers."""
+    lines = ["l0: &l0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    for i in range(1, levels):
+        lines.append(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]")
+    return "\n".join(lines) + "\n"
+
+
+def test_yaml_aliases_expand_up_to_the_bound_and_a_bomb_is_refused_at_once():
+    from trainer.core.config import MAX_YAML_VALUES, YamlLimitError, read_yaml
+
+    tree = read_yaml(_alias_tree(4))  # about 11,000 values expanded: fine
+    assert sum(len(x) for x in tree["l3"]) == 100
+    start = time.perf_counter()
+    with pytest.raises(YamlLimitError, match=f"more than {MAX_YAML_VALUES:,} values"):
+        read_yaml(_alias_tree(9))  # 10**9 values if expanded
+    assert time.perf_counter() - start < 2.0
+
+
+def test_non_finite_numbers_are_refused_wherever_they_are(tiny_llama_config):
+    from trainer.core.config import build_config
+
+    base = {"model": {"config": tiny_llama_config}, "data": {"path": "hub/set", "seq_len": 64}}
+    build_config(base)  # finite: fine
+    inline = {"config": {**tiny_llama_config, "rope_theta": float("-inf")}}
+    for key, tree in (
+        ("train.lr", {**base, "train": {"lr": float("inf")}}),
+        ("train.lr", {**base, "train": {"lr": "nan"}}),
+        ("model.config.rope_theta", {**base, "model": inline}),
+    ):
+        with pytest.raises(ConfigError, match=rf"^config error: {key}: is -?(inf|nan) \(not a"):
+            build_config(tree)

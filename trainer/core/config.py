@@ -11,6 +11,7 @@ import difflib
 import hashlib
 import importlib.util
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -54,16 +55,62 @@ _YamlLoader.add_implicit_resolver(  # after int: YAML 1.2 floats, `1e-4` and `3e
 )
 
 
+# Bounds on a job file: a real one is a few KiB with a few hundred values. A file over the size
+# limit, or whose aliases expand past the value limit (a "billion laughs" file is a few hundred
+# bytes that expand to 10**9 values), is refused before anything walks the tree.
+MAX_CONFIG_BYTES = 2**20
+MAX_YAML_VALUES = 100_000
+
+
+class YamlLimitError(ValueError):
+    """YAML that parses but is over a bound (aliases that expand too far, nesting too deep)."""
+
+
+class _BoundedYamlLoader(_YamlLoader):
+    def construct_document(self, node: yaml.Node) -> Any:
+        if _num_values(node, {}, set()) > MAX_YAML_VALUES:
+            raise YamlLimitError(
+                f"expands to more than {MAX_YAML_VALUES:,} values through its aliases (*name)"
+            )
+        return super().construct_document(node)
+
+
+def _num_values(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """Values under `node` with every alias expanded, counted once per distinct node (so a
+    billion-laughs file costs its size, not its expansion); capped just above the limit."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_nodes:
+        raise YamlLimitError("holds an alias that refers to itself")
+    open_nodes.add(id(node))
+    children: list[yaml.Node] = []
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [part for pair in node.value for part in pair]
+    total = 1
+    for child in children:
+        total = min(total + _num_values(child, sizes, open_nodes), MAX_YAML_VALUES + 1)
+    open_nodes.discard(id(node))
+    sizes[id(node)] = total
+    return total
+
+
 def read_yaml(text: str) -> Any:
-    """Parse YAML safely (no Python objects), without base-60 numbers."""
-    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+    """Parse YAML safely (no Python objects), without base-60 numbers; YamlLimitError when its
+    aliases expand past MAX_YAML_VALUES values or it nests too deep to parse."""
+    try:
+        return yaml.load(text, Loader=_BoundedYamlLoader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        raise YamlLimitError("nests too deep to read") from None
 
 
 _SLURM_TIME_RE = re.compile(r"^(\d+|\d+:\d{2}(:\d{2})?|\d+-\d{1,2}(:\d{2}(:\d{2})?)?)$")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `lr: inf` or `"nan"` is refused (a non-finite value trains NaN weights)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -102,11 +149,18 @@ class DataConfig(_Section):
     on_bad_row: Literal["error", "skip"] = "error"
     cache_dir: str | None = None
     append_eos: bool = True
+    # the longest line a jsonl/txt data file may have ("4MiB" or bytes); a longer one exits 2
+    max_line_bytes: int = 2**20
+
+    @field_validator("max_line_bytes", mode="before")
+    @classmethod
+    def _line_size(cls, v: Any) -> int:
+        return parse_size(v)
 
 
 class TrainConfig(_Section):
     steps: int = Field(1000, ge=1)
-    global_batch_size: int = Field(64, ge=1)
+    global_batch_size: int = Field(64, ge=1, le=2**20)
     micro_batch_size: int | Literal["auto"] = "auto"
     lr: float = Field(2e-5, gt=0.0)
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
@@ -258,7 +312,7 @@ class RunConfig(_Section):
     @field_validator("resume")
     @classmethod
     def _resume(cls, v: str) -> str:
-        if v not in ("auto", "never") and not Path(v).expanduser().is_dir():
+        if v not in ("auto", "never") and not _is_dir(Path(v).expanduser()):
             raise ValueError(f"'{v}' is neither auto, never nor an existing checkpoint directory")
         return v
 
@@ -449,18 +503,28 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+_MAX_KEY_PARTS = 32
+
+
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `a.b=value` overrides in order; values parse as YAML."""
     for item in overrides:
         key, sep, raw = item.partition("=")
+        shown = item if len(item) <= 80 else item[:77] + "..."
         if not sep or not key or any(not p for p in key.split(".")):
             raise ConfigError(
-                item, "is not a KEY=VALUE override", "write it like train.lr=1e-4 or strategy=fsdp"
+                shown, "is not a KEY=VALUE override", "write it like train.lr=1e-4 or strategy=fsdp"
+            )
+        if key.count(".") >= _MAX_KEY_PARTS:
+            raise ConfigError(
+                shown, f"has more than {_MAX_KEY_PARTS} dotted parts", "no key is that deep"
             )
         try:
             value = read_yaml(raw) if raw != "" else None
         except yaml.YAMLError:
             value = raw
+        except YamlLimitError as err:
+            raise ConfigError(key, f"the value {err}", "write the value out in full") from None
         _set_dotted(tree, key.strip(), value)
     return tree
 
@@ -506,12 +570,44 @@ def _explain(err: ValidationError) -> ConfigError:
         text = msg.removeprefix("Value error, ")
         return ConfigError(key, text, "fix the value in the config or with an override")
     got = first.get("input")
+    if kind in ("model_type", "dict_type"):  # `model=[1,2]`, `train: 5`: a value for a section
+        return ConfigError(
+            key,
+            f"is {_describe(got)}, not a section of keys",
+            f"write {key} as a mapping of its keys (or set one key, e.g. {key}.KEY=VALUE)",
+        )
+    if kind == "finite_number":
+        return ConfigError(key, f"is {got} (not a finite number)", "give a finite number")
     shown = json.dumps(got, default=str) if not isinstance(got, dict) else "a mapping"
     return ConfigError(key, f"{msg.lower()} (got {shown})", f"set {key} to a valid value")
 
 
+def _describe(value: Any) -> str:
+    """A value as a short phrase for a message: `a list ([1, 2])`, `null`, `the number 5`."""
+    if value is None:
+        return "null"
+    shown = json.dumps(value, default=str)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    kind = {list: "a list", str: "the text", bool: "the boolean"}.get(type(value), "the number")
+    return f"{kind} {shown}"
+
+
+def _check_finite(tree: Any, key: str = "") -> None:
+    """ConfigError naming the first number anywhere in the raw tree that is inf or nan (inline
+    model.config and deepspeed.overrides included: nothing in a job is meant to be infinite)."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            _check_finite(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            _check_finite(v, f"{key}[{i}]")
+    elif isinstance(tree, float) and not math.isfinite(tree):
+        raise ConfigError(key, f"is {tree} (not a finite number)", "give a finite number")
+
+
 def build_config(tree: dict[str, Any]) -> JobConfig:
     """Validate a raw tree; raises ConfigError with the one-line message."""
+    _check_finite(tree)
     try:
         cfg = JobConfig.model_validate(tree)
     except ValidationError as err:
@@ -532,14 +628,14 @@ def _check_paths(cfg: JobConfig) -> None:
         )
 
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
-        if value and looks_local(value) and not Path(value).expanduser().exists():
+        if value and looks_local(value) and not _exists(Path(value).expanduser()):
             raise ConfigError(key, f"'{value}' does not exist", "point it at a data file or dir")
     for key, value in (
         ("model.name_or_path", cfg.model.name_or_path),
         ("model.tokenizer", cfg.model.tokenizer),
     ):
         if value and value.startswith(("/", "./", "../", "~")):
-            if not Path(value).expanduser().exists():
+            if not _exists(Path(value).expanduser()):
                 raise ConfigError(key, f"'{value}' does not exist", "point it at a local dir")
 
 
@@ -638,19 +734,50 @@ def _check_positions(cfg: JobConfig) -> None:
 def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
     """Read YAML (safe_load), apply overrides, validate. Relative paths resolve against the file."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(str(path), "config file not found", "pass the path of a YAML job file")
+    text = read_config_text(path)
     try:
-        tree = read_yaml(path.read_text()) or {}
+        tree = read_yaml(text) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError(str(path), f"is not valid YAML{where}", "fix the syntax") from None
+    except YamlLimitError as err:
+        raise ConfigError(
+            str(path), str(err), "write the values out, without such aliases"
+        ) from None
     if not isinstance(tree, dict):
         raise ConfigError(str(path), "top level must be a mapping", "start with model:, data:")
     tree = apply_overrides(tree, overrides or [])
     _resolve_relative(tree, path.parent)
     return build_config(tree)
+
+
+def read_config_text(path: Path) -> str:
+    """A job file's text: a readable UTF-8 file of at most MAX_CONFIG_BYTES, else ConfigError."""
+    try:
+        if not path.is_file():
+            raise ConfigError(
+                str(path), "config file not found", "pass the path of a YAML job file"
+            )
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as err:
+        raise ConfigError(str(path), f"cannot be read ({err.strerror})", "check the path") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            str(path),
+            f"is over {MAX_CONFIG_BYTES // 2**20} MiB, which no job file needs",
+            "pass the job's YAML file (data goes in data.path, not in the config)",
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ConfigError(
+            str(path),
+            f"line {line} is not UTF-8 text (byte 0x{raw[err.start]:02x})",
+            "save the file as UTF-8",
+        ) from None
 
 
 def _resolve_relative(tree: dict[str, Any], base: Path) -> None:
@@ -661,22 +788,39 @@ def _resolve_relative(tree: dict[str, Any], base: Path) -> None:
         ("model", "name_or_path"),
         ("model", "tokenizer"),
     ):
-        value = (tree.get(section) or {}).get(key)
+        part = tree.get(section)
+        value = part.get(key) if isinstance(part, dict) else None  # else: validation says
         if not isinstance(value, str) or value.startswith(("/", "~")):
             continue
-        if Path(value).exists():
+        if _exists(Path(value)):
             tree[section][key] = str(Path(value).resolve())
-        elif (base / value).exists():
+        elif _exists(base / value):
             tree[section][key] = str((base / value).resolve())
         elif not _has_local_parent(Path(value)) and _has_local_parent(base / value, base):
             # `data/train` beside the job file, missing: a local path, named in full in the error
             tree[section][key] = str((base / value).resolve())
 
 
+def _exists(path: Path) -> bool:
+    """`path.exists()`, False for a name the OS refuses as a path (too long, a NUL byte)."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
+
+
+def _is_dir(path: Path) -> bool:
+    """`path.is_dir()`, False for a name the OS refuses as a path."""
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 def _has_local_parent(path: Path, base: Path | None = None) -> bool:
     """`data/train` whose `data/` exists here: meant as a local path, not a hub id."""
     parent = path.parent
-    return parent != (base or Path(".")) and parent != Path(".") and parent.is_dir()
+    return parent != (base or Path(".")) and parent != Path(".") and _is_dir(parent)
 
 
 # Secrets come from the environment only (docs/config.md names the variables): a config value

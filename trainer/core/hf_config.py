@@ -29,7 +29,7 @@ def hf_config_dict(inline: dict[str, Any] | None, name: str | None) -> dict[str,
     assert name is not None
     local = Path(name).expanduser()
     if (local / "config.json").is_file():
-        return json.loads((local / "config.json").read_text())
+        return _read_config_json(local / "config.json")
     preset = preset_index().get(name) or preset_index().get(name.lower())
     if preset is not None:
         return json.loads((PRESETS / preset).read_text())
@@ -40,6 +40,25 @@ def hf_config_dict(inline: dict[str, Any] | None, name: str | None) -> dict[str,
         f"give a local dir with config.json, an inline model.config, or one of: "
         f"{', '.join(sorted(preset_index()))}",
     )
+
+
+def _read_config_json(path: Path) -> dict[str, Any]:
+    """A model directory's config.json as a dict; ConfigError naming it when it is not one."""
+    try:
+        tree = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise ConfigError(
+            "model.name_or_path",
+            f"{path} is not valid JSON ({str(err)[:120]})",
+            "point model.name_or_path at a model directory with a valid config.json",
+        ) from None
+    if not isinstance(tree, dict):
+        raise ConfigError(
+            "model.name_or_path",
+            f"{path} holds a {type(tree).__name__}, not a JSON object",
+            "point model.name_or_path at a model directory with a valid config.json",
+        )
+    return tree
 
 
 @lru_cache(maxsize=1)

@@ -21,6 +21,7 @@ from typing import Any
 from trainer.core.config import ConfigError, DataConfig
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t\r\f\v]*\n")
 
 
@@ -48,9 +49,9 @@ def read_rows(path: str, key: str, data: DataConfig) -> Iterator[tuple[str, int,
         return
     for f in files:
         if f.suffix in (".jsonl", ".json"):
-            yield from _read_json_rows(f, key)
+            yield from _read_json_rows(f, key, data.max_line_bytes)
         elif f.suffix == ".txt":
-            yield from _read_text_rows(f, data)
+            yield from _read_text_rows(f, key, data)
         else:
             yield from _read_table_rows(f, key)
 
@@ -87,32 +88,73 @@ def _read_table_rows(f: Path, key: str) -> Iterator[tuple[str, int, Any]]:
         yield str(f), i + 1, row
 
 
-def _read_json_rows(f: Path, key: str) -> Iterator[tuple[str, int, Any]]:
+def _read_json_rows(f: Path, key: str, max_line_bytes: int) -> Iterator[tuple[str, int, Any]]:
     """JSON lines (or a JSON array) read as written: `datasets`' JSON loader re-types a column
-    whose rows mix types (a string "2" beside an int 2 becomes 2) and cannot name a broken line."""
-    text = f.read_text()
-    if f.suffix == ".json" and text.lstrip().startswith("["):
+    whose rows mix types (a string "2" beside an int 2 becomes 2) and cannot name a broken line.
+    Lines end at newlines only (a raw U+2028 inside a JSON string is text, not a line break)."""
+    if f.suffix == ".json" and _starts_with(f, b"["):
+        text = _decode_utf8(f.read_bytes(), f, key)
         try:
             rows = json.loads(text)
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, RecursionError) as err:
             raise ConfigError(key, f"{f} is not valid JSON ({err})", "fix the file") from None
-        for i, row in enumerate(rows):
+        for i, row in enumerate(rows if isinstance(rows, list) else [rows]):
             yield str(f), i + 1, row if isinstance(row, dict) else {}
         return
-    for i, line in enumerate(text.splitlines()):
+    for number, line in _lines(f, key, max_line_bytes):
+        line = line.rstrip("\r\n")
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             row = None
-        yield str(f), i + 1, row if isinstance(row, dict) else {"__invalid__": line[:80]}
+        yield str(f), number, row if isinstance(row, dict) else {"__invalid__": line[:80]}
 
 
-def _read_text_rows(f: Path, data: DataConfig) -> Iterator[tuple[str, int, Any]]:
+def _starts_with(f: Path, prefix: bytes) -> bool:
+    """The file's first non-blank bytes are `prefix` (read 64 KiB at most)."""
+    with f.open("rb") as stream:
+        return stream.read(2**16).lstrip().startswith(prefix)
+
+
+def _lines(f: Path, key: str, max_line_bytes: int) -> Iterator[tuple[int, str]]:
+    """(1-based line number, text with its line end) of every line of a UTF-8 file, read one
+    line at a time; ConfigError naming the line when one is not UTF-8 or holds more than
+    `data.max_line_bytes` bytes before its line end (a multi-megabyte line would take minutes
+    and gigabytes to tokenise)."""
+    with f.open("rb") as stream:
+        number = 0
+        while raw := stream.readline(max_line_bytes + 2):  # room for a CRLF line end
+            number += 1
+            if len(raw.rstrip(b"\r\n")) > max_line_bytes:
+                raise ConfigError(
+                    key,
+                    f"{f} line {number} is longer than data.max_line_bytes={max_line_bytes:,}",
+                    "split the line, or raise data.max_line_bytes (e.g. data.max_line_bytes=8MiB)",
+                )
+            yield number, _decode_utf8(raw, f, key, number - 1)
+
+
+def _decode_utf8(raw: bytes, f: Path, key: str, lines_before: int = 0) -> str:
+    """`raw` as UTF-8 text; ConfigError naming the file, line and byte when it is not."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = lines_before + raw.count(b"\n", 0, err.start) + 1
+        raise ConfigError(
+            key,
+            f"{f} line {line} is not UTF-8 text (byte 0x{raw[err.start]:02x})",
+            "convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)",
+        ) from None
+
+
+def _read_text_rows(f: Path, key: str, data: DataConfig) -> Iterator[tuple[str, int, Any]]:
     """A plain-text file as documents per `data.text_unit`; the row number is the line number
-    where the document starts. Blank text holds no document and is skipped."""
-    text = f.read_text(errors="replace")
+    where the document starts. Blank text holds no document and is skipped. Every line is
+    checked (UTF-8, `data.max_line_bytes`) first; line ends read as `open()` reads them."""
+    lines = [line for _, line in _lines(f, key, data.max_line_bytes)]
+    text = "".join(lines).replace("\r\n", "\n").replace("\r", "\n")
     if data.text_unit == "document":
         if text.strip():
             yield str(f), 1, {data.text_field: text}
@@ -162,9 +204,14 @@ def messages(row: dict[str, Any], name: str) -> list[dict[str, str]]:
     msgs = row.get(name)
     if not isinstance(msgs, list) or not msgs:
         raise ValueError(f"field '{name}' is not a non-empty list of messages")
-    for m in msgs:
+    for i, m in enumerate(msgs, start=1):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
             raise ValueError(f"field '{name}' has a message without role/content")
+        if m["role"] not in CHAT_ROLES:
+            raise ValueError(
+                f"field '{name}' message {i} has role {json.dumps(m['role'])[:40]}, "
+                f"not one of {', '.join(CHAT_ROLES)}"
+            )
     if not any(m["role"] == "assistant" for m in msgs):
         raise ValueError(f"field '{name}' has no assistant turn")
     return [{"role": m["role"], "content": m["content"]} for m in msgs]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 MIB = 2**20
@@ -27,6 +28,8 @@ def parse_size(value: int | float | str) -> int:
     if isinstance(value, bool):
         raise ValueError("expected a size such as 80GiB")
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise ValueError(f"{value} is not a size; write it like 80GiB, 512GB or 24GiB")
         if value <= 0:
             raise ValueError("must be positive")
         return int(value)
@@ -34,7 +37,10 @@ def parse_size(value: int | float | str) -> int:
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _SIZE_UNITS:
         raise ValueError(f"'{value}' is not a size; write it like 80GiB, 512GB or 24GiB")
-    size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    number = float(m.group(1))
+    if not math.isfinite(number):
+        raise ValueError(f"'{value}' is not a size; write it like 80GiB, 512GB or 24GiB")
+    size = int(number * _SIZE_UNITS[unit])
     if size <= 0:
         raise ValueError("must be positive")
     return size

@@ -1,0 +1,408 @@
+"""Hostile inputs (issue 29): job files, overrides, data files, command lines and run-dir states
+that a careless or hostile user could hand oomless. Each case runs the CLI as a user does, in a
+process of its own, and asserts what the user would notice: the exit code is 0, 2 or 143; stderr
+holds no traceback; an exit 2 is ONE line that names the key or the file and says what is wrong
+(the expected words); and the run directory that was there before is byte for byte as it was.
+
+Most cases stop at validation (`oomless config` / `plan`, or `train`'s checks before anything is
+written) and run `main` in this process, so the battery runs in well under two minutes; a case of
+each kind also runs as a process of its own, as a user runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher.cli import main
+from tests.conftest import REPO, oomless, write_demo_job
+
+OK, BAD, STOPPED = 0, 2, 143
+
+
+@dataclass(frozen=True)
+class Space:
+    """A user's working directory: a job file, a run dir from an earlier run, room for data."""
+
+    root: Path
+    job: Path
+    run: Path
+
+    def write(self, name: str, content: bytes | str) -> Path:
+        path = self.root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+        return path
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    argv: Callable[[Space], list[str]]  # the command line after `oomless`
+    code: int  # the exit code expected
+    says: str = ""  # words the one line holds (for exit 2)
+    process: bool = False  # run as a process of its own (else in this one: the same main())
+
+
+def config(*overrides: str) -> Callable[[Space], list[str]]:
+    return lambda s: ["config", str(s.job), *overrides]
+
+
+def plan(*overrides: str) -> Callable[[Space], list[str]]:
+    return lambda s: ["plan", str(s.job), *overrides]
+
+
+def job_file(content: bytes | str, command: str = "config") -> Callable[[Space], list[str]]:
+    return lambda s: [command, str(s.write("hostile.yaml", content))]
+
+
+def train_on(name: str, content: bytes | str, *overrides: str) -> Callable[[Space], list[str]]:
+    """`oomless train` on a data file written as given, into the earlier run's dir."""
+
+    def argv(s: Space) -> list[str]:
+        data = s.write(name, content)
+        return ["train", str(s.job), f"data.path={data}", *overrides]
+
+    return argv
+
+
+def train_with(setup: Callable[[Space], list[str]]) -> Callable[[Space], list[str]]:
+    """`oomless train` with the overrides that `setup` returns after preparing files."""
+    return lambda s: ["train", str(s.job), *setup(s)]
+
+
+def jsonl(*rows: object) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+PC = {"prompt": "1+1=", "completion": "2"}
+CHAT = "data.format=chat"
+NOT_UTF8_JSONL = jsonl(PC).encode() + b'{"prompt": "\xff", "completion": "3"}\n'
+NOT_UTF8_TXT = b"1+1=2\n\n2+2=4 \xc3\x28\n"
+LONG_LINE = jsonl(PC, {"prompt": "1" * 2**21, "completion": "2"})
+ALL_CUT_OFF = jsonl(*[{"prompt": "1+2=" * 30, "completion": "3"}] * 20)
+ODD_ROLE = jsonl(
+    {"messages": [{"role": "root", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+)
+LIST_ROLE = jsonl(
+    {"messages": [{"role": ["user"], "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+)
+NO_ASSISTANT = jsonl({"messages": [{"role": "user", "content": "hi"}]})
+ODD_BUT_VALID = "".join(
+    json.dumps({"prompt": f"{i}+{i}=\u2028", "completion": f"{2 * i}\x0c"}, ensure_ascii=False)
+    + "\r\n"
+    for i in range(8)
+)
+PY_TAG = '!!python/object/apply:os.system ["touch pwned"]\n'
+
+
+def _job_with_anchor(s: Space) -> list[str]:
+    """A job that uses YAML anchors and aliases the ordinary way: fine."""
+    tree = yaml.safe_load(s.job.read_text())
+    tree.pop("train", None)
+    text = yaml.safe_dump(tree) + "train:\n  lr: &rate 0.003\n  eps: *rate\n"
+    return ["config", str(s.write("anchors.yaml", text))]
+
+
+def _bomb(levels: int = 9) -> str:
+    lines = ["a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    for i in range(1, levels):
+        prev, name = chr(ord("a") + i - 1), chr(ord("a") + i)
+        lines.append(f"{name}: &{name} [{', '.join([f'*{prev}'] * 10)}]")
+    return "\n".join(lines) + "\n"
+
+
+def _flow_bomb() -> str:
+    parts = ["a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    for i in range(1, 6):
+        prev, name = chr(ord("a") + i - 1), chr(ord("a") + i)
+        parts.append(f"{name}: &{name} [{', '.join([f'*{prev}'] * 10)}]")
+    return "{" + ", ".join(parts) + "}"
+
+
+def _resume_from_a_file(s: Space) -> list[str]:
+    return [f"run.resume={s.write('step_3', 'not a checkpoint')}"]
+
+
+def _resume_from_empty_dir(s: Space) -> list[str]:
+    (s.root / "not_a_checkpoint").mkdir()
+    return [f"run.resume={s.root / 'not_a_checkpoint'}"]
+
+
+def _export_missing(s: Space) -> list[str]:
+    return ["export", str(s.root / "nope"), str(s.root / "out")]
+
+
+def _model_dir(config_json: str | bytes) -> Callable[[Space], list[str]]:
+    """`oomless plan` of a pretrained model dir whose config.json is as given."""
+
+    def argv(s: Space) -> list[str]:
+        s.write("model/config.json", config_json)
+        return ["plan", str(s.job), "model.config=null", f"model.name_or_path={s.root / 'model'}"]
+
+    return argv
+
+
+def _cache_dir_is_a_file(s: Space) -> list[str]:
+    return [f"data.cache_dir={s.write('cache_file', 'x')}"]
+
+
+def _run_dir_is_a_file(s: Space) -> list[str]:
+    return [f"run.dir={s.write('a_file', 'x')}"]
+
+
+def _data_dir(files: dict[str, str]) -> Callable[[Space], list[str]]:
+    def setup(s: Space) -> list[str]:
+        for name, content in files.items():
+            s.write(f"corpus/{name}", content)
+        return [f"data.path={s.root / 'corpus'}", "data.format=text"]
+
+    return setup
+
+
+CASES = [
+    # ---- job files
+    Case("file-over-1MiB", job_file("# padding\n" * 120_000), BAD, "is over 1 MiB"),
+    Case("billion-laughs", job_file(_bomb()), BAD, "expands to more than 100,000", process=True),
+    Case("alias-to-itself", job_file("model: &m [*m]\n"), BAD, "refers to itself"),
+    Case("nested-1500-deep", job_file("[" * 1500 + "]" * 1500), BAD, "nests too deep"),
+    Case("not-utf8", job_file(b"model:\n  config: {x: \xff}\n"), BAD, "line 2 is not UTF-8"),
+    Case("binary-garbage", job_file(bytes(range(256)) * 8), BAD, "not UTF-8"),
+    Case("top-level-list", job_file("- model\n- data\n"), BAD, "top level must be a mapping"),
+    Case("python-object-tag", job_file(PY_TAG), BAD, "not valid YAML", process=True),
+    Case("tab-indented", job_file("model:\n\tconfig: 1\n"), BAD, "not valid YAML at line 2"),
+    Case("empty-file", job_file(""), BAD, "model: is required"),
+    Case("sections-as-list", job_file("model: [1, 2]\ndata: {path: x}\n"), BAD, "model: is a list"),
+    Case("config-is-a-dir", lambda s: ["config", str(s.root)], BAD, "config file not found"),
+    Case("config-missing", lambda s: ["plan", str(s.root / "no.yaml")], BAD, "file not found"),
+    Case("anchors-used-sensibly", _job_with_anchor, OK),
+    # ---- overrides
+    Case("model=list", config("model=[1,2]"), BAD, "model: is a list [1, 2]", process=True),
+    Case("data=number", plan("data=5"), BAD, "data: is the number 5, not a section"),
+    Case("train=null", config("train=null"), BAD, "train: is null, not a section"),
+    Case("lr=.inf", plan("train.lr=.inf"), BAD, "train.lr: is inf (not a finite", process=True),
+    Case("lr=nan", config("train.lr=nan"), BAD, "train.lr: is nan"),
+    Case("lr=quoted-inf", config('train.lr="inf"'), BAD, "train.lr: is inf"),
+    Case("betas-nan", config("train.betas=[0.9, .nan]"), BAD, "train.betas[1]: is nan"),
+    Case("model-config-inf", plan("model.config.rope_theta=.inf"), BAD, "rope_theta: is inf"),
+    Case("memory-1e400", plan("hardware.device_memory=1e400"), BAD, "device_memory: is inf"),
+    Case("memory-400-digits", plan(f"hardware.device_memory={'9' * 400}.0GiB"), BAD, "memory"),
+    Case("deepspeed-inf", config("deepspeed.overrides.x=-.inf"), BAD, "overrides.x: is -inf"),
+    Case("huge-global-batch", plan(f"train.global_batch_size={10**30}"), BAD, "global_batch"),
+    Case("override-alias-bomb", config(f"model.config.x={_flow_bomb()}"), BAD, "expands to"),
+    Case("override-deep", config("model.config.x=" + "[" * 1500 + "]" * 1500), BAD, "too deep"),
+    Case("override-5000-parts", config("a." * 5000 + "b=1"), BAD, "more than 32 dotted parts"),
+    Case("override-no-value", config("train.lr"), BAD, "is not a KEY=VALUE override"),
+    Case("override-no-key", config("=5"), BAD, "is not a KEY=VALUE override"),
+    Case("override-under-value", config("train.lr.x=1"), BAD, "train.lr: is a value, not a"),
+    Case("override-typo", config("train.lrr=1"), BAD, "did you mean 'train.lr'"),
+    Case("strategy-typo", config("strategy=fdsp"), BAD, "did you mean 'fsdp'"),
+    Case("tokenizer-name-too-long", config("model.tokenizer=" + "t" * 5000), OK),
+    Case("max-line-bytes-text", config("data.max_line_bytes=lots"), BAD, "data.max_line_bytes"),
+    Case("max-line-bytes-zero", config("data.max_line_bytes=0"), BAD, "data.max_line_bytes"),
+    # ---- command lines
+    Case("no-arguments", lambda s: [], BAD, "arguments are required", process=True),
+    Case("unknown-command", lambda s: ["frobnicate"], BAD, "invalid choice"),
+    Case("plan-without-config", lambda s: ["plan"], BAD, "arguments are required"),
+    Case("emit-unknown", lambda s: ["plan", str(s.job), "--emit", "x"], BAD, "invalid choice"),
+    Case("export-no-checkpoint", _export_missing, BAD, "is not a complete checkpoint"),
+    Case("report-not-a-run", lambda s: ["report", str(s.root / "no")], BAD, "no metrics.jsonl"),
+    # ---- data files (train stops before anything is written into run.dir)
+    Case(
+        "jsonl-not-utf8",
+        train_on("d.jsonl", NOT_UTF8_JSONL),
+        BAD,
+        "d.jsonl line 2 is not UTF-8",
+        process=True,
+    ),
+    Case(
+        "txt-not-utf8",
+        train_on("d.txt", NOT_UTF8_TXT, "data.format=text"),
+        BAD,
+        "d.txt line 3 is not",
+    ),
+    Case(
+        "line-over-limit",
+        train_on("d.jsonl", LONG_LINE),
+        BAD,
+        "line 2 is longer than data.max_line_bytes=1,048,576",
+        process=True,
+    ),
+    Case(
+        "line-over-raised-limit",
+        train_on("d.jsonl", LONG_LINE, "data.max_line_bytes=2MiB"),
+        BAD,
+        "max_line_bytes=2,097,152",
+    ),
+    Case(
+        "all-cut-off",
+        train_on("d.jsonl", ALL_CUT_OFF, "data.seq_len=16"),
+        BAD,
+        "has no token to learn from within data.seq_len=16",
+        process=True,
+    ),
+    Case(
+        "chat-odd-role",
+        train_on("d.jsonl", ODD_ROLE, CHAT),
+        BAD,
+        'message 1 has role "root"',
+        process=True,
+    ),
+    Case(
+        "chat-list-role",
+        train_on("d.jsonl", LIST_ROLE, CHAT),
+        BAD,
+        "not one of system, user, assistant, tool",
+    ),
+    Case(
+        "chat-no-assistant", train_on("d.jsonl", NO_ASSISTANT, CHAT), BAD, "has no assistant turn"
+    ),
+    Case(
+        "json-nested-deep",
+        train_on("d.jsonl", "[" * 10**5 + "]" * 10**5),
+        BAD,
+        "row 1 is not a JSON object",
+    ),
+    Case("json-array-broken", train_on("d.json", f"[{json.dumps(PC)},"), BAD, "is not valid JSON"),
+    Case("empty-data", train_on("d.jsonl", ""), BAD, "has no usable rows"),
+    Case(
+        "field-is-a-number",
+        train_on("d.jsonl", jsonl({**PC, "completion": 2})),
+        BAD,
+        "is a int, not text",
+    ),
+    Case(
+        "completion-blank",
+        train_on("d.jsonl", jsonl({**PC, "completion": " "})),
+        BAD,
+        "'completion' is empty",
+    ),
+    Case("dir-without-data", train_with(_data_dir({"notes.md": "x"})), BAD, "has no"),
+    Case(
+        "dir-mixed-kinds", train_with(_data_dir({"a.txt": "x", "b.jsonl": jsonl(PC)})), BAD, "mixes"
+    ),
+    Case(
+        "data-path-missing",
+        train_with(lambda s: [f"data.path={s.root / 'no.jsonl'}"]),
+        BAD,
+        "does not exist",
+    ),
+    Case("cache-dir-is-a-file", train_with(_cache_dir_is_a_file), BAD, "data.cache_dir: "),
+    Case("cache-dir-in-proc", train_with(lambda s: ["data.cache_dir=/proc/oomless"]), BAD, "cache"),
+    # ---- inline models transformers cannot build (found before the launch, not in every rank)
+    Case(
+        "heads-do-not-divide",
+        train_with(lambda s: ["model.config.num_attention_heads=3"]),
+        BAD,
+        "not a multiple of the number of attention heads",
+        process=True,
+    ),
+    Case(
+        "no-decoder-layers",
+        train_with(lambda s: ["model.config.num_hidden_layers=0"]),
+        BAD,
+        "model.config.num_hidden_layers: is 0",
+    ),
+    Case(
+        "unknown-model-type",
+        train_with(lambda s: ["model.config.model_type=llamma"]),
+        BAD,
+        "'llamma'",
+    ),
+    Case(
+        "negative-vocab",
+        train_with(lambda s: ["model.config.vocab_size=-3"]),
+        BAD,
+        "model.config.vocab_size: is -3",
+    ),
+    Case("model-dir-broken-json", _model_dir('{"model_type": "llama",'), BAD, "is not valid JSON"),
+    Case("model-dir-json-list", _model_dir("[1, 2]"), BAD, "holds a list, not a JSON object"),
+    Case("model-dir-not-utf8", _model_dir(b"\xff\xfe{}"), BAD, "config.json is not valid JSON"),
+    # ---- run-dir states
+    Case("run-dir-is-a-file", train_with(_run_dir_is_a_file), BAD, "is a file"),
+    Case("resume-from-non-checkpoint", train_with(_resume_from_empty_dir), BAD, "run.resume: "),
+    Case("resume-from-a-file", train_with(_resume_from_a_file), BAD, "neither auto, never nor"),
+    # ---- odd but valid: trains (exit 0) and leaves the earlier run's other files alone
+    Case("crlf-u2028-form-feed", train_on("d.jsonl", ODD_BUT_VALID), OK, process=True),
+]
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, bytes | None]]:
+    """Every path under `root`: (mode, bytes of a file)."""
+    return {
+        str(p.relative_to(root)): (p.lstat().st_mode, p.read_bytes() if p.is_file() else None)
+        for p in sorted(root.rglob("*"))
+    }
+
+
+@pytest.fixture
+def space(tmp_path: Path) -> Space:
+    run = tmp_path / "run"
+    job = write_demo_job(
+        tmp_path / "job.yaml",
+        run={"dir": str(run), "save_final": False},
+        train={"steps": 1, "global_batch_size": 4},
+        data={"eval_path": None},
+    )
+    run.mkdir(mode=0o700)  # an earlier run's files, which no bad input may touch
+    (run / "config.yaml").write_text("earlier: run\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    (run / "notes.txt").write_text("mine\n")
+    return Space(tmp_path, job, run)
+
+
+def in_process(argv: list[str]) -> tuple[int, str]:
+    """(exit code, stderr) of `oomless ARGV` run by this process's `main`, as the interpreter
+    would end it: an escaping exception prints its traceback and exits 1."""
+    err, root = io.StringIO(), logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+        except Exception:
+            traceback.print_exc(file=err)
+            code = 1
+    root.handlers[:], root.level = handlers, level  # main() set up logging to `err`
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_hostile_input(space: Space, case: Case) -> None:
+    before = _snapshot(space.run)
+    argv = case.argv(space)
+    if case.process:
+        r = oomless(*argv, timeout=120)
+        code, stderr = r.returncode, r.stderr
+    else:
+        code, stderr = in_process(argv)
+    assert code in (OK, BAD, STOPPED), stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert code == case.code, stderr[-3000:]
+    if code == BAD:
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert len(lines) == 1, stderr[-3000:]
+        assert lines[0].startswith(("config error: ", "oomless: ")), lines[0]
+        assert case.says in lines[0], lines[0]
+        assert len(lines[0]) < 600, lines[0]  # a line a user reads, not a dump of the input
+    if code == OK:  # a run that trained owns its files; the user's own stay as they were
+        assert (space.run / "notes.txt").read_text() == "mine\n"
+        last = json.loads((space.run / "metrics.jsonl").read_text().splitlines()[-1])
+        assert last["tokens"] > 0 and 0 < last["loss"] < 100  # it learned from the rows
+    else:
+        assert _snapshot(space.run) == before  # nothing lost, nothing written
+    assert not (REPO / "pwned").exists()  # no YAML tag ran a command
+
+
+def test_the_battery_is_big_enough() -> None:
+    assert len(CASES) >= 40 and len({c.id for c in CASES}) == len(CASES)
