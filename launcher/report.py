@@ -8,12 +8,13 @@ estimate's per-phase prediction over it: launcher/timeline.py) into the run dire
 
 from __future__ import annotations
 
-import json
+import io
 from pathlib import Path
 from typing import Any
 
 from trainer.core.config import ConfigError
 from trainer.core.contract import METRICS_FILE, PLAN_FILE
+from trainer.core.files import read_json_object, read_jsonl, umask_mode, write_atomic
 from trainer.core.units import GIB
 
 _PARTS = ("params", "grads", "optimizer", "activations", "temporary", "runtime_overhead")
@@ -27,11 +28,13 @@ def report_command(run_dir: str) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    records = _read_jsonl(metrics_path)
+    records = read_jsonl(metrics_path)
+    if not records:
+        raise ConfigError("RUN_DIR", f"'{metrics_path}' has no step yet", "report after a step")
     written = [plot_loss(records, root / "loss.png")]
     plan_path = root / PLAN_FILE
     if plan_path.is_file():
-        written.append(plot_memory(json.loads(plan_path.read_text()), records, root / "memory.png"))
+        written.append(plot_memory(read_json_object(plan_path), records, root / "memory.png"))
     from trainer.profile import trace_path
 
     if trace_path(root, 0).is_file():  # a run with debug.profile
@@ -81,9 +84,7 @@ def plot_loss(records: list[dict[str, Any]], out: Path) -> Path:
     ax.legend(loc="upper right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def plot_memory(plan: dict[str, Any], records: list[dict[str, Any]], out: Path) -> Path:
@@ -103,10 +104,15 @@ def plot_memory(plan: dict[str, Any], records: list[dict[str, Any]], out: Path) 
     ax.set_title(f"{plan.get('strategy')}: estimated vs measured device memory")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    return save_figure(fig, out)
+
+
+def save_figure(fig: Any, out: Path) -> Path:
+    """The PNG rendered in memory, then written atomically (a link at `out` is replaced, never
+    written through); the figure closed."""
+    import matplotlib.pyplot as plt
+
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
-    return out
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return write_atomic(out, png.getvalue(), mode=umask_mode(0o666))

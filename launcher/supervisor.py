@@ -34,7 +34,7 @@ from trainer.core.contract import (
     PLAN_FILE,
     TORCHRUN_LOG,
 )
-from trainer.core.files import write_atomic
+from trainer.core.files import append_line, read_json_object, write_atomic
 from trainer.core.run_lock import LOCK_OWNER_ENV, acquire_run_lock, check_run_lock
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def _climb(cfg: JobConfig, resolved: JobConfig, failed: list[str], memory_scale:
     to exclude, the memory scale measured), with the escalation recorded and said; None when
     no higher rung fits."""
     run_dir = Path(cfg.run.dir)
-    report = _read_json(run_dir / OOM_REPORT_FILE)
+    report = read_json_object(run_dir / OOM_REPORT_FILE)
     failed = [*failed, resolved.strategy]
     left_forced = cfg.strategy if cfg.strategy != "auto" else None
     if left_forced:  # a forced rung is where the ladder starts: climb from it
@@ -132,8 +132,7 @@ def _climb(cfg: JobConfig, resolved: JobConfig, failed: list[str], memory_scale:
         "estimated_peak_bytes": report.get("estimated_peak_bytes"),
         "measured_peak_bytes": report.get("measured_peak_bytes"),
     }
-    with (run_dir / ESCALATIONS_FILE).open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_line(run_dir / ESCALATIONS_FILE, json.dumps(record))  # one write: a kill cannot tear it
     log.warning(
         "escalating %s -> %s after out of memory at step %s%s; resuming from the newest checkpoint",
         record["from"],
@@ -289,10 +288,6 @@ def _under_launcher() -> bool:
 
 def _abs(path: str) -> str:
     return str(Path(path).expanduser().resolve())
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
