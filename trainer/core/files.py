@@ -123,8 +123,9 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         else:
             bad.append(num)
     if bad:
-        what = "an incomplete last line" if bad == [num] else f"line(s) {bad[:5]}"
-        log.warning("%s: dropped %s (not a JSON object)", path, what)
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        what = "an incomplete last line" if bad == [num] else f"line {bad[0]}{more}"
+        log.warning("%s: dropped %s (not a JSON object: cut off by a kill, or edited)", path, what)
     return records
 
 
