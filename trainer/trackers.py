@@ -291,7 +291,7 @@ class Trackers:
         for worker in list(self.workers):
             if not worker.wait(end - time.monotonic()):
                 self.workers.remove(worker)
-                log.warning("run.trackers: %s did not close within %.0f s; its last records may "
+                log.warning("run.trackers: %s did not close within %g s; its last records may "
                             "be missing", worker.name, deadline_s)  # fmt: skip
         self._drop_failed()
         self._save_state()
@@ -397,7 +397,7 @@ def _started(workers: list[_Worker], deadline_s: float) -> list[_Worker]:
         done = worker.wait(end - time.monotonic())
         err, extra = worker.error, TRACKERS[worker.name].extra
         if not done:
-            log.warning("run.trackers: %s did not start within %.0f s; training goes on without "
+            log.warning("run.trackers: %s did not start within %g s; training goes on without "
                         "it", worker.name, deadline_s)  # fmt: skip
         elif isinstance(err, ImportError):
             log.warning("run.trackers: %s is not installed (%s): pip install 'oomless[%s]'; "
