@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,25 @@ def write_atomic(path: str | Path, data: str | bytes, mode: int = PRIVATE_FILE_M
             f.flush()
             os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def write_by_name(path: str | Path, write: Callable[[Path], object], mode: int) -> Path:
+    """For a library that writes a file only by name (a profiler's trace): it writes a fresh
+    temporary name in the same directory, which replaces `path` in one rename, as in
+    `write_atomic`."""
+    path = Path(path)
+    make_private_dir(path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
