@@ -9,6 +9,7 @@ from pathlib import Path
 from trainer.core.config import ConfigError, load_config
 from trainer.core.contract import CONFIG_ERROR_FILE
 from trainer.core.files import write_atomic
+from trainer.core.logs import redact
 from trainer.core.run_lock import acquire_run_lock, die_with_parent, exit_if_orphaned
 
 
@@ -36,9 +37,10 @@ def main(argv: list[str]) -> int:
                 lock.release()
         exit_without_teardown(code)
     except ConfigError as err:  # bad data rows, an unreachable model: one line, exit 2
-        print(err, file=sys.stderr)
+        line = redact(str(err))  # a data or model URL can carry a password
+        print(line, file=sys.stderr)
         if cfg is not None:
-            _leave_for_launcher(Path(cfg.run.dir), str(err))
+            _leave_for_launcher(Path(cfg.run.dir), line)
         return 2
 
 
