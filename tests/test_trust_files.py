@@ -106,8 +106,37 @@ def test_report_replaces_planted_links_and_reads_a_torn_metrics_file(tmp_path):
         assert victim.read_bytes() == VICTIM
         assert not (run / name).is_symlink()
         assert (run / name).read_bytes()[:8] == PNG_MAGIC
-    assert "dropped an incomplete last line" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+_STEP = {"step": 1, "loss": 2.5, "strategy": "single", "world_size": 1, "micro_batch_size": 2,
+         "grad_accum": 1, "peak_device_bytes": 2**20}  # fmt: skip
+_HOSTILE_RUNS = {  # name: (metrics.jsonl bytes, plan.json bytes or None, the exit code)
+    "a list among the steps": (b"[1, 2]\n" + json.dumps(_STEP).encode() + b"\n", None, 0),
+    "invalid UTF-8 in a line": (b"\xff\xfe{\n" + json.dumps(_STEP).encode() + b"\n", None, 0),
+    "no loss anywhere": (b'{"step": 1}\n{"step": 2, "loss": "high"}\n', None, 2),
+    "only a torn line": (b'{"step": 1, "lo', None, 2),
+    "an empty file": (b"", None, 2),
+    "steps without the plan's fields": (b'{"step": 1, "loss": 2.0}\n', None, 0),
+    "a plan whose estimate is a number": (json.dumps(_STEP).encode(), b'{"estimate": 5}', 0),
+    "a plan that is a list": (json.dumps(_STEP).encode(), b"[1]", 0),
+    "a peak that is text": (json.dumps({**_STEP, "peak_device_bytes": "x"}).encode(), b"{}", 0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_HOSTILE_RUNS))
+def test_report_on_hostile_run_files_is_0_or_one_line_2(tmp_path, case):
+    metrics, plan, code = _HOSTILE_RUNS[case]
+    (tmp_path / "metrics.jsonl").write_bytes(metrics)
+    if plan is not None:
+        (tmp_path / "plan.json").write_bytes(plan)
+    r = oomless("report", str(tmp_path), timeout=120)
+    assert r.returncode == code, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    if code == 2:
+        assert len(r.stderr.strip().splitlines()) == 1 and "metrics.jsonl" in r.stderr, r.stderr
+    else:
+        assert (tmp_path / "loss.png").read_bytes()[:8] == PNG_MAGIC
 
 
 # -- train and resume ---------------------------------------------------------------------------

@@ -116,15 +116,16 @@ def link_refused(path: Path) -> ConfigError:
     )
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+def read_jsonl(path: str | Path, warn: bool = True) -> list[dict[str, Any]]:
     """The JSON objects of a .jsonl side file, one per line; [] when there is none.
 
     Never fails a run: a line that is not a JSON object (torn by a kill, edited by hand) is
-    dropped with one warning; a symbolic link is not followed (read as no file, with a warning).
+    dropped, with one warning when `warn`; a symbolic link is not followed (read as no file).
     """
     path = Path(path)
     if path.is_symlink():
-        log.warning("%s is a symbolic link: not read (oomless never follows one)", path)
+        if warn:
+            log.warning("%s is a symbolic link: not read (oomless never follows one)", path)
         return []
     try:
         text = path.read_bytes().decode("utf-8", errors="replace")
@@ -142,7 +143,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
             records.append(record)
         else:
             bad.append(num)
-    if bad:
+    if bad and warn:
         more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
         what = "an incomplete last line" if bad == [num] else f"line {bad[0]}{more}"
         log.warning("%s: dropped %s (not a JSON object: cut off by a kill, or edited)", path, what)
