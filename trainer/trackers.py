@@ -37,6 +37,7 @@ START_DEADLINE_S = 60.0  # all trackers together: a server to reach, a run to cr
 CLOSE_DEADLINE_S = 60.0  # the pending records flushed and the tracker run closed
 STOP_CLOSE_DEADLINE_S = 5.0  # the same after a stop by signal: the grace period is short
 MAX_PENDING_CALLS = 10_000  # queued calls of one tracker that has fallen this far behind
+_SIGNALS_LOGGER = "trainer.signals"  # its warning says a stop signal was received
 
 PROJECT = "oomless"  # the W&B project, MLflow experiment and Trackio project unless set otherwise
 
@@ -226,7 +227,8 @@ class Trackers:
     tracker's network or disk: a call that raises drops that tracker with one warning line; one
     still running after CALL_DEADLINE_S is taken as hung and dropped the same way, and `close`
     waits for what is left at most CLOSE_DEADLINE_S (STOP_CLOSE_DEADLINE_S after a stop by
-    signal, which must checkpoint and exit within the scheduler's grace). Warnings logged by the
+    signal, which must checkpoint and exit within the scheduler's grace, or any other failed
+    exit). Warnings logged by the
     engine while the trackers are open (out-of-memory back-offs, a stop by signal) go to them as
     events, and so do escalations the supervisor recorded since the last start.
     """
@@ -236,6 +238,7 @@ class Trackers:
         self.workers = workers
         self.state = state
         self.step = 0
+        self.stopping = False  # a stop signal was received (even one that exits 0 to requeue)
         self._handler: logging.Handler | None = None
         self._saved = ""
 
@@ -286,7 +289,8 @@ class Trackers:
             logging.getLogger("trainer").removeHandler(self._handler)
             self._handler = None
         self._each("close", "FINISHED" if exit_code == 0 else "KILLED")
-        deadline_s = CLOSE_DEADLINE_S if exit_code == 0 else STOP_CLOSE_DEADLINE_S
+        stop = exit_code != 0 or self.stopping
+        deadline_s = STOP_CLOSE_DEADLINE_S if stop else CLOSE_DEADLINE_S
         end = time.monotonic() + deadline_s
         for worker in list(self.workers):
             if not worker.wait(end - time.monotonic()):
@@ -419,6 +423,8 @@ class _EventHandler(logging.Handler):
         self.trackers = trackers
 
     def emit(self, record: logging.LogRecord) -> None:
+        if record.name == _SIGNALS_LOGGER:  # a stop was asked: close in the grace period
+            self.trackers.stopping = True
         if record.name != __name__:  # not our own "tracker failed" lines
             self.trackers.event(record.getMessage())
 

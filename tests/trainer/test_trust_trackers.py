@@ -61,7 +61,7 @@ def test_a_hung_log_call_never_blocks_the_loop_and_drops_the_tracker(tmp_path, m
         t0 = time.monotonic()
         for step in range(1, 4):
             t.log(_record(step))  # queued: the first one hangs on the tracker's thread
-        logging.getLogger("trainer.engine").warning("received SIGTERM: stopping after this step")
+        logging.getLogger("trainer.signals").warning("received SIGTERM: stopping after this step")
         assert time.monotonic() - t0 < 0.2
         time.sleep(0.7)
         t.log(_record(4))
@@ -82,6 +82,18 @@ def test_close_after_a_stop_waits_at_most_the_stop_deadline(tmp_path, monkeypatc
         t.close(143)
     assert 0.4 < time.monotonic() - t0 < 1.0
     assert "run.trackers: tensorboard did not close within 0.5 s" in caplog.text
+
+
+def test_a_stop_signal_that_exits_0_still_closes_within_the_stop_deadline(tmp_path, monkeypatch):
+    """SIGUSR1 under a batch script that requeues: exit 0, but still inside Slurm's grace."""
+    monkeypatch.setitem(trackers.TRACKERS, "tensorboard", HangingTracker)
+    monkeypatch.setattr(trackers, "STOP_CLOSE_DEADLINE_S", 0.5)
+    t = trackers.Trackers.start(["tensorboard"], tmp_path, "r", 0, enabled=True)
+    t.log(_record(1))
+    logging.getLogger("trainer.signals").warning("received SIGUSR1: stopping after this step")
+    t0 = time.monotonic()
+    t.close(0)
+    assert time.monotonic() - t0 < 1.0  # not CLOSE_DEADLINE_S
 
 
 def test_a_tracker_that_does_not_start_in_time_is_left_out(tmp_path, monkeypatch, caplog):
