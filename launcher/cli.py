@@ -1,5 +1,8 @@
 """`oomless` command line. Parses, loads the config once, dispatches; exit codes: docs/interface.md.
 
+What a script wants goes to stdout (the plan, the resolved config, the export's path, the last
+metrics line of a finished `train`); progress and diagnostics go to stderr.
+
 Each subcommand's work lives in the module that owns the concept; this file only wires them, and
 imports them lazily so `oomless config` and bad input answer fast.
 """
@@ -7,12 +10,15 @@ imports them lazily so `oomless config` and bad input answer fast.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from launcher.plan import NoFitError
 from trainer.core.config import ConfigError, dump_config, load_config
-from trainer.core.contract import EXIT_CUT_OFF, EXIT_NO_FIT, EXIT_OK, EXIT_USAGE
-from trainer.core.logs import setup_logging
+from trainer.core.contract import EXIT_CUT_OFF, EXIT_NO_FIT, EXIT_OK, EXIT_USAGE, METRICS_FILE
+from trainer.core.files import read_jsonl
+from trainer.core.logs import redact, setup_logging
 
 
 class _Parser(argparse.ArgumentParser):
@@ -87,12 +93,22 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "train":
         from launcher.supervisor import train_command
 
-        return train_command(cfg, dry_run=args.dry_run)
+        code = train_command(cfg, dry_run=args.dry_run)
+        if code == EXIT_OK and not args.dry_run:
+            _print_last_metrics(Path(cfg.run.dir).expanduser())
+        return code
     if args.command == "submit":
         from launcher.slurm import submit_command
 
         return submit_command(cfg, dry_run=args.dry_run)
     raise AssertionError(args.command)
+
+
+def _print_last_metrics(run_dir: Path) -> None:
+    """The finished run's last metrics.jsonl record, one JSON line on stdout."""
+    records = read_jsonl(run_dir / METRICS_FILE)
+    if records:
+        print(json.dumps(records[-1]), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _dispatch(args)
     except ConfigError as err:
-        print(str(err), file=sys.stderr)
+        print(redact(str(err)), file=sys.stderr)  # a data or model URL can carry a password
         return EXIT_USAGE
     except NoFitError as err:
         print(f"oomless: {err}", file=sys.stderr)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
 from pathlib import Path
 
 from trainer.core.config import ConfigError, JobConfig
+from trainer.core.files import refuse_links
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +26,7 @@ def check_run_dir(path: str | Path) -> None:
     """Raise ConfigError when run.dir is a file, lies under a file, or cannot be written.
 
     Nothing is created here; `ensure_run_dir` creates it once the other checks have passed.
+    A symbolic link planted where oomless appends a run file is refused too.
     """
     p = Path(path)
     existing = next(q for q in (p, *p.parents) if q.exists())
@@ -36,6 +39,8 @@ def check_run_dir(path: str | Path) -> None:
             f"'{p}' cannot be written ('{existing}' is not writable by this user)",
             "point run.dir at a writable directory",
         )
+    if existing == p:
+        refuse_links(p)
 
 
 def ensure_run_dir(path: str | Path) -> None:
@@ -43,9 +48,9 @@ def ensure_run_dir(path: str | Path) -> None:
     p = Path(path)
     try:
         p.mkdir(parents=True, exist_ok=True)
-        probe = p / f".oomless-write-test.{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(prefix=".oomless-write-test.", dir=p)  # never an existing name
+        os.close(fd)
+        os.unlink(probe)
     except OSError as err:
         raise ConfigError(
             "run.dir",

@@ -8,13 +8,18 @@ estimate's per-phase prediction over it: launcher/timeline.py) into the run dire
 
 from __future__ import annotations
 
-import json
+import io
+import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from trainer.core.config import ConfigError
 from trainer.core.contract import METRICS_FILE, PLAN_FILE
+from trainer.core.files import read_json_object, read_jsonl, umask_mode, write_atomic
 from trainer.core.units import GIB
+
+log = logging.getLogger(__name__)
 
 _PARTS = ("params", "grads", "optimizer", "activations", "temporary", "runtime_overhead")
 
@@ -27,20 +32,46 @@ def report_command(run_dir: str) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    records = _read_jsonl(metrics_path)
+    # lines that are not a step (cut off by a kill, edited) are left out of the pictures
+    records = [r for r in read_jsonl(metrics_path, warn=False) if _is_step(r)]
+    if not records:
+        raise ConfigError(
+            "RUN_DIR", f"'{metrics_path}' holds no complete step", "report after a step is done"
+        )
     written = [plot_loss(records, root / "loss.png")]
     plan_path = root / PLAN_FILE
     if plan_path.is_file():
-        written.append(plot_memory(json.loads(plan_path.read_text()), records, root / "memory.png"))
+        plan = read_json_object(plan_path)
+        written += _drawn(lambda: plot_memory(plan, records, root / "memory.png"), plan_path)
     from trainer.profile import trace_path
 
     if trace_path(root, 0).is_file():  # a run with debug.profile
         from launcher.timeline import plot_memory_timeline
 
-        written.append(plot_memory_timeline(root, records, root / "memory_timeline.png"))
+        out = root / "memory_timeline.png"
+        written += _drawn(lambda: plot_memory_timeline(root, records, out), trace_path(root, 0))
     for path in written:
         print(path)
     return 0
+
+
+def _is_step(record: dict[str, Any]) -> bool:
+    """A metrics.jsonl record with a step and a loss (anything else is not plotted)."""
+    return all(_is_number(record.get(k)) for k in ("step", "loss"))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _drawn(draw: Callable[[], Path], source: Path) -> list[Path]:
+    """[the picture drawn], or [] with one warning when `source` is not what a run writes."""
+    try:
+        return [draw()]
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+        log.warning("%s: not a file oomless wrote (%s: %s); its picture is left out", source,
+                    type(err).__name__, str(err).splitlines()[0] if str(err) else "")  # fmt: skip
+        return []
 
 
 def plot_loss(records: list[dict[str, Any]], out: Path) -> Path:
@@ -49,7 +80,7 @@ def plot_loss(records: list[dict[str, Any]], out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [r["step"] for r in records]
     ax.plot(steps, [r["loss"] for r in records], label="train loss", linewidth=1.2)
-    evals = [r for r in records if "eval_loss" in r]
+    evals = [r for r in records if _is_number(r.get("eval_loss"))]
     if evals:
         ax.plot(
             [r["step"] for r in evals],
@@ -62,10 +93,10 @@ def plot_loss(records: list[dict[str, Any]], out: Path) -> Path:
     ax.set_ylabel("loss (token-weighted mean)")
     last = records[-1]
     ax.set_title(
-        f"{last['strategy']} x {last['world_size']}, micro-batch {last['micro_batch_size']} x "
-        f"accumulation {last['grad_accum']}"
+        f"{last.get('strategy')} x {last.get('world_size')}, micro-batch "
+        f"{last.get('micro_batch_size')} x accumulation {last.get('grad_accum')}"
     )
-    if any("eval_exact_match" in r for r in evals):
+    if evals and all(_is_number(r.get("eval_exact_match")) for r in evals):
         twin = ax.twinx()
         twin.plot(
             [r["step"] for r in evals],
@@ -81,9 +112,7 @@ def plot_loss(records: list[dict[str, Any]], out: Path) -> Path:
     ax.legend(loc="upper right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def plot_memory(plan: dict[str, Any], records: list[dict[str, Any]], out: Path) -> Path:
@@ -97,16 +126,22 @@ def plot_memory(plan: dict[str, Any], records: list[dict[str, Any]], out: Path) 
         value = breakdown.get(part, 0) / GIB
         ax.bar("estimate", value, bottom=bottom, label=part)
         bottom += value
-    measured = max((r.get("peak_device_bytes", 0) for r in records), default=0) / GIB
+    peaks = (r.get("peak_device_bytes") for r in records)
+    measured = max((p for p in peaks if _is_number(p)), default=0) / GIB
     ax.bar("measured peak", measured, color="black", alpha=0.7)
     ax.set_ylabel("GiB per device")
     ax.set_title(f"{plan.get('strategy')}: estimated vs measured device memory")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    return save_figure(fig, out)
+
+
+def save_figure(fig: Any, out: Path) -> Path:
+    """The PNG rendered in memory, then written atomically (a link at `out` is replaced, never
+    written through); the figure closed."""
+    import matplotlib.pyplot as plt
+
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
-    return out
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return write_atomic(out, png.getvalue(), mode=umask_mode(0o666))

@@ -43,7 +43,7 @@ from trainer.core.contract import (
     PLAN_FILE,
     TORCHRUN_LOG,
 )
-from trainer.core.files import absolute_path, write_json
+from trainer.core.files import absolute_path, append_line, read_json_object, write_json
 from trainer.core.run_lock import LOCK_OWNER_ENV, acquire_run_lock, check_run_lock
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def _climb(
     to plan next, the rungs to exclude, the memory scale measured), with the escalation recorded
     and said; None when no higher rung fits."""
     run_dir = Path(cfg.run.dir)
-    report = _read_json(run_dir / OOM_REPORT_FILE)
+    report = read_json_object(run_dir / OOM_REPORT_FILE)
     failed = [*failed, resolved.strategy]
     left_forced = cfg.strategy if cfg.strategy != "auto" else None
     if left_forced:  # a forced rung is where the ladder starts: climb from it
@@ -146,8 +146,7 @@ def _climb(
         "estimated_peak_bytes": report.get("estimated_peak_bytes"),
         "measured_peak_bytes": report.get("measured_peak_bytes"),
     }
-    with (run_dir / ESCALATIONS_FILE).open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_line(run_dir / ESCALATIONS_FILE, json.dumps(record))  # one write: a kill cannot tear it
     log.warning(
         "escalating %s -> %s after out of memory at step %s%s; resuming from the newest checkpoint",
         record["from"],
@@ -204,7 +203,3 @@ def _measured_over_estimated(report: dict[str, Any]) -> float:
     if not measured or not estimated:
         return 1.0
     return max(1.0, measured / estimated)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.exists() else {}

@@ -12,6 +12,7 @@ The plotted numbers are written beside the picture (`memory_timeline.json`).
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import re
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.core.contract import CONFIG_FILE
+from trainer.core.files import umask_mode, write_atomic
 from trainer.core.units import MIB
 from trainer.phases import MARKER, OPTIMIZER
 from trainer.profile import trace_path
@@ -192,9 +194,11 @@ def plot_memory_timeline(run_dir: Path, records: list[dict[str, Any]], out: Path
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    png = io.BytesIO()  # rendered in memory, written atomically: a link at `out` is replaced
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
+    write_atomic(out, png.getvalue(), mode=umask_mode(0o666))
     data = asdict(timeline)
     data["strategy"] = record["strategy"]
-    out.with_suffix(".json").write_text(json.dumps(data) + "\n")
+    write_atomic(out.with_suffix(".json"), json.dumps(data) + "\n", mode=umask_mode(0o666))
     return out

@@ -14,6 +14,9 @@ import threading
 from pathlib import Path
 from typing import IO
 
+from trainer.core.files import append_line
+from trainer.core.logs import redact
+
 # torch.distributed.elastic logs glog-style: "E1123 18:58:27.360000 21970 .../api.py:1002] ..."
 _AGENT_LINE = re.compile(r"^[EWID]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/")
 _RULE = "=" * 20
@@ -30,6 +33,7 @@ class TorchrunOutput:
         self._rules_left = 0  # inside the ChildFailedError report: closing rules still to come
 
     def feed(self, line: str) -> None:
+        line = redact(line)  # a worker's traceback can quote a URI with its password
         if self._rules_left:
             self._divert(line)
             if line.startswith(_RULE):
@@ -74,6 +78,5 @@ class TorchrunOutput:
 
     def _divert(self, line: str) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("a") as f:
-            f.write(line)
+        append_line(self.log_path, line.rstrip("\n"), durable=False)  # never through a link
         self.num_diverted += 1

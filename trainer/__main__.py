@@ -8,6 +8,8 @@ from pathlib import Path
 
 from trainer.core.config import ConfigError, load_config
 from trainer.core.contract import CONFIG_ERROR_FILE
+from trainer.core.files import write_atomic
+from trainer.core.logs import redact
 from trainer.core.run_lock import acquire_run_lock, die_with_parent, exit_if_orphaned
 
 
@@ -35,19 +37,18 @@ def main(argv: list[str]) -> int:
                 lock.release()
         exit_without_teardown(code)
     except ConfigError as err:  # bad data rows, an unreachable model: one line, exit 2
-        print(err, file=sys.stderr)
+        line = redact(str(err))  # a data or model URL can carry a password
+        print(line, file=sys.stderr)
         if cfg is not None:
-            _leave_for_launcher(Path(cfg.run.dir), str(err))
+            _leave_for_launcher(Path(cfg.run.dir), line)
         return 2
 
 
 def _leave_for_launcher(run_dir: Path, line: str) -> None:
     """torchrun reports any failed worker as exit 1: the line tells `oomless train` it was a
     config error (exit 2). Every rank that fails writes it; the lines are the same."""
-    tmp = run_dir / f".{CONFIG_ERROR_FILE}.{os.getpid()}"
     try:
-        tmp.write_text(line + "\n")
-        os.replace(tmp, run_dir / CONFIG_ERROR_FILE)
+        write_atomic(run_dir / CONFIG_ERROR_FILE, line + "\n")
     except OSError:
         pass  # the run dir is gone or read-only: the line on stderr is all there is
 

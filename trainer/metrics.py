@@ -10,7 +10,7 @@ from typing import Any
 
 from trainer.core.config import ConfigError
 from trainer.core.contract import METRICS_FILE
-from trainer.core.files import write_atomic
+from trainer.core.files import append_line, link_refused, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,11 @@ class MetricsLog:
         """Keep the lines of steps <= `step` (a resumed run rewrites what came after).
 
         A crash or a full disk can leave the last line cut off: it is dropped with a warning.
-        The file is replaced in one rename, so a crash here loses nothing either.
+        The file is replaced in one rename, so a crash here loses nothing either. A symbolic
+        link at its name is refused (one line, exit 2), never read or written through.
         """
+        if self.path.is_symlink():
+            raise link_refused(self.path)
         if not self.path.exists():
             return
         lines = self.path.read_text().splitlines(keepends=True)
@@ -59,8 +62,7 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_line(self.path, json.dumps(record), durable=False)
         step = record["step"]
         if self._first_step is None:
             self._first_step = step

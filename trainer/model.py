@@ -52,6 +52,10 @@ def _attention_for(config: Any, requested: str) -> str:
 
 
 def _from_hub_or_dir(loader: Any, name: str, **kwargs: Any) -> Any:
+    from transformers.utils import logging as hf_logging
+
+    # "Loading weights", "Fetching files": bars drawn over the run's own lines in its log
+    hf_logging.disable_progress_bar()
     try:
         return loader(name, **kwargs)
     except OSError as err:

@@ -21,6 +21,7 @@ import torch
 
 from trainer.core.config import InjectOomConfig
 from trainer.core.contract import OOM_REPORT_FILE
+from trainer.core.files import write_atomic
 from trainer.dist import all_reduce_max
 
 log = logging.getLogger(__name__)
@@ -135,9 +136,5 @@ def memory_summary(device: torch.device) -> dict[str, Any]:
 
 
 def write_oom_report(run_dir: Path, report: dict[str, Any], rank: int = 0) -> Path:
-    """Atomically (a temporary file per rank: ranks that failed alone may write at once)."""
-    path = run_dir / OOM_REPORT_FILE
-    tmp = path.with_suffix(f".rank{rank}.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(path)
-    return path
+    """Atomically (a fresh temporary file each: ranks that failed alone may write at once)."""
+    return write_atomic(run_dir / OOM_REPORT_FILE, json.dumps(report, indent=2) + "\n")

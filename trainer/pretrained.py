@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.core.files import write_atomic
+
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -254,7 +256,7 @@ def report_load(stats: LoadStats, rank: int, run_dir: Path | None, what: str) ->
             (stats.rss_peak_bytes - stats.rss_before_bytes) / 2**30,
         )
     if run_dir is not None and run_dir.is_dir():
-        (run_dir / f"load_rank{rank}.json").write_text(json.dumps(asdict(stats)) + "\n")
+        write_atomic(run_dir / f"load_rank{rank}.json", json.dumps(asdict(stats)) + "\n")
 
 
 def _status_kib(field: str) -> int:

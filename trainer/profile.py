@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from trainer.core.contract import PROFILE_DIR
+from trainer.core.files import umask_mode, write_by_name
 from trainer.phases import STEP, mark_in_profile, phase_markers
 
 log = logging.getLogger(__name__)
@@ -99,12 +100,13 @@ class ProfileWindow:
         with _quiet_stderr():
             self.profiler.stop()
         out = trace_path(self.run_dir, self.rank)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        self.profiler.export_chrome_trace(str(out))
+        profiler, mode = self.profiler, umask_mode(0o666)
+        write_by_name(out, lambda tmp: profiler.export_chrome_trace(str(tmp)), mode)
         written = [out]
         if self.device.type == "cuda":
             snapshot = out.with_name(f"rank{self.rank}.memory_snapshot.pickle")
-            torch.cuda.memory._dump_snapshot(str(snapshot))
+            dump = torch.cuda.memory._dump_snapshot
+            write_by_name(snapshot, lambda tmp: dump(str(tmp)), mode)
             torch.cuda.memory._record_memory_history(enabled=None)
             written.append(snapshot)
         self.profiler = None

@@ -24,6 +24,8 @@ import signal
 import subprocess
 from pathlib import Path
 
+from trainer.core.files import write_atomic
+
 log = logging.getLogger(__name__)
 
 REQUEUE_TIMEOUT_S = 30
@@ -40,9 +42,8 @@ def after_stop(signum: int, rank: int, step: int, run_dir: Path, exit_signal: in
     by_script = env.get(REQUEUE_BY_SCRIPT_ENV) == "1" and slurm_job_id(env) is not None
     if signum == signal.SIGUSR1 and by_script:
         if rank == 0:
-            tmp = run_dir / f".{REQUEUE_MARKER}.tmp"
-            tmp.write_text(json.dumps({"step": step, "job": slurm_job_id(env)}) + "\n")
-            tmp.replace(run_dir / REQUEUE_MARKER)
+            marker = {"step": step, "job": slurm_job_id(env)}
+            write_atomic(run_dir / REQUEUE_MARKER, json.dumps(marker) + "\n")
             log.warning("checkpoint written at step %d; the batch script requeues the job", step)
         return 0
     if rank == 0:

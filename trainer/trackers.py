@@ -8,7 +8,8 @@ run.dir/mlruns unless MLFLOW_TRACKING_URI is set, Trackio writes to its local st
 Credentials come from those libraries' own environment variables and are never written here.
 
 A resumed or escalated run continues the same tracker run: the ids live in run.dir/trackers.json.
-A library that is missing, or a tracker that fails mid-run, costs one warning line, never the run.
+A library that is missing, or a tracker that fails or hangs mid-run, costs one warning line, never
+the run: each tracker makes its calls on a thread of its own, with a deadline (`Trackers`).
 """
 
 from __future__ import annotations
@@ -18,16 +19,25 @@ import io
 import json
 import logging
 import os
+import queue
+import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from trainer.core.contract import CONFIG_FILE, ESCALATIONS_FILE, PLAN_FILE, TRACKERS_FILE
-from trainer.core.files import write_atomic
+from trainer.core.files import read_json_object, read_jsonl, write_atomic
 
 log = logging.getLogger(__name__)
+
+CALL_DEADLINE_S = 10.0  # a tracker call still running after this is taken as hung
+START_DEADLINE_S = 60.0  # all trackers together: a server to reach, a run to create
+CLOSE_DEADLINE_S = 60.0  # the pending records flushed and the tracker run closed
+STOP_CLOSE_DEADLINE_S = 5.0  # the same after a stop by signal: the grace period is short
+MAX_PENDING_CALLS = 10_000  # queued calls of one tracker that has fallen this far behind
+_SIGNALS_LOGGER = "trainer.signals"  # its warning says a stop signal was received
 
 PROJECT = "oomless"  # the W&B project, MLflow experiment and Trackio project unless set otherwise
 
@@ -213,18 +223,24 @@ TRACKERS = {
 class Trackers:
     """The configured trackers of one run, on rank 0 (elsewhere: none, every call a no-op).
 
-    Every call goes to each tracker; one that raises is dropped with one warning line. Warnings
-    logged by the engine while the trackers are open (out-of-memory back-offs, a stop by
-    signal) go to them as events, and so do escalations the supervisor recorded since the
-    last start.
+    Each tracker makes its calls on a thread of its own (`_Worker`), so the run never waits on a
+    tracker's network or disk: a call that raises drops that tracker with one warning line; one
+    still running after CALL_DEADLINE_S is taken as hung and dropped the same way, and `close`
+    waits for what is left at most CLOSE_DEADLINE_S (STOP_CLOSE_DEADLINE_S after a stop by
+    signal, which must checkpoint and exit within the scheduler's grace, or any other failed
+    exit). Warnings logged by the
+    engine while the trackers are open (out-of-memory back-offs, a stop by signal) go to them as
+    events, and so do escalations the supervisor recorded since the last start.
     """
 
-    def __init__(self, run_dir: Path, trackers: list[Any], state: dict[str, Any]):
+    def __init__(self, run_dir: Path, workers: list[_Worker], state: dict[str, Any]):
         self.run_dir = run_dir
-        self.trackers = trackers
+        self.workers = workers
         self.state = state
         self.step = 0
+        self.stopping = False  # a stop signal was received (even one that exits 0 to requeue)
         self._handler: logging.Handler | None = None
+        self._saved = ""
 
     @classmethod
     def start(
@@ -232,36 +248,21 @@ class Trackers:
     ) -> Trackers:
         if not enabled or not names:
             return cls(run_dir, [], {})
-        state = _read_json(run_dir / TRACKERS_FILE)
+        state = read_json_object(run_dir / TRACKERS_FILE)
         run = TrackedRun(
             dir=run_dir,
             name=run_name or run_dir.name,
             start_step=start_step,
             config=_read_config(run_dir),
-            plan=_read_json(run_dir / PLAN_FILE),
+            plan=read_json_object(run_dir / PLAN_FILE),
         )
-        started = []
+        workers = []
         for name in names:
-            tracker_cls = TRACKERS[name]
-            run.state = dict(state.get(name, {}))
-            try:
-                tracker = tracker_cls(run)
-            except ImportError as err:
-                log.warning(
-                    "run.trackers: %s is not installed (%s): pip install 'oomless[%s]'; "
-                    "training goes on without it",
-                    name,
-                    err,
-                    tracker_cls.extra,
-                )
-                continue
-            except Exception as err:
-                log.warning("run.trackers: %s failed to start (%s); training goes on without it",
-                            name, _one_line(err))  # fmt: skip
-                continue
-            started.append(tracker)
-            log.info("tracking in %s: %s", name, tracker.where)
-        trackers = cls(run_dir, started, state)
+            own = state.get(name)
+            worker = _Worker(name)
+            worker.call("__init__", replace(run, state=dict(own) if isinstance(own, dict) else {}))
+            workers.append(worker)
+        trackers = cls(run_dir, _started(workers, START_DEADLINE_S), state)
         trackers.step = start_step
         trackers._save_state()
         trackers._send_new_escalations()
@@ -277,46 +278,141 @@ class Trackers:
             for key in ("tokens_per_s", "step_time_s", "mfu"):
                 values.pop(key, None)
         self._each("log", self.step, values)
+        self._save_state()
 
     def event(self, text: str) -> None:
+        """Queued, never waited for: a signal handler's warning comes here."""
         self._each("event", self.step, text)
-        self._save_state()
 
     def close(self, exit_code: int) -> None:
         if self._handler is not None:
             logging.getLogger("trainer").removeHandler(self._handler)
             self._handler = None
         self._each("close", "FINISHED" if exit_code == 0 else "KILLED")
+        stop = exit_code != 0 or self.stopping
+        deadline_s = STOP_CLOSE_DEADLINE_S if stop else CLOSE_DEADLINE_S
+        end = time.monotonic() + deadline_s
+        for worker in list(self.workers):
+            if not worker.wait(end - time.monotonic()):
+                self.workers.remove(worker)
+                log.warning("run.trackers: %s did not close within %g s; its last records may "
+                            "be missing", worker.name, deadline_s)  # fmt: skip
+        self._drop_failed()
         self._save_state()
-        self.trackers = []
+        self.workers = []
 
     def _each(self, method: str, *args: Any) -> None:
-        for tracker in list(self.trackers):
-            try:
-                getattr(tracker, method)(*args)
-            except Exception as err:
-                self.trackers.remove(tracker)
-                log.warning("run.trackers: %s failed (%s); training goes on without it",
-                            tracker.name, _one_line(err))  # fmt: skip
+        self._drop_failed()
+        for worker in self.workers:
+            worker.call(method, *args)
+
+    def _drop_failed(self) -> None:
+        """Drop, with one warning each, the trackers whose last call raised or hangs."""
+        for worker in list(self.workers):
+            why = worker.trouble()
+            if why:
+                self.workers.remove(worker)
+                log.warning("run.trackers: %s %s; training goes on without it", worker.name, why)
 
     def _save_state(self) -> None:
-        for tracker in self.trackers:
-            self.state[tracker.name] = getattr(tracker, "state", {})
-        if self.trackers:
-            _write_json(self.run_dir / TRACKERS_FILE, self.state)
+        for worker in self.workers:
+            self.state[worker.name] = dict(getattr(worker.tracker, "state", {}))
+        text = json.dumps(self.state, indent=2) + "\n"
+        if self.workers and text != self._saved:
+            write_atomic(self.run_dir / TRACKERS_FILE, text)
+            self._saved = text
 
     def _send_new_escalations(self) -> None:
-        path = self.run_dir / ESCALATIONS_FILE
-        if not self.trackers or not path.exists():
+        if not self.workers:
             return
-        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-        sent = int(self.state.get("num_escalations_sent", 0))
-        for e in lines[sent:]:
+        lines = read_jsonl(self.run_dir / ESCALATIONS_FILE)
+        sent = self.state.get("num_escalations_sent", 0)
+        for e in lines[sent if isinstance(sent, int) else 0 :]:
             self.event(
-                f"escalated {e['from']} -> {e['to']} after {e['reason']} at step {e['step']}"
+                f"escalated {e.get('from')} -> {e.get('to')} after {e.get('reason')} "
+                f"at step {e.get('step')}"
             )
         self.state["num_escalations_sent"] = len(lines)
         self._save_state()
+
+
+class _Worker:
+    """One tracker and the daemon thread that makes its calls, in order.
+
+    `call` only queues (SimpleQueue.put is safe in a signal handler); the thread runs the
+    calls and records the first error; a tracker that failed or hangs is never called again.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.tracker: Any = None
+        self.error: BaseException | None = None
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._num_sent = 0
+        self._num_done = 0
+        self._busy_since: float | None = None
+        threading.Thread(target=self._serve, name=f"tracker-{name}", daemon=True).start()
+
+    def call(self, method: str, *args: Any) -> None:
+        self._num_sent += 1
+        self._calls.put((method, args))
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once every queued call has returned; False after `timeout_s` without."""
+        end = time.monotonic() + timeout_s
+        while self._num_done < self._num_sent:
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def trouble(self) -> str | None:
+        """Why this tracker must be dropped (its call failed, or hangs), else None."""
+        if self.error is not None:
+            return f"failed ({_one_line(self.error)})"
+        since = self._busy_since
+        if since is not None and time.monotonic() - since > CALL_DEADLINE_S:
+            return f"has not returned from a call in {time.monotonic() - since:.0f} s"
+        if self._num_sent - self._num_done > MAX_PENDING_CALLS:
+            return f"falls behind ({self._num_sent - self._num_done} calls waiting)"
+        return None
+
+    def _serve(self) -> None:
+        while True:
+            method, args = self._calls.get()
+            self._busy_since = time.monotonic()
+            try:
+                if method == "__init__":
+                    self.tracker = TRACKERS[self.name](*args)
+                elif self.error is None:
+                    getattr(self.tracker, method)(*args)
+            except BaseException as err:  # a tracker never stops the run: it is dropped
+                self.error = err
+            finally:
+                self._busy_since = None
+                self._num_done += 1
+
+
+def _started(workers: list[_Worker], deadline_s: float) -> list[_Worker]:
+    """The workers whose tracker started within `deadline_s` (together), each said in a line."""
+    end = time.monotonic() + deadline_s
+    started = []
+    for worker in workers:
+        done = worker.wait(end - time.monotonic())
+        err, extra = worker.error, TRACKERS[worker.name].extra
+        if not done:
+            log.warning("run.trackers: %s did not start within %g s; training goes on without "
+                        "it", worker.name, deadline_s)  # fmt: skip
+        elif isinstance(err, ImportError):
+            log.warning("run.trackers: %s is not installed (%s): pip install 'oomless[%s]'; "
+                        "training goes on without it", worker.name, err, extra)  # fmt: skip
+        elif err is not None:
+            log.warning("run.trackers: %s failed to start (%s); training goes on without it",
+                        worker.name, _one_line(err))  # fmt: skip
+        else:
+            started.append(worker)
+            log.info("tracking in %s: %s", worker.name, worker.tracker.where)
+    return started
 
 
 class _EventHandler(logging.Handler):
@@ -327,6 +423,8 @@ class _EventHandler(logging.Handler):
         self.trackers = trackers
 
     def emit(self, record: logging.LogRecord) -> None:
+        if record.name == _SIGNALS_LOGGER:  # a stop was asked: close in the grace period
+            self.trackers.stopping = True
         if record.name != __name__:  # not our own "tracker failed" lines
             self.trackers.event(record.getMessage())
 
@@ -358,14 +456,3 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
     import yaml
 
     return yaml.safe_load(path.read_text()) or {}
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    write_atomic(path, json.dumps(obj, indent=2) + "\n")

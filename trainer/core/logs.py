@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
 _NOISY = ("httpx", "urllib3", "filelock", "datasets", "torch.distributed", "DeepSpeed", "mlflow")
@@ -25,6 +26,22 @@ class _DropLines(logging.Filter):
 _DEEPSPEED_ACCELERATOR = _DropLines("Setting accelerator to CPU", "Setting ds_accelerator to")
 
 
+# scheme://user:password@host (a tracking URI, a proxy, a data URL): the password is a secret
+_URI_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:/@]*):[^\s/]*@")
+
+
+def redact(text: str) -> str:
+    """`text` with the password of every `scheme://user:password@host` in it replaced by ***."""
+    return _URI_PASSWORD.sub(r"\1:***@", text)
+
+
+class RedactingFormatter(logging.Formatter):
+    """Every line logged, tracebacks too, with the passwords of URIs in it redacted."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
 class _RankFilter(logging.Filter):
     def __init__(self, rank: int):
         super().__init__()
@@ -41,7 +58,7 @@ def setup_logging(rank: int = 0, world_size: int = 1) -> None:
         root.removeHandler(handler)
     handler = logging.StreamHandler(sys.stderr)
     prefix = f"[rank{rank}] " if world_size > 1 else ""
-    handler.setFormatter(logging.Formatter(f"{prefix}%(message)s"))
+    handler.setFormatter(RedactingFormatter(f"{prefix}%(message)s"))
     handler.addFilter(_RankFilter(rank))
     root.addHandler(handler)
     root.setLevel(logging.INFO)
