@@ -6,10 +6,12 @@ Layout of `run.dir/checkpoints/step_N/`:
                             `optim/NAME/{exp_avg,exp_avg_sq,step}`; every rank writes its own
                             shard (sharded tensors stay sharded)
   rng/rank_R.safetensors    every rank's RNG states
+  manifest.json             every other file's size and checksum (trainer/manifest.py)
   trainer_state.json        step, plan, config hash, grad-scaler state; written last: a directory
                             without it was cut off mid-write and is never loaded
   config.yaml, tokenizer/   what `oomless export` needs to write an HF model directory
 `checkpoints/latest` names the newest complete checkpoint and is updated after the rename.
+Resume verifies the manifest first: a damaged checkpoint is skipped with one line naming the file.
 
 Loading never unpickles arbitrary objects: tensors come back with `weights_only=True` and DCP's
 pickled metadata is read with an unpickler that admits only DCP's metadata classes.
@@ -17,6 +19,7 @@ pickled metadata is read with an unpickler that admits only DCP's metadata class
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import logging
@@ -25,11 +28,13 @@ import pickle
 import shutil
 import signal
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
@@ -50,6 +55,7 @@ from trainer.dist import (
     wait_for_future,
 )
 from trainer.finetune import base_pointer, check_same_base
+from trainer.manifest import STATE_FILE, HashingFileSystem, damage, digests_of, write_manifest
 
 log = logging.getLogger(__name__)
 # A one-process run saves and loads without a process group (no_dist) on purpose; torch warns
@@ -59,9 +65,6 @@ warnings.filterwarnings(
     message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent is",
     category=UserWarning,
 )
-
-STATE_FILE = "trainer_state.json"
-
 
 # ---------------------------------------------------------------------------------------------
 # Canonical state <-> flat DCP dict
@@ -171,7 +174,9 @@ def is_complete(path: Path) -> bool:
 
 
 def find_latest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint; incomplete ones are reported and skipped."""
+    """The newest complete checkpoint whose files match its manifest; incomplete and damaged ones
+    are reported (one line each) and skipped. A ConfigError when every complete one is damaged:
+    resuming none of them silently would start the run over."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return None
@@ -180,11 +185,45 @@ def find_latest(run_dir: Path) -> Path | None:
         key=lambda p: _step_of(p),
         reverse=True,
     )
+    skipped, damaged = [], []
     for path in candidates:
-        if is_complete(path):
+        if not is_complete(path):
+            skipped.append(f"checkpoint {path} is incomplete (cut off mid-write): skipped")
+        elif (why := damage(path)) is None:
+            _report_once(skipped)
             return path
-        log.warning("checkpoint %s is incomplete (cut off mid-write): skipped", path)
+        else:
+            damaged.append(why)
+            skipped.append(f"checkpoint {path.name} is damaged: {why}; skipped")
+    if damaged:  # the one line is this error, not the skipped ones
+        raise ConfigError(
+            "run.resume",
+            f"every checkpoint in {root} is damaged ({len(damaged)}; newest: {damaged[0]})",
+            "restore them from a copy, or set run.resume=never (or a new run.dir) to start over",
+        )
+    _report_once(skipped)
     return None
+
+
+_reported: set[str] = set()
+
+
+def _report_once(lines: list[str]) -> None:
+    """A skipped checkpoint is said once per process (the launcher and the engine both look)."""
+    for line in lines:
+        if line not in _reported:
+            _reported.add(line)
+            log.warning("%s", line)
+
+
+def check_intact(path: Path, key: str) -> None:
+    """A ConfigError naming the file when a complete checkpoint's files do not match its
+    manifest."""
+    why = damage(path)
+    if why is not None:
+        raise ConfigError(
+            key, f"checkpoint {path} is damaged: {why}", "give another checkpoint (an older step_N)"
+        )
 
 
 def _step_of(path: Path) -> int:
@@ -203,6 +242,7 @@ def resolve_resume(cfg: JobConfig) -> Path | None:
         raise ConfigError(
             "run.resume", f"'{path}' is not a complete checkpoint", "give a checkpoints/step_N dir"
         )
+    check_intact(path, "run.resume")
     return path
 
 
@@ -231,7 +271,7 @@ class Checkpointer:
         self.data_fingerprint = data_fingerprint
         self.tokenizer = tokenizer
         self.rank = rank
-        self._pending: tuple[Any, int, Path, dict[str, Any]] | None = None
+        self._pending: tuple[Any, int, Path, dict[str, Any], HashingFileSystem] | None = None
         self.base: dict[str, Any] | None = None  # lora/qlora: the base pointer, once computed
 
     def save(
@@ -243,36 +283,42 @@ class Checkpointer:
     ) -> Path:
         self.finish()
         tmp = self.root / f"step_{step}.tmp"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "rng").mkdir(parents=True)
-        barrier()
-        save_file(rng_state(), str(tmp / "rng" / f"rank_{self.rank}.safetensors"))
-        writer = dcp.FileSystemWriter(str(tmp))
-        flat = flatten_state(backend_state)
-        if asynchronous:
-            future = dcp.async_save(flat, storage_writer=writer, no_dist=not is_distributed())
-            self._pending = (future, step, tmp, trainer_state)
-            return self.root / f"step_{step}"
-        dcp.save(flat, storage_writer=writer, no_dist=not is_distributed())
-        return self._complete(step, tmp, trainer_state)
+        with _disk_full_is_one_line(self.root, step, tmp):
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                (tmp / "rng").mkdir(parents=True)
+            barrier()
+            save_file(rng_state(), str(tmp / "rng" / f"rank_{self.rank}.safetensors"))
+            writer = dcp.FileSystemWriter(str(tmp))
+            writer.fs = fs = HashingFileSystem()  # checksums for the manifest, while writing
+            flat = flatten_state(backend_state)
+            if asynchronous:
+                future = dcp.async_save(flat, storage_writer=writer, no_dist=not is_distributed())
+                self._pending = (future, step, tmp, trainer_state, fs)
+                return self.root / f"step_{step}"
+            dcp.save(flat, storage_writer=writer, no_dist=not is_distributed())
+            return self._complete(step, tmp, trainer_state, fs)
 
     def finish(self) -> None:
         """Complete a checkpoint still being written in the background (a collective)."""
         if self._pending is None:
             return
-        future, step, tmp, trainer_state = self._pending
+        future, step, tmp, trainer_state, fs = self._pending
         self._pending = None
-        wait_for_future(
-            future, f"the background write of checkpoint step_{step}", self.cfg.dist.timeout_s
-        )
-        self._complete(step, tmp, trainer_state)
+        with _disk_full_is_one_line(self.root, step, tmp):
+            wait_for_future(
+                future, f"the background write of checkpoint step_{step}", self.cfg.dist.timeout_s
+            )
+            self._complete(step, tmp, trainer_state, fs)
 
-    def _complete(self, step: int, tmp: Path, trainer_state: dict[str, Any]) -> Path:
+    def _complete(
+        self, step: int, tmp: Path, trainer_state: dict[str, Any], fs: HashingFileSystem
+    ) -> Path:
         cfg, crash = self.cfg, lambda what: _crash.reached(self.cfg, what)
         final = self.root / f"step_{step}"
         crash("shards and rng written")
-        barrier()
+        mine = [Path(p) for p in fs.written] + [tmp / "rng" / f"rank_{self.rank}.safetensors"]
+        parts = _gather(digests_of(tmp, (p for p in mine if p.is_file()), fs.written))
 
         def complete_on_rank0() -> None:  # the others wait on it, not on dist.timeout_s
             slow_down(cfg, "checkpoint_s")
@@ -281,6 +327,7 @@ class Checkpointer:
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(tmp / "tokenizer")
                 crash("tokenizer written")
+            write_manifest(tmp, parts)
             _fsync_tree(tmp, lambda name: crash(f"fsync {name}"))
             state = dict(trainer_state, step=step, config_hash=semantic_hash(cfg))
             if self.data_fingerprint is not None:
@@ -303,6 +350,62 @@ class Checkpointer:
             f"writing checkpoint {final.name}", complete_on_rank0, clock_s=cfg.dist.timeout_s
         )
         return final
+
+
+def _gather(part: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's part (a collective, in place of a barrier); [part] without a process group."""
+    if not is_distributed():
+        return [part]
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, part)
+    return parts
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _os_errors(err: BaseException | None) -> list[OSError]:
+    """The OSErrors in an error's chain, including those DCP wraps per rank."""
+    found: list[OSError] = []
+    seen: set[int] = set()
+    todo = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            found.append(e)
+        failures = getattr(e, "failures", None)  # CheckpointException: rank -> (error, traceback)
+        if isinstance(failures, dict):
+            todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
+        todo.extend([e.__cause__, e.__context__])
+    return found
+
+
+@contextmanager
+def _disk_full_is_one_line(root: Path, step: int, tmp: Path) -> Iterator[None]:
+    """A full disk (or quota, or file size limit) while saving: the half-written directory is
+    removed, the previous checkpoint stays, and the error is one line (a ConfigError, exit 2)."""
+    try:
+        yield
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
+        full = next((e for e in _os_errors(err) if e.errno in _DISK_FULL), None)
+        if full is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = next(
+            (p.name for p in sorted(root.glob("step_*"), key=_step_of, reverse=True)
+             if p.is_dir() and is_complete(p)),
+            None,
+        )  # fmt: skip
+        kept = f"{previous} is kept" if previous else "there is no earlier checkpoint"
+        again = f"resumes from {previous}" if previous else "starts over"
+        raise ConfigError(
+            "run.dir",
+            f"could not write checkpoint step_{step} to {root}: {full.strerror} ({kept})",
+            f"free space there (or set run.dir elsewhere) and run again: it {again}",
+        ) from None
 
 
 def check_resumable(

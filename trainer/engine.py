@@ -225,8 +225,9 @@ def _train(run: _Run) -> int:
         metrics.write(record)
         trackers.log(record)
 
-        last = step + 1 == cfg.train.steps
-        if stopping or (_due(step + 1, cfg.run.checkpoint_every, cfg.train.steps) and not last):
+        # the last step is always in a checkpoint (or, with checkpoint_every 0, in final/)
+        last = step + 1 == cfg.train.steps and (cfg.run.checkpoint_every or not cfg.run.save_final)
+        if stopping or last or _due(step + 1, cfg.run.checkpoint_every, cfg.train.steps):
             asynchronous = cfg.run.async_checkpoint and not stopping
             _checkpoint(checkpointer, step + 1, backend, ctx, split, asynchronous)
         if stopping:

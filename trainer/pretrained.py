@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.core.errors import ConfigError
 from trainer.core.files import write_atomic
 
 log = logging.getLogger(__name__)
@@ -113,16 +114,67 @@ class SafetensorsCheckpoint:
         return count * itemsize
 
 
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+
+
 def _read_header(path: Path) -> dict[str, _Entry]:
+    """The tensors a safetensors file holds, after the checks the safetensors library makes: a
+    sane header length, JSON, and byte ranges that lie in the file, do not overlap, cover the
+    data exactly and match dtype x shape. A file failing them is refused in one line."""
+    file_bytes = path.stat().st_size
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
+        if file_bytes < 8 or size > min(MAX_HEADER_BYTES, file_bytes - 8):
+            raise _bad_file(path, f"its header length {size} exceeds the file ({file_bytes} bytes)")
+        try:
+            header = json.loads(f.read(size).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise _bad_file(path, "its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise _bad_file(path, "its header is not a JSON object")
     header.pop("__metadata__", None)
-    base = 8 + size
-    return {
-        key: _Entry(path, _DTYPES[v["dtype"]], tuple(v["shape"]), base + v["data_offsets"][0])
-        for key, v in header.items()
-    }
+    entries = {key: _entry(path, key, v, 8 + size) for key, v in header.items()}
+    data_bytes, end = file_bytes - 8 - size, 0
+    for key, (begin, stop) in sorted(
+        ((k, tuple(header[k]["data_offsets"])) for k in header), key=lambda kv: kv[1]
+    ):
+        if begin != end:
+            what = "overlaps the tensor before it" if begin < end else "leaves a gap before it"
+            raise _bad_file(path, f"tensor {key} {what} (offset {begin}, expected {end})")
+        end = stop
+    if end != data_bytes:
+        raise _bad_file(path, f"its tensors cover {end} of the {data_bytes} data bytes")
+    return {key: entry for key, entry in entries.items() if entry is not None}
+
+
+def _entry(path: Path, key: str, value: Any, base: int) -> _Entry | None:
+    """One tensor's entry, checked; None for a valid dtype this reader does not read (the caller
+    then falls back to transformers' loading)."""
+    try:
+        dtype, shape = value["dtype"], [int(d) for d in value["shape"]]
+        begin, stop = (int(x) for x in value["data_offsets"])
+    except (TypeError, KeyError, ValueError):
+        raise _bad_file(path, f"tensor {key} has no valid dtype, shape and data_offsets") from None
+    if min(shape, default=0) < 0 or not 0 <= begin <= stop:
+        raise _bad_file(path, f"tensor {key} has a negative size or offset")
+    if dtype not in _DTYPES:
+        return None
+    itemsize = torch.empty((), dtype=_DTYPES[dtype]).element_size()
+    if stop - begin != math.prod(shape) * itemsize:
+        raise _bad_file(
+            path,
+            f"tensor {key} spans {stop - begin} bytes, its {dtype} shape {shape} needs "
+            f"{math.prod(shape) * itemsize}",
+        )
+    return _Entry(path, _DTYPES[dtype], tuple(shape), base + begin)
+
+
+def _bad_file(path: Path, problem: str) -> ConfigError:
+    return ConfigError(
+        "model.name_or_path",
+        f"{path} is not a valid safetensors file: {problem}",
+        "download or save the model again (the safetensors library refuses this file too)",
+    )
 
 
 @dataclass

@@ -102,6 +102,7 @@ def test_item6_export_never_trusts_the_checkpoints_remote_code(run, tmp_path, ca
     cfg = yaml.safe_load((theirs / "config.yaml").read_text())
     cfg["model"] = {"name_or_path": str(remote), "trust_remote_code": True}
     (theirs / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (theirs / "manifest.json").unlink()  # whoever edits a checkpoint can drop or redo its manifest
 
     rc, err = _export(capsys, theirs, tmp_path / "out")
     assert not marker.exists(), "export ran the checkpoint's code"

@@ -1,0 +1,179 @@
+"""Checkpoints under faults (issue 29): a damaged newest checkpoint is skipped in one line and the
+run resumes from the newest good one, a full disk during a save is one line and keeps the previous
+checkpoint, and the last step of every run is in a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import oomless, write_demo_job
+
+pytestmark = pytest.mark.slow
+
+
+def _job(path: Path, **run) -> Path:
+    return write_demo_job(
+        path,
+        train={"steps": 6, "global_batch_size": 4, "micro_batch_size": 2},
+        strategy="single",
+        run={"checkpoint_every": 2, "keep_checkpoints": 5, **run},
+    )
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def _train(job: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return oomless("train", str(job), f"run.dir={run_dir}", *overrides)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _steps(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path, dict[int, float]]:
+    """A 6-step run (checkpoints 2, 4, 6) and the losses of a clean resume from step_4 to 8."""
+    work = tmp_path_factory.mktemp("trust_ckpt")
+    job = _job(work / "job.yaml")
+    r = _train(job, work / "run")
+    assert r.returncode == 0, r.stderr[-3000:]
+    clean = work / "clean"
+    r = _train(job, clean, f"run.resume={work / 'run/checkpoints/step_4'}", "train.steps=8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return job, work / "run", _losses(clean)
+
+
+def _copy(run_dir: Path, to: Path) -> Path:
+    shutil.copytree(run_dir, to, symlinks=True)
+    return to
+
+
+def _flip_bytes(path: Path, at: float = 0.5) -> None:
+    data = bytearray(path.read_bytes())
+    i = int(len(data) * at)
+    data[i : i + 4] = bytes(b ^ 0xFF for b in data[i : i + 4])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("fault", ["truncated", "flipped"])
+def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_good_one(
+    trained, tmp_path, fault
+):
+    job, run_dir, clean = trained
+    run = _copy(run_dir, tmp_path / "run")
+    shard = run / "checkpoints" / "step_6" / "__0_0.distcp"
+    if fault == "truncated":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    else:  # the same size, four bytes of tensor data changed: loaded silently before manifests
+        _flip_bytes(shard)
+    r = _train(job, run, "train.steps=8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    said = [line for line in r.stderr.splitlines() if " is damaged" in line]
+    assert said and all(str(shard) in line and "skipped" in line for line in said), r.stderr
+    assert "resumed from" in r.stderr and "step_4" in r.stderr
+    got = _losses(run)
+    assert {s: got[s] for s in (5, 6, 7, 8)} == {s: clean[s] for s in (5, 6, 7, 8)}
+
+
+def test_every_checkpoint_damaged_is_exit_2_in_one_line_and_nothing_is_touched(trained, tmp_path):
+    job, run_dir, _ = trained
+    run = _copy(run_dir, tmp_path / "run")
+    for step in (2, 4, 6):
+        _flip_bytes(run / "checkpoints" / f"step_{step}" / "__0_0.distcp", at=0.9)
+    before = _files(run)
+    r = _train(job, run, "train.steps=8")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-3000:]
+    assert "run.resume" in r.stderr and "every checkpoint" in r.stderr
+    assert "__0_0.distcp" in r.stderr and "run.resume=never" in r.stderr
+    assert _files(run) == before
+
+
+def test_a_checkpoint_without_a_manifest_still_loads(trained, tmp_path):
+    """Checkpoints written before there were manifests resume as they did."""
+    job, run_dir, clean = trained
+    run = _copy(run_dir, tmp_path / "run")
+    shutil.rmtree(run / "checkpoints" / "step_6")
+    (run / "checkpoints" / "step_4" / "manifest.json").unlink()
+    r = _train(job, run, "train.steps=8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert " is damaged" not in r.stderr and "resumed from" in r.stderr and "step_4" in r.stderr
+    got = _losses(run)
+    assert {s: got[s] for s in (5, 6, 7, 8)} == {s: clean[s] for s in (5, 6, 7, 8)}
+
+
+def test_a_damaged_resume_path_is_exit_2_naming_the_file(trained, tmp_path):
+    job, run_dir, _ = trained
+    run = _copy(run_dir, tmp_path / "run")
+    rng = run / "checkpoints" / "step_4" / "rng" / "rank_0.safetensors"
+    _flip_bytes(rng)
+    r = _train(job, tmp_path / "new", f"run.resume={run / 'checkpoints/step_4'}")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-3000:]
+    assert str(rng) in r.stderr and "checksum" in r.stderr
+    assert not (tmp_path / "new").exists()
+
+
+def test_the_last_step_is_always_in_a_checkpoint(trained, tmp_path):
+    job, run_dir, _ = trained
+    assert _steps(run_dir) == ["step_2", "step_4", "step_6"]  # 6 steps, every 2: step_6 kept
+    # a run shorter than checkpoint_every, with no final model: its 3 steps are not lost
+    r = _train(job, tmp_path / "short", "train.steps=3", "run.checkpoint_every=100")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _steps(tmp_path / "short") == ["step_3"]
+    # run again with the same config: nothing is trained twice, the metrics stay as they are
+    before = (tmp_path / "short" / "metrics.jsonl").read_text()
+    r = _train(job, tmp_path / "short", "train.steps=3", "run.checkpoint_every=100")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and "step 3" in r.stderr
+    assert (tmp_path / "short" / "metrics.jsonl").read_text() == before
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 700 KiB tmpfs: room for one checkpoint of the demo model (~450 KiB), not two."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(mount)], check=False
+    )
+    if r.returncode != 0:
+        pytest.skip("mounting a tmpfs needs root: the full-disk test cannot make a full disk")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_in_one_line(
+    trained, tmp_path, small_disk
+):
+    job, run_dir, _ = trained
+    run = small_disk / "run"
+    r = _train(job, run)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    # the training progress lines, then one line: what failed, what is kept, what to do
+    last = r.stderr.splitlines()[-1]
+    said = [line for line in r.stderr.splitlines() if "config error" in line or "space" in line]
+    assert said == [last]
+    assert last.startswith("config error: run.dir: could not write checkpoint step_4"), last
+    assert "No space left on device" in last and "step_2 is kept" in last, last
+    assert _steps(run) == ["step_2"]  # the half-written step_4.tmp is gone, step_2 is whole
+    from trainer.manifest import damage
+
+    assert damage(run / "checkpoints" / "step_2") is None
+    # with room again the run resumes from step_2 and ends where an uninterrupted run ends
+    subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
+    r = _train(job, run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "step_2" in r.stderr
+    assert _losses(run) == _losses(run_dir)

@@ -1,0 +1,152 @@
+"""A checkpoint's manifest: every file's size and checksum, computed while the file is written and
+verified before the checkpoint is loaded.
+
+DCP's files go through `HashingFileSystem`, which hashes each byte as it passes to the file, so a
+checksum costs no second read; the few small files written otherwise (RNG states, the config, the
+tokenizer) are hashed after they are written. `manifest.json` names each file under the checkpoint
+with its size in bytes and its digest (xxh3-128 where the `xxhash` package is installed, else
+sha256). `damage` reads it back: a missing or truncated file, or one whose bytes changed, is what
+it reports; a checkpoint without a manifest (written before there were manifests) is not checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import threading
+from collections.abc import Generator, Iterable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+MANIFEST_FILE = "manifest.json"
+STATE_FILE = "trainer_state.json"
+NOT_HASHED = (MANIFEST_FILE, STATE_FILE)  # the manifest itself; the state is JSON-checked
+ALGORITHM = "xxh3_128" if importlib.util.find_spec("xxhash") else "sha256"
+_CHUNK_BYTES = 8 << 20
+
+
+def new_hash(algorithm: str = ALGORITHM) -> Any:
+    if algorithm == "xxh3_128":
+        import xxhash
+
+        return xxhash.xxh3_128()
+    return hashlib.new(algorithm)
+
+
+def file_digest(path: Path, algorithm: str = ALGORITHM) -> str:
+    digest = new_hash(algorithm)
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class _HashingStream:
+    """A file opened for writing, hashing what is written through it (DCP writes sequentially:
+    `write` and `tell` are all it uses, besides closing, flushing and fsync)."""
+
+    def __init__(self, raw: Any):
+        self.raw, self.digest, self.num_bytes = raw, new_hash(), 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self.raw.write(view)
+        self.digest.update(view[:written])
+        self.num_bytes += written
+        return written
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, ...
+        if name in ("seek", "truncate"):  # would make the running digest wrong
+            raise AttributeError(name)
+        return getattr(self.raw, name)
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's local file system, recording (size, digest) of every file it writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[str, tuple[int, str]] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+        with self._lock:
+            self.written[str(path)] = (hashing.num_bytes, hashing.digest.hexdigest())
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            if str(path) in self.written:
+                self.written[str(new_path)] = self.written.pop(str(path))
+
+
+def digests_of(root: Path, files: Iterable[Path], known: dict[str, tuple[int, str]]) -> dict:
+    """{path relative to root: [size, digest]} of `files`: from `known` (hashed while written)
+    where it holds the file at its present size, else read back."""
+    out: dict[str, list[Any]] = {}
+    for path in files:
+        size = path.stat().st_size
+        entry = known.get(str(path))
+        digest = entry[1] if entry is not None and entry[0] == size else file_digest(path)
+        out[str(path.relative_to(root))] = [size, digest]
+    return out
+
+
+def write_manifest(root: Path, parts: list[dict[str, list[Any]]]) -> dict[str, Any]:
+    """manifest.json for every file under `root` (but itself and the trainer state): the ranks'
+    `parts` (their own files, hashed while written), the rest hashed now. Returns it."""
+    known = {str(root / rel): tuple(entry) for part in parts for rel, entry in part.items()}
+    files = sorted(
+        p for p in root.rglob("*") if p.is_file() and str(p.relative_to(root)) not in NOT_HASHED
+    )
+    manifest = {"algorithm": ALGORITHM, "files": digests_of(root, files, known)}
+    with (root / MANIFEST_FILE).open("w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    return manifest
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with a complete checkpoint's files, in words naming the file; None when they
+    match the manifest (or there is no manifest: an older checkpoint)."""
+    try:
+        json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return f"{path / STATE_FILE} is not readable JSON"
+    if not (path / MANIFEST_FILE).is_file():
+        return None
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+        algorithm, files = manifest["algorithm"], dict(manifest["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{path / MANIFEST_FILE} is not a readable manifest"
+    entries = []
+    for rel, (size, digest) in sorted(files.items()):
+        name = Path(rel)
+        if name.is_absolute() or ".." in name.parts:
+            return f"{path / MANIFEST_FILE} names a file outside the checkpoint ({rel})"
+        entries.append((path / name, int(size), str(digest)))
+    for file, size, _ in entries:  # sizes first: a truncated file is found without reading
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != size:
+            return f"{file} is {file.stat().st_size} bytes, the manifest says {size} (truncated?)"
+    if algorithm == "xxh3_128" and ALGORITHM != algorithm:
+        return None  # written where xxhash was installed, read where it is not: sizes only
+    for file, _, digest in entries:
+        if file_digest(file, algorithm) != digest:
+            return f"{file} does not match its checksum (its bytes changed since it was written)"
+    return None
