@@ -74,6 +74,15 @@ def test_a_malformed_json_object_file_reads_as_empty_with_a_warning(tmp_path, ca
     assert "trackers.json" in caplog.text
 
 
+def test_a_side_file_that_is_a_directory_reads_as_none(tmp_path, caplog):
+    (tmp_path / "escalations.jsonl").mkdir()
+    (tmp_path / "trackers.json").mkdir()
+    with caplog.at_level(logging.WARNING):
+        assert read_jsonl(tmp_path / "escalations.jsonl") == []
+        assert read_json_object(tmp_path / "trackers.json") == {}
+    assert "escalations.jsonl: not read" in caplog.text and "trackers.json: not read" in caplog.text
+
+
 def test_passwords_in_uris_are_redacted():
     line = "at http://alice:s3cret@mlflow.example:5000/api and https://u:p@ss@wandb.example/x"
     assert (

@@ -139,23 +139,25 @@ def test_sigterm_with_a_hung_tracker_checkpoints_and_exits_143_quickly(tmp_path)
             lines.append(line)
             if line.startswith("step") and line.split()[1].startswith("3/"):
                 break
-        sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        _, rest = proc.communicate(timeout=120)  # without the deadlines: never
-        took_s = time.monotonic() - sent
-        lines.append(rest)
-        rc = proc.returncode
+        stopped_at = closed_at = None  # the checkpoint written; the trackers closed
+        for line in proc.stderr:  # without the deadlines: never ends (the watchdog kills it)
+            lines.append(line)
+            if line.startswith("stopped by SIGTERM"):
+                stopped_at = time.monotonic()
+            if line.startswith("run.trackers: tensorboard did not close within"):
+                closed_at = time.monotonic()
+        rc = proc.wait(timeout=60)
     finally:
         watchdog.cancel()
         kill_tree(proc.pid)
     log = "".join(lines)
     assert rc == 143, log[-4000:]
-    assert took_s < trackers.STOP_CLOSE_DEADLINE_S + 10, took_s
+    assert stopped_at is not None, log[-3000:]
+    if closed_at is not None:  # still hung at the stop: closing it costs at most the deadline
+        assert closed_at - stopped_at < trackers.STOP_CLOSE_DEADLINE_S + 1.5
     assert "received SIGTERM: stopping after this step" in log
-    assert (
-        "tensorboard did not close within 5 s" in log
-        or "tensorboard has not returned from a call" in log
-    ), log[-3000:]
+    assert "tensorboard has not returned from a call" in log or closed_at is not None, log
     checkpoints = [p.name for p in (run / CHECKPOINTS_DIR).glob("step_*")]
     assert len(checkpoints) == 1 and int(checkpoints[0].removeprefix("step_")) >= 3, checkpoints
 

@@ -1,15 +1,15 @@
 """Writing run files so that a crash, a full disk, a second reader or a planted link never sees
 or gets half of one.
 
-Torch-free: the launcher and the engine both write run files through here, and nowhere else.
-Every rewrite goes to a fresh temporary file in the same directory (created exclusively, so no
-existing name is ever opened), is fsynced, and replaces the old name with one rename: a symbolic
-link planted at that name is replaced, never written through. The directory is fsynced after it,
-so the rename itself survives a power cut. Appends (metrics.jsonl, escalations.jsonl) are one
-`os.write` of a whole line, fsynced, opened with O_NOFOLLOW: a kill leaves the line whole or
-absent, and a link at that name is refused with one line. Readers of those files drop a torn
-line with a warning (`read_jsonl`). Run files can hold paths and commands: they are written 0600
-and new run directories are made 0700.
+Torch-free: the launcher and the engine both write run files through here. Every rewrite goes
+to a fresh temporary file in the same directory (created exclusively, so no existing name is ever
+opened), is fsynced, and replaces the old name with one rename: a symbolic link planted at that
+name is replaced, never written through. The directory is fsynced after it, so the rename itself
+survives a power cut. Appends (metrics.jsonl, escalations.jsonl) are one `os.write` of a whole
+line (escalations fsynced), opened with O_NOFOLLOW: a kill leaves the line whole or absent, and a
+link at that name is refused with one line. Readers of those files drop a torn line with a
+warning (`read_jsonl`). Run files can hold paths and commands: they are written 0600 and new run
+directories are made 0700.
 """
 
 from __future__ import annotations
@@ -130,6 +130,10 @@ def read_jsonl(path: str | Path, warn: bool = True) -> list[dict[str, Any]]:
     try:
         text = path.read_bytes().decode("utf-8", errors="replace")
     except FileNotFoundError:
+        return []
+    except OSError as err:  # a directory, unreadable
+        if warn:
+            log.warning("%s: not read (%s); going on without it", path, err.strerror)
         return []
     records, bad = [], []
     for num, line in enumerate(text.splitlines(), 1):
