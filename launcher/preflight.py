@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from trainer.core.config import ConfigError, JobConfig
+from trainer.core.errors import not_writable
 from trainer.core.files import refuse_links
 
 log = logging.getLogger(__name__)
@@ -52,11 +53,7 @@ def ensure_run_dir(path: str | Path) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as err:
-        raise ConfigError(
-            "run.dir",
-            f"'{p}' cannot be written ({err.strerror})",
-            "point run.dir at a writable directory",
-        ) from None
+        raise not_writable("run.dir", p, err) from None
 
 
 def check_rows(cfg: JobConfig) -> None:

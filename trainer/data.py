@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from trainer.core.config import ConfigError, DataConfig, JobConfig, ModelConfig
+from trainer.core.errors import not_writable
 from trainer.core.rows import bad_row_error, data_files, field, messages, no_rows_error, read_rows
 from trainer.dist import after_rank0, slow_down
 from trainer.loss import IGNORE_INDEX
@@ -250,10 +251,8 @@ def _save_docs(cache: Path, docs: Documents) -> None:
             np.save(cache / f"{name}.npy", getattr(docs, name), allow_pickle=False)
         (cache / "done").write_text("ok\n")
     except OSError as err:
-        raise ConfigError(
-            "data.cache_dir",
-            f"'{cache.parent}' cannot hold the tokenised data ({err.strerror})",
-            "point data.cache_dir at a writable directory",
+        raise not_writable(
+            "data.cache_dir", cache.parent, err, "cannot hold the tokenised data"
         ) from None
 
 

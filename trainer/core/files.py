@@ -34,21 +34,15 @@ PRIVATE_DIR_MODE = 0o700
 
 def write_atomic(path: str | Path, data: str | bytes, mode: int = PRIVATE_FILE_MODE) -> Path:
     """Replace `path` with `data` in one rename: readers see the old file or the new one."""
-    path = Path(path)
-    make_private_dir(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+    raw = data.encode() if isinstance(data, str) else data
+
+    def fill(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            f.write(raw)
             f.flush()
-            os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-    return path
+
+    return write_by_name(path, fill, mode)
 
 
 def write_by_name(path: str | Path, write: Callable[[Path], object], mode: int) -> Path:
