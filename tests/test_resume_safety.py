@@ -69,6 +69,6 @@ def test_item4_refused_resume_writes_nothing_and_math_free_changes_resume(tmp_pa
         "data.on_bad_row=skip",
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resumed from {run_dir / 'checkpoints' / 'step_1'}" in r.stderr
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_2'}" in r.stderr  # its last step
     assert "train.steps: 2 -> 3" in r.stderr and "model.attn_implementation" in r.stderr
     assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3]

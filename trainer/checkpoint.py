@@ -273,6 +273,7 @@ class Checkpointer:
         self.rank = rank
         self._pending: tuple[Any, int, Path, dict[str, Any], HashingFileSystem] | None = None
         self.base: dict[str, Any] | None = None  # lora/qlora: the base pointer, once computed
+        self._group: Any = None  # for background writes, made at the first
 
     def save(
         self,
@@ -293,11 +294,25 @@ class Checkpointer:
             writer.fs = fs = HashingFileSystem()  # checksums for the manifest, while writing
             flat = flatten_state(backend_state)
             if asynchronous:
-                future = dcp.async_save(flat, storage_writer=writer, no_dist=not is_distributed())
+                future = dcp.async_save(
+                    flat,
+                    storage_writer=writer,
+                    process_group=self._background_group(),
+                    no_dist=not is_distributed(),
+                )
                 self._pending = (future, step, tmp, trainer_state, fs)
                 return self.root / f"step_{step}"
             dcp.save(flat, storage_writer=writer, no_dist=not is_distributed())
             return self._complete(step, tmp, trainer_state, fs)
+
+    def _background_group(self) -> Any:
+        """A process group of its own for DCP's collectives in a background write: on the
+        default group they would interleave with training's and mismatch (gloo aborts)."""
+        if not is_distributed():
+            return None
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
 
     def finish(self) -> None:
         """Complete a checkpoint still being written in the background (a collective)."""

@@ -177,3 +177,30 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_in_one_line(
     assert r.returncode == 0, r.stderr[-3000:]
     assert "step_2" in r.stderr
     assert _losses(run) == _losses(run_dir)
+
+
+def test_two_ranks_each_hash_their_own_shard_and_a_damaged_one_is_skipped(tmp_path):
+    """fsdp on two processes (gloo), checkpoints written in the background: the manifest names
+    both ranks' shards; flipped bytes in rank 1's shard of the newest are found and the run
+    resumes from the one before, with the losses of a clean resume from it."""
+    job = _job(tmp_path / "job.yaml")
+    two = ("strategy=fsdp", "hardware.devices_per_node=2", "run.async_checkpoint=true")
+    run = tmp_path / "run"
+    r = _train(job, run, *two, "train.steps=4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    manifest = json.loads((run / "checkpoints" / "step_4" / "manifest.json").read_text())
+    assert {"__0_0.distcp", "__1_0.distcp", "rng/rank_1.safetensors"} <= manifest["files"].keys()
+    from trainer.manifest import damage
+
+    assert damage(run / "checkpoints" / "step_4") is None
+    clean = tmp_path / "clean"
+    r = _train(job, clean, *two, f"run.resume={run / 'checkpoints/step_2'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    shard = run / "checkpoints" / "step_4" / "__1_0.distcp"
+    _flip_bytes(shard)
+    r = _train(job, run, *two)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = [line for line in r.stderr.splitlines() if " is damaged" in line]
+    assert said and all(str(shard) in line for line in said), r.stderr[-3000:]
+    got, want = _losses(run), _losses(clean)
+    assert {s: got[s] for s in (3, 4, 5, 6)} == {s: want[s] for s in (3, 4, 5, 6)}
