@@ -63,6 +63,14 @@ from trainer.oom import (
 )
 from trainer.profile import ProfileWindow
 from trainer.schedule import lr_at
+from trainer.sequence_parallel import (
+    SequenceMesh,
+    apply_sequence_parallel,
+    build_sequence_mesh,
+    check_sequence_parallel,
+    concrete_sequence_parallel,
+    split_sequence,
+)
 from trainer.signals import StopSignals
 from trainer.slurm_requeue import after_stop
 from trainer.step import train_step
@@ -107,6 +115,8 @@ def _setup(cfg: JobConfig) -> _Run | int:
     device = resolve_device(cfg, local_rank)
     init_distributed(cfg, device)
     _seed_everything(cfg)
+    model_factory = HFModelFactory(cfg.model, cfg.train.seed)
+    mesh = _sequence_mesh(cfg, rank, world_size, model_factory.hf_config)
     run_dir = Path(cfg.run.dir)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -121,15 +131,18 @@ def _setup(cfg: JobConfig) -> _Run | int:
         precision=cfg.precision,
         activation_checkpointing=_concrete_ac(cfg),
         micro_batch_size=micro,
-        grad_accum=cfg.train.global_batch_size // (micro * world_size),
+        grad_accum=cfg.train.global_batch_size // (micro * mesh.num_data_ranks),
     )
     tokenizer = build_tokenizer(cfg.model)
     data = build_data(cfg, tokenizer)
-    factory = build_factory(HFModelFactory(cfg.model, cfg.train.seed), cfg)
+    factory = build_factory(model_factory, cfg)
     backend = build_backend(cfg.strategy, ctx)
     faults = FaultInjector(cfg.debug.inject_oom, cfg.strategy, rank)
     split = BatchSplit(
-        cfg.train.global_batch_size // world_size, micro, ctx.activation_checkpointing
+        mesh,
+        cfg.train.global_batch_size // mesh.num_data_ranks,
+        micro,
+        ctx.activation_checkpointing,
     )
     resume_from = resolve_resume(cfg)
     start_step = 0
@@ -152,6 +165,17 @@ def _setup(cfg: JobConfig) -> _Run | int:
     return _Run(
         cfg, ctx, run_dir, backend, model, factory, tokenizer, data, split, faults, start_step
     )
+
+
+def _sequence_mesh(cfg: JobConfig, rank: int, world_size: int, hf_config: Any) -> SequenceMesh:
+    """The data x sequence mesh of `sequence_parallel` (checked first: exit 2 when the model or
+    the ranks cannot split a sequence that way); the models built from `hf_config` attend
+    through its all-to-all."""
+    sp = concrete_sequence_parallel(cfg)
+    check_sequence_parallel(sp, world_size, hf_config, cfg.data.seq_len)
+    mesh = build_sequence_mesh(sp, rank, world_size)
+    apply_sequence_parallel(hf_config, mesh)
+    return mesh
 
 
 def _memory_levers(cfg: JobConfig, model: torch.nn.Module, device: torch.device) -> MemoryLevers:
@@ -307,14 +331,16 @@ def _save_final(run: _Run) -> None:
 
 @dataclass
 class BatchSplit:
-    """How this rank's share of the global batch is cut: micro-batch x accumulation, and which
-    layers recompute their activations.
+    """How this rank's share of the global batch is cut: the share of its sequence group
+    (`mesh`: the slice of every sequence it holds), micro-batch x accumulation, and which layers
+    recompute their activations.
 
     The OOM back-off changes the cut and the recomputation, never the share: what is learned
     stays the same.
     """
 
-    per_rank: int
+    mesh: SequenceMesh
+    per_rank: int  # sequences of the group's share
     micro_batch_size: int
     activation_checkpointing: str = "none"
     eval_batch_size: int = 0
@@ -357,9 +383,17 @@ def _step_with_backoff(
     activation checkpointing level, up to `full` (each keeps the math)."""
     num_backoffs = 0
     while True:
-        batches = data.train.micro_batches(
-            step, ctx.rank, ctx.world_size, split.micro_batch_size, ctx.cfg.train.global_batch_size
-        )
+        mesh = split.mesh
+        batches = [
+            split_sequence(batch, mesh)
+            for batch in data.train.micro_batches(
+                step,
+                mesh.data_rank,
+                mesh.num_data_ranks,
+                split.micro_batch_size,
+                ctx.cfg.train.global_batch_size,
+            )
+        ]
         try:
             return train_step(model, backend, batches, ctx.device, faults)
         except StepAborted as err:
@@ -422,14 +456,19 @@ def _evaluate_with_backoff(
     it gives up like a training step (OutOfMemoryGaveUp: report, exit 75, climb)."""
     num_backoffs = 0
     while True:
-        batches = eval_set.batches(split.eval_batch_size, ctx.rank, ctx.world_size)
+        mesh = split.mesh
+        batches = eval_set.batches(split.eval_batch_size, mesh.data_rank, mesh.num_data_ranks)
         try:
             return evaluate(
                 model,
-                itertools.islice(batches, ctx.cfg.train.eval_batches),
+                (
+                    split_sequence(b, mesh)
+                    for b in itertools.islice(batches, ctx.cfg.train.eval_batches)
+                ),
                 backend.compute_context,
                 ctx.device,
                 faults,
+                mesh.group,
             )
         except StepAborted as err:
             free_memory(ctx.device)
