@@ -112,11 +112,14 @@ def _setup(cfg: JobConfig) -> _Run | int:
     (with a report) when that runs out of memory."""
     rank, local_rank, world_size = env_rank()
     setup_logging(rank, world_size)
+    model_factory = HFModelFactory(cfg.model, cfg.train.seed)
+    sp = concrete_sequence_parallel(cfg)  # exit 2 before any process group if it cannot split
+    check_sequence_parallel(sp, world_size, model_factory.hf_config, cfg.data.seq_len)
     device = resolve_device(cfg, local_rank)
     init_distributed(cfg, device)
     _seed_everything(cfg)
-    model_factory = HFModelFactory(cfg.model, cfg.train.seed)
-    mesh = _sequence_mesh(cfg, rank, world_size, model_factory.hf_config)
+    mesh = build_sequence_mesh(sp, rank, world_size)
+    apply_sequence_parallel(model_factory.hf_config, mesh)  # its models attend over the group
     run_dir = Path(cfg.run.dir)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -165,17 +168,6 @@ def _setup(cfg: JobConfig) -> _Run | int:
     return _Run(
         cfg, ctx, run_dir, backend, model, factory, tokenizer, data, split, faults, start_step
     )
-
-
-def _sequence_mesh(cfg: JobConfig, rank: int, world_size: int, hf_config: Any) -> SequenceMesh:
-    """The data x sequence mesh of `sequence_parallel` (checked first: exit 2 when the model or
-    the ranks cannot split a sequence that way); the models built from `hf_config` attend
-    through its all-to-all."""
-    sp = concrete_sequence_parallel(cfg)
-    check_sequence_parallel(sp, world_size, hf_config, cfg.data.seq_len)
-    mesh = build_sequence_mesh(sp, rank, world_size)
-    apply_sequence_parallel(hf_config, mesh)
-    return mesh
 
 
 def _memory_levers(cfg: JobConfig, model: torch.nn.Module, device: torch.device) -> MemoryLevers:

@@ -16,8 +16,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.conftest import PYTHON, REPO, python_env, run_bounded, write_demo_job
+from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env, run_bounded, write_demo_job
+from trainer.core.config import ConfigError
+from trainer.loss import IGNORE_INDEX
+from trainer.sequence_parallel import SequenceMesh, check_sequence_parallel, split_sequence
 
 WORKER = str(REPO / "tests" / "trainer" / "sp_worker.py")
 STEPS = 6
@@ -73,8 +77,6 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "resume_sp1": ((*SINGLE, "sequence_parallel=1"), 1, "single"),
 }
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
-
 
 def _base_config(tmp: Path) -> Path:
     return write_demo_job(
@@ -128,6 +130,8 @@ def _metrics(run_dir: Path) -> list[dict]:
 PARITY = [name for name, (_, _, against) in RUNS.items() if against and name != "resume_sp1"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("name", PARITY)
 def test_losses_equal_one_process(runs: Path, name: str) -> None:
     got, want = _metrics(runs / name), _metrics(runs / RUNS[name][2])
@@ -142,6 +146,8 @@ def test_losses_equal_one_process(runs: Path, name: str) -> None:
         assert g["eval_exact_match"] == w["eval_exact_match"], (g["step"], g, w)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_the_reference_architectures_learn_different_things(runs: Path) -> None:
     """The parity above is not vacuous: the models differ, and so do their losses."""
     firsts = {
@@ -150,6 +156,8 @@ def test_the_reference_architectures_learn_different_things(runs: Path) -> None:
     assert len({round(v, 4) for v in firsts.values()}) == 3, firsts
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_levers_and_backoff_ran(runs: Path) -> None:
     """The levers run was cut smaller by the injected OOM and kept its levers on."""
     lines = _metrics(runs / "ddp_sp2_levers")
@@ -157,8 +165,80 @@ def test_levers_and_backoff_ran(runs: Path) -> None:
     assert lines[-1]["chunked_loss"] and lines[-1]["offload_activations"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_sp2_checkpoint_resumes_at_sp1(runs: Path) -> None:
     got, want = _metrics(runs / "resume_sp1"), _metrics(runs / "single")
     assert [g["step"] for g in got] == [4, 5, 6]
     for g, w in zip(got, want[3:], strict=True):
         assert g["loss"] == pytest.approx(w["loss"], abs=1e-4), (g["step"], g["loss"], w["loss"])
+
+
+def test_targets_are_shifted_before_the_split() -> None:
+    """The last token of slice 0 predicts the first token of slice 1; positions stay global."""
+    ids = torch.arange(10, 18).reshape(1, 8)
+    labels = ids.clone()
+    labels[0, 0] = IGNORE_INDEX
+    batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(8)[None],
+             "doc_ids": torch.zeros_like(ids)}  # fmt: skip
+    first, second = (split_sequence(batch, SequenceMesh(2, r, 0, 1)) for r in (0, 1))
+    assert first["input_ids"].tolist() == [[10, 11, 12, 13]]
+    assert first["targets"].tolist() == [[11, 12, 13, 14]]
+    assert second["targets"].tolist() == [[15, 16, 17, IGNORE_INDEX]]
+    assert second["position_ids"].tolist() == [[4, 5, 6, 7]]
+
+
+def _hf(heads: int, kv_heads: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=8 * heads, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "sp, world, heads, kv_heads, seq_len, words",
+    [
+        (2, 3, 4, 4, 32, "does not divide the 3 ranks"),
+        (8, 8, 4, 4, 32, "does not divide the model's 4 attention heads"),
+        (4, 4, 12, 6, 32, "6 key/value heads"),
+        (4, 4, 4, 4, 30, "data.seq_len=30"),
+    ],
+)
+def test_a_split_the_model_cannot_take_is_a_config_error(
+    sp, world, heads, kv_heads, seq_len, words
+):
+    with pytest.raises(ConfigError) as err:
+        check_sequence_parallel(sp, world, _hf(heads, kv_heads), seq_len)
+    line = str(err.value)
+    assert line.startswith("config error: sequence_parallel: ") and words in line, line
+
+
+def test_fewer_key_value_heads_than_ranks_are_repeated_not_refused() -> None:
+    check_sequence_parallel(4, 8, _hf(8, 2), 32)  # 2 kv heads, sp 4: each repeated twice
+    check_sequence_parallel(4, 4, _hf(8, 8), 32)
+
+
+def test_sp_that_does_not_divide_the_ranks_exits_2_in_one_line(tmp_path) -> None:
+    job = write_demo_job(tmp_path / "job.yaml", hardware={"devices_per_node": 2},
+                         train={"global_batch_size": 8, "micro_batch_size": 4},
+                         sequence_parallel=3, strategy="ddp")  # fmt: skip
+    r = run_bounded([PYTHON, "-m", "trainer", str(job)], env=python_env(), cwd=REPO, timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("config error: sequence_parallel: 3 does not divide the 2 ranks")
+
+
+def test_sp_the_model_cannot_take_exits_2_from_the_engine(tmp_path) -> None:
+    """Three attention heads, two ranks per sequence: refused before anything trains."""
+    model = {**TINY_LLAMA, "vocab_size": 45, "hidden_size": 24,
+             "num_attention_heads": 3, "num_key_value_heads": 3}  # fmt: skip
+    job = write_demo_job(tmp_path / "job.yaml", hardware={"devices_per_node": 2},
+                         model={"config": model}, sequence_parallel=2, strategy="ddp",
+                         train={"global_batch_size": 8, "micro_batch_size": 4})  # fmt: skip
+    env = {**python_env(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+    r = run_bounded([PYTHON, "-m", "trainer", str(job)], env=env, cwd=REPO, timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "config error: sequence_parallel: 2 does not divide the model's 3 attention heads" in (
+        r.stderr
+    )
