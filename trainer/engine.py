@@ -74,6 +74,7 @@ from trainer.sequence_parallel import (
 from trainer.signals import StopSignals
 from trainer.slurm_requeue import after_stop
 from trainer.step import train_step
+from trainer.tiled_mlp import apply_tiled_mlp, tiled_mlp_chunk_tokens
 from trainer.trackers import Trackers
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,8 @@ def _setup(cfg: JobConfig) -> _Run | int:
         _write_report(run_dir, phase, err, [rank], measured, 0, start_step, split, ctx)
         return EXIT_OOM
     split.levers = _memory_levers(cfg, model, device)
+    if concrete_lever(cfg.memory.tiled_mlp):  # auto: off until the planner chooses
+        apply_tiled_mlp(model, cfg.memory.mlp_chunk_tokens)
     return _Run(
         cfg, ctx, run_dir, backend, model, factory, tokenizer, data, split, faults, start_step
     )
@@ -263,23 +266,30 @@ def _ended(code: int, trackers: Trackers, window: ProfileWindow) -> int:
 
 
 def _log_start(run: _Run, num_params: int) -> None:
-    cfg, ctx = run.cfg, run.ctx
+    cfg, ctx, mesh = run.cfg, run.ctx, run.split.mesh
+    sp = (
+        f", sequence parallel {mesh.size} (a sequence over {mesh.size} ranks)"
+        if mesh.size > 1
+        else ""
+    )
     log.info(
         "%s: %s params%s, world %d, micro-batch %d x accumulation %d x %d ranks = global batch %d, "
-        "%s, activation checkpointing %s, chunked loss %s, activation offload %s%s",
+        "%s%s, activation checkpointing %s, chunked loss %s, activation offload %s%s%s",
         cfg.strategy,
         f"{num_params:,}",
         describe_method(cfg, run.model),
         ctx.world_size,
         ctx.micro_batch_size,
         ctx.grad_accum,
-        ctx.world_size,
+        mesh.num_data_ranks,
         cfg.train.global_batch_size,
         cfg.precision,
+        sp,
         ctx.activation_checkpointing,
         "on" if run.split.levers.chunked_loss else "off",
         "on" if run.split.levers.offload_activations else "off",
         f", {n} layers compiled" if (n := num_compiled_layers(run.model)) else "",
+        f", MLP tiled in chunks of {n} tokens" if (n := tiled_mlp_chunk_tokens(run.model)) else "",
     )
 
 

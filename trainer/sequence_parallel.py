@@ -151,21 +151,23 @@ class _UlyssesAttention:
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         sp = self.mesh.size
-        positions = self._whole_positions(kwargs["position_ids"])
+        positions = self._whole_positions(kwargs.get("position_ids"))
         if self.kv_heads < sp:  # grouped-query attention: one (repeated) k/v head per rank
             key = key.repeat_interleave(sp // self.kv_heads, dim=1)
             value = value.repeat_interleave(sp // self.kv_heads, dim=1)
         query, key, value = (self._heads_to_sequence(t) for t in (query, key, value))
         mask = self._mask(query, positions, kwargs.get("sliding_window"))
         inner = self.inner or _eager_of(module)
-        groups = module.num_key_value_groups
-        module.num_key_value_groups = query.size(1) // key.size(1)
+        groups = getattr(module, "num_key_value_groups", None)
+        if groups is not None:  # query heads per k/v head on this rank (repeated k/v: fewer)
+            module.num_key_value_groups = query.size(1) // key.size(1)
         try:
             out, weights = inner(
                 module, query, key, value, mask, **{**kwargs, "position_ids": positions}
             )
         finally:
-            module.num_key_value_groups = groups
+            if groups is not None:
+                module.num_key_value_groups = groups
         return self._sequence_to_heads(out), weights
 
     def _heads_to_sequence(self, t: torch.Tensor) -> torch.Tensor:
@@ -186,7 +188,9 @@ class _UlyssesAttention:
         """The whole sequence's position ids, gathered once per forward (every layer of one
         forward, and its recomputation, gets the same local tensor object)."""
         if local is None:
-            raise ValueError("sequence parallelism needs position_ids in every forward")
+            raise ValueError(
+                "sequence parallelism needs the model to pass position_ids to its attention"
+            )
         if local is not self._seen:
             parts = [torch.empty_like(local) for _ in range(self.mesh.size)]
             dist.all_gather(parts, local.contiguous(), group=self.mesh.group)

@@ -42,6 +42,7 @@ LEVERS = (
     "memory.offload_activations=true",
     "debug.inject_oom={step: 2, rank: 1, times: 1, where: backward}",
 )
+TILED = ("memory.tiled_mlp=true", "memory.mlp_chunk_tokens=4")
 SINGLE = ("strategy=single", "hardware.devices_per_node=1", "train.micro_batch_size=8")
 # name: (overrides, world size, the one-process run it must equal)
 RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
@@ -73,6 +74,9 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     ),
     # one group of four: the model's 2 key/value heads repeated to one per rank
     "ddp_sp4_w4": (("strategy=ddp", "sequence_parallel=4"), 4, "single"),
+    # tiled MLP (trainer/tiled_mlp.py): 4 chunks of each rank's 16 / the window's 32 tokens
+    "single_tiled": ((*SINGLE, *TILED), 1, None),
+    "fsdp_sp2_full_tiled": (("strategy=fsdp", "sequence_parallel=2", FULL_AC, *TILED), 2, None),
     # the sp=2 checkpoint of step 3, resumed on one process at sp=1
     "resume_sp1": ((*SINGLE, "sequence_parallel=1"), 1, "single"),
 }
@@ -242,3 +246,15 @@ def test_sp_the_model_cannot_take_exits_2_from_the_engine(tmp_path) -> None:
     assert "config error: sequence_parallel: 2 does not divide the model's 3 attention heads" in (
         r.stderr
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize(
+    "tiled, untiled", [("single_tiled", "single"), ("fsdp_sp2_full_tiled", "fsdp_sp2_full")]
+)
+def test_tiled_mlp_learns_what_the_untiled_mlp_learns(runs: Path, tiled: str, untiled: str) -> None:
+    got, want = _metrics(runs / tiled), _metrics(runs / untiled)
+    assert len(got) == len(want) == STEPS
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], abs=1e-5), (g["step"], g["loss"], w["loss"])

@@ -172,6 +172,7 @@ class MemoryConfig(_Section):
     # each decoder layer's MLP over chunks of the sequence, each recomputed in backward
     # (trainer/tiled_mlp.py); auto: the planner (off in the engine until it chooses)
     tiled_mlp: Literal["auto"] | bool = "auto"
+    mlp_chunk_tokens: int | None = Field(None, ge=1)  # tokens per MLP chunk; None: hidden size
     loss_chunk_tokens: int | None = Field(None, ge=1)  # tokens per chunk; None: by vocabulary
     headroom: float = Field(0.10, ge=0.0, lt=0.9)
 
