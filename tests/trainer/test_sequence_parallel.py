@@ -11,8 +11,10 @@ sp_worker.py); the one-process references run in one process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -46,11 +48,11 @@ TILED = ("memory.tiled_mlp=true", "memory.mlp_chunk_tokens=4")
 SINGLE = ("strategy=single", "hardware.devices_per_node=1", "train.micro_batch_size=8")
 # name: (overrides, world size, the one-process run it must equal)
 RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
-    "single": ((*SINGLE, "run.checkpoint_every=3"), 1, None),
+    "single": ((*SINGLE, "run.checkpoint_every=3", "run.save_final=true"), 1, None),
     "single_lora": ((*SINGLE, *LORA), 1, None),
     "single_qwen2": ((*SINGLE, QWEN2_KV1), 1, None),
     "single_mistral": ((*SINGLE, MISTRAL_WINDOW), 1, None),
-    "ddp_sp2": (("strategy=ddp", "sequence_parallel=2"), 2, "single"),
+    "ddp_sp2": (("strategy=ddp", "sequence_parallel=2", "run.save_final=true"), 2, "single"),
     "ddp_sp2_full": (("strategy=ddp", "sequence_parallel=2", FULL_AC), 2, "single"),
     "fsdp_sp2": (("strategy=fsdp", "sequence_parallel=2"), 2, "single"),
     "fsdp_sp2_full": (
@@ -258,3 +260,80 @@ def test_tiled_mlp_learns_what_the_untiled_mlp_learns(runs: Path, tiled: str, un
     assert len(got) == len(want) == STEPS
     for g, w in zip(got, want, strict=True):
         assert g["loss"] == pytest.approx(w["loss"], abs=1e-5), (g["step"], g["loss"], w["loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_the_model_trained_at_sp2_is_the_one_process_model(runs: Path) -> None:
+    """final/ of an sp=2 run: a plain HF model (no trace of the sequence-parallel attention in
+    its config) with the weights one process trains."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(runs / "ddp_sp2" / "final")
+    assert config._attn_implementation != "oomless_ulysses"
+    assert "oomless" not in (runs / "ddp_sp2" / "final" / "config.json").read_text()
+    got = load_file(runs / "ddp_sp2" / "final" / "model.safetensors")
+    want = load_file(runs / "single" / "final" / "model.safetensors")
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.allclose(got[name], tensor, atol=1e-5), name
+
+
+class _NextInteger(torch.nn.Module):
+    """A 'model' that predicts token + 1 after every token: a document of consecutive integers
+    is an exact match, any other is not."""
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        logits = torch.nn.functional.one_hot((input_ids + 1) % 32, 32).float()
+        return type("Out", (), {"logits": logits})
+
+
+def _row() -> dict[str, torch.Tensor]:
+    """One packed window: document 0 (5..11, consecutive, targets in both halves) and document
+    1 (20, 21, 23: its last target is a miss)."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 20, 21, 23]])
+    labels = ids.clone()
+    labels[0, [0, 7]] = IGNORE_INDEX  # nothing predicts a document's first token
+    return {"input_ids": ids, "labels": labels,
+            "position_ids": torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2]]),
+            "doc_ids": torch.tensor([[0] * 7 + [1] * 3])}  # fmt: skip
+
+
+def _evaluate_half(rank: int, store_dir: str) -> None:
+    import torch.distributed as dist
+
+    from trainer.evaluate import evaluate
+    from trainer.sequence_parallel import build_sequence_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank,
+                            world_size=2)  # fmt: skip
+    mesh = build_sequence_mesh(2, rank, 2)
+    batches = [split_sequence(_row(), mesh)]
+    result = evaluate(_NextInteger(), batches, contextlib.nullcontext, torch.device("cpu"),
+                      sequence_group=mesh.group)  # fmt: skip
+    Path(store_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_exact_match_scores_documents_across_slices(tmp_path) -> None:
+    """Document 0 is split over the two slices: it still counts once, and as a match."""
+    from trainer.evaluate import evaluate
+
+    whole = evaluate(_NextInteger(), [_row()], contextlib.nullcontext, torch.device("cpu"))
+    assert whole["eval_exact_match"] == 0.5
+    code = (
+        "from tests.trainer.test_sequence_parallel import _evaluate_half; _evaluate_half({}, {!r})"
+    )
+    procs = [
+        subprocess.Popen([PYTHON, "-c", code.format(rank, str(tmp_path))], env=python_env(),
+                         cwd=REPO, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]  # fmt: skip
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+    for rank in (0, 1):
+        split = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert split["eval_exact_match"] == 0.5, split
+        assert split["eval_loss"] == pytest.approx(whole["eval_loss"], abs=1e-6)
