@@ -79,7 +79,12 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     # tiled MLP (trainer/tiled_mlp.py): 4 chunks of each rank's 16 / the window's 32 tokens
     "single_tiled": ((*SINGLE, *TILED), 1, None),
     "fsdp_sp2_full_tiled": (("strategy=fsdp", "sequence_parallel=2", FULL_AC, *TILED), 2, None),
-    # the sp=2 checkpoint of step 3, resumed on one process at sp=1
+    # the one-process checkpoint of step 3, resumed at sp=2; the sp=2 one resumed at sp=1
+    "resume_sp2": (
+        ("strategy=ddp", "sequence_parallel=2", "run.resume={work}/single/checkpoints/step_3"),
+        2,
+        "single",
+    ),
     "resume_sp1": ((*SINGLE, "sequence_parallel=1"), 1, "single"),
 }
 
@@ -133,7 +138,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-PARITY = [name for name, (_, _, against) in RUNS.items() if against and name != "resume_sp1"]
+PARITY = [name for name, (_, _, against) in RUNS.items() if against and "resume" not in name]
 
 
 @pytest.mark.slow
@@ -173,8 +178,9 @@ def test_levers_and_backoff_ran(runs: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_sp2_checkpoint_resumes_at_sp1(runs: Path) -> None:
-    got, want = _metrics(runs / "resume_sp1"), _metrics(runs / "single")
+@pytest.mark.parametrize("name", ["resume_sp1", "resume_sp2"])
+def test_a_checkpoint_resumes_at_another_sequence_parallel(runs: Path, name: str) -> None:
+    got, want = _metrics(runs / name), _metrics(runs / "single")
     assert [g["step"] for g in got] == [4, 5, 6]
     for g, w in zip(got, want[3:], strict=True):
         assert g["loss"] == pytest.approx(w["loss"], abs=1e-4), (g["step"], g["loss"], w["loss"])
