@@ -63,9 +63,18 @@ from trainer.oom import (
 )
 from trainer.profile import ProfileWindow
 from trainer.schedule import lr_at
+from trainer.sequence_parallel import (
+    SequenceMesh,
+    apply_sequence_parallel,
+    build_sequence_mesh,
+    check_sequence_parallel,
+    concrete_sequence_parallel,
+    split_sequence,
+)
 from trainer.signals import StopSignals
 from trainer.slurm_requeue import after_stop
 from trainer.step import train_step
+from trainer.tiled_mlp import apply_tiled_mlp, tiled_mlp_chunk_tokens
 from trainer.trackers import Trackers
 
 log = logging.getLogger(__name__)
@@ -104,9 +113,14 @@ def _setup(cfg: JobConfig) -> _Run | int:
     (with a report) when that runs out of memory."""
     rank, local_rank, world_size = env_rank()
     setup_logging(rank, world_size)
+    model_factory = HFModelFactory(cfg.model, cfg.train.seed)
+    sp = concrete_sequence_parallel(cfg)  # exit 2 before any process group if it cannot split
+    check_sequence_parallel(sp, world_size, model_factory.hf_config, cfg.data.seq_len)
     device = resolve_device(cfg, local_rank)
     init_distributed(cfg, device)
     _seed_everything(cfg)
+    mesh = build_sequence_mesh(sp, rank, world_size)
+    apply_sequence_parallel(model_factory.hf_config, mesh)  # its models attend over the group
     run_dir = Path(cfg.run.dir)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -121,15 +135,18 @@ def _setup(cfg: JobConfig) -> _Run | int:
         precision=cfg.precision,
         activation_checkpointing=_concrete_ac(cfg),
         micro_batch_size=micro,
-        grad_accum=cfg.train.global_batch_size // (micro * world_size),
+        grad_accum=cfg.train.global_batch_size // (micro * mesh.num_data_ranks),
     )
     tokenizer = build_tokenizer(cfg.model)
     data = build_data(cfg, tokenizer)
-    factory = build_factory(HFModelFactory(cfg.model, cfg.train.seed), cfg)
+    factory = build_factory(model_factory, cfg)
     backend = build_backend(cfg.strategy, ctx)
     faults = FaultInjector(cfg.debug.inject_oom, cfg.strategy, rank)
     split = BatchSplit(
-        cfg.train.global_batch_size // world_size, micro, ctx.activation_checkpointing
+        mesh,
+        cfg.train.global_batch_size // mesh.num_data_ranks,
+        micro,
+        ctx.activation_checkpointing,
     )
     resume_from = resolve_resume(cfg)
     start_step = 0
@@ -149,6 +166,8 @@ def _setup(cfg: JobConfig) -> _Run | int:
         _write_report(run_dir, phase, err, [rank], measured, 0, start_step, split, ctx)
         return EXIT_OOM
     split.levers = _memory_levers(cfg, model, device)
+    if concrete_lever(cfg.memory.tiled_mlp):  # auto: off until the planner chooses
+        apply_tiled_mlp(model, cfg.memory.mlp_chunk_tokens)
     return _Run(
         cfg, ctx, run_dir, backend, model, factory, tokenizer, data, split, faults, start_step
     )
@@ -247,23 +266,30 @@ def _ended(code: int, trackers: Trackers, window: ProfileWindow) -> int:
 
 
 def _log_start(run: _Run, num_params: int) -> None:
-    cfg, ctx = run.cfg, run.ctx
+    cfg, ctx, mesh = run.cfg, run.ctx, run.split.mesh
+    sp = (
+        f", sequence parallel {mesh.size} (a sequence over {mesh.size} ranks)"
+        if mesh.size > 1
+        else ""
+    )
     log.info(
         "%s: %s params%s, world %d, micro-batch %d x accumulation %d x %d ranks = global batch %d, "
-        "%s, activation checkpointing %s, chunked loss %s, activation offload %s%s",
+        "%s%s, activation checkpointing %s, chunked loss %s, activation offload %s%s%s",
         cfg.strategy,
         f"{num_params:,}",
         describe_method(cfg, run.model),
         ctx.world_size,
         ctx.micro_batch_size,
         ctx.grad_accum,
-        ctx.world_size,
+        mesh.num_data_ranks,
         cfg.train.global_batch_size,
         cfg.precision,
+        sp,
         ctx.activation_checkpointing,
         "on" if run.split.levers.chunked_loss else "off",
         "on" if run.split.levers.offload_activations else "off",
         f", {n} layers compiled" if (n := num_compiled_layers(run.model)) else "",
+        f", MLP tiled in chunks of {n} tokens" if (n := tiled_mlp_chunk_tokens(run.model)) else "",
     )
 
 
@@ -307,14 +333,16 @@ def _save_final(run: _Run) -> None:
 
 @dataclass
 class BatchSplit:
-    """How this rank's share of the global batch is cut: micro-batch x accumulation, and which
-    layers recompute their activations.
+    """How this rank's share of the global batch is cut: the share of its sequence group
+    (`mesh`: the slice of every sequence it holds), micro-batch x accumulation, and which layers
+    recompute their activations.
 
     The OOM back-off changes the cut and the recomputation, never the share: what is learned
     stays the same.
     """
 
-    per_rank: int
+    mesh: SequenceMesh
+    per_rank: int  # sequences of the group's share
     micro_batch_size: int
     activation_checkpointing: str = "none"
     eval_batch_size: int = 0
@@ -357,9 +385,17 @@ def _step_with_backoff(
     activation checkpointing level, up to `full` (each keeps the math)."""
     num_backoffs = 0
     while True:
-        batches = data.train.micro_batches(
-            step, ctx.rank, ctx.world_size, split.micro_batch_size, ctx.cfg.train.global_batch_size
-        )
+        mesh = split.mesh
+        batches = [
+            split_sequence(batch, mesh)
+            for batch in data.train.micro_batches(
+                step,
+                mesh.data_rank,
+                mesh.num_data_ranks,
+                split.micro_batch_size,
+                ctx.cfg.train.global_batch_size,
+            )
+        ]
         try:
             return train_step(model, backend, batches, ctx.device, faults)
         except StepAborted as err:
@@ -422,14 +458,19 @@ def _evaluate_with_backoff(
     it gives up like a training step (OutOfMemoryGaveUp: report, exit 75, climb)."""
     num_backoffs = 0
     while True:
-        batches = eval_set.batches(split.eval_batch_size, ctx.rank, ctx.world_size)
+        mesh = split.mesh
+        batches = eval_set.batches(split.eval_batch_size, mesh.data_rank, mesh.num_data_ranks)
         try:
             return evaluate(
                 model,
-                itertools.islice(batches, ctx.cfg.train.eval_batches),
+                (
+                    split_sequence(b, mesh)
+                    for b in itertools.islice(batches, ctx.cfg.train.eval_batches)
+                ),
                 backend.compute_context,
                 ctx.device,
                 faults,
+                mesh.group,
             )
         except StepAborted as err:
             free_memory(ctx.device)

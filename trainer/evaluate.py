@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from trainer.dist import all_reduce_sum
-from trainer.loss import IGNORE_INDEX
+from trainer.loss import IGNORE_INDEX, targets_of
 from trainer.oom import NO_FAULTS, FaultInjector, agree, is_oom
 
 
@@ -21,11 +23,14 @@ def evaluate(
     compute_context: Callable[[], AbstractContextManager],
     device: torch.device,
     faults: FaultInjector = NO_FAULTS,
+    sequence_group: Any = None,
 ) -> dict[str, float]:
     """{'eval_loss', 'eval_exact_match'} over the given batches of every rank.
 
     A document counts as an exact match when argmax predicts every one of its target tokens
-    under teacher forcing (for a prompt/completion task: the whole completion is right).
+    under teacher forcing (for a prompt/completion task: the whole completion is right). Batches
+    split along the sequence (`sequence_group`: the ranks holding the other slices) score a
+    document from the counts of every slice.
     """
     was_training = model.training
     model.eval()
@@ -46,8 +51,8 @@ def evaluate(
                 err.__traceback__ = None
                 failed = err
             agree(failed, "eval", device)
-            logits = logits[:, :-1].float()
-            targets = batch["labels"][:, 1:]
+            logits = logits.float()
+            targets = targets_of(batch)
             loss_sum += float(
                 F.cross_entropy(
                     logits.reshape(-1, logits.size(-1)),
@@ -58,8 +63,9 @@ def evaluate(
             )
             has_target = targets != IGNORE_INDEX
             num_tokens += float(has_target.sum())
+            # a target's document is its position's (nothing is predicted across documents)
             docs, correct = _exact_match_counts(
-                logits.argmax(-1) == targets, has_target, batch["doc_ids"][:, 1:]
+                logits.argmax(-1) == targets, has_target, batch["doc_ids"], sequence_group
             )
             num_docs += docs
             num_correct += correct
@@ -75,11 +81,13 @@ def evaluate(
 
 
 def _exact_match_counts(
-    hit: torch.Tensor, has_target: torch.Tensor, doc_ids: torch.Tensor
+    hit: torch.Tensor, has_target: torch.Tensor, doc_ids: torch.Tensor, sequence_group: Any
 ) -> tuple[float, float]:
-    """(documents with targets, documents whose targets are all hit) in a [m, L-1] batch."""
-    num_rows, _ = hit.shape
-    max_docs = int(doc_ids.max().item()) + 2 if doc_ids.numel() else 1
+    """(documents with targets, documents whose targets are all hit) in a [m, L] batch; with a
+    sequence group, of the whole sequences (counted once, by the group's first rank)."""
+    num_rows, length = hit.shape
+    num_slices = dist.get_world_size(sequence_group) if sequence_group is not None else 1
+    max_docs = length * num_slices + 1  # documents per row, at most
     # One bucket per (row, document); padding (doc id -1) and non-targets fall out via the masks.
     key = torch.arange(num_rows, device=hit.device)[:, None] * max_docs + doc_ids.clamp(min=-1) + 1
     key = key[has_target]
@@ -89,5 +97,11 @@ def _exact_match_counts(
         0, key, torch.ones_like(misses)
     )
     misses_per_doc = torch.zeros(num_buckets, device=hit.device).index_add_(0, key, misses)
+    if sequence_group is not None:
+        counts = torch.stack([targets_per_doc, misses_per_doc])
+        dist.all_reduce(counts, group=sequence_group)
+        if dist.get_rank(sequence_group) != 0:
+            return 0.0, 0.0
+        targets_per_doc, misses_per_doc = counts
     scored = targets_per_doc > 0
     return float(scored.sum()), float((scored & (misses_per_doc == 0)).sum())

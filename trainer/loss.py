@@ -8,22 +8,38 @@ from torch import nn
 
 from trainer.chunked_loss import IGNORE_INDEX, chunked_head
 
-__all__ = ["IGNORE_INDEX", "compute_loss", "next_token_loss_sum", "shifted_targets"]
+__all__ = [
+    "IGNORE_INDEX",
+    "compute_loss",
+    "next_token_loss_sum",
+    "shifted_targets",
+    "targets_of",
+    "token_loss_sum",
+]
 
 
 def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The sum of token losses of one micro-batch (the step counts the target tokens once, for
     the whole global batch, before any forward: no host sync here).
 
-    Labels are aligned with input_ids (not shifted); position t predicts labels[t + 1].
+    Labels are aligned with input_ids (not shifted); position t predicts labels[t + 1]. A
+    batch split along the sequence (trainer/sequence_parallel.py) carries its `targets`
+    instead, taken before the split.
     """
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids")}
+    targets = targets_of(batch)
     head = chunked_head(model)  # chunked loss on: the output layer computes it chunk by chunk
     if head is None:
-        return next_token_loss_sum(model(**inputs).logits, batch["labels"])
-    with head.loss_targets(shifted_targets(batch["labels"])):
+        return token_loss_sum(model(**inputs).logits, targets)
+    with head.loss_targets(targets):
         carrier = model(**inputs).logits
     return head.take_loss(carrier)
+
+
+def targets_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What each position of the batch predicts: its `targets`, else the shifted labels."""
+    targets = batch.get("targets")
+    return shifted_targets(batch["labels"]) if targets is None else targets
 
 
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -39,9 +55,14 @@ def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     slice. 16-bit logits are upcast to fp32 for the loss, as HF does: the estimator counts that
     copy.
     """
+    return token_loss_sum(logits, shifted_targets(labels))
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of every position's logits against its target (fp32)."""
     return F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)),
-        shifted_targets(labels).reshape(-1),
+        targets.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )

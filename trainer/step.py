@@ -12,7 +12,7 @@ import torch
 
 from trainer.backends import Backend
 from trainer.dist import all_reduce_sum
-from trainer.loss import IGNORE_INDEX, compute_loss
+from trainer.loss import IGNORE_INDEX, compute_loss, targets_of
 from trainer.oom import NO_FAULTS, FaultInjector, OutOfMemoryInStep, agree, is_oom
 from trainer.phases import OPTIMIZER, mark_in_profile
 
@@ -41,7 +41,7 @@ def train_step(
     micro-batches. An OOM inside the optimizer step raises OutOfMemoryInStep on that rank only.
     """
     start = time.perf_counter()
-    local_targets = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches)
+    local_targets = sum(int((targets_of(b) != IGNORE_INDEX).sum()) for b in batches)
     local_tokens = sum(int((b["doc_ids"] >= 0).sum()) for b in batches)
     global_targets, global_tokens = all_reduce_sum([local_targets, local_tokens], device)
     denominator = max(global_targets, 1.0)

@@ -114,6 +114,10 @@ class FsdpBackend:
         self.model.set_requires_gradient_sync(True)
 
     def _named_params(self) -> dict[str, nn.Parameter]:
+        """The sharded parameters, which the optimizer holds. The root keeps its parameters
+        unsharded after a forward (reshard_after_forward=False); after an eval forward, which
+        no backward follows, they would be other tensors than the optimizer's."""
+        self.model.reshard()
         return trained_params(self.model)
 
     def state_dict(self) -> dict[str, Any]:

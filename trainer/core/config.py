@@ -169,6 +169,10 @@ class MemoryConfig(_Section):
     # layers' saved activations in host memory between forward and backward. auto: the planner.
     chunked_loss: Literal["auto"] | bool = "auto"
     offload_activations: Literal["auto"] | bool = "auto"
+    # each decoder layer's MLP over chunks of the sequence, each recomputed in backward
+    # (trainer/tiled_mlp.py); auto: the planner (off in the engine until it chooses)
+    tiled_mlp: Literal["auto"] | bool = "auto"
+    mlp_chunk_tokens: int | None = Field(None, ge=1)  # tokens per MLP chunk; None: hidden size
     loss_chunk_tokens: int | None = Field(None, ge=1)  # tokens per chunk; None: by vocabulary
     headroom: float = Field(0.10, ge=0.0, lt=0.9)
 
@@ -315,6 +319,9 @@ class JobConfig(_Section):
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     strategy: str = "auto"  # auto or a row of trainer/core/strategies.py
+    # ranks that split each sequence (Ulysses, trainer/sequence_parallel.py); auto: the planner
+    # (1 in the engine until it chooses). Changes where tokens live, never what is learned.
+    sequence_parallel: Literal["auto"] | int = "auto"
     hardware: HardwareConfig = Field(default_factory=HardwareConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
     run: RunConfig = Field(default_factory=RunConfig)
@@ -323,6 +330,13 @@ class JobConfig(_Section):
     dist: DistConfig = Field(default_factory=DistConfig)
     escalation: EscalationConfig = Field(default_factory=EscalationConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+
+    @field_validator("sequence_parallel")
+    @classmethod
+    def _positive_sequence_parallel(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1 or auto")
+        return v
 
     @field_validator("strategy")
     @classmethod
@@ -567,11 +581,20 @@ def _check_across_sections(cfg: JobConfig) -> None:
             "use ddp, fsdp or a zero rung, or strategy=auto",
         )
     world = hw.nodes * hw.devices_per_node if hw.devices_per_node else None
-    if world and isinstance(micro, int) and train.global_batch_size % (micro * world):
+    sp = cfg.sequence_parallel if isinstance(cfg.sequence_parallel, int) else 1
+    if world and world % sp:
+        raise ConfigError(
+            "sequence_parallel",
+            f"{sp} does not divide the {world} ranks (hardware.nodes x devices_per_node)",
+            "use a divisor of the rank count, or auto",
+        )
+    data_ranks = world // sp if world else None  # the ranks of a sequence group share sequences
+    if data_ranks and isinstance(micro, int) and train.global_batch_size % (micro * data_ranks):
         raise ConfigError(
             "hardware.devices_per_node",
             f"train.global_batch_size={train.global_batch_size} is not a multiple of "
-            f"train.micro_batch_size x ranks = {micro} x {world}",
+            f"train.micro_batch_size x ranks = {micro} x {data_ranks}"
+            + (f" (the {world} ranks / sequence_parallel {sp})" if sp > 1 else ""),
             "change the device count, the micro-batch or the global batch",
         )
     if cfg.precision == "fp16" and hw.device == "cpu":
