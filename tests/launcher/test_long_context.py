@@ -1,0 +1,144 @@
+"""Long context in the plan: the sequence split over ranks (sequence_parallel), the MLP tiled,
+and the longest sequence a plan fits (launcher/long_context.py). Pure planning."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from launcher.cli import main
+from launcher.cost import Links, all_to_all_s
+from launcher.estimate import estimate
+from launcher.hardware import Hardware
+from launcher.ladder import shortfall
+from launcher.long_context import max_seq_len
+from launcher.model_shape import model_shape
+from launcher.plan import make_plan
+from launcher.planning import resolve_plan
+from trainer.core.config import build_config, load_config
+from trainer.core.step_spec import StepSpec
+from trainer.core.units import GIB
+
+PRESET_8B = "configs/models/llama-3.1-8b.yaml"
+LONG = ["data.seq_len=131072", "train.global_batch_size=8", "hardware.device=cuda"]
+EIGHT_80 = ["hardware.devices_per_node=8", "hardware.device_memory=80GiB"]
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    from tests.conftest import REPO
+
+    monkeypatch.chdir(REPO)
+
+
+def _plan_json(capsys, *args: str) -> dict:
+    rc = main(["plan", *args, "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def _hw(devices: int, device_gib: int = 80, host_gib: int = 1024, nodes: int = 1) -> Hardware:
+    return Hardware("cuda", nodes, devices, device_gib * GIB, host_gib * GIB, "test GPU", 989e12)
+
+
+def _job(seq: int, **extra):
+    tree = {
+        "model": {"name_or_path": "meta-llama/Llama-3.1-8B"},
+        "data": {"path": "some/dataset", "seq_len": seq},
+        "train": {"global_batch_size": 8},
+        "precision": "bf16",
+    }
+    return build_config(tree | extra)
+
+
+def test_8b_at_131072_tokens_on_eight_80gib_gpus_splits_each_sequence(capsys):
+    plan = _plan_json(capsys, PRESET_8B, *LONG, *EIGHT_80, "hardware.host_memory=1TiB")
+    sp = plan["sequence_parallel"]
+    assert sp > 1 and 8 % sp == 0
+    assert plan["estimate"]["device"]["total_bytes"] <= 0.9 * 80 * GIB
+    # the global batch splits over 8 / sp data-parallel groups
+    assert plan["micro_batch_size"] * plan["grad_accum"] * (8 // sp) == 8
+    assert plan["max_seq_len"] >= 131072 and plan["max_seq_len"] % sp == 0
+    assert any(r.startswith(f"sequence parallel {sp}: activations of one 131,072-token")
+               for r in plan["reasons"])  # fmt: skip
+    main(["plan", PRESET_8B, *LONG, *EIGHT_80, "hardware.host_memory=1TiB"])
+    out = capsys.readouterr().out
+    assert f"longest sequence that fits this plan: {plan['max_seq_len']:,} tokens" in out
+
+
+def test_8b_lora_at_131072_tokens_fits_one_80gib_gpu(capsys):
+    plan = _plan_json(capsys, PRESET_8B, *LONG, "finetune.method=lora",
+                      "hardware.devices_per_node=1", "hardware.device_memory=80GiB",
+                      "hardware.host_memory=512GiB")  # fmt: skip
+    assert plan["sequence_parallel"] == 1  # one device: nothing to split over
+    assert plan["estimate"]["device"]["total_bytes"] <= 0.9 * 80 * GIB
+    assert plan["activation_checkpointing"] == "full" and plan["chunked_loss"]
+    assert plan["max_seq_len"] >= 131072
+
+
+def test_a_short_job_is_planned_without_a_split():
+    plan = make_plan(_job(4096), _hw(8))
+    assert (plan.long.sequence_parallel, plan.long.tiled_mlp) == (1, False)
+    assert plan.max_seq_len > 4096
+
+
+def test_the_resolved_config_runs_what_was_planned_and_a_forced_split_is_kept(tmp_path):
+    cfg = load_config(PRESET_8B, [*LONG, *EIGHT_80, "hardware.host_memory=1TiB",
+                                  f"run.dir={tmp_path}"])  # fmt: skip
+    resolved, plan = resolve_plan(cfg)
+    assert resolved.sequence_parallel == plan["sequence_parallel"] > 1
+    assert resolved.memory.tiled_mlp is plan["tiled_mlp"]
+    forced = cfg.model_copy(update={"sequence_parallel": 8})
+    resolved, plan = resolve_plan(forced)
+    assert resolved.sequence_parallel == plan["sequence_parallel"] == 8
+    assert plan["micro_batch_size"] * plan["grad_accum"] == 8  # one data-parallel group
+
+
+def test_sequence_parallel_divides_the_activations_per_rank_but_not_the_model_states():
+    shape = model_shape(_job(32768).model)
+    base = StepSpec("fsdp", 8, 1, 32768, "none", packed=False)
+    one, four = estimate(shape, base), estimate(shape, replace(base, sequence_parallel=4))
+    acts = one.device_breakdown["activations"], four.device_breakdown["activations"]
+    assert acts[1] == pytest.approx(acts[0] / 4, rel=0.02)
+    for part in ("params", "grads", "optimizer"):
+        assert one.device_breakdown[part] == four.device_breakdown[part]
+    # a packed window's block-causal mask is the whole sequence's on every rank
+    packed = replace(base, packed=True, sequence_parallel=4)
+    mask_phase = estimate(shape, packed).peak_tensor_bytes - four.peak_tensor_bytes
+    assert mask_phase >= 32768**2  # the boolean mask alone
+
+
+def test_tiled_mlp_drops_the_mlp_intermediates():
+    shape = model_shape(_job(32768).model)
+    plain = StepSpec("fsdp", 8, 1, 32768, "none")
+    tiled = estimate(shape, replace(plain, tiled_mlp=True)).device_breakdown["activations"]
+    mlp = 4 * 2 * 32768 * shape.intermediate_size * shape.num_layers  # gate, silu, up, product
+    drop = estimate(shape, plain).device_breakdown["activations"] - tiled
+    assert drop == pytest.approx(mlp, rel=0.15)
+
+
+def test_the_longest_sequence_fits_and_one_more_slice_does_not():
+    shape, hw = model_shape(_job(8192).model), _hw(8)
+    spec = StepSpec("fsdp", 8, 1, 8192, "full", chunked_loss=True, sequence_parallel=4)
+    longest = max_seq_len(shape, spec, hw, 0.1, 1.0)
+    assert longest > 8192 and longest % 4 == 0
+    assert longest == max_seq_len(shape, replace(spec, seq_len=longest // 8 * 4), hw, 0.1, 1.0)
+    assert shortfall(estimate(shape, replace(spec, seq_len=longest)), hw, 0.1) is None
+    assert shortfall(estimate(shape, replace(spec, seq_len=longest + 4)), hw, 0.1) is not None
+
+
+def test_all_to_alls_cost_more_across_nodes_than_within_one():
+    shape = model_shape(_job(131072).model)
+    links = Links(150e9, 20e9, 12e9, 3e9, 80e9)
+    spec = StepSpec("fsdp", 16, 1, 131072, "full", devices_per_node=8, sequence_parallel=8)
+    within = all_to_all_s(shape, spec, links)
+    across = all_to_all_s(shape, replace(spec, sequence_parallel=16), links)
+    assert all_to_all_s(shape, replace(spec, sequence_parallel=1), links) == 0
+    # 8 ranks of a node: (7/8) x 2 bytes x 16,384 tokens x (2 x 4,096 + 2 x 8 x 128) x 32 layers
+    # x 3 passes (forward, recompute, backward)
+    per_layer = 2 * 16384 * (2 * 4096 + 2 * 8 * 128)
+    assert within == pytest.approx(7 / 8 * per_layer * 32 * 3 / 150e9)
+    assert across > 3 * within
