@@ -69,19 +69,21 @@ def max_seq_len(
     shape: ModelShape, spec: StepSpec, hw: Hardware, headroom: float, memory_scale: float
 ) -> int:
     """The longest `seq_len`, a multiple of the sequence group, at which `spec` (its rung,
-    levers, split and micro-batch) still fits `hw`: a binary search on the estimate."""
+    levers, split and micro-batch) still fits `hw`, and at most the model's positions: a
+    binary search on the estimate."""
     unit = max(1, spec.sequence_parallel)
+    limit = shape.max_positions or LONGEST_SEARCHED
 
     def fits(tokens: int) -> bool:
         est = scaled_estimate(shape, replace(spec, seq_len=tokens * unit), memory_scale)
         return shortfall(est, hw, headroom) is None
 
-    lo = spec.seq_len // unit
+    lo, top = spec.seq_len // unit, min(limit, LONGEST_SEARCHED) // unit
     if not fits(lo):
         return 0
     hi = lo
-    while fits(hi) and hi * unit < LONGEST_SEARCHED:
-        lo, hi = hi, hi * 2
+    while hi < top and fits(hi):
+        lo, hi = hi, min(hi * 2, top)
     if fits(hi):
         return hi * unit
     while hi - lo > 1:  # fits(lo), not fits(hi)
@@ -113,5 +115,6 @@ def long_context_reasons(
             "(its forward runs again in backward)"
         )
     if longest:
-        reasons.append(f"longest sequence that fits this plan: {longest:,} tokens")
+        at_most = " (the model's positions)" if longest == shape.max_positions else ""
+        reasons.append(f"longest sequence that fits this plan: {longest:,} tokens{at_most}")
     return reasons

@@ -4,6 +4,7 @@ and the longest sequence a plan fits (launcher/long_context.py). Pure planning."
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -14,9 +15,11 @@ from launcher.estimate import estimate
 from launcher.hardware import Hardware
 from launcher.ladder import shortfall
 from launcher.long_context import max_seq_len
-from launcher.model_shape import model_shape
+from launcher.model_shape import model_shape, shape_of
 from launcher.plan import make_plan
 from launcher.planning import resolve_plan
+from launcher.trace import trace_step
+from tests.launcher.test_estimate_trace import hf_config
 from trainer.core.config import build_config, load_config
 from trainer.core.step_spec import StepSpec
 from trainer.core.units import GIB
@@ -142,3 +145,30 @@ def test_all_to_alls_cost_more_across_nodes_than_within_one():
     per_layer = 2 * 16384 * (2 * 4096 + 2 * 8 * 128)
     assert within == pytest.approx(7 / 8 * per_layer * 32 * 3 / 150e9)
     assert across > 3 * within
+
+
+# one rank of a sequence group traced (launcher/trace.py: a fake process group, the engine's
+# Ulysses all-to-alls and tiled MLP under FakeTensorMode) against the estimate
+SPLIT_TRACES = (
+    ("single", 2, "none", False),
+    ("single", 4, "full", True),
+    ("fsdp", 2, "full", False),
+    ("fsdp", 4, "none", True),
+)
+
+
+def _split_error(arch: str, strategy: str, sp: int, ckpt: str, tiled: bool) -> float:
+    config = hf_config(arch, "medium")
+    world = 4 if strategy == "fsdp" else sp
+    spec = StepSpec(strategy, world, 1, 2048, ckpt, devices_per_node=world, sequence_parallel=sp,
+                    tiled_mlp=tiled, mlp_chunk_tokens=256 if tiled else None)  # fmt: skip
+    traced = trace_step(config, spec).peak_bytes
+    analytic = estimate(shape_of(json.dumps(config, sort_keys=True)), spec).peak_tensor_bytes
+    return (analytic - traced) / traced
+
+
+def test_the_estimate_of_one_rank_of_a_sequence_group_follows_the_trace():
+    errors = [
+        abs(_split_error(arch, *case)) for arch in ("llama", "qwen2") for case in SPLIT_TRACES
+    ]
+    assert statistics.median(errors) <= 0.02 and max(errors) <= 0.05, errors
