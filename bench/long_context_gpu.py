@@ -9,8 +9,8 @@ MLP (`trainer/tiled_mlp.py`), fused AdamW. One sequence per step at each of `--s
 `torch.cuda.reset_peak_memory_stats`: `max_memory_allocated` vs the estimate's
 `peak_tensor_bytes`, and the step's tokens/s.
 
-    python -m bench.long_context [--seqs 32768,65536,131072] [--layers 2] [--json out.json]
-    python -m bench.long_context --cpu-smoke      # the same code path, tiny, on the CPU
+    python -m bench.long_context_gpu [--seqs 32768,65536,131072] [--layers 2] [--json out.json]
+    python -m bench.long_context_gpu --cpu-smoke      # the same code path, tiny, on the CPU
 """
 
 from __future__ import annotations
