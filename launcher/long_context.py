@@ -104,8 +104,8 @@ def long_context_reasons(
         split = scaled_estimate(shape, one, memory_scale)
         reasons.append(
             f"sequence parallel {sp}: activations of one {spec.seq_len:,}-token sequence are "
-            f"{whole.device_breakdown['activations'] / GIB:.1f} GiB; "
-            f"{split.device_breakdown['activations'] / GIB:.1f} GiB per rank ({sp} ranks hold "
+            f"{_size(whole.device_breakdown['activations'])}; "
+            f"{_size(split.device_breakdown['activations'])} per rank ({sp} ranks hold "
             f"{spec.local_seq_len:,} tokens each; all-to-alls around attention)"
         )
     if spec.tiled_mlp:
@@ -118,3 +118,7 @@ def long_context_reasons(
         at_most = " (the model's positions)" if longest == shape.max_positions else ""
         reasons.append(f"longest sequence that fits this plan: {longest:,} tokens{at_most}")
     return reasons
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.1f} GiB" if num_bytes >= GIB / 10 else f"{num_bytes / 2**20:.1f} MiB"

@@ -172,3 +172,33 @@ def test_the_estimate_of_one_rank_of_a_sequence_group_follows_the_trace():
         abs(_split_error(arch, *case)) for arch in ("llama", "qwen2") for case in SPLIT_TRACES
     ]
     assert statistics.median(errors) <= 0.02 and max(errors) <= 0.05, errors
+
+
+@pytest.mark.slow  # one torchrun launch of 2 CPU ranks, 3 steps
+def test_a_sequence_split_the_planner_chooses_is_what_the_ranks_run(tmp_path):
+    """The demo on 2 CPU ranks with device memory between what a step needs with each sequence
+    whole and split in two: the plan splits it, the resolved config says so, the engine runs
+    it (its start line) and trains."""
+    from tests.conftest import REPO, oomless
+
+    forced = ["strategy=ddp", "train.micro_batch_size=1", "memory.activation_checkpointing=none",
+              "memory.chunked_loss=false", "memory.tiled_mlp=false", "hardware.device=cpu",
+              "hardware.devices_per_node=2"]  # fmt: skip
+    cfg = load_config(REPO / "configs" / "demo.yaml", forced)
+    whole, split = (
+        estimate(model_shape(cfg.model),
+                 StepSpec("ddp", 2, 1, 64, "none", grad_accum=8 * sp, device="cpu",
+                          sequence_parallel=sp)).device_total_bytes
+        for sp in (1, 2)
+    )  # fmt: skip
+    assert split < whole
+    memory = int((whole + split) / 2 / 0.9)
+    r = oomless("train", str(REPO / "configs" / "demo.yaml"), *forced, "train.steps=3",
+                f"hardware.device_memory={memory}", f"run.dir={tmp_path}", timeout=400)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["sequence_parallel"] == 2 and plan["max_seq_len"] >= 64
+    assert "sequence_parallel: 2" in (tmp_path / "config.yaml").read_text()
+    assert "sequence parallel 2 (a sequence over 2 ranks)" in r.stdout + r.stderr
+    losses = [json.loads(line).get("loss") for line in (tmp_path / "metrics.jsonl").open()]
+    assert any(loss is not None and loss > 0 for loss in losses)
