@@ -24,6 +24,7 @@ LABELS = {
     "zero3_offload": "`zero3_offload` vs DeepSpeed by hand",
     "escalation": "real OOM -> escalation",
     "levers": "chunked loss, activation offload vs off",
+    "long_context": "long context: 8B layers, peak vs estimate",
 }
 EXIT_MEANINGS = {"124": "timed out", "137": "killed (timeout)", "missing": "missing"}
 
@@ -53,6 +54,8 @@ def describe(name: str, out: Path) -> str:
             return _escalation(result)
         if name == "levers":
             return _levers(result)
+        if name == "long_context":
+            return _long_context(result)
     if name == "estimate" and not (out / "estimate.log").exists():
         return "bench/estimate_gpu.py not found"
     return _last_line(out / f"{name}.log")
@@ -115,6 +118,19 @@ def _escalation(r: dict[str, Any]) -> str:
     if r.get("error"):
         text += f"; stopped by: {r['error'][:160]}".replace("|", "/")
     return text
+
+
+def _long_context(rows: list[dict[str, Any]]) -> str:
+    """Per sequence length: the estimate over the measured peak, and tokens/s."""
+    parts = []
+    for r in rows:
+        ratio = r["estimated_peak"] / r["measured_peak"] if r["measured_peak"] else None
+        parts.append(
+            f"{r['seq']:,} tokens: {r['measured_peak'] / GIB:.1f} GiB, estimate x"
+            + ("n/a" if ratio is None else f"{ratio:.3f}")
+            + f", {r['tokens_per_s']:,.0f} tok/s"
+        )
+    return "; ".join(parts)
 
 
 def _size(num_params: int) -> str:

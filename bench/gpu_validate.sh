@@ -18,6 +18,9 @@
 #                  same GPU: a 1.1B Llama shape, bf16, seq 2048
 #   zero3_offload  the largest shape the planner fits on `zero3_offload` vs DeepSpeed driven by
 #                  hand, and the measured pinned host<->device bandwidth as the transfer floor
+#   long_context   Llama-3.1-8B-shaped layers (2 of them) at 32k, 64k and 128k tokens on one GPU
+#                  with full checkpointing, chunked loss and the tiled MLP: measured peak vs the
+#                  estimate, tokens/s (`python -m bench.long_context_gpu`)
 #
 # CPU smoke of the same code paths (a 0.6M-parameter shape, a few steps; tests/test_bench.py):
 #     GPU_VALIDATE_CPU_SMOKE=1 OUT=/tmp/smoke bash bench/gpu_validate.sh
@@ -116,6 +119,9 @@ wait # for the CPU Adam build (GPU only)
 part zero3_offload 100 "${TORCHRUN[@]}" -m bench.zero3_vs_deepspeed "${SAME[@]}" \
     --rounds "$((ROUNDS < 3 ? ROUNDS : 3))" --model largest --candidates "$CANDIDATES" \
     --micro 2 --accum 2 --bandwidth --json "$OUT/zero3_offload.json"
+
+if [ "$DEVICE" = cpu ]; then LONG=(--cpu-smoke); else LONG=(--seqs 32768,65536,131072); fi
+part long_context 120 "$PY" -m bench.long_context_gpu "${LONG[@]}" --json "$OUT/long_context.json"
 
 echo
 "$PY" -m bench.gpu_report "$OUT" --wall-s "$((SECONDS - START))"

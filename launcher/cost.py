@@ -71,16 +71,19 @@ def _compute_s(shape: ModelShape, spec: StepSpec, hw: Hardware) -> float:
     """FLOPs of the step (the method's, attention, recomputation) at an effective rate, plus
     QLoRA's memory-bound dequantisation."""
     seq, world, micro = spec.seq_len, max(1, spec.world_size), spec.micro_batch_size
-    tokens = world * micro * spec.grad_accum * seq
+    tokens = spec.data_ranks * micro * spec.grad_accum * seq  # a sequence group shares its own
     cost = method_cost(shape, spec.finetune, spec.compute_bytes)  # full, LoRA or QLoRA; MoE
     attention = 12 * shape.num_layers * shape.hidden_size * seq  # per token, fwd + bwd
     recomputed = {"none": 0.0, "selective": 0.5, "full": 1.0}[spec.activation_checkpointing]
     recompute = recomputed * (cost.recompute_flops_per_token + attention / 3)
     if spec.chunked_loss:
         recompute += recomputed_head_flops_per_token(shape.hidden_size, shape.vocab_size)
+    if spec.tiled_mlp:  # each chunk's MLP forward again in backward (and in a recompute)
+        mlp_flops = 6 * shape.hidden_size * shape.intermediate_size * shape.num_layers
+        recompute += (1 + recomputed) * mlp_flops
     flops = tokens * (cost.flops_per_token + attention + recompute)
     peak = hw.peak_flops or (CPU_PEAK_FLOPS if hw.device == "cpu" else UNKNOWN_GPU_PEAK_FLOPS)
-    micro_tokens = micro * seq
+    micro_tokens = micro * spec.local_seq_len
     utilization = BASE_UTILIZATION * micro_tokens / (micro_tokens + SATURATION_TOKENS)
     passes = spec.grad_accum * (2 + recomputed)  # forward, backward, recompute per micro-batch
     dequant = cost.dequant_bytes * passes / DEVICE_MEMORY_BYTES_S[hw.device]
@@ -100,7 +103,23 @@ def _comm_s(shape: ModelShape, spec: StepSpec, hw: Hardware, links: Links) -> fl
     gather_scale = spec.compute_bytes / 2 if rung.engine == "fsdp" else 1.0
     comm_bytes = cost.trained * rung.grad_comm * _grad_reductions(spec)
     comm_bytes += cost.gathered * rung.param_comm_per_micro * gather_scale * spec.grad_accum
-    return (world - 1) / world * comm_bytes / bandwidth
+    return (world - 1) / world * comm_bytes / bandwidth + all_to_all_s(shape, spec, links)
+
+
+def all_to_all_s(shape: ModelShape, spec: StepSpec, links: Links) -> float:
+    """Ulysses' all-to-alls (trainer/sequence_parallel.py): per layer and pass (forward,
+    backward, a checkpoint's recompute) q, k, v and the output, each rank sending (sp-1)/sp of
+    its slice's; within a node while the sequence group fits in one, else over the network."""
+    sp = spec.sequence_parallel
+    if sp == 1:
+        return 0.0
+    tokens = spec.micro_batch_size * spec.local_seq_len
+    kv = max(shape.num_kv_heads, sp) * shape.head_dim
+    per_layer = spec.compute_bytes * tokens * (2 * shape.num_heads * shape.head_dim + 2 * kv)
+    recomputed = {"none": 0.0, "selective": 0.5, "full": 1.0}[spec.activation_checkpointing]
+    passes = (2 + recomputed) * spec.grad_accum
+    bandwidth = links.intra_node if sp <= spec.ranks_per_node else links.inter_node
+    return (sp - 1) / sp * per_layer * shape.num_layers * passes / bandwidth
 
 
 def _host_s(

@@ -119,14 +119,16 @@ def _forward_backward_peaks(
     in_forward = start + f.saved + f.mask + f.cache + gather_root
     measured = {}
     if a.forward_transient is not None:  # a layer's own transients in forward (eager attention)
-        measured["forward_layers"] = in_forward + a.forward_transient + states.gather_layer
+        measured["forward_layers"] = (
+            in_forward + a.forward_transient + states.gather_layer + a.layer_transient
+        )
     loss_tensors = hd.logits + hd.copy + 4 * hd.rows_v
     backward_layers = _backward_layers(shape, m, a, head, grads, states.gather_layer)
     return measured | {
         # (with chunked loss the loss runs inside the model's forward, one chunk at a time)
         # (LoRA under autocast: the last block's largest fp32 cast of an adapter's input)
         "forward": in_forward + final + hd.logits + hd.in_forward + m.adapter_grad * t,
-        "layer_gather": in_forward + states.gather_layer,
+        "layer_gather": in_forward + states.gather_layer + a.layer_transient,
         "loss": start + f.saved + f.mask_kept + f.cache + final + loss_tensors + root_kept,
         "backward_start": start + f.saved + f.mask_kept + final + 12 * hd.rows_v + root_kept,
         "backward_head": head + f.saved + final + hd.backward,

@@ -51,6 +51,12 @@ class Micro:
     first_adapter_stage: int = -1  # LoRA: where in the first block the first adapter is
     adapter_grad: int = 0  # LoRA: bytes per token of fp32 input gradients in a block's backward
     dequant: int = 0  # QLoRA: one 4-bit weight dequantised for a matmul
+    sp: int = 1  # sequence parallel: `s` is this rank's slice of a sequence of s * sp tokens
+    mlp_chunk: int | None = None  # tiled MLP: tokens of each sequence per chunk
+
+    @property
+    def whole_seq(self) -> int:  # attention's sequence: the whole one under Ulysses
+        return self.s * self.sp
 
     @property
     def tokens(self) -> int:
@@ -80,6 +86,8 @@ def layer_backward_bytes(shape: ModelShape, m: Micro) -> int:
     not know, against the traced step: launcher/activations.py)."""
     if shape.activations is not None:
         return shape.activations.backward_bytes(mode_of(m), m.b, m.s)
+    if m.mlp_chunk is not None:  # the MLP's gradients one chunk at a time
+        return mlp_chunk_bytes(shape, m) + 4 * m.tokens * shape.hidden_size
     return 2 * m.c * m.tokens * shape.intermediate_size + 4 * m.tokens * shape.hidden_size
 
 
@@ -118,12 +126,38 @@ def _layer_parts(shape: ModelShape, m: Micro) -> dict[str, int]:
         norms, weights = 2 * (4 + 4) * t * h, 0
     else:  # FSDP mixed precision: 16-bit stream, each norm upcasts to fp32 and casts back
         norms, weights = 2 * (4 + 2 * c) * t * h, 0
+    if m.sp > 1:  # Ulysses: k/v heads fewer than sp are repeated to sp before the exchange
+        kv = max(shape.num_kv_heads, m.sp) * shape.head_dim
     repeated = m.masked and kv < q  # transformers repeats k/v for SDPA when a mask is given
+    # under Ulysses SDPA holds heads / sp of the whole sequence: the same bytes as all heads of
+    # the rank's slice; only the mask is the whole sequence's
     sdpa_inputs = 3 * c * t * q if repeated else c * t * (q + 2 * kv)
     attention = sdpa_inputs + c * t * q + 4 * m.b * shape.num_heads * m.s  # + out, log-sum-exp
-    mask = c * m.b * m.s * m.s if m.masked else 0  # SDPA turns the boolean mask into a bias
+    mask = c * m.b * m.whole_seq**2 if m.masked else 0  # SDPA turns the boolean mask into a bias
     mlp = 4 * c * t * i  # gate, silu(gate), up, their product
+    if m.mlp_chunk is not None:  # tiled: each chunk keeps its input, recomputes the rest
+        kept = m.r if m.autocast else c  # the second norm's output, the chunks' input
+        mlp = kept * t * h - (2 * c * t * h if m.autocast else 0)  # gate/up's 16-bit inputs
     return {"stream": residual + norms + weights, "attention": attention + mask, "mlp": mlp}
+
+
+def mlp_chunk_bytes(shape: ModelShape, m: Micro) -> int:
+    """Tiled MLP: one chunk's intermediates, alive while it computes or is recomputed in
+    backward (with their gradients); 0 without tiling."""
+    if m.mlp_chunk is None:
+        return 0
+    rows = m.b * min(m.s, m.mlp_chunk)
+    return 6 * m.c * rows * shape.intermediate_size + 2 * m.c * rows * shape.hidden_size
+
+
+def all_to_all_bytes(shape: ModelShape, m: Micro) -> int:
+    """Ulysses: the all-to-all buffers of one layer's attention, transient: q, k and v sent
+    and received (their send copies and receive buffers alive together), or in backward their
+    gradients; 0 without sequence parallelism."""
+    if m.sp == 1:
+        return 0
+    kv = max(shape.num_kv_heads, m.sp) * shape.head_dim
+    return 2 * m.c * m.tokens * (shape.num_heads * shape.head_dim + 2 * kv)
 
 
 def first_layer_unsaved(shape: ModelShape, m: Micro) -> int:
@@ -141,7 +175,7 @@ def first_layer_unsaved(shape: ModelShape, m: Micro) -> int:
     if stage >= 2:
         unsaved += 4 * t * h
     if stage >= 3:
-        unsaved += 3 * m.c * t * shape.intermediate_size
+        unsaved += min(3 * m.c * t * shape.intermediate_size, parts["mlp"])
     return unsaved
 
 
@@ -201,9 +235,10 @@ def micro_for(spec: StepSpec, shape: ModelShape) -> Micro:
     sixteen_bit = row.engine == "fsdp" or ft.adapters
     private = row.engine != "fsdp" and c < 4  # peft casts an adapter's input under autocast
     adapters = adapter_terms(shape, ft, c, private)
+    tile = (spec.mlp_chunk_tokens or shape.hidden_size) if spec.tiled_mlp else None
     return Micro(
         b=spec.micro_batch_size,
-        s=spec.seq_len,
+        s=spec.local_seq_len,
         c=c,
         r=c if sixteen_bit else 4,
         autocast=spec.precision != "fp32" and not sixteen_bit,
@@ -216,6 +251,8 @@ def micro_for(spec: StepSpec, shape: ModelShape) -> Micro:
         first_adapter_stage=adapters.first_stage,
         adapter_grad=adapters.grad_per_token,
         dequant=adapters.dequant,
+        sp=spec.sequence_parallel,
+        mlp_chunk=tile,
     )
 
 
@@ -272,7 +309,7 @@ def _forward_saved(shape: ModelShape, m: Micro, ckpt: frozenset[int]) -> Forward
     num_ckpt = len(ckpt)
     per_layer = layer_activation_bytes(shape, m)
     kept_ckpt = m.r * t * h
-    mask = m.b * m.s * m.s if m.masked else 0
+    mask = m.b * m.whole_seq**2 if m.masked else 0
     rotary = shared_bytes(shape, m)
     saved = (shape.num_layers - num_ckpt) * per_layer + num_ckpt * kept_ckpt + rotary
     if 0 not in ckpt:
@@ -281,7 +318,8 @@ def _forward_saved(shape: ModelShape, m: Micro, ckpt: frozenset[int]) -> Forward
     cache = num_ckpt * m.c * matmul_params(shape) if cached else 0
     if m.offload:
         saved, cache = offloaded_saved(shape, m, ckpt, rotary, cache)
-    mask_kept = mask if num_ckpt else 0
+    # checkpoints keep the mask for their recompute; Ulysses caches it for the whole step
+    mask_kept = mask if num_ckpt or m.sp > 1 else 0
     return Forward(saved, per_layer, kept_ckpt, rotary, mask, mask_kept, cache)
 
 
@@ -325,6 +363,7 @@ class MicroActivations:
     final: int  # the last hidden state, the final norm's tensors, the head's input
     layer_backward: int  # a layer's backward beyond its saved tensors: activation gradients
     forward_transient: int | None  # measured blocks: a layer's own transients in forward
+    layer_transient: int  # Ulysses' all-to-all buffers, or one tiled MLP chunk, in a layer
     on_device: int  # what the breakdown lists as activations
     offloaded: int  # with activation offload: what waits on the host, per rank
 
@@ -337,8 +376,13 @@ def micro_activations(shape: ModelShape, m: Micro) -> MicroActivations:
         forward=_forward_saved(shape, m, m.ckpt),
         head=_head(shape, m),
         final=final_bytes(shape, m),
-        layer_backward=layer_backward_bytes(shape, m),
+        # in backward the all-to-alls move attention's gradients after the MLP's are freed
+        layer_backward=max(
+            layer_backward_bytes(shape, m),
+            all_to_all_bytes(shape, m) + 4 * m.tokens * shape.hidden_size,
+        ),
         forward_transient=transient,
+        layer_transient=max(all_to_all_bytes(shape, m), mlp_chunk_bytes(shape, m)),
         on_device=activation_bytes(shape, m, m.ckpt),
         offloaded=offloaded_activation_bytes(shape, m, m.ckpt) if m.offload else 0,
     )

@@ -21,7 +21,14 @@ from launcher.hardware import Hardware
 from launcher.model_shape import ModelShape
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
-from trainer.core.step_spec import NO_LEVERS, Finetune, Levers, StepSpec, lever_variants
+from trainer.core.step_spec import (
+    NO_LEVERS,
+    Finetune,
+    Levers,
+    LongContext,
+    StepSpec,
+    lever_variants,
+)
 from trainer.core.strategies import AC_LEVELS, Strategy
 from trainer.core.units import GIB
 
@@ -98,9 +105,10 @@ def rung_world(rung: Strategy, hw: Hardware) -> int | None:
     return world
 
 
-def per_rank_batch(cfg: JobConfig, hw: Hardware) -> int:
-    """Sequences per rank per optimizer step; the global batch must split evenly."""
-    world = hw.world_size
+def per_rank_batch(cfg: JobConfig, hw: Hardware, sequence_parallel: int = 1) -> int:
+    """Sequences per rank per optimizer step; the global batch must split evenly over the
+    data-parallel groups (the ranks of a sequence group read the same sequences)."""
+    world = hw.world_size // sequence_parallel
     gbs = cfg.train.global_batch_size
     if gbs % world:
         fits = [m * world for m in range(max(1, gbs // world), gbs // world + 3)]
@@ -114,7 +122,7 @@ def per_rank_batch(cfg: JobConfig, hw: Hardware) -> int:
         raise ConfigError(
             "train.micro_batch_size",
             f"{cfg.train.micro_batch_size} does not divide the {per_rank} sequences per rank "
-            f"({gbs} over {world} ranks)",
+            f"({gbs} over {world} data-parallel ranks)",
             f"use one of {', '.join(map(str, sorted(_divisors_desc(per_rank))))} or auto",
         )
     return per_rank
@@ -127,10 +135,13 @@ def _divisors_desc(n: int) -> list[int]:
 def job_step(
     cfg: JobConfig, hw: Hardware, rung: Strategy, micro: int, ac: str, *,
     reduce_every_micro: bool | None = False, levers: Levers = NO_LEVERS,
-    finetune: Finetune | None = None,
+    finetune: Finetune | None = None, long: LongContext | None = None,
 ) -> StepSpec:  # fmt: skip
     """The step this job runs on `rung` at this micro-batch, checkpointing and levers, with the
-    global batch's accumulation."""
+    global batch's accumulation; split over a sequence group as `long` says (None: as the
+    config says, `auto` being 1 and off)."""
+    long = long or LongContext.of(cfg)
+    data_ranks = hw.world_size // long.sequence_parallel
     return StepSpec(
         strategy=rung.name,
         world_size=hw.world_size,
@@ -138,14 +149,20 @@ def job_step(
         seq_len=cfg.data.seq_len,
         activation_checkpointing=ac,
         precision=cfg.precision,
-        grad_accum=max(1, cfg.train.global_batch_size // (hw.world_size * micro)),
+        grad_accum=max(1, cfg.train.global_batch_size // (data_ranks * micro)),
         devices_per_node=hw.devices_per_node,
         device=hw.device,
+        # packed windows get a block-causal mask, except under flash/flex attention (position
+        # ids or a sparse block mask keep the documents apart)
+        packed=cfg.data.pack and cfg.model.attn_implementation in ("sdpa", "eager"),
         fsdp_reduce_every_micro_batch=bool(reduce_every_micro),
         chunked_loss=levers.chunked_loss,
         offload_activations=levers.offload_activations,
         loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
         finetune=finetune or Finetune.of(cfg),
+        sequence_parallel=long.sequence_parallel,
+        tiled_mlp=long.tiled_mlp,
+        mlp_chunk_tokens=cfg.memory.mlp_chunk_tokens,
     )
 
 
@@ -195,19 +212,23 @@ class _Walk:
     finetune: Finetune
     levers: list[Levers]
     links: Links
+    long: LongContext | None = None
 
 
 def climb(
     cfg: JobConfig, hw: Hardware, shape: ModelShape, rungs: list[Strategy],
     exclude: tuple[str, ...] | list[str] = (), memory_scale: float = 1.0,
+    long: LongContext | None = None,
 ) -> Climb:  # fmt: skip
-    """Walk `rungs` for this job: each one's fastest fitting step, then the ranking."""
-    per_rank = per_rank_batch(cfg, hw)
+    """Walk `rungs` for this job: each one's fastest fitting step, then the ranking; each
+    sequence split as `long` says (None: as the config says)."""
+    long = long or LongContext.of(cfg)
+    per_rank = per_rank_batch(cfg, hw, long.sequence_parallel)
     finetune = Finetune.of(cfg)
     unsupported = {rung.name: why_not_on(rung, finetune) for rung in rungs}
     levers = lever_variants(cfg.memory.chunked_loss, cfg.memory.offload_activations, hw.device)
     walk = _Walk(cfg, hw, shape, per_rank, memory_scale, finetune, levers,
-                 Links.of(cfg.hardware, hw.device))  # fmt: skip
+                 Links.of(cfg.hardware, hw.device), long)  # fmt: skip
     candidates: list[Candidate] = []
     rejected: list[Alternative] = []
     for rung in rungs:
@@ -254,7 +275,7 @@ def _best_on(walk: _Walk, rung: Strategy) -> tuple[Candidate | None, str]:
     for every, ac, lev in itertools.product(reduce_variants(rung, cfg), acs, walk.levers):
         for micro in micros:
             spec = job_step(cfg, hw, rung, micro, ac, reduce_every_micro=every, levers=lev,
-                            finetune=walk.finetune)  # fmt: skip
+                            finetune=walk.finetune, long=walk.long)  # fmt: skip
             est = scaled_estimate(walk.shape, spec, walk.memory_scale)
             if smallest is None or est.device_total_bytes < smallest.device_total_bytes:
                 smallest = est

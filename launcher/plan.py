@@ -22,17 +22,24 @@ from launcher.ladder import (
     SIMPLER_RUNG_MARGIN,
     Alternative,
     Candidate,
-    climb,
     job_step,
     reduce_variants,
     scaled_estimate,
     shortfall,
 )
+from launcher.long_context import climb_long, long_context_reasons, max_seq_len
 from launcher.model_shape import ModelShape, model_shape
 from launcher.plan_finetune import MethodAlternative, method_alternatives
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
-from trainer.core.step_spec import NO_LEVERS, Levers, StepSpec, smallest_levers
+from trainer.core.step_spec import (
+    NO_LEVERS,
+    SHORT,
+    Levers,
+    LongContext,
+    StepSpec,
+    smallest_levers,
+)
 from trainer.core.units import GIB
 
 
@@ -51,11 +58,14 @@ class Plan:
     alternatives: list[Alternative] = field(default_factory=list)
     fsdp_reduce_every_micro_batch: bool | None = None  # fsdp rungs only
     levers: Levers = NO_LEVERS
+    long: LongContext = SHORT  # sequence parallel and tiled MLP
+    max_seq_len: int | None = None  # the longest data.seq_len this plan still fits
 
     @classmethod
     def of(
         cls, spec: StepSpec, hw: Hardware, estimate: Estimate, step_time_s: float,
         reasons: list[str], alternatives: list = (), reduce_every_micro: bool | None = None,
+        max_seq_len: int | None = None,
     ) -> Plan:  # fmt: skip
         """The plan that runs `spec` on `hw`."""
         return cls(
@@ -72,6 +82,8 @@ class Plan:
             alternatives=list(alternatives),
             fsdp_reduce_every_micro_batch=reduce_every_micro,
             levers=spec.levers,
+            long=spec.long_context,
+            max_seq_len=max_seq_len,
         )
 
     def to_json(self, hw: Hardware, headroom: float, command: list[str]) -> dict[str, Any]:
@@ -86,6 +98,9 @@ class Plan:
             "activation_checkpointing": self.activation_checkpointing,
             "chunked_loss": self.levers.chunked_loss,
             "offload_activations": self.levers.offload_activations,
+            "sequence_parallel": self.long.sequence_parallel,
+            "tiled_mlp": self.long.tiled_mlp,
+            "max_seq_len": self.max_seq_len,
             "predicted_step_time_s": self.step_time_s,
             **(
                 {"fsdp_reduce_every_micro_batch": self.fsdp_reduce_every_micro_batch}
@@ -120,7 +135,7 @@ def make_plan(
     shape = with_activations(shape or model_shape(cfg.model), cfg)
     forced = cfg.strategy if cfg.strategy != "auto" else None
     rungs = [r for r in strategies.rows() if not forced or r.name == forced]
-    found = climb(cfg, hw, shape, rungs, exclude, memory_scale)
+    found, _ = climb_long(cfg, hw, shape, rungs, exclude, memory_scale)
     per_rank, ranked, rejected = found.per_rank, found.ranked, found.rejected
     if forced and not ranked:
         if rejected and " rank" in (rejected[0].why_not or ""):
@@ -144,14 +159,17 @@ def make_plan(
         )
         for cand in ranked
     ] + rejected
+    longest = max_seq_len(shape, chosen.spec, hw, cfg.memory.headroom, memory_scale)
     reasons = _reasons(cfg, hw, ranked, memory_scale) + model_reasons(shape)
+    reasons += long_context_reasons(shape, chosen.spec, memory_scale, longest)
     return Plan.of(chosen.spec, hw, chosen.estimate, chosen.time_s, reasons, alternatives,
-                   chosen.reduce_every_micro)  # fmt: skip
+                   chosen.reduce_every_micro, longest)  # fmt: skip
 
 
 def _reasons(cfg: JobConfig, hw: Hardware, ranked: list[Candidate], memory_scale: float):
     """The plan's reasons, in words: what fits, the batch geometry, why this rung."""
-    chosen, world = ranked[0], hw.world_size
+    chosen = ranked[0]
+    world = hw.world_size // chosen.spec.sequence_parallel  # data-parallel groups
     per_rank = cfg.train.global_batch_size // world
     est = chosen.estimate
     reasons = [
@@ -159,8 +177,9 @@ def _reasons(cfg: JobConfig, hw: Hardware, ranked: list[Candidate], memory_scale
         f"{hw.device_memory_bytes / GIB:.1f} GiB per device (headroom {cfg.memory.headroom:.0%})"
         f", {est.host_total_bytes / GIB:.1f} GiB of {hw.host_memory_bytes / GIB:.0f}"
         " GiB host per node",
-        f"micro-batch {chosen.micro} x accumulation {per_rank // chosen.micro} x {world} ranks = "
-        f"global batch {cfg.train.global_batch_size}; activation checkpointing {chosen.ac}",
+        f"micro-batch {chosen.micro} x accumulation {per_rank // chosen.micro} x {world} "
+        + ("ranks" if world == hw.world_size else "data-parallel groups")
+        + f" = global batch {cfg.train.global_batch_size}; activation checkpointing {chosen.ac}",
     ]
     if chosen.levers != NO_LEVERS:
         reasons.append(_lever_reason(chosen, ranked))
@@ -322,8 +341,10 @@ def apply_plan(cfg: JobConfig, plan: Plan, hw: Hardware) -> JobConfig:
                     "activation_checkpointing": plan.activation_checkpointing,
                     "chunked_loss": plan.levers.chunked_loss,
                     "offload_activations": plan.levers.offload_activations,
+                    "tiled_mlp": plan.long.tiled_mlp,
                 }
             ),
+            "sequence_parallel": plan.long.sequence_parallel,
             "hardware": cfg.hardware.model_copy(
                 update={
                     "device": hw.device,

@@ -37,7 +37,14 @@ from trainer.core.step_spec import FULL, Finetune, StepSpec
 from trainer.levers import MemoryLevers
 from trainer.model import HFModelFactory, apply_activation_checkpointing
 from trainer.phases import HEAD, OPTIMIZER, STEP, phase_markers
+from trainer.sequence_parallel import (
+    SequenceMesh,
+    apply_sequence_parallel,
+    build_sequence_mesh,
+    split_sequence,
+)
 from trainer.step import accumulation_context, micro_batch_loss
+from trainer.tiled_mlp import apply_tiled_mlp
 
 TRACEABLE = ("single", "fsdp")
 # `until=` for a trace of the layers' forward phases only, or of the step up to its optimizer
@@ -87,9 +94,12 @@ def trace_step(
         raise ValueError(f"--trace covers {', '.join(TRACEABLE)} ({spec.finetune.words()} on "
                          f"single only), not {spec.strategy}")  # fmt: skip
     with contextlib.ExitStack() as stack:
-        model, backend = _traced_model(hf_config, spec, attn_implementation,
-                                       reshard_after_forward, stack)  # fmt: skip
+        model, backend, mesh = _traced_model(hf_config, spec, attn_implementation,
+                                             reshard_after_forward, stack)  # fmt: skip
         batch = packed_batch(hf_config["vocab_size"], spec.micro_batch_size, spec.seq_len)
+        if mesh.size > 1:  # this rank's slice of every sequence, as the engine splits it
+            doc_ids = (batch["position_ids"] == 0).cumsum(dim=1) - 1
+            batch = split_sequence({**batch, "doc_ids": doc_ids}, mesh)
         _init_optimizer_state(model, backend.optimizer)  # the traced step is a steady-state one
         tracker = _tracker(spec.strategy, model, backend.optimizer, batch)
         marks = _PhaseMarks(tracker, phase_local_peaks, until)
@@ -106,20 +116,21 @@ def trace_step(
 def _traced_model(
     hf_config: dict[str, Any], spec: StepSpec, attn_implementation: str,
     reshard_after_forward: bool, stack: contextlib.ExitStack,
-) -> tuple[nn.Module, Any]:  # fmt: skip
+) -> tuple[nn.Module, Any, SequenceMesh]:  # fmt: skip
     """The engine's model for `spec` on fake tensors (QLoRA, 8-bit AdamW: real CPU tensors),
-    sharded over a fake process group for fsdp, and its backend attached to it."""
+    sharded over a fake process group for fsdp, split over a sequence group as `spec` says, and
+    its backend attached to it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     real = _real(spec.finetune)  # 4-bit weights are quantised from real ones
     model_cfg = ModelConfig(config=dict(hf_config), attn_implementation=attn_implementation)
     factory = HFModelFactory(model_cfg, seed=0)
+    sharded = spec.row.engine == "fsdp"
+    mesh = _sequence_mesh(spec, factory.hf_config, sharded, stack)
     model = apply_finetune(factory.build("cpu" if real else "meta"), spec.finetune, spec.precision)
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     model.train()
-    sharded = spec.row.engine == "fsdp"
     if sharded:
-        stack.enter_context(_fake_process_group(spec.world_size))
         apply_fsdp(model, precision=spec.precision, reshard_after_forward=reshard_after_forward)
     stack.enter_context(moe_fake_kernels())
     if not real:
@@ -132,8 +143,24 @@ def _traced_model(
         model, device, spec.chunked_loss, spec.offload_activations, spec.loss_chunk_tokens,
         offload_host=torch.device("meta"),  # host copies: not counted as the device's
     )  # fmt: skip
+    if spec.tiled_mlp:  # after the backend's wrapping, as the engine does
+        apply_tiled_mlp(model, spec.mlp_chunk_tokens)
     backend = build_backend(spec.strategy, _backend_context(spec, device))
-    return model, attach(backend, model, _optimizer(model, spec.finetune), _SPEC.grad_clip)
+    return model, attach(backend, model, _optimizer(model, spec.finetune), _SPEC.grad_clip), mesh
+
+
+def _sequence_mesh(
+    spec: StepSpec, hf_config: Any, sharded: bool, stack: contextlib.ExitStack
+) -> SequenceMesh:
+    """Rank 0's place in the data x sequence mesh over a fake process group (of the world for
+    fsdp, of one sequence group for single), its model attending through the engine's Ulysses
+    all-to-alls (which the fake group completes without moving data)."""
+    sp = spec.sequence_parallel
+    if sharded or sp > 1:
+        stack.enter_context(_fake_process_group(spec.world_size if sharded else sp))
+    mesh = build_sequence_mesh(sp, 0, spec.world_size if sharded else sp)
+    apply_sequence_parallel(hf_config, mesh)
+    return mesh
 
 
 def _backend_context(spec: StepSpec, device: torch.device) -> BackendContext:

@@ -16,7 +16,7 @@ from launcher.ladder import job_step, per_rank_batch, rung_world
 from launcher.plan import Plan
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
-from trainer.core.step_spec import Levers
+from trainer.core.step_spec import Levers, LongContext
 
 log = logging.getLogger(__name__)
 PLANNING_KEYS = ("strategy", "train.micro_batch_size", "memory.activation_checkpointing")
@@ -38,7 +38,7 @@ def unestimated_plan(cfg: JobConfig, hw: Hardware, why: str) -> Plan:
         raise ConfigError(
             "strategy", f"{rung.name} cannot run on {hw.world_size} rank(s)", "pick another rung"
         )
-    per_rank_batch(cfg, hw)  # the global batch splits evenly
+    per_rank_batch(cfg, hw, LongContext.of(cfg).sequence_parallel)  # splits evenly
     every = cfg.fsdp.reduce_every_micro_batch is True if rung.engine == "fsdp" else None
     levers = Levers(cfg.memory.chunked_loss is True, cfg.memory.offload_activations is True)
     micro, ac = int(cfg.train.micro_batch_size), cfg.memory.activation_checkpointing

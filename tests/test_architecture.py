@@ -33,6 +33,9 @@ LAUNCHER_RUNS_ENGINE = {
     ("launcher.trace", "trainer.phases"),  # the same phase markers as a profiled step
     ("launcher.trace", "trainer.step"),
     ("launcher.trace", "trainer.finetune"),  # LoRA / QLoRA / 8-bit AdamW as the engine builds them
+    # one rank of a sequence group: the engine's Ulysses attention and tiled MLP
+    ("launcher.trace", "trainer.sequence_parallel"),
+    ("launcher.trace", "trainer.tiled_mlp"),
     # the activations of a block the analytic model does not know: one traced forward
     ("launcher.activations", "trainer.backends.common"),
     ("launcher.activations", "trainer.loss"),

@@ -21,6 +21,7 @@ PARTS = {
     "zero3_offload": "`zero3_offload` vs DeepSpeed by hand",
     "escalation": "real OOM -> escalation",
     "levers": "chunked loss, activation offload vs off",
+    "long_context": "long context: 8B layers, peak vs estimate",
 }
 
 

@@ -18,7 +18,7 @@ model's implementation runs on that with the mask transformers builds for the WH
 sliding windows stay right); a second all-to-all turns the output back. Key/value heads fewer
 than sp are repeated to sp first (grouped-query attention), so each rank gets one.
 
-Why not DeepSpeed's UlyssesSPAttentionHF (deepspeed/runtime/sequence_parallel/ulysses_sp.py):
+Why not DeepSpeed's UlyssesSPAttentionHF (deepspeed.runtime.sequence_parallel.ulysses_sp):
 its wrapper drops the attention mask for sdpa and eager and relies on is_causal, so packed
 documents (every window here) would attend across their boundaries; it replaces the global
 `sdpa` entry of transformers for every model of the process, and needs deepspeed.comm and

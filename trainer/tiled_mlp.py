@@ -9,7 +9,7 @@ one chunk is then about the size of the layer's input). The MLP's own module, pa
 names stay as they are (its `forward` is replaced on the instance), so sharding, checkpoints and
 LoRA adapters see the same model.
 
-Why not DeepSpeed's TiledMLP (deepspeed/runtime/sequence_parallel/ulysses_sp.py): it is an
+Why not DeepSpeed's TiledMLP (deepspeed.runtime.sequence_parallel.ulysses_sp): it is an
 autograd function that re-runs the MLP under `torch.enable_grad` in backward and accumulates the
 parameter gradients itself, which assumes plain parameters (not FSDP2's DTensors, not ZeRO-3's
 partitioned ones); `torch.utils.checkpoint` per chunk does the same recomputation and leaves the

@@ -94,10 +94,37 @@ def smallest_levers(chunked_loss: object, offload_activations: object) -> Levers
 
 
 @dataclass(frozen=True)
+class LongContext:
+    """How one candidate splits a long sequence: over `sequence_parallel` ranks (Ulysses) and
+    the MLP over chunks (`tiled_mlp`)."""
+
+    sequence_parallel: int = 1
+    tiled_mlp: bool = False
+
+    @classmethod
+    def of(cls, cfg: Any) -> LongContext:
+        """The config's own: `auto` is 1 and off (what the engine runs without a plan)."""
+        sp, tiled = cfg.sequence_parallel, cfg.memory.tiled_mlp
+        return cls(sp if isinstance(sp, int) else 1, tiled is True)
+
+    def words(self) -> str:
+        parts = []
+        if self.sequence_parallel > 1:
+            parts.append(f"sequence parallel {self.sequence_parallel}")
+        if self.tiled_mlp:
+            parts.append("tiled MLP")
+        return " and ".join(parts) or "none"
+
+
+SHORT = LongContext()
+
+
+@dataclass(frozen=True)
 class StepSpec:
     """What one rank runs in one optimizer step: `grad_accum` micro-batches of
     `micro_batch_size` sequences of `seq_len` tokens on the rung `strategy` over `world_size`
-    ranks (`devices_per_node` of them per node; 0: all on one node)."""
+    ranks (`devices_per_node` of them per node; 0: all on one node). With sequence parallelism
+    the rank holds `local_seq_len` tokens of each of those sequences."""
 
     strategy: str
     world_size: int
@@ -116,6 +143,11 @@ class StepSpec:
     offload_activations: bool = False
     loss_chunk_tokens: int | None = None  # memory.loss_chunk_tokens (None: chosen by vocabulary)
     finetune: Finetune = FULL
+    # Ulysses (trainer/sequence_parallel.py): each sequence split over this many ranks, each
+    # holding seq_len / sequence_parallel tokens of it through every layer
+    sequence_parallel: int = 1
+    tiled_mlp: bool = False  # trainer/tiled_mlp.py: the MLP over chunks, recomputed in backward
+    mlp_chunk_tokens: int | None = None  # memory.mlp_chunk_tokens (None: the hidden size)
 
     @property
     def row(self) -> Strategy:
@@ -131,5 +163,19 @@ class StepSpec:
         return min(self.devices_per_node or self.world_size, self.world_size)
 
     @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence this rank holds: its slice under sequence parallelism."""
+        return self.seq_len // max(1, self.sequence_parallel)
+
+    @property
+    def data_ranks(self) -> int:
+        """Data-parallel groups: the ranks of a sequence group read the same sequences."""
+        return max(1, self.world_size // max(1, self.sequence_parallel))
+
+    @property
     def levers(self) -> Levers:
         return Levers(self.chunked_loss, self.offload_activations)
+
+    @property
+    def long_context(self) -> LongContext:
+        return LongContext(self.sequence_parallel, self.tiled_mlp)

@@ -1,0 +1,119 @@
+"""Long context on one device: measured peak against the estimate, and tokens/s.
+
+Llama-3.1-8B's layer shape (hidden 4,096, intermediate 14,336, 32 heads, 8 key/value heads,
+vocabulary 128,256) with `--layers` decoder layers, on the `single` rung as the engine builds
+it: bf16 autocast over fp32 weights, full activation checkpointing, chunked loss and the tiled
+MLP (`trainer/tiled_mlp.py`), fused AdamW. One sequence per step at each of `--seqs`; packed
+(two documents: the block-causal mask) up to `--packed-max` tokens, one causal document above
+(no mask: the estimate is told which). The second step is measured from
+`torch.cuda.reset_peak_memory_stats`: `max_memory_allocated` vs the estimate's
+`peak_tensor_bytes`, and the step's tokens/s.
+
+    python -m bench.long_context_gpu [--seqs 32768,65536,131072] [--layers 2] [--json out.json]
+    python -m bench.long_context_gpu --cpu-smoke      # the same code path, tiny, on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+from launcher.estimate import estimate
+from launcher.model_shape import shape_of
+from trainer.backends import OptimizerSpec
+from trainer.backends.common import build_adamw
+from trainer.core.config import ModelConfig
+from trainer.core.step_spec import StepSpec
+from trainer.levers import MemoryLevers
+from trainer.loss import compute_loss
+from trainer.model import HFModelFactory, apply_activation_checkpointing
+from trainer.tiled_mlp import apply_tiled_mlp
+
+LLAMA_8B_LAYER = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+}
+TINY = {**LLAMA_8B_LAYER, "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512}  # fmt: skip
+
+
+def _batch(seq: int, packed: bool, device: torch.device) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 500, (1, seq), device=device)
+    positions = torch.arange(seq, device=device)
+    if packed:
+        positions = positions % (seq // 2)
+    return {"input_ids": ids, "labels": ids, "position_ids": positions[None]}
+
+
+def measure(config: dict[str, Any], seq: int, packed: bool, device: torch.device) -> dict:
+    model = HFModelFactory(ModelConfig(config=config), seed=0).build(device)
+    apply_activation_checkpointing(model, "full")
+    apply_tiled_mlp(model, None)
+    MemoryLevers(model, device, True, False)
+    model.train()
+    optimizer = build_adamw(model.parameters(), OptimizerSpec(1e-5, (0.9, 0.95), 1e-8, 0.0, 1.0))
+    batch = _batch(seq, packed, device)
+    peak, seconds = 0, 0.0
+    for _ in range(2):  # the second step is measured
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = compute_loss(model, batch) / seq
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+        seconds = time.perf_counter() - start
+    spec = StepSpec("single", 1, 1, seq, "full", device=device.type, packed=packed,
+                    chunked_loss=True, tiled_mlp=True)  # fmt: skip
+    est = estimate(shape_of(json.dumps(config, sort_keys=True)), spec)
+    del model, optimizer
+    return {"seq": seq, "packed": packed, "measured_peak": peak,
+            "estimated_peak": est.peak_tensor_bytes, "tokens_per_s": seq / seconds}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", default="32768,65536,131072")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--packed-max", type=int, default=32768)
+    parser.add_argument("--cpu-smoke", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    config = {**(TINY if args.cpu_smoke else LLAMA_8B_LAYER), "num_hidden_layers": args.layers}
+    seqs = [512, 1024] if args.cpu_smoke else [int(s) for s in args.seqs.split(",")]
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    rows = []
+    print("| tokens | mask | measured peak | estimated peak | estimate / measured | tokens/s |")
+    print("|---|---|---|---|---|---|")
+    for seq in seqs:
+        row = measure(config, seq, seq <= args.packed_max, device)
+        rows.append(row)
+        ratio = row["estimated_peak"] / row["measured_peak"] if row["measured_peak"] else None
+        print(f"| {seq:,} | {'packed' if row['packed'] else 'causal'} | "
+              f"{row['measured_peak'] / 2**30:.2f} GiB | {row['estimated_peak'] / 2**30:.2f} GiB | "
+              f"{'n/a' if ratio is None else f'{ratio:.3f}'} | {row['tokens_per_s']:,.0f} |",
+              flush=True)  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
