@@ -34,7 +34,8 @@ LAUNCHER_RUNS_ENGINE = {
     ("launcher.trace", "trainer.loss"),
     ("launcher.trace", "trainer.model"),
     ("launcher.trace", "trainer.phases"),  # the same phase markers as a profiled step
-    ("launcher.trace", "trainer.finetune"),  # LoRA / QLoRA / 8-bit AdamW as the engine builds them
+    ("launcher.trace", "trainer.finetune"),  # LoRA / QLoRA as the engine builds them
+    ("launcher.trace", "trainer.optim"),  # 8-bit AdamW as the engine builds it
     # the activations of a block the analytic model does not know: one traced forward
     ("launcher.activations", "trainer.backends.common"),
     ("launcher.activations", "trainer.loss"),

@@ -219,10 +219,15 @@ def test_export_writes_a_peft_adapter_dir_and_merge_a_plain_model(runs, tmp_path
     assert (runs / "lora" / "final" / "adapter_model.safetensors").is_file()
 
 
-def test_every_rung_runs_lora_and_the_replicas_run_qlora_and_adamw_8bit():
+def test_every_rung_runs_lora_the_replicas_qlora_and_fsdp_also_adamw_8bit():
     assert methods.supported_rungs("lora") == strategies.names()
     assert methods.supported_rungs("qlora") == ("single", "ddp")
-    assert methods.supported_rungs("lora", "adamw_8bit") == ("single", "ddp")
+    assert methods.supported_rungs("lora", "adamw_8bit") == (
+        "single",
+        "ddp",
+        "fsdp",
+        "fsdp_offload",
+    )
     assert methods.method_support("zero3", "qlora").startswith("qlora: DeepSpeed")
 
 

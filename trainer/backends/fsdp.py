@@ -7,9 +7,12 @@ random init (and weights in other formats) with `set_model_state_dict(full_state
 broadcast_from_rank0=True)`: rank 0 alone builds the full weights and sends every rank its shard,
 so no other rank ever holds the full model.
 Mixed precision is `MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)` over fp32
-sharded parameters (no autocast). `fsdp_offload` keeps parameters, gradients and the AdamW step
-on the host (`CPUOffloadPolicy`; pinned memory only with an accelerator). `fsdp.hybrid: true`
-shards within a node and replicates across nodes (HSDP on a 2-D device mesh).
+sharded parameters (no autocast); `precision: bf16_pure` shards bf16 parameters and gathers and
+reduces them in bf16. `train.optimizer_in_backward` steps each shard from its post-accumulate-grad
+hook, which FSDP2 calls right after that parameter's reduce-scatter.
+`fsdp_offload` keeps parameters, gradients and the AdamW step on the host (`CPUOffloadPolicy`;
+pinned memory only with an accelerator). `fsdp.hybrid: true` shards within a node and
+replicates across nodes (HSDP on a 2-D device mesh).
 
 The canonical state is the sharded DTensors themselves, keyed by parameter name: DCP writes each
 rank's shard and reshards on load, for any strategy and world size.
@@ -36,13 +39,17 @@ from trainer.backends.common import (
     COMPUTE_DTYPES,
     build_adamw,
     device_memory_stats,
+    drop_grads,
     load_canonical_optim_state,
+    refuse_accumulation,
     reset_device_peak,
+    set_lr,
     trained_params,
 )
 from trainer.core import strategies
 from trainer.dist import after_rank0
 from trainer.model import apply_activation_checkpointing, apply_compile, decoder_layers
+from trainer.optim import OptimizerInBackward, load_sharded_8bit_state, sharded_8bit_state
 from trainer.pretrained import canonical_name, load_fsdp_shards, load_per_rank
 
 
@@ -82,7 +89,8 @@ class FsdpBackend:
             )
         model.train()
         self.model = model
-        self.optimizer = build_adamw(model.parameters(), optim)  # on the shards' device
+        # on the shards' device
+        self.optimizer = build_adamw(model.parameters(), optim, ctx.grad_accum)
         self.grad_clip = optim.grad_clip
         return model
 
@@ -98,6 +106,8 @@ class FsdpBackend:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def step(self) -> float:
+        if isinstance(self.optimizer, OptimizerInBackward):
+            return self.optimizer.finish_step()  # stepped shard by shard in backward
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
@@ -113,24 +123,29 @@ class FsdpBackend:
         return float(grad_norm)
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
 
     def set_micro_batch(self, micro_batch_size: int, grad_accum: int) -> None:
-        pass  # reduce-scatter averages over ranks only; the cut of the rank's batch is free
+        # reduce-scatter averages over ranks only; the cut of the rank's batch is free
+        refuse_accumulation(self.optimizer, grad_accum)
 
     def drop_grads(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        drop_grads(self.optimizer)
         self.model.set_requires_gradient_sync(True)
 
     def _named_params(self) -> dict[str, nn.Parameter]:
         return trained_params(self.model)
 
     def state_dict(self) -> dict[str, Any]:
-        """Sharded: DTensor parameters and AdamW moments, fp32; DCP writes each rank's shard."""
+        """Sharded: DTensor parameters and AdamW moments (fp32; bf16 under bf16_pure; 8-bit
+        codes and block scales under adamw_8bit); DCP writes each rank's shard."""
         params = self._named_params()
         optim: dict[str, dict[str, torch.Tensor]] = {}
         for name, p in params.items():
+            eight = sharded_8bit_state(self.optimizer, p)
+            if eight is not None:
+                optim[name] = eight
+                continue
             state = self.optimizer.state.get(p)
             if state:
                 optim[name] = {
@@ -151,7 +166,11 @@ class FsdpBackend:
                 src = state["model"][name]
                 if src is not p.detach():
                     p.copy_(src)
-        load_canonical_optim_state(self.optimizer, params, state["optim"])
+        optim = dict(state["optim"])
+        for name, p in params.items():
+            if name in optim and "state1" in optim[name]:
+                load_sharded_8bit_state(self.optimizer, p, optim.pop(name))
+        load_canonical_optim_state(self.optimizer, params, optim)
         if state.get("scaler") and self.scaler:
             self.scaler.load_state_dict(state["scaler"])
 
@@ -180,13 +199,18 @@ def apply_fsdp(
     mesh: Any = None,
 ) -> None:
     """FSDP2 on a (meta-device) model, in place: `fully_shard` each decoder layer, then the root;
-    16-bit parameters for compute and fp32 gradient reduction under mixed precision; with
+    16-bit parameters for compute and fp32 gradient reduction under mixed precision (bf16 both
+    under bf16_pure, whose parameters are bf16); with
     `offload`, parameters, gradients and AdamW on the host (CPUOffloadPolicy). The backend and
     the estimator's trace (launcher/trace.py) both call this, so they cannot drift apart."""
     options: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     dtype = COMPUTE_DTYPES.get(precision)
     if dtype is not None:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    elif precision == "bf16_pure":  # the parameters are bf16: gathered and reduced as they are
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16
+        )
     if offload:
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
     if mesh is not None:
