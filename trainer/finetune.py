@@ -185,6 +185,7 @@ def quantize_decoder_linears(model: nn.Module) -> None:
                     compress_statistics=qc.bnb_4bit_use_double_quant,
                     quant_type=qc.bnb_4bit_quant_type,
                     quant_storage=qc.bnb_4bit_quant_storage,
+                    module=q,  # q keeps the quantisation state: FSDP2's gathered weight has none
                 )
                 if child.bias is not None:
                     q.bias = nn.Parameter(child.bias.data.to(QLORA_COMPUTE_DTYPE), False)
@@ -227,6 +228,12 @@ class FinetuneFactory:
         # parameter on the host instead of 4, the same values as loading fp32 and casting
         base = self.inner.build("cpu", pretrained_dtype=self.base_dtype)
         return self.adapt(base).to(device)
+
+    @property
+    def quantizes(self) -> bool:
+        """The base is quantised from full weights when built (QLoRA): a meta-device model has
+        not the 4-bit layout, so a sharded rung shards a built one."""
+        return self.finetune.method == "qlora"
 
     @property
     def base_dtype(self) -> torch.dtype:

@@ -15,6 +15,15 @@ WIDE = (
     "max_position_embeddings: 256}"
 )
 ADAMW_8BIT = (WIDE, "train.optimizer=adamw_8bit", "run.checkpoint_every=2")
+# QLoRA's 4-bit base (bf16 compute), adapters of rank 4 on every linear of the blocks
+QLORA = (
+    WIDE,
+    "finetune.method=qlora",
+    "finetune.lora.r=4",
+    "finetune.lora.alpha=8",
+    "precision=bf16",
+    "run.checkpoint_every=2",
+)
 # name: overrides of the base config (fp32, 2 ranks x micro-batch 4 = global batch 8, no
 # accumulation, no clipping); `{work}` is WORK_DIR
 RUNS = {
@@ -31,6 +40,14 @@ RUNS = {
         "run.resume={work}/single_8bit/checkpoints/step_2",
     ),
     "fsdp_offload_8bit": ("strategy=fsdp_offload", *ADAMW_8BIT),
+    "ddp_qlora": ("strategy=ddp", *QLORA),
+    "fsdp_qlora": ("strategy=fsdp", *QLORA, "run.save_final=true"),
+    "fsdp_qlora_resumed": (
+        "strategy=fsdp",
+        *QLORA,
+        "run.resume={work}/fsdp_qlora/checkpoints/step_2",
+    ),
+    "fsdp_offload_qlora": ("strategy=fsdp_offload", *QLORA),
     "fsdp_fp32": ("strategy=fsdp",),
     "fsdp_in_backward": ("strategy=fsdp", "train.optimizer_in_backward=true"),
     "fsdp_bf16_pure": ("strategy=fsdp", "precision=bf16_pure", "run.checkpoint_every=2"),

@@ -62,7 +62,12 @@ class FsdpBackend:
 
     def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
         ctx = self.ctx
-        model = factory.build("meta")
+        home = torch.device("cpu") if self.offload else ctx.device
+        # QLoRA: each rank quantises the base (4-bit weights in bf16 storage, which FSDP2
+        # shards like any bf16 tensor; each Linear4bit keeps its quantisation state), then
+        # shards it; the meta-device path below has no 4-bit layout to shard
+        quantized = getattr(factory, "quantizes", False)
+        model = factory.build(home if quantized else "meta")
         apply_activation_checkpointing(model, ctx.activation_checkpointing)
         if ctx.cfg.train.compile:
             apply_compile(model)
@@ -74,8 +79,20 @@ class FsdpBackend:
             pin_memory=ctx.device.type == "cuda",
             mesh=_hybrid_mesh(ctx) if ctx.cfg.fsdp.hybrid else None,
         )
-        model.to_empty(device="cpu" if self.offload else ctx.device)
-        _rebuild_buffers(model, ctx.device if not self.offload else torch.device("cpu"))
+        if not quantized:
+            self._materialise(model, factory, home)
+        model.train()
+        self.model = model
+        # on the shards' device
+        self.optimizer = build_adamw(model.parameters(), optim, ctx.grad_accum)
+        self.grad_clip = optim.grad_clip
+        return model
+
+    def _materialise(self, model: nn.Module, factory: ModelFactory, home: torch.device) -> None:
+        """This rank's shards of a meta-device model, filled with the initial weights."""
+        ctx = self.ctx
+        model.to_empty(device=home)
+        _rebuild_buffers(model, home)
         if not load_per_rank(model, factory, load_fsdp_shards, ctx, "FSDP shards"):
             full = after_rank0(
                 "building the initial weights",
@@ -87,12 +104,6 @@ class FsdpBackend:
                 full or {},
                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
             )
-        model.train()
-        self.model = model
-        # on the shards' device
-        self.optimizer = build_adamw(model.parameters(), optim, ctx.grad_accum)
-        self.grad_clip = optim.grad_clip
-        return model
 
     def compute_context(self) -> AbstractContextManager:
         return contextlib.nullcontext()  # the mixed-precision policy casts

@@ -17,13 +17,12 @@ METHODS = ("full", "lora", "qlora")
 OPTIMIZERS = ("adamw", "adamw_8bit")
 PRECISIONS = ("bf16", "fp16", "fp32", "bf16_pure")
 
-# QLoRA needs the 4-bit weights to stay bitsandbytes `Params4bit` tensors with their
-# quantisation state through the backend's wrapping: a plain replica keeps them (single, ddp).
-# FSDP2 would shard the packed storage as plain tensors and DeepSpeed ZeRO partitions and
-# re-creates parameters (and, on ZeRO-1/2, flattens only the trainable ones but still casts the
-# module), which drops the quantisation state.
+# QLoRA needs each 4-bit weight's quantisation state through the backend's wrapping: a plain
+# replica keeps the `Params4bit` tensors (single, ddp); FSDP2 shards the packed weights in their
+# bf16 storage and each `Linear4bit` keeps the state for the gathered weight (trainer/backends/
+# fsdp.py). DeepSpeed ZeRO partitions and re-creates parameters (and, on ZeRO-1/2, flattens only
+# the trainable ones but still casts the module), which drops the quantisation state.
 _QLORA_NO = {
-    "fsdp": "FSDP2 shards the packed 4-bit weights without their quantisation state",
     "deepspeed": "DeepSpeed ZeRO re-creates the parameters and drops the 4-bit quantisation state",
 }
 # bitsandbytes' 8-bit AdamW steps plain tensors: a replica's whole ones (single, ddp) and each
