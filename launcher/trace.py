@@ -331,7 +331,7 @@ def _optimizer(model: nn.Module, ft: Finetune) -> torch.optim.Optimizer:
     """The engine's optimizer over what trains: fused AdamW, or bitsandbytes' AdamW8bit."""
     from dataclasses import replace
 
-    from trainer.finetune import build_optimizer
+    from trainer.optim import build_optimizer
 
     return build_optimizer(list(model.parameters()), replace(_SPEC, name=ft.optimizer))
 

@@ -32,7 +32,8 @@ LAUNCHER_RUNS_ENGINE = {
     ("launcher.trace", "trainer.model"),
     ("launcher.trace", "trainer.phases"),  # the same phase markers as a profiled step
     ("launcher.trace", "trainer.step"),
-    ("launcher.trace", "trainer.finetune"),  # LoRA / QLoRA / 8-bit AdamW as the engine builds them
+    ("launcher.trace", "trainer.finetune"),  # LoRA / QLoRA as the engine builds them
+    ("launcher.trace", "trainer.optim"),  # 8-bit AdamW as the engine builds it
     # one rank of a sequence group: the engine's Ulysses attention and tiled MLP
     ("launcher.trace", "trainer.sequence_parallel"),
     ("launcher.trace", "trainer.tiled_mlp"),

@@ -616,6 +616,8 @@ def _optimizer_spec(cfg: JobConfig) -> OptimizerSpec:
         weight_decay=t.weight_decay,
         grad_clip=t.grad_clip,
         name=t.optimizer,
+        bf16_pure=cfg.precision == "bf16_pure",
+        in_backward=t.optimizer_in_backward,
     )
 
 

@@ -1,5 +1,6 @@
 """What trains: LoRA adapters (peft) on a frozen base, QLoRA's 4-bit NF4 base (bitsandbytes), and
-8-bit AdamW states (bitsandbytes). The user's choice in the config; docs/finetune.md.
+a full fine-tune in bf16 without fp32 master (`precision: bf16_pure`). The user's choice in the
+config; docs/finetune.md. The optimizers (8-bit AdamW, bf16_pure's) are in trainer/optim.py.
 
 The backends see an ordinary model whose frozen parameters have `requires_grad=False`: they give
 the optimizer only what trains, and their canonical state (the checkpoint) holds only that.
@@ -37,8 +38,18 @@ log = logging.getLogger(__name__)
 # bitsandbytes' CPU backend logs at import (also when peft or transformers imports it) that an
 # optional kernel package is absent: nothing for the user to act on
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+# torchao (bf16_pure's optimizer; transformers imports it whenever it is installed) logs at import
+# the GPU kernels a CPU build lacks, and torch that two of its enums need no registration
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# The dtype the model computes in under each `precision` (and a frozen base is kept in)
+COMPUTE_DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "bf16_pure": torch.bfloat16,
+}
 QLORA_COMPUTE_DTYPE = torch.bfloat16
 ADAPTER_NAME = "default"  # peft's name for the one adapter a run trains
 
@@ -138,9 +149,10 @@ def apply_finetune(model: nn.Module, cfg: FinetuneConfig, precision: str, seed: 
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
         torch.manual_seed(seed)
         peft_model = peft.get_peft_model(model, config, adapter_name=ADAPTER_NAME)
+    trained = torch.bfloat16 if precision == "bf16_pure" else torch.float32
     for name, p in peft_model.named_parameters():
         if "lora_" in name:
-            p.data = p.data.float()  # adapters train in fp32 (peft may have cast them)
+            p.data = p.data.to(trained)  # adapters train in fp32 (bf16 under bf16_pure)
             p.requires_grad_(True)
     return peft_model
 
@@ -173,6 +185,7 @@ def quantize_decoder_linears(model: nn.Module) -> None:
                     compress_statistics=qc.bnb_4bit_use_double_quant,
                     quant_type=qc.bnb_4bit_quant_type,
                     quant_storage=qc.bnb_4bit_quant_storage,
+                    module=q,  # q keeps the quantisation state: FSDP2's gathered weight has none
                 )
                 if child.bias is not None:
                     q.bias = nn.Parameter(child.bias.data.to(QLORA_COMPUTE_DTYPE), False)
@@ -217,6 +230,12 @@ class FinetuneFactory:
         return self.adapt(base).to(device)
 
     @property
+    def quantizes(self) -> bool:
+        """The base is quantised from full weights when built (QLoRA): a meta-device model has
+        not the 4-bit layout, so a sharded rung shards a built one."""
+        return self.finetune.method == "qlora"
+
+    @property
     def base_dtype(self) -> torch.dtype:
         if self.finetune.method == "qlora":
             return QLORA_COMPUTE_DTYPE
@@ -230,9 +249,50 @@ class FinetuneFactory:
         return self._initial
 
 
+class Bf16PureFactory:
+    """`precision: bf16_pure` for a full fine-tune: the inner factory's model with its
+    parameters in bf16 and no fp32 copy anywhere. Pretrained weights load straight in bf16; a
+    random init is drawn in fp32 and rounded, so every rung starts alike. Buffers keep their
+    dtype (rotary frequencies stay fp32). Sharded rungs read pretrained files per rank as for
+    any full fine-tune (`model_cfg`, `pretrained_checkpoint`)."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.hf_config = inner.hf_config
+        self.model_cfg = inner.model_cfg
+
+    def build(self, device: str | torch.device) -> nn.Module:
+        device = torch.device(device)
+        if device.type == "meta":
+            return params_to_bf16(self.inner.build("meta"))
+        return params_to_bf16(self.inner.build("cpu", pretrained_dtype=torch.bfloat16)).to(device)
+
+    def pretrained_checkpoint(self) -> Any:
+        return self.inner.pretrained_checkpoint()
+
+    def initial_state_dict(self) -> dict[str, torch.Tensor]:
+        if not hasattr(self, "_initial"):
+            params = {n for n, _ in self.inner.build("meta").named_parameters()}
+            self._initial = {
+                k: v.to(torch.bfloat16) if k in params and v.is_floating_point() else v
+                for k, v in self.inner.initial_state_dict().items()
+            }
+        return self._initial
+
+
+def params_to_bf16(model: nn.Module) -> nn.Module:
+    """Every floating-point parameter in bf16, in place (buffers as they are)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(torch.bfloat16)
+    return model
+
+
 def build_factory(inner: Any, cfg: JobConfig) -> Any:
-    """The model factory of the run: `inner` itself for a full fine-tune."""
-    return inner if not trains_adapters(cfg) else FinetuneFactory(inner, cfg)
+    """The model factory of the run: `inner` itself for a full fine-tune in mixed precision."""
+    if trains_adapters(cfg):
+        return FinetuneFactory(inner, cfg)
+    return Bf16PureFactory(inner) if cfg.precision == "bf16_pure" else inner
 
 
 def describe_method(cfg: JobConfig, model: nn.Module) -> str:
@@ -241,23 +301,6 @@ def describe_method(cfg: JobConfig, model: nn.Module) -> str:
         return ""
     num = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
     return f" ({cfg.finetune.method}: {num:,} trainable)"
-
-
-def build_optimizer(params: list[nn.Parameter], optim: Any) -> torch.optim.Optimizer:
-    """AdamW over the parameters that train: torch's fused fp32 AdamW, or bitsandbytes'
-    AdamW8bit (8-bit moments in blocks of 256 with an fp32 scale each; tensors under 4096
-    elements keep fp32 moments, bitsandbytes' rule). The 8-bit state is created here, before any
-    step, so a checkpoint can be loaded into it."""
-    trainable = [p for p in params if p.requires_grad]
-    kwargs = dict(lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
-    if optim.name == "adamw_8bit":
-        bnb = require("bitsandbytes", "train.optimizer", "adamw_8bit")
-        optimizer = bnb.optim.AdamW8bit(trainable, **kwargs)
-        for gindex, group in enumerate(optimizer.param_groups):
-            for pindex, p in enumerate(group["params"]):
-                optimizer.init_state(group, p, gindex, pindex)
-        return optimizer
-    return torch.optim.AdamW(trainable, fused=True, **kwargs)
 
 
 def adapter_state(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

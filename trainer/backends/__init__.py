@@ -35,7 +35,9 @@ class OptimizerSpec:
     eps: float
     weight_decay: float
     grad_clip: float  # max total grad norm; 0 disables clipping
-    name: str = "adamw"  # train.optimizer: adamw | adamw_8bit (trainer/finetune.py)
+    name: str = "adamw"  # train.optimizer: adamw | adamw_8bit (trainer/optim.py)
+    bf16_pure: bool = False  # precision: bf16_pure: bf16 states, stochastically rounded step
+    in_backward: bool = False  # train.optimizer_in_backward: step each parameter in backward
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class BackendContext:
     rank: int
     local_rank: int
     world_size: int
-    precision: str  # bf16 | fp16 | fp32
+    precision: str  # bf16 | fp16 | fp32 | bf16_pure
     activation_checkpointing: str  # none | selective | full
     micro_batch_size: int
     grad_accum: int

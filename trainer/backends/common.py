@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from trainer.backends import OptimizerSpec
-from trainer.finetune import build_optimizer
 from trainer.model import apply_activation_checkpointing, apply_compile
+from trainer.oom import OutOfMemoryInStep
+from trainer.optim import OptimizerInBackward, build_optimizer, shards_in_8bit
+from trainer.optim import set_lr as set_optimizer_lr
 from trainer.pretrained import canonical_name
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -27,12 +29,15 @@ def autocast_context(device: torch.device, precision: str) -> AbstractContextMan
     return torch.autocast(device.type, dtype=dtype)
 
 
-def build_adamw(params: Iterable[nn.Parameter], optim: OptimizerSpec) -> torch.optim.Optimizer:
+def build_adamw(
+    params: Iterable[nn.Parameter], optim: OptimizerSpec, grad_accum: int = 1
+) -> torch.optim.Optimizer:
     """AdamW over the parameters that train (`requires_grad`; a LoRA base is frozen): torch's
     fused kernel (CUDA and CPU: one pass per tensor, no foreach temporaries; on CPU also 1.2-4x
     faster than foreach on a 29M-parameter step here), or with `train.optimizer: adamw_8bit`
-    bitsandbytes' 8-bit AdamW (`trainer.finetune.build_optimizer`)."""
-    return build_optimizer(list(params), optim)
+    bitsandbytes' 8-bit AdamW, `precision: bf16_pure` torchao's stochastically rounded one, and
+    `train.optimizer_in_backward` a step per parameter in backward (`trainer.optim`)."""
+    return build_optimizer(list(params), optim, grad_accum)
 
 
 # The moments of each optimizer, by its state keys: torch AdamW's fp32 moments; bitsandbytes'
@@ -43,8 +48,9 @@ MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "state1", "state2", "absmax1", "absmax2"
 def canonical_optim_state(
     optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor]
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """AdamW moments and step per canonical parameter name, on CPU (portable layout): fp32 for
-    torch AdamW, bitsandbytes' own 8-bit layout for adamw_8bit.
+    """AdamW moments and step per canonical parameter name, on CPU (portable layout), in the
+    dtype they train in: fp32 for torch AdamW, bf16 under bf16_pure, bitsandbytes' own 8-bit
+    layout for adamw_8bit.
 
     On CPU these are the live tensors, not copies: a synchronous save writes them before training
     goes on, and an asynchronous one stages its own copy first.
@@ -55,7 +61,7 @@ def canonical_optim_state(
         if not state:
             continue
         out[name] = {
-            key: _full(state[key]).to("cpu", _moment_dtype(state[key]))
+            key: _block_rows(p, key, _full(state[key]).to("cpu"))
             for key in MOMENT_KEYS
             if key in state
         }
@@ -63,8 +69,12 @@ def canonical_optim_state(
     return out
 
 
-def _moment_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float32 if t.is_floating_point() else t.dtype
+def _block_rows(p: torch.Tensor, key: str, t: torch.Tensor) -> torch.Tensor:
+    """8-bit block scales of a matrix whose rows hold whole blocks, one row of scales per row
+    ([rows, cols / 256]): the layout FSDP2 shards by rows too (trainer/optim.py)."""
+    if key.startswith("absmax") and shards_in_8bit(p):
+        return t.view(p.shape[0], -1)
+    return t
 
 
 def load_canonical_optim_state(
@@ -125,7 +135,10 @@ def clip_and_step(
     grad_clip: float,
 ) -> torch.Tensor:
     """Unscale, clip the global grad norm, step, free the grads. Returns the pre-clip norm as a
-    tensor (a DTensor for sharded parameters); `scaler` None: no loss scaling."""
+    tensor (a DTensor for sharded parameters; under `train.optimizer_in_backward` the step is
+    done: only the norm is left); `scaler` None: no loss scaling."""
+    if isinstance(optimizer, OptimizerInBackward):
+        return torch.as_tensor(optimizer.finish_step())
     if scaler is not None:
         scaler.unscale_(optimizer)
     max_norm = grad_clip if grad_clip > 0 else float("inf")
@@ -148,16 +161,34 @@ def attach(backend: Any, model: nn.Module, optimizer: torch.optim.Optimizer, gra
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    set_optimizer_lr(optimizer, lr)
+
+
+def drop_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Discard an abandoned step's gradients (an OOM the engine retries in process)."""
+    if isinstance(optimizer, OptimizerInBackward):
+        optimizer.abandon_step("out of memory with train.optimizer_in_backward")
+    optimizer.zero_grad(set_to_none=True)
+
+
+def refuse_accumulation(optimizer: torch.optim.Optimizer, grad_accum: int) -> None:
+    """The OOM back-off's new cut: more than one micro-batch cannot step in backward."""
+    if isinstance(optimizer, OptimizerInBackward) and grad_accum > 1:
+        raise OutOfMemoryInStep(
+            torch.OutOfMemoryError(
+                "out of memory with train.optimizer_in_backward: the back-off would accumulate "
+                f"{grad_accum} micro-batches; resuming on the next rung instead"
+            )
+        )
 
 
 def replica_state_dict(
     params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
 ) -> dict[str, Any]:
-    """Canonical state of a backend that holds full (unsharded) parameters."""
+    """Canonical state of a backend that holds full (unsharded) parameters, in the dtype they
+    train in (fp32 masters; bf16 under bf16_pure)."""
     return {
-        "model": {n: p.detach().to("cpu", torch.float32) for n, p in params.items()},
+        "model": {n: p.detach().to("cpu") for n, p in params.items()},
         "optim": canonical_optim_state(optimizer, params),
         "scaler": scaler.state_dict() if scaler.is_enabled() else {},
     }

@@ -7,9 +7,12 @@ random init (and weights in other formats) with `set_model_state_dict(full_state
 broadcast_from_rank0=True)`: rank 0 alone builds the full weights and sends every rank its shard,
 so no other rank ever holds the full model.
 Mixed precision is `MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)` over fp32
-sharded parameters (no autocast). `fsdp_offload` keeps parameters, gradients and the AdamW step
-on the host (`CPUOffloadPolicy`; pinned memory only with an accelerator). `fsdp.hybrid: true`
-shards within a node and replicates across nodes (HSDP on a 2-D device mesh).
+sharded parameters (no autocast); `precision: bf16_pure` shards bf16 parameters and gathers and
+reduces them in bf16. `train.optimizer_in_backward` steps each shard from its post-accumulate-grad
+hook, which FSDP2 calls right after that parameter's reduce-scatter.
+`fsdp_offload` keeps parameters, gradients and the AdamW step on the host (`CPUOffloadPolicy`;
+pinned memory only with an accelerator). `fsdp.hybrid: true` shards within a node and
+replicates across nodes (HSDP on a 2-D device mesh).
 
 The canonical state is the sharded DTensors themselves, keyed by parameter name: DCP writes each
 rank's shard and reshards on load, for any strategy and world size.
@@ -37,13 +40,17 @@ from trainer.backends.common import (
     build_adamw,
     clip_and_step,
     device_memory_stats,
+    drop_grads,
     load_canonical_optim_state,
+    refuse_accumulation,
     reset_device_peak,
+    set_lr,
     trained_params,
 )
 from trainer.core import strategies
 from trainer.dist import after_rank0
 from trainer.model import apply_activation_checkpointing, apply_compile, decoder_layers
+from trainer.optim import load_sharded_8bit_state, sharded_8bit_state
 from trainer.pretrained import canonical_name, load_fsdp_shards, load_per_rank
 
 
@@ -56,7 +63,12 @@ class FsdpBackend:
 
     def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
         ctx = self.ctx
-        model = factory.build("meta")
+        home = torch.device("cpu") if self.offload else ctx.device
+        # QLoRA: each rank quantises the base (4-bit weights in bf16 storage, which FSDP2
+        # shards like any bf16 tensor; each Linear4bit keeps its quantisation state), then
+        # shards it; the meta-device path below has no 4-bit layout to shard
+        quantized = getattr(factory, "quantizes", False)
+        model = factory.build(home if quantized else "meta")
         apply_activation_checkpointing(model, ctx.activation_checkpointing)
         if ctx.cfg.train.compile:
             apply_compile(model)
@@ -68,8 +80,20 @@ class FsdpBackend:
             pin_memory=ctx.device.type == "cuda",
             mesh=_hybrid_mesh(ctx) if ctx.cfg.fsdp.hybrid else None,
         )
-        model.to_empty(device="cpu" if self.offload else ctx.device)
-        _rebuild_buffers(model, ctx.device if not self.offload else torch.device("cpu"))
+        if not quantized:
+            self._materialise(model, factory, home)
+        model.train()
+        self.model = model
+        # on the shards' device
+        self.optimizer = build_adamw(model.parameters(), optim, ctx.grad_accum)
+        self.grad_clip = optim.grad_clip
+        return model
+
+    def _materialise(self, model: nn.Module, factory: ModelFactory, home: torch.device) -> None:
+        """This rank's shards of a meta-device model, filled with the initial weights."""
+        ctx = self.ctx
+        model.to_empty(device=home)
+        _rebuild_buffers(model, home)
         if not load_per_rank(model, factory, load_fsdp_shards, ctx, "FSDP shards"):
             full = after_rank0(
                 "building the initial weights",
@@ -81,11 +105,6 @@ class FsdpBackend:
                 full or {},
                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
             )
-        model.train()
-        self.model = model
-        self.optimizer = build_adamw(model.parameters(), optim)  # on the shards' device
-        self.grad_clip = optim.grad_clip
-        return model
 
     def compute_context(self) -> AbstractContextManager:
         return contextlib.nullcontext()  # the mixed-precision policy casts
@@ -103,14 +122,14 @@ class FsdpBackend:
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
 
     def set_micro_batch(self, micro_batch_size: int, grad_accum: int) -> None:
-        pass  # reduce-scatter averages over ranks only; the cut of the rank's batch is free
+        # reduce-scatter averages over ranks only; the cut of the rank's batch is free
+        refuse_accumulation(self.optimizer, grad_accum)
 
     def drop_grads(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        drop_grads(self.optimizer)
         self.model.set_requires_gradient_sync(True)
 
     def _named_params(self) -> dict[str, nn.Parameter]:
@@ -121,10 +140,15 @@ class FsdpBackend:
         return trained_params(self.model)
 
     def state_dict(self) -> dict[str, Any]:
-        """Sharded: DTensor parameters and AdamW moments, fp32; DCP writes each rank's shard."""
+        """Sharded: DTensor parameters and AdamW moments (fp32; bf16 under bf16_pure; 8-bit
+        codes and block scales under adamw_8bit); DCP writes each rank's shard."""
         params = self._named_params()
         optim: dict[str, dict[str, torch.Tensor]] = {}
         for name, p in params.items():
+            eight = sharded_8bit_state(self.optimizer, p)
+            if eight is not None:
+                optim[name] = eight
+                continue
             state = self.optimizer.state.get(p)
             if state:
                 optim[name] = {
@@ -145,7 +169,11 @@ class FsdpBackend:
                 src = state["model"][name]
                 if src is not p.detach():
                     p.copy_(src)
-        load_canonical_optim_state(self.optimizer, params, state["optim"])
+        optim = dict(state["optim"])
+        for name, p in params.items():
+            if name in optim and "state1" in optim[name]:
+                load_sharded_8bit_state(self.optimizer, p, optim.pop(name))
+        load_canonical_optim_state(self.optimizer, params, optim)
         if state.get("scaler") and self.scaler:
             self.scaler.load_state_dict(state["scaler"])
 
@@ -174,13 +202,18 @@ def apply_fsdp(
     mesh: Any = None,
 ) -> None:
     """FSDP2 on a (meta-device) model, in place: `fully_shard` each decoder layer, then the root;
-    16-bit parameters for compute and fp32 gradient reduction under mixed precision; with
+    16-bit parameters for compute and fp32 gradient reduction under mixed precision (bf16 both
+    under bf16_pure, whose parameters are bf16); with
     `offload`, parameters, gradients and AdamW on the host (CPUOffloadPolicy). The backend and
     the estimator's trace (launcher/trace.py) both call this, so they cannot drift apart."""
     options: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     dtype = COMPUTE_DTYPES.get(precision)
     if dtype is not None:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    elif precision == "bf16_pure":  # the parameters are bf16: gathered and reduced as they are
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16
+        )
     if offload:
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
     if mesh is not None:

@@ -1,7 +1,8 @@
 """`single`: the whole model, its gradients and AdamW state on one device.
 
 Mixed precision is the docs/interface.md contract: fp32 master weights, grads and optimizer state;
-forward and loss under autocast in bf16/fp16; fp16 adds a dynamic gradient scaler.
+forward and loss under autocast in bf16/fp16; fp16 adds a dynamic gradient scaler. Under
+`precision: bf16_pure` the weights themselves are bf16 (no autocast, no fp32 copy).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from trainer.backends.common import (
     build_replica,
     clip_and_step,
     device_memory_stats,
+    drop_grads,
     full_replica_state_dict,
     load_replica_state_dict,
+    refuse_accumulation,
     replica_state_dict,
     reset_device_peak,
     set_lr,
@@ -40,7 +43,7 @@ class SingleBackend:
     def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
         model = build_replica(factory, self.ctx)
         self.model = model
-        self.optimizer = build_adamw(model.parameters(), optim)
+        self.optimizer = build_adamw(model.parameters(), optim, self.ctx.grad_accum)
         self.grad_clip = optim.grad_clip
         return model
 
@@ -61,11 +64,12 @@ class SingleBackend:
         set_lr(self.optimizer, lr)
 
     def set_micro_batch(self, micro_batch_size: int, grad_accum: int) -> None:
-        pass  # the loss is already normalised by global tokens: nothing depends on the cut
+        # the loss is already normalised by global tokens: nothing else depends on the cut
+        refuse_accumulation(self.optimizer, grad_accum)
 
     def drop_grads(self) -> None:
         assert self.optimizer is not None
-        self.optimizer.zero_grad(set_to_none=True)
+        drop_grads(self.optimizer)
 
     def _named_params(self) -> dict[str, nn.Parameter]:
         assert self.model is not None

@@ -1,0 +1,303 @@
+"""The opt-in low-bit levers (docs/finetune.md): `precision: bf16_pure` (bf16 weights, gradients
+and AdamW state, no fp32 master) and `train.optimizer_in_backward` (each parameter stepped as its
+gradient is ready). One-process runs go through `oomless train`; the two-process ones share one
+torchrun launch (tests/trainer/lowbit_worker.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from tests.conftest import PYTHON, REPO, oomless, python_env, run_bounded, write_demo_job
+from trainer.core import methods
+from trainer.core.config import ConfigError, load_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+STEPS = 6
+# wide enough that bf16's rounding shows if the weights were not stepped as bf16
+MODEL = {
+    "model_type": "llama",
+    "vocab_size": 45,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+
+
+def _base(tmp: Path) -> Path:
+    return write_demo_job(
+        tmp / "base.yaml",
+        model={"config": MODEL},
+        train={
+            "steps": STEPS,
+            "global_batch_size": 8,
+            "micro_batch_size": 4,  # x 2 ranks: one micro-batch per step
+            "lr": 1e-2,
+            "grad_clip": 0.0,  # the step in backward cannot clip by the global norm
+        },
+        hardware={"devices_per_node": 2},
+        run={"checkpoint_every": 0},
+        dist={"timeout_s": 120},
+    )
+
+
+def _single(base: Path, run_dir: Path, *overrides: str) -> None:
+    r = oomless(
+        "train", str(base), "strategy=single", "hardware.devices_per_node=1",
+        "train.micro_batch_size=8", f"run.dir={run_dir}", *overrides,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [m["loss"] for m in _metrics(run_dir)]
+
+
+def _dtypes(ckpt: Path) -> dict[str, torch.dtype]:
+    from trainer.checkpoint import SafeFileSystemReader
+
+    meta = SafeFileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    return {k: m.properties.dtype for k, m in meta.items() if hasattr(m, "properties")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    from tests.trainer.lowbit_worker import ADAMW_8BIT, RUNS
+
+    work = tmp_path_factory.mktemp("lowbit")
+    base = _base(work)
+    _single(base, work / "single_fp32")
+    _single(base, work / "single_in_backward", "train.optimizer_in_backward=true")
+    _single(base, work / "single_bf16_pure", "precision=bf16_pure", "run.checkpoint_every=2")
+    _single(
+        base,
+        work / "single_bf16_pure_resumed",
+        "precision=bf16_pure",
+        "run.checkpoint_every=2",
+        f"run.resume={work / 'single_bf16_pure/checkpoints/step_2'}",
+    )
+    _single(base, work / "single_8bit", *ADAMW_8BIT)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    r = run_bounded(
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(REPO / "tests" / "trainer" / "lowbit_worker.py"), str(base), str(work)],
+        env=python_env(), cwd=REPO, timeout=900,
+    )  # fmt: skip
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    assert not {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert all((work / name / "metrics.jsonl").is_file() for name in RUNS)
+    # the two ranks' 8-bit shards gathered onto one process
+    resume = f"run.resume={work / 'fsdp_8bit/checkpoints/step_2'}"
+    _single(base, work / "single_8bit_from_fsdp", *ADAMW_8BIT, resume)
+    return work
+
+
+def _close(got: list[float], want: list[float], tol: float) -> None:
+    assert len(got) == len(want) == STEPS
+    for step, (a, b) in enumerate(zip(got, want, strict=True), start=1):
+        assert abs(a - b) <= tol * abs(b), f"step {step}: {a} vs {b}"
+
+
+@pytest.mark.parametrize(
+    "name", ["single_bf16_pure", "fsdp_bf16_pure", "ddp_bf16_pure",
+             "fsdp_offload_bf16_pure_in_backward"],
+)  # fmt: skip
+def test_bf16_pure_trains_with_falling_loss_close_to_fp32(runs, name):
+    """bf16 weights stepped by a stochastically rounded AdamW learn what fp32 learns, to bf16's
+    precision (the losses of 6 steps within 2%), and the loss falls."""
+    losses = _losses(runs / name)
+    assert losses[-1] < losses[0] - 0.5, losses
+    _close(losses, _losses(runs / "single_fp32"), 2e-2)
+
+
+@pytest.mark.parametrize("name", ["single_bf16_pure", "fsdp_bf16_pure"])
+def test_a_bf16_pure_checkpoint_holds_bf16_weights_and_moments(runs, name):
+    dtypes = _dtypes(runs / name / "checkpoints" / "step_2")
+    weights = {d for k, d in dtypes.items() if k.startswith("model/")}
+    moments = {d for k, d in dtypes.items() if k.endswith(("/exp_avg", "/exp_avg_sq"))}
+    assert weights == moments == {torch.bfloat16}, dtypes
+
+
+def test_bf16_pure_resumes_bit_exact(runs):
+    """The weights, the bf16 moments and the RNG the stochastic rounding draws from all come
+    back: steps 3..6 resumed from step 2 are the straight run's, bit for bit."""
+    assert _losses(runs / "single_bf16_pure_resumed") == _losses(runs / "single_bf16_pure")[2:]
+
+
+@pytest.mark.parametrize(
+    ("name", "against"),
+    [("single_in_backward", "single_fp32"), ("fsdp_in_backward", "fsdp_fp32")],
+)
+def test_the_step_in_backward_is_the_ordinary_step(runs, name, against):
+    """Stepping each parameter (each FSDP2 shard) in its gradient hook gives the losses and
+    gradient norms of stepping all of them after backward."""
+    got, want = _metrics(runs / name), _metrics(runs / against)
+    _close([m["loss"] for m in got], [m["loss"] for m in want], 1e-5)
+    _close([m["grad_norm"] for m in got], [m["grad_norm"] for m in want], 1e-4)
+
+
+def test_fsdp_in_backward_matches_one_process(runs):
+    _close(_losses(runs / "fsdp_in_backward"), _losses(runs / "single_fp32"), 1e-4)
+
+
+def test_bf16_pure_and_a_mixed_precision_checkpoint_do_not_resume_each_other(runs, tmp_path):
+    """precision is a math key: a bf16_pure run refuses a mixed-precision checkpoint (and the
+    other way round) with one line naming the key, before anything trains."""
+    r = oomless(
+        "train", str(runs / "base.yaml"), "strategy=single", "hardware.devices_per_node=1",
+        "train.micro_batch_size=8", "precision=fp32", f"run.dir={tmp_path / 'x'}",
+        f"run.resume={runs / 'fsdp_bf16_pure/checkpoints/step_2'}",
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert "precision" in line and "bf16_pure" in line and "fp32" in line, line
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "says"),
+    [
+        (["train.optimizer_in_backward=true", "train.grad_clip=1.0"],
+         "train.optimizer_in_backward", "train.grad_clip=0"),
+        (["train.optimizer_in_backward=true", "train.micro_batch_size=2"],
+         "train.optimizer_in_backward", "one micro-batch per step"),
+        (["train.optimizer_in_backward=true", "strategy=ddp"], "strategy", "DDP reduces"),
+        (["train.optimizer_in_backward=true", "strategy=zero3"], "strategy", "DeepSpeed owns"),
+        (["precision=bf16_pure", "strategy=zero2"], "strategy", "fp32 master copy"),
+    ],
+)  # fmt: skip
+def test_what_cannot_keep_the_math_is_refused_in_one_line(tmp_path, overrides, key, says):
+    base = _base(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        load_config(base, overrides)
+    assert err.value.key == key and says in str(err.value), str(err.value)
+
+
+def test_the_table_says_where_each_opt_in_runs():
+    assert methods.supported_rungs(precision="bf16_pure") == (
+        "single", "ddp", "fsdp", "fsdp_offload",
+    )  # fmt: skip
+    assert methods.supported_rungs(in_backward=True) == ("single", "fsdp", "fsdp_offload")
+    assert methods.supported_rungs("qlora") == ("single", "ddp", "fsdp", "fsdp_offload")
+    assert methods.supported_rungs(optimizer="adamw_8bit") == (
+        "single", "ddp", "fsdp", "fsdp_offload",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["fsdp_8bit", "fsdp_offload_8bit"])
+def test_adamw_8bit_on_fsdp_shards_learns_what_one_process_learns(runs, name):
+    """bitsandbytes' 8-bit step on each rank's rows: every block of 256 is a block of the whole
+    matrix, so two shards step as one replica does (to the reduction's rounding)."""
+    losses = _losses(runs / name)
+    assert losses[-1] < losses[0] - 0.5, losses
+    _close(losses, _losses(runs / "single_8bit"), 1e-4)
+
+
+def test_an_8bit_fsdp_checkpoint_holds_8bit_codes_and_block_scales_per_row(runs):
+    from trainer.checkpoint import SafeFileSystemReader
+
+    meta = SafeFileSystemReader(str(runs / "fsdp_8bit/checkpoints/step_2")).read_metadata()
+    sizes = {k: tuple(m.size) for k, m in meta.state_dict_metadata.items()}
+    dtypes = _dtypes(runs / "fsdp_8bit/checkpoints/step_2")
+    down = "optim/model.layers.0.mlp.down_proj.weight"
+    assert dtypes[f"{down}/state1"] == dtypes[f"{down}/state2"] == torch.uint8
+    assert sizes[f"{down}/state1"] == (256, 512) and sizes[f"{down}/absmax1"] == (256, 2)
+    assert not any(k.endswith("/exp_avg") for k in dtypes)  # small tensors: bnb's fp32 state1
+    norm = "optim/model.layers.0.input_layernorm.weight"
+    assert dtypes[f"{norm}/state1"] == torch.float32
+
+
+def test_adamw_8bit_on_fsdp_resumes_bit_exact(runs):
+    assert _losses(runs / "fsdp_8bit_resumed") == _losses(runs / "fsdp_8bit")[2:]
+
+
+@pytest.mark.parametrize(
+    ("name", "against"),
+    [("fsdp_8bit_from_single", "single_8bit"), ("single_8bit_from_fsdp", "fsdp_8bit")],
+)
+def test_8bit_moments_move_between_one_process_and_fsdp_shards(runs, name, against):
+    got, want = _losses(runs / name), _losses(runs / against)[2:]
+    assert len(got) == len(want) == STEPS - 2
+    for a, b in zip(got, want, strict=True):
+        assert abs(a - b) <= 1e-4 * b, (got, want)
+
+
+@pytest.mark.parametrize("name", ["fsdp_qlora", "fsdp_offload_qlora"])
+def test_qlora_on_fsdp_shards_learns_what_ddp_replicas_learn(runs, name):
+    """The 4-bit base sharded by FSDP2 (bf16 storage of the packed weights, each layer keeping
+    its quantisation state): 6 steps with a falling loss, each within 1e-3 of QLoRA on two DDP
+    replicas of the same quantised base."""
+    losses = _losses(runs / name)
+    assert losses[-1] < losses[0] - 0.5, losses
+    _close(losses, _losses(runs / "ddp_qlora"), 1e-3)
+
+
+def test_qlora_on_fsdp_resumes_bit_exact_and_checkpoints_only_the_adapters(runs):
+    assert _losses(runs / "fsdp_qlora_resumed") == _losses(runs / "fsdp_qlora")[2:]
+    names = _dtypes(runs / "fsdp_qlora/checkpoints/step_2")
+    assert names and all(".lora_" in k for k in names if k.startswith(("model/", "optim/")))
+    assert (runs / "fsdp_qlora/final/adapter_model.safetensors").is_file()
+
+
+def _engine_qlora(ckpt: Path) -> torch.nn.Module:
+    """The model the engine trained: its quantised base, the checkpoint's adapters."""
+    from trainer.checkpoint import read_full_weights
+    from trainer.finetune import FinetuneFactory
+    from trainer.model import HFModelFactory
+
+    cfg = load_config(ckpt / "config.yaml", [])
+    model = FinetuneFactory(HFModelFactory(cfg.model, cfg.train.seed), cfg).build("cpu")
+    missing, _ = model.load_state_dict(read_full_weights(ckpt), strict=False)
+    assert not [n for n in missing if ".lora_" in n]
+    return model.eval()
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.arange(40).reshape(2, 20) % 45
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def test_a_sharded_qlora_checkpoint_exports_an_adapter_peft_loads(runs, tmp_path):
+    """`oomless export` of the two ranks' checkpoint: peft puts the adapter on the same 4-bit
+    base and gives the engine's logits; --merge writes the unquantised base with the adapters
+    merged, as peft merges them."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.finetune import QLORA_COMPUTE_DTYPE, quantize_decoder_linears
+    from trainer.model import HFModelFactory
+
+    ckpt = runs / "fsdp_qlora/checkpoints/step_4"
+    want = _logits(_engine_qlora(ckpt))
+    r = oomless("export", str(ckpt), str(tmp_path / "adapter"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = load_config(ckpt / "config.yaml", [])
+    base = HFModelFactory(cfg.model, cfg.train.seed).build("cpu")
+    quantize_decoder_linears(base)
+    for p in base.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(QLORA_COMPUTE_DTYPE)
+    got = _logits(PeftModel.from_pretrained(base, tmp_path / "adapter").eval())
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+    r = oomless("export", str(ckpt), str(tmp_path / "merged"), "--merge")
+    assert r.returncode == 0, r.stderr[-2000:]
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert not any(".lora_" in n for n, _ in merged.named_parameters())
+    full = HFModelFactory(cfg.model, cfg.train.seed).build("cpu")
+    peft_merged = PeftModel.from_pretrained(full, tmp_path / "adapter").merge_and_unload()
+    want_merged = _logits(peft_merged.eval())
+    got = _logits(merged)
+    assert (got - want_merged).abs().max() <= 1e-4 * want_merged.abs().max()
