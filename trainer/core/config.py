@@ -124,6 +124,9 @@ class TrainConfig(_Section):
     compile: bool = False  # torch.compile each decoder layer (single, ddp, fsdp rungs)
     # adamw: fp32 moments; adamw_8bit: 8-bit moments with block scales (bitsandbytes)
     optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
+    # opt-in: step each parameter as soon as its gradient is ready and free that gradient
+    # (needs accumulation 1 and train.grad_clip=0; trainer/optim.py)
+    optimizer_in_backward: bool = False
 
     @field_validator("micro_batch_size")
     @classmethod
@@ -312,7 +315,8 @@ class JobConfig(_Section):
     data: DataConfig
     train: TrainConfig = Field(default_factory=TrainConfig)
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # bf16_pure: opt-in, lossy: bf16 weights, gradients and AdamW state, no fp32 master
+    precision: Literal["bf16", "fp16", "fp32", "bf16_pure"] = "bf16"
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     strategy: str = "auto"  # auto or a row of trainer/core/strategies.py
     hardware: HardwareConfig = Field(default_factory=HardwareConfig)
@@ -589,18 +593,20 @@ def _check_finetune(cfg: JobConfig) -> None:
     method, optimizer = cfg.finetune.method, cfg.train.optimizer
     needs = []
     if method != "full":
-        needs.append(("finetune.method", method, "peft"))
+        needs.append(("finetune.method", method, "peft", "lora"))
     if method == "qlora" or optimizer == "adamw_8bit":
         key, value = (
             ("finetune.method", method) if method == "qlora" else ("train.optimizer", optimizer)
         )
-        needs.append((key, value, "bitsandbytes"))
-    for key, value, module in needs:
+        needs.append((key, value, "bitsandbytes", "lora"))
+    if cfg.precision == "bf16_pure":
+        needs.append(("precision", "bf16_pure", "torchao", "lowbit"))
+    for key, value, module, extra in needs:
         if importlib.util.find_spec(module) is None:
             raise ConfigError(
                 key,
                 f"{value} needs {module}, which is not installed",
-                "pip install 'oomless[lora]'",
+                f"pip install 'oomless[{extra}]'",
             )
     if method == "qlora" and cfg.precision != "bf16":
         raise ConfigError(
@@ -608,15 +614,43 @@ def _check_finetune(cfg: JobConfig) -> None:
             f"{cfg.precision} with finetune.method=qlora: the 4-bit base computes in bf16",
             "use precision=bf16",
         )
+    _check_in_backward(cfg)
     if cfg.strategy != "auto":
-        why = methods.method_support(cfg.strategy, method, optimizer)
+        opt_ins = (method, optimizer, cfg.precision, cfg.train.optimizer_in_backward)
+        why = methods.method_support(cfg.strategy, *opt_ins)
         if why is not None:
-            rungs = methods.supported_rungs(method, optimizer)
+            rungs = methods.supported_rungs(*opt_ins)
             raise ConfigError(
                 "strategy",
                 f"{cfg.strategy} cannot run {why}",
                 f"use one of {', '.join(rungs)}, or strategy=auto",
             )
+
+
+def _check_in_backward(cfg: JobConfig) -> None:
+    """The step in backward keeps the math only with one micro-batch per step and no global
+    gradient-norm clipping (each parameter is stepped before the others' gradients exist)."""
+    train, hw = cfg.train, cfg.hardware
+    if not train.optimizer_in_backward:
+        return
+    if train.grad_clip > 0:
+        raise ConfigError(
+            "train.optimizer_in_backward",
+            f"steps each parameter before the global gradient norm is known, so "
+            f"train.grad_clip={train.grad_clip:g} cannot clip",
+            "set train.grad_clip=0, or train.optimizer_in_backward=false",
+        )
+    world = hw.nodes * hw.devices_per_node if hw.devices_per_node else None
+    micro = train.micro_batch_size
+    if world and isinstance(micro, int) and train.global_batch_size > micro * world:
+        raise ConfigError(
+            "train.optimizer_in_backward",
+            f"needs one micro-batch per step, but train.global_batch_size="
+            f"{train.global_batch_size} is {train.global_batch_size // (micro * world)} "
+            f"micro-batches of {micro} x {world} ranks",
+            "set train.micro_batch_size=global_batch_size / ranks, or "
+            "train.optimizer_in_backward=false",
+        )
 
 
 def _check_positions(cfg: JobConfig) -> None:

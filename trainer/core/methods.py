@@ -1,52 +1,88 @@
-"""Which rung can run which fine-tune method and optimizer: one table, torch-free.
+"""Which rung can run which fine-tune method, optimizer and opt-in precision: one table,
+torch-free.
 
-The config refuses a forced `strategy` that cannot run the configured `finetune.method` or
-`train.optimizer` (exit 2 with the reason below); the planner reads the same function to mark a
-rung "no: <reason>" and never picks it. `finetune.method` and `train.optimizer` change what is
-learned, so they are never changed to make a rung work: the rung is left out instead.
+The config refuses a forced `strategy` that cannot run the configured `finetune.method`,
+`train.optimizer`, `precision: bf16_pure` or `train.optimizer_in_backward` (exit 2 with the
+reason below); the planner reads the same function to mark a rung "no: <reason>" and never picks
+it. These opt-ins change what is learned (or how it is stepped), so they are never changed to make
+a rung work: the rung is left out instead.
 """
 
 from __future__ import annotations
 
 from trainer.core import strategies
 
-# The methods and optimizers the engine runs (trainer/finetune.py).
+# The methods, optimizers and precisions the engine runs (trainer/finetune.py, trainer/optim.py).
 METHODS = ("full", "lora", "qlora")
 OPTIMIZERS = ("adamw", "adamw_8bit")
+PRECISIONS = ("bf16", "fp16", "fp32", "bf16_pure")
 
-# QLoRA needs the 4-bit weights to stay bitsandbytes `Params4bit` tensors with their
-# quantisation state through the backend's wrapping: a plain replica keeps them (single, ddp).
-# FSDP2 would shard the packed storage as plain tensors and DeepSpeed ZeRO partitions and
-# re-creates parameters (and, on ZeRO-1/2, flattens only the trainable ones but still casts the
-# module), which drops the quantisation state.
+# QLoRA needs each 4-bit weight's quantisation state through the backend's wrapping: a plain
+# replica keeps the `Params4bit` tensors (single, ddp); FSDP2 shards the packed weights in their
+# bf16 storage and each `Linear4bit` keeps the state for the gathered weight (trainer/backends/
+# fsdp.py). DeepSpeed ZeRO partitions and re-creates parameters (and, on ZeRO-1/2, flattens only
+# the trainable ones but still casts the module), which drops the quantisation state.
 _QLORA_NO = {
-    "fsdp": "FSDP2 shards the packed 4-bit weights without their quantisation state",
     "deepspeed": "DeepSpeed ZeRO re-creates the parameters and drops the 4-bit quantisation state",
 }
-# bitsandbytes' 8-bit AdamW steps plain tensors held whole by a replica (single, ddp): not
-# FSDP2's DTensor shards, and not DeepSpeed's flat partitions, whose checkpoint gathers fp32
-# moments (and whose offload rungs step with DeepSpeed's CPU Adam, which has no 8-bit states).
+# bitsandbytes' 8-bit AdamW steps plain tensors: a replica's whole ones (single, ddp) and each
+# FSDP2 shard's local rows (trainer/optim.py); not DeepSpeed's flat partitions, whose checkpoint
+# gathers fp32 moments (and whose offload rungs step with DeepSpeed's CPU Adam, which has no
+# 8-bit states).
 _ADAMW_8BIT_NO = {
-    "fsdp": "bitsandbytes' 8-bit AdamW cannot step FSDP2's sharded (DTensor) parameters",
     "deepspeed": "DeepSpeed ZeRO steps and checkpoints fp32 optimizer partitions, not "
     "bitsandbytes' 8-bit states",
 }
+# bf16_pure keeps no fp32 master: DeepSpeed's bf16 mode always keeps one (and its CPU Adam
+# steps fp32 partitions).
+_BF16_PURE_NO = {
+    "deepspeed": "DeepSpeed keeps an fp32 master copy of every bf16 parameter",
+}
+# The step in backward needs each parameter's final gradient inside its post-accumulate-grad
+# hook: FSDP2 calls the hook on the reduce-scattered shard; DDP reduces in buckets after the
+# hook has run; DeepSpeed owns the step.
+_IN_BACKWARD_NO = {
+    "ddp": "DDP reduces gradients in buckets after a parameter's gradient is ready, so the "
+    "parameter cannot be stepped then",
+    "deepspeed": "DeepSpeed owns the optimizer step",
+}
 
 
-def method_support(strategy: str, method: str = "full", optimizer: str = "adamw") -> str | None:
-    """None when rung `strategy` runs `finetune.method=method` with `train.optimizer=optimizer`;
-    else the reason it does not, one clause without a trailing period ("qlora: ...").
+def method_support(
+    strategy: str,
+    method: str = "full",
+    optimizer: str = "adamw",
+    precision: str = "bf16",
+    in_backward: bool = False,
+) -> str | None:
+    """None when rung `strategy` runs `finetune.method=method` with `train.optimizer=optimizer`,
+    `precision` and `train.optimizer_in_backward=in_backward`; else the reason it does not, one
+    clause without a trailing period ("qlora: ...").
 
     The planner calls this for every rung it considers; the config calls it for a forced one.
     """
-    rung = strategies.row(strategy)
-    if method == "qlora" and rung.engine in _QLORA_NO:
-        return f"qlora: {_QLORA_NO[rung.engine]}"
-    if optimizer == "adamw_8bit" and rung.engine in _ADAMW_8BIT_NO:
-        return f"adamw_8bit: {_ADAMW_8BIT_NO[rung.engine]}"
+    engine = strategies.row(strategy).engine
+    if method == "qlora" and engine in _QLORA_NO:
+        return f"qlora: {_QLORA_NO[engine]}"
+    if optimizer == "adamw_8bit" and engine in _ADAMW_8BIT_NO:
+        return f"adamw_8bit: {_ADAMW_8BIT_NO[engine]}"
+    if precision == "bf16_pure" and engine in _BF16_PURE_NO:
+        return f"bf16_pure: {_BF16_PURE_NO[engine]}"
+    if in_backward and engine in _IN_BACKWARD_NO:
+        return f"optimizer_in_backward: {_IN_BACKWARD_NO[engine]}"
     return None
 
 
-def supported_rungs(method: str = "full", optimizer: str = "adamw") -> tuple[str, ...]:
-    """The rungs, in ladder order, that run `method` with `optimizer`."""
-    return tuple(s for s in strategies.names() if method_support(s, method, optimizer) is None)
+def supported_rungs(
+    method: str = "full",
+    optimizer: str = "adamw",
+    precision: str = "bf16",
+    in_backward: bool = False,
+) -> tuple[str, ...]:
+    """The rungs, in ladder order, that run `method` with `optimizer`, `precision` and
+    `in_backward`."""
+    return tuple(
+        s
+        for s in strategies.names()
+        if method_support(s, method, optimizer, precision, in_backward) is None
+    )
