@@ -17,6 +17,7 @@ from typing import Any
 from launcher.activations import with_activations
 from launcher.cost import Links, step_time_s
 from launcher.estimate import Estimate
+from launcher.estimate_finetune import why_not_on
 from launcher.hardware import Hardware
 from launcher.ladder import (
     SIMPLER_RUNG_MARGIN,
@@ -32,7 +33,7 @@ from launcher.model_shape import ModelShape, model_shape
 from launcher.plan_finetune import MethodAlternative, method_alternatives
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
-from trainer.core.step_spec import NO_LEVERS, Levers, StepSpec, smallest_levers
+from trainer.core.step_spec import NO_LEVERS, Finetune, Levers, StepSpec, smallest_levers
 from trainer.core.units import GIB
 
 
@@ -268,17 +269,18 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected, c
         "strategy"
     )
     offers = []
-    host_offload = [r for r in strategies.rows() if r.engine == "deepspeed" and r.offloads]
-    for rung in [r for r in host_offload if not r.needs_nvme]:
-        name = rung.name
+    finetune = Finetune.of(cfg)
+    runs = [r for r in strategies.rows() if why_not_on(r, finetune, cfg.precision) is None]
+    for rung in [r for r in runs if r.engine == "deepspeed" and r.offloads and not r.needs_nvme]:
         est = scaled_estimate(shape, job_step(cfg, hw, rung, 1, "full"), 1.0)
         device_ok = est.device_total_bytes <= hw.device_memory_bytes * (1 - cfg.memory.headroom)
-        if device_ok and per_rank >= 1:
-            need = est.host_total_bytes / (1 - cfg.memory.headroom)
-            offers.append(f"{name} would fit with {need / GIB:.0f} GiB host memory per node")
+        need = est.host_total_bytes / (1 - cfg.memory.headroom)
+        # more host memory than the node has: anything less is not what stands in the way
+        if device_ok and per_rank >= 1 and need > hw.host_memory_bytes:
+            offers.append(f"{rung.name} would fit with {need / GIB:.0f} GiB host memory per node")
             break
     fsdp = next(r for r in strategies.rows() if r.engine == "fsdp" and not r.offloads)
-    for world_mult in (2, 4, 8, 16, 32, 64, 128):
+    for world_mult in (2, 4, 8, 16, 32, 64, 128) if fsdp in runs else ():
         bigger = Hardware(
             hw.device,
             hw.nodes * world_mult,
