@@ -236,7 +236,9 @@ def _lever_reason(chosen: Candidate, ranked: list[Candidate]) -> str:
 def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan:
     """`strategy: NAME` that the estimate says will not fit: run it anyway, smallest footprint."""
     rung = strategies.row(name)
-    micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 1
+    micro = cfg.train.micro_batch_size
+    if not isinstance(micro, int):  # the step in backward runs one micro-batch per step
+        micro = per_rank if cfg.train.optimizer_in_backward else 1
     ac = cfg.memory.activation_checkpointing
     ac = "full" if ac == "auto" else ac
     every = reduce_variants(rung, cfg)[-1]  # the smaller footprint

@@ -57,8 +57,10 @@ def _real(spec: StepSpec) -> bool:
 
 
 def traceable(strategy: str, ft: Finetune = FULL) -> bool:
-    """single and fsdp, every method (with real tensors over a fake process group too)."""
-    return strategy in TRACEABLE
+    """single and fsdp (with real tensors over a fake process group too); 8-bit AdamW on single
+    only: FSDP's tracker hooks the optimizer's step, and the engine's 8-bit AdamW over FSDP2
+    shards is no torch optimizer that has such hooks."""
+    return strategy == "single" or (strategy in TRACEABLE and ft.optimizer != "adamw_8bit")
 
 
 @dataclass(frozen=True)

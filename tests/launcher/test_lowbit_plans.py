@@ -14,6 +14,7 @@ import yaml
 from launcher.cli import main
 from launcher.estimate import estimate
 from launcher.model_shape import model_shape
+from launcher.model_states import model_states
 from trainer.core.config import load_config
 from trainer.core.methods import method_support
 from trainer.core.step_spec import Finetune, StepSpec
@@ -200,3 +201,32 @@ def test_an_exit_3_host_hint_names_a_rung_that_runs_the_method_and_more_host_tha
             opts.get("train.optimizer_in_backward") == "true",
         )
         assert why is None, alt
+
+
+def test_bf16_pure_and_8bit_moments_per_shard_are_counted_where_they_live():
+    shape = model_shape(load_config(PRESET_8B).model)
+    n = shape.num_params
+
+    def states(strategy: str, world: int, optimizer: str = "adamw", precision: str = "bf16_pure"):
+        spec = StepSpec(strategy, world, 1, 1024, "full", precision=precision,
+                        finetune=Finetune(optimizer=optimizer))  # fmt: skip
+        return model_states(spec, shape)
+
+    single = states("single", 1).on_device
+    assert (single["params"], single["grads"], single["optimizer"]) == (2 * n, 2 * n, 4 * n)
+    mixed = states("fsdp", 4, precision="bf16").on_device
+    assert states("fsdp", 4).on_device["params"] * 2 == mixed["params"] == 4 * n // 4
+    # fsdp_offload steps the 8-bit moments of each rank's rows on the host
+    host = states("fsdp_offload", 4, "adamw_8bit").on_host
+    assert host["params"] == 2 * n // 4
+    assert host["optimizer"] == pytest.approx(2.03 * n / 4, rel=0.01)
+
+
+def test_qlora_on_fsdp_loads_its_4bit_shard_and_one_tensor_per_rank():
+    shape = model_shape(load_config(PRESET_70B).model)
+    spec = StepSpec("fsdp", 2, 1, 2048, "full", devices_per_node=2,
+                    finetune=Finetune(method="qlora"))  # fmt: skip
+    est = estimate(shape, spec)
+    shard = est.device_breakdown["params"]
+    assert est.host_breakdown["initial_weights"] == 2 * (4 * shape.largest_tensor_params + shard)
+    assert shard < 0.3 * shape.num_params  # ~0.52 bytes per weight, halved
