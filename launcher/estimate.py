@@ -165,8 +165,9 @@ def _runtime_overhead(device: str, peak: int, persistent: int) -> int:
 
 
 def loading_host_bytes(
-    shape: ModelShape, row: Strategy, ranks_here: int, bytes_per_param: int = 4
-) -> int:
+    shape: ModelShape, row: Strategy, ranks_here: int, bytes_per_param: int = 4,
+    quantised_shard: int = 0,
+) -> int:  # fmt: skip
     """Host bytes per node that loading the initial (pretrained) weights adds at its peak.
 
     A replica (single, ddp, ZeRO-1/2) is built whole on the host by each rank: in fp32 (4N per
@@ -175,14 +176,16 @@ def loading_host_bytes(
     rung reads its own part from the safetensors files into its parameters
     (`trainer/pretrained.py`): beyond the part itself (counted with the model states) at most
     one tensor in flight per rank, its fp32 copy on the way to the device (4 x the largest
-    tensor). zero3_nvme builds the full weights on rank 0 (the model, then its state dict
-    cloned: 8N) and sends each rank its part, as random init does on every sharded rung."""
+    tensor). QLoRA on a sharded rung quantises on load, per rank: it holds its 4-bit shard on
+    the host (`quantised_shard`, when the rung keeps it on the device) and one full-precision
+    tensor at a time. zero3_nvme builds the full weights on rank 0 (the model, then its state
+    dict cloned: 8N) and sends each rank its part, as random init does on every sharded rung."""
     n = shape.num_params
     if not row.shards_params:
         return bytes_per_param * n * ranks_here
     if row.needs_nvme:
         return 8 * n
-    return 4 * shape.largest_tensor_params * ranks_here
+    return (4 * shape.largest_tensor_params + quantised_shard) * ranks_here
 
 
 def _host_bytes(
@@ -192,12 +195,13 @@ def _host_bytes(
     ranks_here: int,
     device_bytes: int,
     device: str,
-    load_bytes_per_param: int,
+    load: tuple[int, int],
 ) -> dict[str, int]:
     """Host memory per node: every rank's offloaded states, loading the initial weights
-    (`loading_host_bytes`), process baseline."""
+    (`loading_host_bytes` with `load`: bytes per parameter, quantised shard), process
+    baseline."""
     host = {k: v * ranks_here for k, v in states.on_host.items()}
-    host["initial_weights"] = loading_host_bytes(shape, row, ranks_here, load_bytes_per_param)
+    host["initial_weights"] = loading_host_bytes(shape, row, ranks_here, *load)
     host["processes"] = HOST_PROCESS_BYTES * ranks_here
     if device == "cpu":  # the "device" is host memory too
         host["device_memory_of_cpu_ranks"] = device_bytes * ranks_here
@@ -226,12 +230,15 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
         "runtime_overhead": overhead,
     }
     ranks_here = spec.ranks_per_node
-    # a frozen base from pretrained weights loads in its compute dtype (trainer/finetune.py)
-    ft = spec.finetune
-    load_bytes = m.c if ft.adapters and ft.pretrained else 4
-    host = _host_bytes(
-        spec.row, states, shape, ranks_here, peak + overhead, spec.device, load_bytes
-    )
+    # a frozen base (and a bf16_pure model) from pretrained weights loads in its compute
+    # dtype (trainer/finetune.py); QLoRA's 4-bit shard waits on the host till it moves
+    ft, row = spec.finetune, spec.row
+    sixteen = ft.adapters or spec.precision == "bf16_pure"
+    load_bytes = m.c if sixteen and ft.pretrained else 4
+    on_device_shard = ft.method == "qlora" and row.params_at == "device"
+    shard = states.on_device["params"] if on_device_shard and row.shards_params else 0
+    host = _host_bytes(row, states, shape, ranks_here, peak + overhead, spec.device,
+                       (load_bytes, shard))  # fmt: skip
     offloaded = acts.offloaded
     if spec.offload_activations:
         host["offloaded_activations"] = offloaded * ranks_here

@@ -228,12 +228,14 @@ def offloaded_activation_bytes(shape: ModelShape, m: Micro, ckpt: frozenset[int]
 def micro_for(spec: StepSpec, shape: ModelShape) -> Micro:
     """One micro-batch of `spec` on one device. With adapters the frozen base computes in the
     compute dtype: a 16-bit stream and no autocast copies of its weights, as under FSDP's mixed
-    precision."""
+    precision. So does `precision: bf16_pure` (bf16 weights, no autocast)."""
     ckpt = frozenset(checkpointed_layers(shape.num_layers, spec.activation_checkpointing))
     chunk = loss_chunk_tokens(shape.vocab_size, spec.loss_chunk_tokens)
     row, ft, c = spec.row, spec.finetune, spec.compute_bytes
-    sixteen_bit = row.engine == "fsdp" or ft.adapters
-    private = row.engine != "fsdp" and c < 4  # peft casts an adapter's input under autocast
+    pure = spec.precision == "bf16_pure"
+    sixteen_bit = row.engine == "fsdp" or ft.adapters or pure
+    # peft casts an adapter's input under autocast
+    private = row.engine != "fsdp" and c < 4 and not pure
     adapters = adapter_terms(shape, ft, c, private)
     tile = (spec.mlp_chunk_tokens or shape.hidden_size) if spec.tiled_mlp else None
     return Micro(

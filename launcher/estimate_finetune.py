@@ -121,11 +121,12 @@ def nf4_bytes(numel: int) -> int:
     return math.ceil(numel / 2) + blocks + nested + 4 + NF4_TABLES
 
 
-def adam_state_bytes(tensors: list[int], optimizer: str) -> int:
-    """Both AdamW moments of these tensors: fp32, or 8-bit with an fp32 absmax per 256 elements
-    (fp32 for tensors under 4096 elements) and the shared quantisation maps."""
+def adam_state_bytes(tensors: list[int], optimizer: str, p: int = 4) -> int:
+    """Both AdamW moments of these tensors: in the trained dtype (p bytes: fp32, bf16 under
+    bf16_pure), or 8-bit with an fp32 absmax per 256 elements (fp32 for tensors under 4096
+    elements) and the shared quantisation maps."""
     if optimizer == "adamw":
-        return 8 * sum(tensors)
+        return 2 * p * sum(tensors)
     total = 0
     for n in tensors:
         small = n < ADAM8_MIN_SIZE
@@ -145,15 +146,16 @@ class MethodSizes:
     dequant: int  # the largest 4-bit weight dequantised to the compute dtype (QLoRA)
 
 
-def method_sizes(shape: Any, ft: Finetune, c: int) -> MethodSizes:
-    """Frozen and trainable bytes of the whole model under `ft`, computing in c-byte floats."""
+def method_sizes(shape: Any, ft: Finetune, c: int, p: int = 4) -> MethodSizes:
+    """Frozen and trainable bytes of the whole model under `ft`, computing in c-byte floats and
+    training p-byte ones."""
     layers = shape.num_layers
     if not ft.adapters:
         tensors = layers * layer_tensors(shape) + root_tensors(shape)
         return MethodSizes(0, 0, shape.num_params, shape.num_layer_params,
-                           adam_state_bytes(tensors, ft.optimizer), 0)  # fmt: skip
+                           adam_state_bytes(tensors, ft.optimizer, p), 0)  # fmt: skip
     adapters = adapter_tensors(shape, ft)
-    optimizer = adam_state_bytes(layers * adapters, ft.optimizer)
+    optimizer = adam_state_bytes(layers * adapters, ft.optimizer, p)
     frozen_layer = c * shape.num_layer_params
     dequant = 0
     if ft.method == "qlora":
@@ -268,7 +270,8 @@ def method_cost(shape: Any, ft: Finetune, c: int) -> MethodCost:
     return MethodCost(4.0 * n + 6.0 * a, 2.0 * (n + a), a, sizes.frozen / c + a, dequant)
 
 
-def why_not_on(row: Strategy, ft: Finetune) -> str | None:
-    """Why this rung cannot run the method or optimizer, or None: the engine's own table
-    (trainer/core/methods.py), so the planner never picks a rung that the config then refuses."""
-    return method_support(row.name, ft.method, ft.optimizer)
+def why_not_on(row: Strategy, ft: Finetune, precision: str = "bf16") -> str | None:
+    """Why this rung cannot run the method, optimizer, precision or step in backward, or None:
+    the engine's own table (trainer/core/methods.py), so the planner never picks a rung that the
+    config then refuses."""
+    return method_support(row.name, ft.method, ft.optimizer, precision, ft.in_backward)

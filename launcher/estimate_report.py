@@ -102,7 +102,7 @@ def estimates_for(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[Estim
         forced_other = cfg.strategy not in ("auto", rung.name)
         if forced_other or rung_world(rung, hw) is None:
             continue
-        if why_not_on(rung, Finetune.of(cfg)) is not None:  # cannot run the method
+        if why_not_on(rung, Finetune.of(cfg), cfg.precision) is not None:  # cannot run the method
             continue
         best, _ = best_for_rung(shape, rung, hw, cfg, per_rank, 1.0)
         if best is not None:

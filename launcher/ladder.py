@@ -225,7 +225,7 @@ def climb(
     long = long or LongContext.of(cfg)
     per_rank = per_rank_batch(cfg, hw, long.sequence_parallel)
     finetune = Finetune.of(cfg)
-    unsupported = {rung.name: why_not_on(rung, finetune) for rung in rungs}
+    unsupported = {rung.name: why_not_on(rung, finetune, cfg.precision) for rung in rungs}
     levers = lever_variants(cfg.memory.chunked_loss, cfg.memory.offload_activations, hw.device)
     walk = _Walk(cfg, hw, shape, per_rank, memory_scale, finetune, levers,
                  Links.of(cfg.hardware, hw.device), long)  # fmt: skip
@@ -267,6 +267,10 @@ def _best_on(walk: _Walk, rung: Strategy) -> tuple[Candidate | None, str]:
     micros = _divisors_desc(walk.per_rank)
     if isinstance(cfg.train.micro_batch_size, int):
         micros = [cfg.train.micro_batch_size]
+    if walk.finetune.in_backward:  # one micro-batch per step: no accumulation
+        micros = [m for m in micros if m == walk.per_rank]
+        if not micros:
+            return None, f"train.optimizer_in_backward needs micro-batch {walk.per_rank}"
     acs = AC_LEVELS
     if cfg.memory.activation_checkpointing != "auto":
         acs = (cfg.memory.activation_checkpointing,)

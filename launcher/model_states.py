@@ -25,14 +25,29 @@ def model_states(spec: StepSpec, shape: ModelShape) -> ModelStates:
     """One rank's model states for `spec`: full fine-tuning by the rung's engine; LoRA and QLoRA
     train adapters over a frozen base; 8-bit moments shrink the optimizer state."""
     row, ft = spec.row, spec.finetune
-    z = Sizes.of(shape, max(1, spec.world_size), spec.compute_bytes, spec.grad_accum)
+    z = Sizes.of(shape, max(1, spec.world_size), spec.compute_bytes, spec.grad_accum,
+                 spec.trained_bytes)  # fmt: skip
     every = spec.fsdp_reduce_every_micro_batch
-    if not ft.adapters and ft.optimizer == FULL.optimizer:
-        return _FULL_STATES[row.engine](row, z, shape, every)
-    sizes = method_sizes(shape, ft, z.c)
+    sizes = method_sizes(shape, ft, z.c, z.p)
     if not ft.adapters:
-        return _eight_bit_moments(row, z, _FULL_STATES[row.engine](row, z, shape, every), sizes)
-    return _ADAPTER_STATES[row.engine](row, z, shape, every, sizes)
+        states = _FULL_STATES[row.engine](row, z, shape, every)
+        if ft.optimizer != FULL.optimizer:
+            states = _eight_bit_moments(row, z, states, sizes)
+    else:
+        states = _ADAPTER_STATES[row.engine](row, z, shape, every, sizes)
+    return _stepped_in_backward(row, states) if ft.in_backward else states
+
+
+def _stepped_in_backward(row: Strategy, states: ModelStates) -> ModelStates:
+    """`train.optimizer_in_backward`: each parameter (each shard, under FSDP2) is stepped from
+    its post-accumulate-grad hook and its gradient freed there, so no gradients are held from
+    layer to layer or at the step; a layer's own, while it back-propagates, remain (with one
+    micro-batch per step, which the config and the ladder hold to)."""
+    flow = replace(states.first, held=0, per_layer=0, released_per_layer=0)
+    on_device = {**states.on_device, "grads": flow.in_layer if row.params_at == "device" else 0}
+    on_host = {k: v for k, v in states.on_host.items() if k != "grads"}
+    return replace(states, on_device=on_device, on_host=on_host, grads_at_step=0, first=flow,
+                   later=flow)  # fmt: skip
 
 
 def zero_model_state_bytes(
@@ -126,9 +141,10 @@ class Sizes:
     tied_embed: int  # the embedding's parameters when tied to the head, else 0
     accumulating: bool
     bucket: int  # DeepSpeed's fp32 reduce bucket
+    p: int = 4  # bytes of a trained weight, its gradient and each moment (2: bf16_pure)
 
     @classmethod
-    def of(cls, shape: ModelShape, w: int, c: int, grad_accum: int) -> Sizes:
+    def of(cls, shape: ModelShape, w: int, c: int, grad_accum: int, p: int = 4) -> Sizes:
         embed_n = shape.num_embedding_params
         return cls(
             n=shape.num_params,
@@ -141,33 +157,35 @@ class Sizes:
             tied_embed=embed_n if shape.tied_embeddings else 0,
             accumulating=grad_accum > 1,
             bucket=4 * min(DEEPSPEED_BUCKET_ELEMENTS, shape.num_params),
+            p=p,
         )
 
 
 def _replicated_states(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool):
-    """single, ddp and ZeRO-1: full fp32 parameters and gradients on every rank."""
-    n, w = z.n, z.w
+    """single, ddp and ZeRO-1: full fp32 parameters and gradients on every rank (bf16 ones
+    under bf16_pure, p = 2, where no autocast runs)."""
+    n, w, p = z.n, z.w, z.p
     if row.zero_stage == 1:
         dev, _ = zero_model_state_bytes(n, stage=1, world_size=w, param_bytes=4)
         on_device = {k: dev[k] for k in ("params", "grads", "optimizer")}
     else:
-        on_device = {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
+        on_device = {"params": p * n, "grads": p * n, "optimizer": 2 * p * n}
     base = on_device["params"] + on_device["optimizer"]
     # AccumulateGrad: the first gradient of a weight becomes its .grad (fp32, from the 16-bit
     # one autocast's backward makes); a tied embedding's is summed out of place.
     untied_embed = z.embed_n - z.tied_embed
     first = GradFlow(
         held=0,
-        per_layer=4 * z.layer_n,
-        in_layer=4 * z.layer_n,
-        head=4 * z.head_n,
-        root_at_embedding=4 * z.head_n + 4 * untied_embed + 8 * z.tied_embed,
+        per_layer=p * z.layer_n,
+        in_layer=p * z.layer_n,
+        head=p * z.head_n,
+        root_at_embedding=p * z.head_n + p * untied_embed + 2 * p * z.tied_embed,
     )
-    later = GradFlow(held=4 * n, root_at_embedding=4 * z.embed_n)
+    later = GradFlow(held=p * n, root_at_embedding=p * z.embed_n)
     grads_at_step = on_device["grads"]
     if row.engine == "ddp":  # gradient_as_bucket_view: the buckets hold the grads for good
         base += on_device["grads"]
-        first = later = GradFlow(root_at_embedding=4 * z.embed_n)
+        first = later = GradFlow(root_at_embedding=p * z.embed_n)
         grads_at_step = 0
     if row.zero_stage == 1:  # the boundary reduces the full grads through the bucket
         first = replace(first, reduce_root=4 * n + z.bucket)
@@ -177,29 +195,30 @@ def _replicated_states(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: b
 
 def _fsdp_states(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool):
     """FSDP2: everything sharded over the ranks (on the host under CPUOffloadPolicy); 16-bit
-    gathers per layer; the root stays gathered from forward into backward."""
-    n, w, c, layer_n, root_n = z.n, z.w, z.c, z.layer_n, z.root_n
-    shard = {"params": 4 * n // w, "grads": 4 * n // w, "optimizer": 8 * n // w}
+    gathers per layer; the root stays gathered from forward into backward. Under bf16_pure
+    (p = 2) the shards are bf16 and gradients are reduced in bf16."""
+    n, w, c, p, layer_n, root_n = z.n, z.w, z.c, z.p, z.layer_n, z.root_n
+    shard = {"params": p * n // w, "grads": p * n // w, "optimizer": 2 * p * n // w}
     on_device, on_host = dict(shard), {}
     if row.offloads:  # fp32 params, grads and AdamW on the host
         on_device, on_host = {"params": 0, "grads": 0, "optimizer": 0}, dict(shard)
     # the root's 16-bit unsharded grads during the embedding's backward (tied: summed)
     root_unsharded = c * root_n + c * z.tied_embed
     sync = GradFlow(
-        held=4 * n if z.accumulating else 0,  # no_sync kept unsharded fp32 grads till now
-        per_layer=on_device["grads"] and 4 * layer_n // w,
+        held=p * n if z.accumulating else 0,  # no_sync kept unsharded fp32 grads till now
+        per_layer=on_device["grads"] and p * layer_n // w,
         head=c * z.head_n,
         root_at_embedding=root_unsharded,
         in_layer=c * layer_n,  # its 16-bit unsharded grads, before the reduce-scatter
-        released_per_layer=4 * layer_n if z.accumulating else 0,
-        reduce_root=reduce_scatter_bytes(root_n, c, w),
-        pending_reduce=4 * layer_n,
+        released_per_layer=p * layer_n if z.accumulating else 0,
+        reduce_root=reduce_scatter_bytes(root_n, c, w, p),
+        pending_reduce=p * layer_n,
     )
     no_sync = GradFlow(  # unsharded fp32 gradient accumulation on every rank
-        per_layer=4 * layer_n,
-        in_layer=4 * layer_n,
-        head=4 * z.head_n,
-        root_at_embedding=4 * root_n + root_unsharded,
+        per_layer=p * layer_n,
+        in_layer=p * layer_n,
+        head=p * z.head_n,
+        root_at_embedding=p * root_n + root_unsharded,
     )
     first, later = _fsdp_flows(sync, no_sync, fsdp_every, z.accumulating, on_device["grads"])
     return ModelStates(
@@ -269,18 +288,21 @@ def _fsdp_flows(
     return (no_sync, sync) if accumulating else (sync, sync)
 
 
-def reduce_scatter_bytes(num_params: int, c: int, w: int) -> int:
-    """FSDP2 reducing one unit: its 16-bit unsharded grads, the fp32 reduce-scatter input and
-    output (the grads are freed while the output is made)."""
-    return 4 * num_params + max(c * num_params, c * num_params // 2 + 4 * num_params // w)
+def reduce_scatter_bytes(num_params: int, c: int, w: int, r: int = 4) -> int:
+    """FSDP2 reducing one unit: its 16-bit unsharded grads, the reduce-scatter input and output
+    in the reduce dtype (r bytes: fp32, bf16 under bf16_pure; the grads are freed while the
+    output is made)."""
+    return r * num_params + max(c * num_params, c * num_params // 2 + r * num_params // w)
 
 
 def _eight_bit_moments(row: Strategy, z: Sizes, states: ModelStates, sizes: MethodSizes):
-    """Full fine-tuning with `adamw_8bit`: the moments shrink where the device steps them."""
-    if row.optimizer_at != "device":
-        return states
+    """Full fine-tuning with `adamw_8bit`: the moments shrink where they are stepped (on the
+    host under fsdp_offload: bitsandbytes steps each rank's rows there)."""
     shards = 1 if row.engine in ("single", "ddp") else z.w
-    saved = (8 * z.n - sizes.optimizer) // shards
+    saved = (2 * z.p * z.n - sizes.optimizer) // shards
+    if row.optimizer_at != "device":
+        on_host = {**states.on_host, "optimizer": states.on_host.get("optimizer", 0) - saved}
+        return replace(states, on_host=on_host)
     on_device = {**states.on_device, "optimizer": states.on_device["optimizer"] - saved}
     return replace(states, on_device=on_device, base=states.base - saved)
 
@@ -289,17 +311,17 @@ def _replicated_adapters(
     row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool, s: MethodSizes
 ):
     """single, ddp and ZeRO-1 with adapters: the frozen base and fp32 adapters on every rank."""
-    a, a_layer, w = s.trainable, s.trainable_layer, z.w
+    a, a_layer, w, p = s.trainable, s.trainable_layer, z.w, z.p
     if row.zero_stage == 1:  # fp32 master partition (a clone) and moments partitioned
         dev, _ = zero_model_state_bytes(a, stage=1, world_size=w, param_bytes=4)
         on_device = {"params": dev["params"], "grads": dev["grads"],
                      "optimizer": 4 * a // w + s.optimizer // w}  # fmt: skip
     else:
-        on_device = {"params": 4 * a, "grads": 4 * a, "optimizer": s.optimizer}
+        on_device = {"params": p * a, "grads": p * a, "optimizer": s.optimizer}
     on_device["params"] += s.frozen
     base = on_device["params"] + on_device["optimizer"]
-    first = GradFlow(per_layer=4 * a_layer, in_layer=4 * a_layer)
-    later = GradFlow(held=4 * a)
+    first = GradFlow(per_layer=p * a_layer, in_layer=p * a_layer)
+    later = GradFlow(held=p * a)
     grads_at_step = on_device["grads"]
     if row.engine == "ddp":  # the buckets hold the adapters' grads for good
         base += on_device["grads"]
@@ -315,20 +337,20 @@ def _replicated_adapters(
 def _fsdp_adapters(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool, s: MethodSizes):
     """FSDP2 with adapters: frozen base and adapters sharded together (16-bit gathers of both),
     only the adapters' gradients reduce-scattered."""
-    a, a_layer, w, c = s.trainable, s.trainable_layer, z.w, z.c
-    shard = {"params": (s.frozen + 4 * a) // w, "grads": 4 * a // w, "optimizer": s.optimizer // w}
+    a, a_layer, w, c, p = s.trainable, s.trainable_layer, z.w, z.c, z.p
+    shard = {"params": (s.frozen + p * a) // w, "grads": p * a // w, "optimizer": s.optimizer // w}
     on_device, on_host = dict(shard), {}
     if row.offloads:
         on_device, on_host = {"params": 0, "grads": 0, "optimizer": 0}, dict(shard)
     sync = GradFlow(
-        held=4 * a if z.accumulating else 0,
-        per_layer=on_device["grads"] and 4 * a_layer // w,
+        held=p * a if z.accumulating else 0,
+        per_layer=on_device["grads"] and p * a_layer // w,
         in_layer=c * a_layer,
-        released_per_layer=4 * a_layer if z.accumulating else 0,
+        released_per_layer=p * a_layer if z.accumulating else 0,
         reduce_root=0,
-        pending_reduce=reduce_scatter_bytes(a_layer, c, w),
+        pending_reduce=reduce_scatter_bytes(a_layer, c, w, p),
     )
-    no_sync = GradFlow(per_layer=4 * a_layer, in_layer=4 * a_layer)
+    no_sync = GradFlow(per_layer=p * a_layer, in_layer=p * a_layer)
     first, later = _fsdp_flows(sync, no_sync, fsdp_every, z.accumulating, on_device["grads"])
     root = c * z.root_n
     return ModelStates(

@@ -17,6 +17,7 @@ from typing import Any
 from launcher.activations import with_activations
 from launcher.cost import Links, step_time_s
 from launcher.estimate import Estimate
+from launcher.estimate_finetune import why_not_on
 from launcher.hardware import Hardware
 from launcher.ladder import (
     SIMPLER_RUNG_MARGIN,
@@ -35,6 +36,7 @@ from trainer.core.config import ConfigError, JobConfig
 from trainer.core.step_spec import (
     NO_LEVERS,
     SHORT,
+    Finetune,
     Levers,
     LongContext,
     StepSpec,
@@ -254,7 +256,9 @@ def _lever_reason(chosen: Candidate, ranked: list[Candidate]) -> str:
 def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan:
     """`strategy: NAME` that the estimate says will not fit: run it anyway, smallest footprint."""
     rung = strategies.row(name)
-    micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 1
+    micro = cfg.train.micro_batch_size
+    if not isinstance(micro, int):  # the step in backward runs one micro-batch per step
+        micro = per_rank if cfg.train.optimizer_in_backward else 1
     ac = cfg.memory.activation_checkpointing
     ac = "full" if ac == "auto" else ac
     every = reduce_variants(rung, cfg)[-1]  # the smaller footprint
@@ -287,17 +291,18 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected, c
         "strategy"
     )
     offers = []
-    host_offload = [r for r in strategies.rows() if r.engine == "deepspeed" and r.offloads]
-    for rung in [r for r in host_offload if not r.needs_nvme]:
-        name = rung.name
+    finetune = Finetune.of(cfg)
+    runs = [r for r in strategies.rows() if why_not_on(r, finetune, cfg.precision) is None]
+    for rung in [r for r in runs if r.engine == "deepspeed" and r.offloads and not r.needs_nvme]:
         est = scaled_estimate(shape, job_step(cfg, hw, rung, 1, "full"), 1.0)
         device_ok = est.device_total_bytes <= hw.device_memory_bytes * (1 - cfg.memory.headroom)
-        if device_ok and per_rank >= 1:
-            need = est.host_total_bytes / (1 - cfg.memory.headroom)
-            offers.append(f"{name} would fit with {need / GIB:.0f} GiB host memory per node")
+        need = est.host_total_bytes / (1 - cfg.memory.headroom)
+        # more host memory than the node has: anything less is not what stands in the way
+        if device_ok and per_rank >= 1 and need > hw.host_memory_bytes:
+            offers.append(f"{rung.name} would fit with {need / GIB:.0f} GiB host memory per node")
             break
     fsdp = next(r for r in strategies.rows() if r.engine == "fsdp" and not r.offloads)
-    for world_mult in (2, 4, 8, 16, 32, 64, 128):
+    for world_mult in (2, 4, 8, 16, 32, 64, 128) if fsdp in runs else ():
         bigger = Hardware(
             hw.device,
             hw.nodes * world_mult,

@@ -1,7 +1,8 @@
-"""What a full fine-tune that fits nowhere could change to fit: 8-bit optimizer states, LoRA or
-QLoRA. These change what is learned, so the planner never turns them on: it names them, in the
-exit-3 line, in a forced plan's reasons and as `plan --json`'s `alternatives` (entries with a
-`change`), each with the rung it would run on and its memory.
+"""What a job that fits nowhere could change to fit: 8-bit optimizer states, bf16 weights
+without an fp32 master (and the step in backward), LoRA or QLoRA. These change what is learned,
+so the planner never turns them on: it names them, in the exit-3 line, in a forced plan's
+reasons and as `plan --json`'s `alternatives` (entries with a `change` and its `overrides`),
+each with the rung it would run on and its memory.
 """
 
 from __future__ import annotations
@@ -13,20 +14,27 @@ from launcher.hardware import Hardware
 from launcher.ladder import climb
 from launcher.model_shape import ModelShape
 from trainer.core import strategies
-from trainer.core.config import ConfigError, JobConfig
+from trainer.core.config import ConfigError, JobConfig, apply_overrides, build_config
 from trainer.core.units import GIB
 
-# The opt-in (method, optimizer) pairs, least change to what is learned first: 8-bit moments
-# still train every weight; LoRA trains adapters on the 16-bit base; QLoRA on a 4-bit base.
+# The opt-in changes, least change to what is learned first: 8-bit moments and bf16 weights
+# (with the step in backward where gradients must not all exist at once) still train every
+# weight; LoRA trains adapters on the 16-bit base; QLoRA on a 4-bit base. Each is a set of
+# KEY=VALUE overrides that `oomless plan` accepts as they are.
+IN_BACKWARD = "train.optimizer_in_backward"
+OPT_INS: tuple[dict[str, Any], ...] = (
+    {"train.optimizer": "adamw_8bit"},
+    {"precision": "bf16_pure"},
+    {"precision": "bf16_pure", "train.optimizer": "adamw_8bit"},
+    {"precision": "bf16_pure", IN_BACKWARD: True},
+    {"precision": "bf16_pure", "train.optimizer": "adamw_8bit", IN_BACKWARD: True},
+    {"finetune.method": "lora"},
+    {"finetune.method": "lora", "train.optimizer": "adamw_8bit"},
+    {"finetune.method": "qlora"},
+    {"finetune.method": "qlora", "train.optimizer": "adamw_8bit"},
+)
 METHOD_ORDER = ("full", "lora", "qlora")
 OPTIMIZER_ORDER = ("adamw", "adamw_8bit")
-PAIRS = (
-    ("full", "adamw_8bit"),
-    ("lora", "adamw"),
-    ("lora", "adamw_8bit"),
-    ("qlora", "adamw"),
-    ("qlora", "adamw_8bit"),
-)
 
 
 @dataclass(frozen=True)
@@ -67,20 +75,34 @@ class MethodAlternative:
         }
 
 
-def _more_or_equal(pair: tuple[str, str], than: tuple[str, str]) -> bool:
-    """`pair` changes at least as much as `than`, in both the method and the optimizer."""
-    return METHOD_ORDER.index(pair[0]) >= METHOD_ORDER.index(than[0]) and OPTIMIZER_ORDER.index(
-        pair[1]
-    ) >= OPTIMIZER_ORDER.index(than[1])
-
-
-def _with(cfg: JobConfig, method: str, optimizer: str) -> JobConfig:
-    return cfg.model_copy(
-        update={
-            "finetune": cfg.finetune.model_copy(update={"method": method}),
-            "train": cfg.train.model_copy(update={"optimizer": optimizer}),
-        }
+def _levels(cfg: JobConfig) -> tuple[int, int, int, int]:
+    """How far a config is from full fine-tuning in mixed precision with AdamW, per opt-in."""
+    return (
+        METHOD_ORDER.index(cfg.finetune.method),
+        OPTIMIZER_ORDER.index(cfg.train.optimizer),
+        int(cfg.precision == "bf16_pure"),
+        int(cfg.train.optimizer_in_backward),
     )
+
+
+def _at_least(levels: tuple[int, ...], than: tuple[int, ...]) -> bool:
+    """`levels` changes at least as much as `than`, in every opt-in."""
+    return all(a >= b for a, b in zip(levels, than, strict=True))
+
+
+def _overrides(cfg: JobConfig, opt_in: dict[str, Any]) -> tuple[str, ...]:
+    """The KEY=VALUE overrides that turn `cfg` into `opt_in` (the step in backward cannot clip
+    by the global gradient norm: it turns clipping off too)."""
+    now = cfg.to_dict()
+    out = []
+    for key, value in opt_in.items():
+        section, _, leaf = key.rpartition(".")
+        current = now[section][leaf] if section else now[key]
+        if current != value:
+            out.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+    if opt_in.get(IN_BACKWARD) and cfg.train.grad_clip > 0 and out:
+        out.append("train.grad_clip=0")
+    return tuple(out)
 
 
 def method_alternatives(
@@ -94,28 +116,28 @@ def method_alternatives(
     planner would pick for it; a change is left out when a smaller one fits."""
     forced = cfg.strategy if cfg.strategy != "auto" else None
     rungs = [r for r in strategies.rows() if not forced or r.name == forced]
-    now = (cfg.finetune.method, cfg.train.optimizer)
+    now = _levels(cfg)
     found: list[MethodAlternative] = []
-    fitting: list[tuple[str, str]] = []
-    for pair in PAIRS:
-        if pair == now or not _more_or_equal(pair, now):
+    fitting: list[tuple[int, ...]] = []
+    for opt_in in OPT_INS:
+        overrides = _overrides(cfg, opt_in)
+        if not overrides:
             continue
-        if any(_more_or_equal(pair, f) for f in fitting):
+        try:  # validated as `oomless plan` would: what it refuses is no alternative
+            changed = build_config(apply_overrides(cfg.to_dict(), list(overrides)))
+        except ConfigError:
+            continue
+        levels = _levels(changed)
+        if not _at_least(levels, now) or any(_at_least(levels, f) for f in fitting):
             continue
         try:
-            changed = _with(cfg, *pair)
             ranked = climb(changed, hw, shape, rungs, exclude, memory_scale).ranked
         except ConfigError:  # e.g. target modules this model does not have
             continue
         if not ranked:
             continue
         best = ranked[0]
-        fitting.append(pair)
-        overrides = tuple(
-            f"{key}={new}"
-            for key, new, old in zip(("finetune.method", "train.optimizer"), pair, now, strict=True)
-            if new != old
-        )
+        fitting.append(levels)
         found.append(
             MethodAlternative(
                 change=" and ".join(overrides),

@@ -9,10 +9,14 @@ FSDP2 `fully_shard` over a fake process group of any world size) counts the live
 every operation. The peak of a steady-state step (optimizer state already present) is what
 `torch.cuda.max_memory_allocated` would see, less allocator rounding.
 
-LoRA traces the same way (peft's layers are plain modules). QLoRA and 8-bit AdamW run for real
-on CPU (bitsandbytes quantises real weights, and its 8-bit step reads a scalar, which a fake
-tensor cannot give); the tracker counts real allocations just as well, and the grid's models
-step on a CPU in seconds.
+LoRA traces the same way (peft's layers are plain modules). QLoRA, 8-bit AdamW and bf16_pure run
+for real on CPU (bitsandbytes quantises real weights, and its 8-bit step reads a scalar, which a
+fake tensor cannot give; torchao's bf16 step is compiled), on fsdp over the same fake process
+group (its collectives leave the outputs unwritten, which a memory count does not read); the
+tracker counts real allocations just as well, and the grid's models step on a CPU in seconds.
+torch.compile refuses to run under the tracker's dispatch mode, so a bf16_pure step is traced
+up to its optimizer step (`until=BACKWARD_END`); compiled, that step is one fused kernel per
+parameter, with no temporaries.
 
 CPU stands in for the device (a CPU-only torch cannot fake CUDA tensors): autocast runs as CPU
 autocast in the same 16-bit dtype, and SDPA dispatches to its CPU flash kernel, which saves what
@@ -52,13 +56,18 @@ FORWARD_END, BACKWARD_END = HEAD, OPTIMIZER
 _SPEC = OptimizerSpec(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, grad_clip=1.0)
 
 
-def _real(ft: Finetune) -> bool:
-    return ft.method == "qlora" or ft.optimizer == "adamw_8bit"
+def _real(spec: StepSpec) -> bool:
+    """Real CPU tensors: QLoRA's 4-bit weights are quantised from real ones, bitsandbytes'
+    8-bit step reads a scalar, and torchao's bf16 step (bf16_pure) is compiled."""
+    ft = spec.finetune
+    return ft.method == "qlora" or ft.optimizer == "adamw_8bit" or spec.precision == "bf16_pure"
 
 
 def traceable(strategy: str, ft: Finetune = FULL) -> bool:
-    """single and fsdp; with real tensors (QLoRA, 8-bit AdamW) single only."""
-    return strategy == "single" or (strategy in TRACEABLE and not _real(ft))
+    """single and fsdp (with real tensors over a fake process group too); 8-bit AdamW on single
+    only: FSDP's tracker hooks the optimizer's step, and the engine's 8-bit AdamW over FSDP2
+    shards is no torch optimizer that has such hooks."""
+    return strategy == "single" or (strategy in TRACEABLE and ft.optimizer != "adamw_8bit")
 
 
 @dataclass(frozen=True)
@@ -122,12 +131,16 @@ def _traced_model(
     its backend attached to it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    real = _real(spec.finetune)  # 4-bit weights are quantised from real ones
+    real = _real(spec)
     model_cfg = ModelConfig(config=dict(hf_config), attn_implementation=attn_implementation)
     factory = HFModelFactory(model_cfg, seed=0)
     sharded = spec.row.engine == "fsdp"
     mesh = _sequence_mesh(spec, factory.hf_config, sharded, stack)
     model = apply_finetune(factory.build("cpu" if real else "meta"), spec.finetune, spec.precision)
+    if spec.precision == "bf16_pure" and not spec.finetune.adapters:
+        from trainer.finetune import params_to_bf16
+
+        params_to_bf16(model)  # as the engine's Bf16PureFactory builds it
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     model.train()
     if sharded:
@@ -146,7 +159,7 @@ def _traced_model(
     if spec.tiled_mlp:  # after the backend's wrapping, as the engine does
         apply_tiled_mlp(model, spec.mlp_chunk_tokens)
     backend = build_backend(spec.strategy, _backend_context(spec, device))
-    return model, attach(backend, model, _optimizer(model, spec.finetune), _SPEC.grad_clip), mesh
+    return model, attach(backend, model, _optimizer(model, spec), _SPEC.grad_clip), mesh
 
 
 def _sequence_mesh(
@@ -327,13 +340,17 @@ def apply_finetune(model: nn.Module, ft: Finetune, precision: str) -> nn.Module:
     return engine_apply(model, FinetuneConfig(method=ft.method, lora=lora), precision, seed=0)
 
 
-def _optimizer(model: nn.Module, ft: Finetune) -> torch.optim.Optimizer:
-    """The engine's optimizer over what trains: fused AdamW, or bitsandbytes' AdamW8bit."""
+def _optimizer(model: nn.Module, spec: StepSpec) -> torch.optim.Optimizer:
+    """The engine's optimizer over what trains: fused AdamW, bitsandbytes' AdamW8bit, or under
+    bf16_pure torchao's bf16 AdamW."""
     from dataclasses import replace
 
     from trainer.optim import build_optimizer
 
-    return build_optimizer(list(model.parameters()), replace(_SPEC, name=ft.optimizer))
+    kind = {"name": spec.finetune.optimizer}
+    if spec.precision == "bf16_pure":
+        kind["bf16_pure"] = True
+    return build_optimizer(list(model.parameters()), replace(_SPEC, **kind))
 
 
 @contextlib.contextmanager

@@ -229,7 +229,10 @@ def test_full_8b_on_one_24gib_gpu_exits_3_naming_lora(capsys):
     assert len(err.strip().splitlines()) == 1
     answer = json.loads(out)
     assert answer["fits"] is False and answer["error"] in err
-    (lora,) = answer["alternatives"]  # LoRA fits, so QLoRA (a bigger change) is not offered
+    # bf16 weights with 8-bit moments (every weight still trains) come first; LoRA fits, so
+    # QLoRA (a bigger change) is not offered
+    pure, lora = answer["alternatives"]
+    assert pure["overrides"] == ["precision=bf16_pure", "train.optimizer=adamw_8bit"]
     assert lora["change"] == "finetune.method=lora" and lora["overrides"] == [lora["change"]]
     assert (lora["strategy"], lora["world_size"], lora["fits"]) == ("single", 1, True)
     assert lora["device_peak_bytes"] < lora["device_total_bytes"] <= 0.9 * 24 * GIB

@@ -17,10 +17,12 @@ from trainer.core.strategies import Strategy
 
 @dataclass(frozen=True)
 class Finetune:
-    """What trains and how its optimizer stores state (`finetune.*`, `train.optimizer`)."""
+    """What trains and how its optimizer stores state and steps (`finetune.*`,
+    `train.optimizer`, `train.optimizer_in_backward`)."""
 
     method: str = "full"
     optimizer: str = "adamw"
+    in_backward: bool = False  # each parameter stepped, and its gradient freed, in backward
     r: int = 16
     target_modules: str | tuple[str, ...] = "all-linear"
     dropout: float = 0.0
@@ -33,6 +35,7 @@ class Finetune:
         return cls(
             method=cfg.finetune.method,
             optimizer=cfg.train.optimizer,
+            in_backward=cfg.train.optimizer_in_backward,
             r=lora.r,
             target_modules=targets if isinstance(targets, str) else tuple(targets),
             dropout=lora.dropout,
@@ -47,6 +50,8 @@ class Finetune:
         parts = [] if self.method == "full" else [f"finetune.method={self.method}"]
         if self.optimizer != "adamw":
             parts.append(f"train.optimizer={self.optimizer}")
+        if self.in_backward:
+            parts.append("train.optimizer_in_backward=true")
         return " and ".join(parts) or "full fine-tuning with AdamW"
 
 
@@ -157,6 +162,12 @@ class StepSpec:
     def compute_bytes(self) -> int:
         """Bytes per element of the compute dtype."""
         return 4 if self.precision == "fp32" else 2
+
+    @property
+    def trained_bytes(self) -> int:
+        """Bytes per element of what trains (weights, gradients, each AdamW moment): fp32
+        masters, or bf16 under `precision: bf16_pure` (no fp32 copy anywhere)."""
+        return 2 if self.precision == "bf16_pure" else 4
 
     @property
     def ranks_per_node(self) -> int:
