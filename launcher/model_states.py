@@ -220,18 +220,9 @@ def _fsdp_states(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool):
         head=p * z.head_n,
         root_at_embedding=p * root_n + root_unsharded,
     )
-    first, later = _fsdp_flows(sync, no_sync, fsdp_every, z.accumulating, on_device["grads"])
-    return ModelStates(
-        on_device,
-        on_host,
-        base=on_device["params"] + on_device["optimizer"],
-        grads_at_step=on_device["grads"],
-        first=first,
-        later=later,
-        gather_layer=2 * c * layer_n,  # unsharded params + the all-gather output
-        gather_root=c * root_n,  # embeddings, norm, lm_head: unsharded through fwd and bwd
-        root_kept=c * root_n,
-    )
+    # the gathered layer: unsharded params + the all-gather output; the root (embeddings,
+    # norm, lm_head) stays unsharded through forward and backward
+    return _fsdp_model_states(on_device, on_host, sync, no_sync, z, fsdp_every, 2 * c * layer_n)
 
 
 def _zero_states(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool):
@@ -276,16 +267,24 @@ _FULL_STATES = {
 }
 
 
-def _fsdp_flows(
-    sync: GradFlow, no_sync: GradFlow, every: bool, accumulating: bool, sharded_grads: int
-) -> tuple[GradFlow, GradFlow]:
-    """FSDP's gradients in the first and a later micro-batch: reduced after every one (later
-    micro-batches add to the sharded grads), or accumulated unsharded under no-sync and
-    reduced after the last."""
+def _fsdp_model_states(
+    on_device: dict[str, int], on_host: dict[str, int], sync: GradFlow, no_sync: GradFlow,
+    z: Sizes, every: bool, gather_layer: int,
+) -> ModelStates:  # fmt: skip
+    """FSDP2's model states. Gradients in the first and a later micro-batch: reduced after
+    every one (later micro-batches add to the sharded grads), or accumulated unsharded under
+    no-sync and reduced after the last."""
     if every:
         first = replace(sync, held=0, released_per_layer=0)
-        return first, replace(first, held=sharded_grads, per_layer=0)
-    return (no_sync, sync) if accumulating else (sync, sync)
+        later = replace(first, held=on_device["grads"], per_layer=0)
+    else:
+        first, later = (no_sync, sync) if z.accumulating else (sync, sync)
+    root = z.c * z.root_n
+    return ModelStates(
+        on_device, on_host, base=on_device["params"] + on_device["optimizer"],
+        grads_at_step=on_device["grads"], first=first, later=later, gather_layer=gather_layer,
+        gather_root=root, root_kept=root,
+    )  # fmt: skip
 
 
 def reduce_scatter_bytes(num_params: int, c: int, w: int, r: int = 4) -> int:
@@ -351,19 +350,8 @@ def _fsdp_adapters(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool,
         pending_reduce=reduce_scatter_bytes(a_layer, c, w, p),
     )
     no_sync = GradFlow(per_layer=p * a_layer, in_layer=p * a_layer)
-    first, later = _fsdp_flows(sync, no_sync, fsdp_every, z.accumulating, on_device["grads"])
-    root = c * z.root_n
-    return ModelStates(
-        on_device,
-        on_host,
-        base=on_device["params"] + on_device["optimizer"],
-        grads_at_step=on_device["grads"],
-        first=first,
-        later=later,
-        gather_layer=2 * (s.frozen_layer + c * a_layer),
-        gather_root=root,
-        root_kept=root,
-    )
+    gather_layer = 2 * (s.frozen_layer + c * a_layer)
+    return _fsdp_model_states(on_device, on_host, sync, no_sync, z, fsdp_every, gather_layer)
 
 
 def _zero_adapters(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool, s: MethodSizes):

@@ -38,7 +38,7 @@ from trainer.core.config import (
 )
 from trainer.core.contract import CONFIG_FILE
 from trainer.core.files import fsync_dir, umask_mode
-from trainer.finetune import ADAPTER_NAME, apply_finetune, base_pointer
+from trainer.finetune import ADAPTER_NAME, apply_finetune, base_pointer, check_same_base
 from trainer.manifest import STATE_FILE
 from trainer.model import HFModelFactory, load_hf_config
 from trainer.pretrained import INDEX_FILE, SINGLE_FILE
@@ -294,17 +294,8 @@ def _check_same_base(path: Path, model_cfg: ModelConfig) -> None:
     """Refuse (one line) to merge adapters onto a base other than the one they trained on."""
     state_file = path / STATE_FILE
     saved = json.loads(state_file.read_text()).get("base") if state_file.is_file() else None
-    if not saved or saved.get("fingerprint") is None:
-        return
-    now = base_pointer(model_cfg)
-    if now["fingerprint"] is not None and now["fingerprint"] != saved["fingerprint"]:
-        raise ConfigError(
-            "--merge",
-            f"{path} holds adapters trained on another base: the weights of {now['source']} "
-            f"changed since (fingerprint {saved['fingerprint']} -> {now['fingerprint']})",
-            "merge onto the base they were trained on, or export without --merge (a PEFT "
-            "adapter dir)",
-        )
+    check_same_base(saved, model_cfg, path, "--merge", "merge onto the base they were trained "
+                    "on, or export without --merge (a PEFT adapter dir)")  # fmt: skip
 
 
 def check_out_dir(

@@ -358,15 +358,22 @@ def _files_fingerprint(files: list[Path]) -> str:
     return digest.hexdigest()[:16]
 
 
-def check_same_base(saved: dict[str, Any] | None, model_cfg: ModelConfig, path: Path) -> None:
-    """Refuse (one line) to resume adapters on a base other than the one they trained on."""
+def check_same_base(
+    saved: dict[str, Any] | None,
+    model_cfg: ModelConfig,
+    path: Path,
+    key: str = "run.resume",
+    fix: str = "resume with the base it was trained on, or set run.resume=never (or a new run.dir)",
+) -> None:
+    """Refuse (one line naming `key`) to use adapters on a base other than the one they trained
+    on: resume, and export's --merge."""
     if not saved or saved.get("fingerprint") is None:
         return
     now = base_pointer(model_cfg)
     if now["fingerprint"] is not None and now["fingerprint"] != saved["fingerprint"]:
         raise ConfigError(
-            "run.resume",
-            f"checkpoint {path} holds adapters trained on another base: the weights of "
-            f"{now['source']} changed (fingerprint {saved['fingerprint']} -> {now['fingerprint']})",
-            "resume with the base it was trained on, or set run.resume=never (or a new run.dir)",
+            key,
+            f"{path} holds adapters trained on another base: the weights of {now['source']} "
+            f"changed since (fingerprint {saved['fingerprint']} -> {now['fingerprint']})",
+            fix,
         )

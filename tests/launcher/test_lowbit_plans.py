@@ -174,7 +174,7 @@ HOST_HINT = re.compile(r"(\w+) would fit with (\d+) GiB host memory per node")
 @pytest.mark.parametrize(
     "job, host_gib",
     [
-        ([PRESET_70B, *QLORA_JOB, *_gpus(2, "8GiB", "128GiB")], 128),
+        ([PRESET_70B, *QLORA_JOB, *_gpus(2, "6GiB", "128GiB")], 128),
         ([PRESET_8B, "train.optimizer=adamw_8bit", *_gpus(1, "24GiB", "64GiB")], 64),
         ([PRESET_8B, *_gpus(1, "24GiB", "64GiB")], 64),
         ([PRESET_70B, *_gpus(2, "80GiB", "256GiB")], 256),

@@ -152,6 +152,13 @@ def clip_and_step(
     return grad_norm
 
 
+def replica_step(backend: Any) -> float:
+    """`step` of a replica backend (single, ddp): clip and step its optimizer, the norm."""
+    norm = clip_and_step(backend.model.parameters(), backend.optimizer, backend.scaler,
+                         backend.grad_clip)  # fmt: skip
+    return float(norm)
+
+
 def attach(backend: Any, model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float):
     """A backend over a model and optimizer built elsewhere (the planner's traced step,
     launcher/trace.py): what `setup` would have left on it, for `no_sync`, `backward`,

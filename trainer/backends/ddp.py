@@ -15,20 +15,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
-from trainer.backends.common import (
-    autocast_context,
-    build_adamw,
-    build_replica,
-    clip_and_step,
-    device_memory_stats,
-    full_replica_state_dict,
-    load_replica_state_dict,
-    replica_state_dict,
-    reset_device_peak,
-    set_lr,
-    trained_params,
-)
+from trainer.backends import BackendContext, ModelFactory, OptimizerSpec, common
 
 
 class DdpBackend:
@@ -38,18 +25,18 @@ class DdpBackend:
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.precision == "fp16")
 
     def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
-        inner = build_replica(factory, self.ctx)
+        inner = common.build_replica(factory, self.ctx)
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
         self.inner = inner
         self.model = DistributedDataParallel(
             inner, device_ids=device_ids, gradient_as_bucket_view=True
         )
-        self.optimizer = build_adamw(self.model.parameters(), optim)
+        self.optimizer = common.build_adamw(self.model.parameters(), optim)
         self.grad_clip = optim.grad_clip
         return self.model
 
     def compute_context(self) -> AbstractContextManager:
-        return autocast_context(self.ctx.device, self.ctx.precision)
+        return common.autocast_context(self.ctx.device, self.ctx.precision)
 
     def no_sync(self) -> AbstractContextManager:
         return self.model.no_sync()
@@ -58,11 +45,10 @@ class DdpBackend:
         self.scaler.scale(loss * self.ctx.world_size).backward()
 
     def step(self) -> float:
-        norm = clip_and_step(self.model.parameters(), self.optimizer, self.scaler, self.grad_clip)
-        return float(norm)
+        return common.replica_step(self)
 
     def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
+        common.set_lr(self.optimizer, lr)
 
     def set_micro_batch(self, micro_batch_size: int, grad_accum: int) -> None:
         pass  # DDP's reduction does not depend on how the rank's batch is cut
@@ -71,21 +57,21 @@ class DdpBackend:
         self.optimizer.zero_grad(set_to_none=True)
 
     def _named_params(self) -> dict[str, nn.Parameter]:
-        return trained_params(self.inner)
+        return common.trained_params(self.inner)
 
     def state_dict(self) -> dict[str, Any]:
-        return replica_state_dict(self._named_params(), self.optimizer, self.scaler)
+        return common.replica_state_dict(self._named_params(), self.optimizer, self.scaler)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_replica_state_dict(state, self._named_params(), self.optimizer, self.scaler)
+        common.load_replica_state_dict(state, self._named_params(), self.optimizer, self.scaler)
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self.ctx.rank != 0:
             return None
-        return full_replica_state_dict(self.inner)
+        return common.full_replica_state_dict(self.inner)
 
     def memory_stats(self) -> dict[str, int]:
-        return device_memory_stats(self.ctx.device)
+        return common.device_memory_stats(self.ctx.device)
 
     def reset_peak(self) -> None:
-        reset_device_peak(self.ctx.device)
+        common.reset_device_peak(self.ctx.device)

@@ -34,19 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
-from trainer.backends.common import (
-    COMPUTE_DTYPES,
-    build_adamw,
-    clip_and_step,
-    device_memory_stats,
-    drop_grads,
-    load_canonical_optim_state,
-    refuse_accumulation,
-    reset_device_peak,
-    set_lr,
-    trained_params,
-)
+from trainer.backends import BackendContext, ModelFactory, OptimizerSpec, common
 from trainer.core import strategies
 from trainer.dist import after_rank0
 from trainer.model import apply_activation_checkpointing, apply_compile, decoder_layers
@@ -85,7 +73,7 @@ class FsdpBackend:
         model.train()
         self.model = model
         # on the shards' device
-        self.optimizer = build_adamw(model.parameters(), optim, ctx.grad_accum)
+        self.optimizer = common.build_adamw(model.parameters(), optim, ctx.grad_accum)
         self.grad_clip = optim.grad_clip
         return model
 
@@ -118,18 +106,20 @@ class FsdpBackend:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def step(self) -> float:
-        norm = clip_and_step(self.model.parameters(), self.optimizer, self.scaler, self.grad_clip)
+        norm = common.clip_and_step(
+            self.model.parameters(), self.optimizer, self.scaler, self.grad_clip
+        )
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
+        common.set_lr(self.optimizer, lr)
 
     def set_micro_batch(self, micro_batch_size: int, grad_accum: int) -> None:
         # reduce-scatter averages over ranks only; the cut of the rank's batch is free
-        refuse_accumulation(self.optimizer, grad_accum)
+        common.refuse_accumulation(self.optimizer, grad_accum)
 
     def drop_grads(self) -> None:
-        drop_grads(self.optimizer)
+        common.drop_grads(self.optimizer)
         self.model.set_requires_gradient_sync(True)
 
     def _named_params(self) -> dict[str, nn.Parameter]:
@@ -137,7 +127,7 @@ class FsdpBackend:
         unsharded after a forward (reshard_after_forward=False); after an eval forward, which
         no backward follows, they would be other tensors than the optimizer's."""
         self.model.reshard()
-        return trained_params(self.model)
+        return common.trained_params(self.model)
 
     def state_dict(self) -> dict[str, Any]:
         """Sharded: DTensor parameters and AdamW moments (fp32; bf16 under bf16_pure; 8-bit
@@ -173,7 +163,7 @@ class FsdpBackend:
         for name, p in params.items():
             if name in optim and "state1" in optim[name]:
                 load_sharded_8bit_state(self.optimizer, p, optim.pop(name))
-        load_canonical_optim_state(self.optimizer, params, optim)
+        common.load_canonical_optim_state(self.optimizer, params, optim)
         if state.get("scaler") and self.scaler:
             self.scaler.load_state_dict(state["scaler"])
 
@@ -186,10 +176,10 @@ class FsdpBackend:
         return {canonical_name(k): v for k, v in full.items()}
 
     def memory_stats(self) -> dict[str, int]:
-        return device_memory_stats(self.ctx.device)
+        return common.device_memory_stats(self.ctx.device)
 
     def reset_peak(self) -> None:
-        reset_device_peak(self.ctx.device)
+        common.reset_device_peak(self.ctx.device)
 
 
 def apply_fsdp(
@@ -207,7 +197,7 @@ def apply_fsdp(
     `offload`, parameters, gradients and AdamW on the host (CPUOffloadPolicy). The backend and
     the estimator's trace (launcher/trace.py) both call this, so they cannot drift apart."""
     options: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
-    dtype = COMPUTE_DTYPES.get(precision)
+    dtype = common.COMPUTE_DTYPES.get(precision)
     if dtype is not None:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     elif precision == "bf16_pure":  # the parameters are bf16: gathered and reduced as they are

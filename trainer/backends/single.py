@@ -14,22 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
-from trainer.backends.common import (
-    autocast_context,
-    build_adamw,
-    build_replica,
-    clip_and_step,
-    device_memory_stats,
-    drop_grads,
-    full_replica_state_dict,
-    load_replica_state_dict,
-    refuse_accumulation,
-    replica_state_dict,
-    reset_device_peak,
-    set_lr,
-    trained_params,
-)
+from trainer.backends import BackendContext, ModelFactory, OptimizerSpec, common
 
 
 class SingleBackend:
@@ -41,14 +26,14 @@ class SingleBackend:
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.precision == "fp16")
 
     def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
-        model = build_replica(factory, self.ctx)
+        model = common.build_replica(factory, self.ctx)
         self.model = model
-        self.optimizer = build_adamw(model.parameters(), optim, self.ctx.grad_accum)
+        self.optimizer = common.build_adamw(model.parameters(), optim, self.ctx.grad_accum)
         self.grad_clip = optim.grad_clip
         return model
 
     def compute_context(self) -> AbstractContextManager:
-        return autocast_context(self.ctx.device, self.ctx.precision)
+        return common.autocast_context(self.ctx.device, self.ctx.precision)
 
     def no_sync(self) -> AbstractContextManager:
         return contextlib.nullcontext()
@@ -57,36 +42,35 @@ class SingleBackend:
         self.scaler.scale(loss).backward()
 
     def step(self) -> float:
-        norm = clip_and_step(self.model.parameters(), self.optimizer, self.scaler, self.grad_clip)
-        return float(norm)
+        return common.replica_step(self)
 
     def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
+        common.set_lr(self.optimizer, lr)
 
     def set_micro_batch(self, micro_batch_size: int, grad_accum: int) -> None:
         # the loss is already normalised by global tokens: nothing else depends on the cut
-        refuse_accumulation(self.optimizer, grad_accum)
+        common.refuse_accumulation(self.optimizer, grad_accum)
 
     def drop_grads(self) -> None:
         assert self.optimizer is not None
-        drop_grads(self.optimizer)
+        common.drop_grads(self.optimizer)
 
     def _named_params(self) -> dict[str, nn.Parameter]:
         assert self.model is not None
-        return trained_params(self.model)
+        return common.trained_params(self.model)
 
     def state_dict(self) -> dict[str, Any]:
-        return replica_state_dict(self._named_params(), self.optimizer, self.scaler)
+        return common.replica_state_dict(self._named_params(), self.optimizer, self.scaler)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_replica_state_dict(state, self._named_params(), self.optimizer, self.scaler)
+        common.load_replica_state_dict(state, self._named_params(), self.optimizer, self.scaler)
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor] | None:
         assert self.model is not None
-        return full_replica_state_dict(self.model)
+        return common.full_replica_state_dict(self.model)
 
     def memory_stats(self) -> dict[str, int]:
-        return device_memory_stats(self.ctx.device)
+        return common.device_memory_stats(self.ctx.device)
 
     def reset_peak(self) -> None:
-        reset_device_peak(self.ctx.device)
+        common.reset_device_peak(self.ctx.device)

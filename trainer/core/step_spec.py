@@ -47,12 +47,12 @@ class Finetune:
         return self.method != "full"
 
     def words(self) -> str:
-        parts = [] if self.method == "full" else [f"finetune.method={self.method}"]
-        if self.optimizer != "adamw":
-            parts.append(f"train.optimizer={self.optimizer}")
-        if self.in_backward:
-            parts.append("train.optimizer_in_backward=true")
-        return " and ".join(parts) or "full fine-tuning with AdamW"
+        return _words(
+            (f"finetune.method={self.method}", self.method != "full"),
+            (f"train.optimizer={self.optimizer}", self.optimizer != "adamw"),
+            ("train.optimizer_in_backward=true", self.in_backward),
+            none="full fine-tuning with AdamW",
+        )
 
 
 FULL = Finetune()
@@ -66,15 +66,9 @@ class Levers:
     offload_activations: bool = False
 
     def words(self) -> str:
-        on = [
-            n
-            for n, v in (
-                ("chunked loss", self.chunked_loss),
-                ("activation offload", self.offload_activations),
-            )
-            if v
-        ]
-        return " and ".join(on) or "none"
+        return _words(
+            ("chunked loss", self.chunked_loss), ("activation offload", self.offload_activations)
+        )
 
 
 NO_LEVERS = Levers()
@@ -113,12 +107,10 @@ class LongContext:
         return cls(sp if isinstance(sp, int) else 1, tiled is True)
 
     def words(self) -> str:
-        parts = []
-        if self.sequence_parallel > 1:
-            parts.append(f"sequence parallel {self.sequence_parallel}")
-        if self.tiled_mlp:
-            parts.append("tiled MLP")
-        return " and ".join(parts) or "none"
+        return _words(
+            (f"sequence parallel {self.sequence_parallel}", self.sequence_parallel > 1),
+            ("tiled MLP", self.tiled_mlp),
+        )
 
 
 SHORT = LongContext()
@@ -190,3 +182,8 @@ class StepSpec:
     @property
     def long_context(self) -> LongContext:
         return LongContext(self.sequence_parallel, self.tiled_mlp)
+
+
+def _words(*named: tuple[str, bool], none: str = "none") -> str:
+    """The names whose flag is set, joined with "and"; `none` when no flag is."""
+    return " and ".join(name for name, on in named if on) or none
