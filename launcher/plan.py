@@ -71,22 +71,13 @@ class Plan:
     ) -> Plan:  # fmt: skip
         """The plan that runs `spec` on `hw`."""
         return cls(
-            strategy=spec.strategy,
-            world_size=hw.world_size,
-            nodes=hw.nodes,
-            devices_per_node=hw.devices_per_node,
-            micro_batch_size=spec.micro_batch_size,
-            grad_accum=spec.grad_accum,
-            activation_checkpointing=spec.activation_checkpointing,
-            estimate=estimate,
-            step_time_s=step_time_s,
-            reasons=list(reasons),
-            alternatives=list(alternatives),
-            fsdp_reduce_every_micro_batch=reduce_every_micro,
-            levers=spec.levers,
-            long=spec.long_context,
-            max_seq_len=max_seq_len,
-        )
+            strategy=spec.strategy, world_size=hw.world_size, nodes=hw.nodes,
+            devices_per_node=hw.devices_per_node, micro_batch_size=spec.micro_batch_size,
+            grad_accum=spec.grad_accum, activation_checkpointing=spec.activation_checkpointing,
+            estimate=estimate, step_time_s=step_time_s, reasons=list(reasons),
+            alternatives=list(alternatives), fsdp_reduce_every_micro_batch=reduce_every_micro,
+            levers=spec.levers, long=spec.long_context, max_seq_len=max_seq_len,
+        )  # fmt: skip
 
     def to_json(self, hw: Hardware, headroom: float, command: list[str]) -> dict[str, Any]:
         """docs/interface.md's `plan --json`."""

@@ -16,11 +16,13 @@ checkpoint's own config.yaml: exporting someone else's checkpoint must not run t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +72,7 @@ def save_hf_model(
     hf_logging.disable_progress_bar()  # "Writing model shards": the run prints its own lines
 
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    try:
-        os.chmod(tmp, umask_mode())
+    with _staged(out_dir, replace, tokenizer, side_files) as tmp:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
                 hf_config, dtype=torch.float32, trust_remote_code=trust_remote_code
@@ -89,13 +88,26 @@ def save_hf_model(
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.use_cache = True
         model.save_pretrained(tmp, safe_serialization=True)
+    return out_dir
+
+
+@contextlib.contextmanager
+def _staged(
+    out_dir: Path, replace: bool, tokenizer: Any | None, side_files: dict[str, str] | None
+) -> Iterator[Path]:
+    """A fresh temporary sibling of `out_dir` to save into; when the body succeeds the tokenizer
+    and the side files join it and it replaces `out_dir` in one rename. Removed either way."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        os.chmod(tmp, umask_mode())
+        yield tmp
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         _write_side_files(tmp, side_files)
         _install(tmp, out_dir, replace)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
 
 
 def save_final_model(
@@ -161,10 +173,7 @@ def save_adapter(
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    try:
-        os.chmod(tmp, umask_mode())
+    with _staged(out_dir, replace, tokenizer, side_files) as tmp:
         with torch.device("meta"):
             base = AutoModelForCausalLM.from_config(
                 hf_config, dtype=torch.float32, trust_remote_code=model_cfg.trust_remote_code
@@ -173,12 +182,6 @@ def save_adapter(
         model.peft_config["default"].base_model_name_or_path = model_cfg.name_or_path
         model.peft_config["default"].revision = model_cfg.revision
         model.save_pretrained(tmp, save_embedding_layers=False)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        _write_side_files(tmp, side_files)
-        _install(tmp, out_dir, replace)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
@@ -210,12 +213,9 @@ def _install(tmp: Path, out_dir: Path, replace: bool) -> None:
 
 
 def export_command(
-    checkpoint: str,
-    out_dir: str,
-    overwrite: bool = False,
-    trust_remote_code: bool = False,
+    checkpoint: str, out_dir: str, overwrite: bool = False, trust_remote_code: bool = False,
     merge: bool = False,
-) -> int:
+) -> int:  # fmt: skip
     """`oomless export CHECKPOINT OUT`: an HF model directory from any strategy's checkpoint or a
     run's final/; a PEFT adapter directory from a lora/qlora run's, or with `merge` the merged HF
     model. The path written goes to stdout."""

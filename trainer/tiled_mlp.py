@@ -51,13 +51,11 @@ def tiled_mlp_chunk_tokens(model: nn.Module) -> int | None:
 def _mlp_of(layer: nn.Module) -> nn.Module:
     inner = getattr(layer, "_checkpoint_wrapped_module", layer)
     mlp = getattr(inner, "mlp", None)
-    if not isinstance(mlp, nn.Module):
-        raise ConfigError(
-            "memory.tiled_mlp",
-            f"the decoder layers of this model ({type(inner).__name__}) have no `mlp` module",
-            "set memory.tiled_mlp=false",
-        )
-    return mlp
+    if isinstance(mlp, nn.Module):
+        return mlp
+    kind = type(inner).__name__
+    raise ConfigError("memory.tiled_mlp", f"the decoder layers of this model ({kind}) have no "
+                      "`mlp` module", "set memory.tiled_mlp=false")  # fmt: skip
 
 
 def _hidden_size(model: nn.Module) -> int:
