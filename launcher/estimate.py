@@ -29,6 +29,7 @@ from launcher.estimate_activations import (
     micro_activations,
     micro_for,
 )
+from launcher.estimate_finetune import whole_4bit_base_bytes
 from launcher.model_shape import ModelShape
 from launcher.model_states import GradFlow, ModelStates, model_states
 from trainer.core.errors import ConfigError
@@ -166,7 +167,7 @@ def _runtime_overhead(device: str, peak: int, persistent: int) -> int:
 
 def loading_host_bytes(
     shape: ModelShape, row: Strategy, ranks_here: int, bytes_per_param: int = 4,
-    quantised_shard: int = 0,
+    whole_base: bool = False,
 ) -> int:  # fmt: skip
     """Host bytes per node that loading the initial (pretrained) weights adds at its peak.
 
@@ -176,16 +177,16 @@ def loading_host_bytes(
     rung reads its own part from the safetensors files into its parameters
     (`trainer/pretrained.py`): beyond the part itself (counted with the model states) at most
     one tensor in flight per rank, its fp32 copy on the way to the device (4 x the largest
-    tensor). QLoRA on a sharded rung quantises on load, per rank: it holds its 4-bit shard on
-    the host (`quantised_shard`, when the rung keeps it on the device) and one full-precision
-    tensor at a time. zero3_nvme builds the full weights on rank 0 (the model, then its state
-    dict cloned: 8N) and sends each rank its part, as random init does on every sharded rung."""
+    tensor). QLoRA on a sharded rung (`whole_base`) builds the whole 16-bit base on every rank,
+    as a replica does, and shards it once quantised. zero3_nvme builds the full weights on rank
+    0 (the model, then its state dict cloned: 8N) and sends each rank its part, as random init
+    does on every sharded rung."""
     n = shape.num_params
-    if not row.shards_params:
+    if not row.shards_params or whole_base:
         return bytes_per_param * n * ranks_here
     if row.needs_nvme:
         return 8 * n
-    return (4 * shape.largest_tensor_params + quantised_shard) * ranks_here
+    return 4 * shape.largest_tensor_params * ranks_here
 
 
 def _host_bytes(
@@ -195,10 +196,10 @@ def _host_bytes(
     ranks_here: int,
     device_bytes: int,
     device: str,
-    load: tuple[int, int],
+    load: tuple[int, bool],
 ) -> dict[str, int]:
     """Host memory per node: every rank's offloaded states, loading the initial weights
-    (`loading_host_bytes` with `load`: bytes per parameter, quantised shard), process
+    (`loading_host_bytes` with `load`: bytes per parameter, whole base), process
     baseline."""
     host = {k: v * ranks_here for k, v in states.on_host.items()}
     host["initial_weights"] = loading_host_bytes(shape, row, ranks_here, *load)
@@ -231,14 +232,17 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
     }
     ranks_here = spec.ranks_per_node
     # a frozen base (and a bf16_pure model) from pretrained weights loads in its compute
-    # dtype (trainer/finetune.py); QLoRA's 4-bit shard waits on the host till it moves
+    # dtype (trainer/finetune.py)
     ft, row = spec.finetune, spec.row
     sixteen = ft.adapters or spec.precision == "bf16_pure"
     load_bytes = m.c if sixteen and ft.pretrained else 4
-    on_device_shard = ft.method == "qlora" and row.params_at == "device"
-    shard = states.on_device["params"] if on_device_shard and row.shards_params else 0
+    if ft.method == "qlora" and row.shards_params:
+        # the engine builds and quantises the whole base on every rank, then shards it
+        # (trainer/finetune.py): the 16-bit base on the host, the whole 4-bit one on the device
+        phases["loading"] = whole_4bit_base_bytes(shape, ft, m.c)
+        peak = max(peak, phases["loading"])
     host = _host_bytes(row, states, shape, ranks_here, peak + overhead, spec.device,
-                       (load_bytes, shard))  # fmt: skip
+                       (load_bytes, ft.method == "qlora"))  # fmt: skip
     offloaded = acts.offloaded
     if spec.offload_activations:
         host["offloaded_activations"] = offloaded * ranks_here

@@ -219,6 +219,13 @@ def first_adapter_stage(shape: Any, ft: Finetune) -> int:
     return min(_STAGE[name] for name in targeted(shape, ft))
 
 
+def whole_4bit_base_bytes(shape: Any, ft: Finetune, c: int) -> int:
+    """The whole QLoRA base, 4-bit linears and 16-bit rest, with its fp32 adapters: what a rank
+    holds on its device before the model is sharded."""
+    sizes = method_sizes(shape, ft, c)
+    return sizes.frozen + 4 * sizes.trainable
+
+
 @dataclass(frozen=True)
 class AdapterTerms:
     """What a method adds to one micro-batch's activations (launcher/estimate_activations.py)."""
