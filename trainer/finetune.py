@@ -35,13 +35,6 @@ from torch import nn
 from trainer.core.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig
 
 log = logging.getLogger(__name__)
-# bitsandbytes' CPU backend logs at import (also when peft or transformers imports it) that an
-# optional kernel package is absent: nothing for the user to act on
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-# torchao (bf16_pure's optimizer; transformers imports it whenever it is installed) logs at import
-# the GPU kernels a CPU build lacks, and torch that two of its enums need no registration
-logging.getLogger("torchao").setLevel(logging.ERROR)
-logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 # The dtype the model computes in under each `precision` (and a frozen base is kept in)
 COMPUTE_DTYPES = {

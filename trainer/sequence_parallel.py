@@ -52,8 +52,14 @@ def concrete_sequence_parallel(cfg: JobConfig) -> int:
 
 def check_sequence_parallel(sp: int, world_size: int, hf_config: Any, seq_len: int) -> None:
     """ConfigError (one line, exit 2) when the sequence cannot be split `sp` ways here."""
+    if sp == 1:
+        return  # nothing is split (and a model without attention heads, Mamba, trains as ever)
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    heads = int(text.num_attention_heads)
+    heads = getattr(text, "num_attention_heads", None)
+    if heads is None:
+        raise ConfigError("sequence_parallel", f"{sp}: this model has no attention heads to "
+                          "split the sequence around", "set sequence_parallel=1")  # fmt: skip
+    heads = int(heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     problem = None
     if world_size % sp:

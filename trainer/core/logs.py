@@ -51,6 +51,15 @@ class _RankFilter(logging.Filter):
         return self.rank == 0 or record.levelno >= logging.WARNING
 
 
+# Libraries that log at import what no user can act on: bitsandbytes' CPU backend that an optional
+# kernel package is absent; torchao (bf16_pure's optimizer, which transformers imports whenever it
+# is installed) the GPU kernels a CPU build lacks; torch that two of torchao's enums need no
+# registration. Quieted as soon as this module is imported: before anything imports them.
+_IMPORT_CHATTER = ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree")
+for _name in _IMPORT_CHATTER:
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
+
 def setup_logging(rank: int = 0, world_size: int = 1) -> None:
     """(Re)configure the root logger: one stderr handler; ranks tagged when there are several."""
     root = logging.getLogger()
