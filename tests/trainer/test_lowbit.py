@@ -43,7 +43,7 @@ def _base(tmp: Path) -> Path:
             "grad_clip": 0.0,  # the step in backward cannot clip by the global norm
         },
         hardware={"devices_per_node": 2},
-        run={"checkpoint_every": 0},
+        run={"checkpoint_every": 0, "keep_checkpoints": 5},
         dist={"timeout_s": 120},
     )
 
