@@ -169,11 +169,11 @@ INVALID = [
     ("unknown optimizer", {}, ["train.optimizer=sgd"], "train.optimizer", "adamw_8bit"),
     # a forced rung that cannot run the chosen method or optimizer (trainer/core/methods.py)
     (
-        "qlora forced onto fsdp",
+        "qlora forced onto zero3",
         {},
-        ["finetune.method=qlora", "strategy=fsdp", "hardware.devices_per_node=2"],
+        ["finetune.method=qlora", "strategy=zero3", "hardware.devices_per_node=2"],
         "strategy",
-        "fsdp cannot run qlora: FSDP2 shards the packed 4-bit weights",
+        "zero3 cannot run qlora: DeepSpeed ZeRO re-creates the parameters",
     ),
     (
         "adamw_8bit forced onto zero3_offload",
