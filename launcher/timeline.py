@@ -103,25 +103,28 @@ def predicted_phases(run_dir: Path, record: dict[str, Any]) -> list[tuple[str, i
     from launcher.trace import TRACEABLE, trace_step
     from trainer.core.config import load_config
     from trainer.core.hf_config import hf_config_dict
+    from trainer.core.step_spec import StepSpec
 
     strategy = record["strategy"]
     if strategy not in TRACEABLE:
         return None
     cfg = load_config(run_dir / CONFIG_FILE)
     every = cfg.fsdp.reduce_every_micro_batch
-    traced = trace_step(
-        hf_config_dict(cfg.model.config, cfg.model.name_or_path),
+    spec = StepSpec(
         strategy=strategy,
         world_size=int(record["world_size"]),
         micro_batch_size=int(record["micro_batch_size"]),
         seq_len=cfg.data.seq_len,
         activation_checkpointing=record.get("activation_checkpointing", "none"),
-        grad_accum=int(record["grad_accum"]),
         precision=cfg.precision,
+        grad_accum=int(record["grad_accum"]),
+        fsdp_reduce_every_micro_batch=every is True,
+    )
+    traced = trace_step(
+        hf_config_dict(cfg.model.config, cfg.model.name_or_path), spec,
         attn_implementation=cfg.model.attn_implementation,
         reshard_after_forward=cfg.fsdp.reshard_after_forward,
-        reduce_every_micro_batch=every is True,
-    )
+    )  # fmt: skip
     return list(traced.phases)
 
 
