@@ -76,36 +76,10 @@ def relative_error(
         "offload_activations": "offload" in levers,
         "loss_chunk_tokens": LOSS_CHUNK_TOKENS if "chunked" in levers else None,
     }
-    traced = trace_step(
-        config,
-        StepSpec(
-            strategy=strategy,
-            world_size=world,
-            micro_batch_size=micro,
-            seq_len=seq,
-            activation_checkpointing=ckpt,
-            precision=precision,
-            grad_accum=grad_accum,
-            finetune=finetune,
-            **on,
-        ),
-        until=BACKWARD_END if pure else None,
-    )
-    analytic = estimate(
-        shape_of(json.dumps(config, sort_keys=True)),
-        StepSpec(
-            strategy=strategy,
-            world_size=world,
-            devices_per_node=world,
-            micro_batch_size=micro,
-            seq_len=seq,
-            activation_checkpointing=ckpt,
-            precision=precision,
-            grad_accum=grad_accum,
-            finetune=finetune,
-            **on,
-        ),
-    )
+    spec = StepSpec(strategy, world, micro, seq, ckpt, precision, grad_accum, world,
+                    finetune=finetune, **on)  # fmt: skip
+    traced = trace_step(config, spec, until=BACKWARD_END if pure else None)
+    analytic = estimate(shape_of(json.dumps(config, sort_keys=True)), spec)
     peak = analytic.peak_tensor_bytes
     if pure:
         peak = max(v for phase, v in analytic.phases.items() if phase != "optimizer")
@@ -211,30 +185,10 @@ def test_the_error_would_show_a_missing_part():
     """The band is tight enough to catch a forgotten component: dropping the logits' fp32
     upcast (what accelerate-style estimates leave out) falls below the trace."""
     config = hf_config("llama", "medium")
-    traced = trace_step(
-        config,
-        StepSpec(
-            strategy="single",
-            world_size=1,
-            micro_batch_size=4,
-            seq_len=2048,
-            activation_checkpointing="full",
-        ),
-    )
+    spec = StepSpec("single", 1, 4, 2048, "full", "bf16", grad_accum=1, devices_per_node=1)
+    traced = trace_step(config, spec)
     shape = shape_of(json.dumps(config, sort_keys=True))
-    analytic = estimate(
-        shape,
-        StepSpec(
-            strategy="single",
-            world_size=1,
-            devices_per_node=1,
-            micro_batch_size=4,
-            seq_len=2048,
-            activation_checkpointing="full",
-            precision="bf16",
-            grad_accum=1,
-        ),
-    )
+    analytic = estimate(shape, spec)
     upcast = 4 * 4 * 2047 * shape.vocab_size
     assert (analytic.peak_tensor_bytes - upcast) / traced.peak_bytes < 0.95
 
@@ -263,32 +217,10 @@ def test_fsdp_reducing_every_micro_batch_matches_the_trace(arch, size, world, mi
     shape = shape_of(json.dumps(config, sort_keys=True))
     peaks = {}
     for every in (False, True):
-        traced = trace_step(
-            config,
-            StepSpec(
-                strategy="fsdp",
-                world_size=world,
-                micro_batch_size=micro,
-                seq_len=seq,
-                activation_checkpointing=ckpt,
-                grad_accum=3,
-                fsdp_reduce_every_micro_batch=every,
-            ),
-        )
-        analytic = estimate(
-            shape,
-            StepSpec(
-                strategy="fsdp",
-                world_size=world,
-                devices_per_node=world,
-                micro_batch_size=micro,
-                seq_len=seq,
-                activation_checkpointing=ckpt,
-                precision="bf16",
-                grad_accum=3,
-                fsdp_reduce_every_micro_batch=every,
-            ),
-        )
+        spec = StepSpec("fsdp", world, micro, seq, ckpt, "bf16", 3, world,
+                        fsdp_reduce_every_micro_batch=every)  # fmt: skip
+        traced = trace_step(config, spec)
+        analytic = estimate(shape, spec)
         err = (analytic.peak_tensor_bytes - traced.peak_bytes) / traced.peak_bytes
         assert -0.05 <= err <= 0.10, f"reduce every micro-batch {every}: {err:+.1%}"
         peaks[every] = (traced.peak_bytes, analytic.peak_tensor_bytes)
