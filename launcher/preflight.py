@@ -93,6 +93,7 @@ def check_model(cfg: JobConfig) -> None:
             f"'{model_type}' is not a model type this transformers knows",
             "use one of its model types (llama, qwen2, mistral, gemma3_text, ...)",
         )
+    _check_sizes(params)  # before transformers sees them: it warns about a negative vocab
     try:
         hf = CONFIG_MAPPING[model_type](**params)
     except Exception as err:  # transformers' checks raise ValueError, TypeError, its own kinds
@@ -103,8 +104,12 @@ def check_model(cfg: JobConfig) -> None:
             "fix model.config: its keys are those of the model type's Hugging Face config",
         ) from None
     text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    _check_sizes({name: getattr(text, name, None) for name in _DIMENSIONS})
+
+
+def _check_sizes(sizes: dict) -> None:
     for name in _DIMENSIONS:
-        value = getattr(text, name, None)
+        value = sizes.get(name)
         if isinstance(value, int) and value < 1:
             raise ConfigError(f"model.config.{name}", f"is {value}", "give a positive size")
 
