@@ -25,6 +25,7 @@ import hashlib
 import importlib
 import json
 import logging
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -138,21 +139,44 @@ def apply_finetune(model: nn.Module, cfg: FinetuneConfig, precision: str, seed: 
         task_type="CAUSAL_LM",
     )
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        # peft asks transformers' deprecated `is_gradient_checkpointing`
+        # peft asks transformers' deprecated `is_gradient_checkpointing`; its own draws of the
+        # adapters are replaced below, and leave the caller's random state alone
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-        torch.manual_seed(seed)
         peft_model = peft.get_peft_model(model, config, adapter_name=ADAPTER_NAME)
     trained = torch.bfloat16 if precision == "bf16_pure" else torch.float32
     for name, p in peft_model.named_parameters():
         if "lora_" in name:
+            if not meta:
+                p.data = initial_adapter(name, p.shape, seed)
             p.data = p.data.to(trained)  # adapters train in fp32 (bf16 under bf16_pure)
             p.requires_grad_(True)
     return peft_model
 
 
+def initial_adapter(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """The initial fp32 value of the LoRA tensor `name` (a parameter name; wrappers' prefixes
+    do not matter): lora_A drawn as peft draws it (Kaiming-uniform, a = sqrt(5)) from a
+    generator seeded by `train.seed` and the name, lora_B zero. It depends on nothing else, so
+    a rank filling its shard of a meta-built model (trainer/qlora_load.py) and a replica built
+    whole start from the same adapters."""
+    from trainer.pretrained import canonical_name
+
+    name = canonical_name(name)
+    value = torch.zeros(shape)
+    if ".lora_B." in name:
+        return value
+    if ".lora_A." not in name:
+        raise ValueError(f"{name}: not a LoRA A or B matrix")
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
+
+
 def quantize_decoder_linears(model: nn.Module) -> None:
     """Replace each nn.Linear of the decoder blocks by a bitsandbytes NF4 `Linear4bit`, in place,
-    with the settings of `bnb_config()`; the weights quantise when moved to their device."""
+    with the settings of `bnb_config()`; the weights quantise when moved to their device. On the
+    meta device each weight takes the shape of its packed 4-bit storage, with nothing in it
+    (trainer/qlora_load.py quantises into it later)."""
     bnb = require("bitsandbytes", "finetune.method", "qlora")
     from trainer.model import decoder_layers
 
@@ -162,6 +186,7 @@ def quantize_decoder_linears(model: nn.Module) -> None:
             for child_name, child in list(parent.named_children()):
                 if type(child) is not nn.Linear:
                     continue
+                device = child.weight.device
                 q = bnb.nn.Linear4bit(
                     child.in_features,
                     child.out_features,
@@ -170,19 +195,40 @@ def quantize_decoder_linears(model: nn.Module) -> None:
                     compress_statistics=qc.bnb_4bit_use_double_quant,
                     quant_type=qc.bnb_4bit_quant_type,
                     quant_storage=qc.bnb_4bit_quant_storage,
-                    device=child.weight.device,
+                    device=device,
                 )
-                q.weight = bnb.nn.Params4bit(
-                    child.weight.data.float(),  # quantised from fp32, whatever it loaded in
-                    requires_grad=False,
-                    compress_statistics=qc.bnb_4bit_use_double_quant,
-                    quant_type=qc.bnb_4bit_quant_type,
-                    quant_storage=qc.bnb_4bit_quant_storage,
-                    module=q,  # q keeps the quantisation state: FSDP2's gathered weight has none
-                )
+                if device.type == "meta":
+                    rows = packed_rows(child.weight.numel())
+                    packed = torch.empty(rows, 1, dtype=QLORA_COMPUTE_DTYPE, device=device)
+                    q.weight = params_4bit(packed, q, quantized=True)
+                else:  # quantised from fp32, whatever it loaded in
+                    q.weight = params_4bit(child.weight.data.float(), q)
                 if child.bias is not None:
                     q.bias = nn.Parameter(child.bias.data.to(QLORA_COMPUTE_DTYPE), False)
-                setattr(parent, child_name, q.to(child.weight.device))
+                setattr(parent, child_name, q.to(device))
+
+
+def params_4bit(data: torch.Tensor, module: nn.Module, quantized: bool = False) -> Any:
+    """A bitsandbytes `Params4bit` of `module` with `bnb_config()`'s settings: `data` a
+    full-precision weight that quantises when moved to a device, or (`quantized`) packed
+    storage. The module keeps the quantisation state: FSDP2's gathered weight has none."""
+    bnb = require("bitsandbytes", "finetune.method", "qlora")
+    qc = bnb_config()
+    return bnb.nn.Params4bit(
+        data,
+        requires_grad=False,
+        compress_statistics=qc.bnb_4bit_use_double_quant,
+        quant_type=qc.bnb_4bit_quant_type,
+        quant_storage=qc.bnb_4bit_quant_storage,
+        module=module,
+        bnb_quantized=quantized,
+    )
+
+
+def packed_rows(numel: int) -> int:
+    """Rows of a weight's packed NF4 storage (two 4-bit codes a byte, bf16 elements of one
+    column), as bitsandbytes lays it out."""
+    return (numel + 1) // 2 // QLORA_COMPUTE_DTYPE.itemsize
 
 
 def bnb_config() -> Any:
@@ -221,6 +267,14 @@ class FinetuneFactory:
         # parameter on the host instead of 4, the same values as loading fp32 and casting
         base = self.inner.build("cpu", pretrained_dtype=self.base_dtype)
         return self.adapt(base).to(device)
+
+    def build_4bit_skeleton(self) -> nn.Module:
+        """QLoRA's model on the meta device in its 4-bit layout (each block linear's weight
+        shaped as its packed storage), for FSDP2 to shard before any weight exists; its shards
+        are filled by trainer/qlora_load.py."""
+        model = self.inner.build("meta")
+        quantize_decoder_linears(model)
+        return self.adapt(model)
 
     @property
     def quantizes(self) -> bool:

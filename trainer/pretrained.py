@@ -17,11 +17,12 @@ fall back to transformers' own loading on rank 0 and a broadcast, with one log l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -194,7 +195,7 @@ def checkpoint_keys(model: nn.Module, ckpt: SafetensorsCheckpoint) -> dict[str, 
     (meta or materialised) model, with wrappers' prefixes removed; None if any cannot be mapped
     to a tensor of the same shape."""
     prefix = getattr(model, "base_model_prefix", "") or "model"
-    wanted = {canonical_name(n): _global_shape(t) for n, t in _state_tensors(model)}
+    wanted = {canonical_name(n): _global_shape(t) for n, t in state_tensors(model)}
     keys = {}
     for name, shape in wanted.items():
         candidates = [name, name.removeprefix(f"{prefix}."), f"{prefix}.{name}"]
@@ -211,7 +212,7 @@ def _global_shape(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(getattr(tensor, "ds_shape", None) or tensor.shape)
 
 
-def _state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters (a tied one once) and persistent buffers: what a state dict must fill."""
     tensors: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
     for module_name, module in model.named_modules():
@@ -225,32 +226,42 @@ def load_fsdp_shards(model: nn.Module, ckpt: SafetensorsCheckpoint) -> LoadStats
     """Fill an FSDP2-sharded model (after `to_empty`) from the checkpoint: each rank reads its
     local rows of every parameter. None (nothing read) if the checkpoint does not map onto it or a
     placement is not a dim-0 shard."""
-    from torch.distributed.tensor import DTensor, Shard
-
     keys = checkpoint_keys(model, ckpt)
     if keys is None:
         return None
     plan = []
-    for name, tensor in _state_tensors(model):
-        local, start = tensor.detach(), 0
-        if isinstance(tensor, DTensor) and tensor.dim():
-            rows, stop = tensor.shape[0], tensor.shape[0]
-            local = tensor.to_local().detach()
-            for dim, placement in enumerate(tensor.placements):
-                if placement.is_replicate():
-                    continue
-                if placement != Shard(0) or (start, stop) != (0, rows):
-                    return None  # another layout than FSDP2's: let the broadcast place it
-                chunk = -(-rows // tensor.device_mesh.size(dim))
-                start = min(rows, chunk * tensor.device_mesh.get_local_rank(dim))
-                stop = min(rows, start + chunk)
-            if tuple(local.shape) != (stop - start, *tensor.shape[1:]):
-                return None
-            start *= tensor[0].numel()
-        elif isinstance(tensor, DTensor):
-            local = tensor.to_local().detach()
-        plan.append((keys[canonical_name(name)], local, start))
+    for name, tensor in state_tensors(model):
+        part = local_rows(tensor)
+        if part is None:
+            return None  # another layout than FSDP2's: let the broadcast place it
+        plan.append((keys[canonical_name(name)], *part))
     return _timed_load(ckpt, plan, model)
+
+
+def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """(this rank's part of an FSDP2 parameter or buffer, the flat index of its first element in
+    the whole tensor): a DTensor's local rows along dim 0 (replicated over HSDP's other mesh
+    dimension), a plain tensor whole. None for any other placement."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tensor.detach(), 0
+    local = tensor.to_local().detach()
+    if not tensor.dim():
+        return local, 0
+    rows = tensor.shape[0]
+    start, stop = 0, rows
+    for dim, placement in enumerate(tensor.placements):
+        if placement.is_replicate():
+            continue
+        if placement != Shard(0) or (start, stop) != (0, rows):
+            return None
+        chunk = -(-rows // tensor.device_mesh.size(dim))
+        start = min(rows, chunk * tensor.device_mesh.get_local_rank(dim))
+        stop = min(rows, start + chunk)
+    if tuple(local.shape) != (stop - start, *tensor.shape[1:]):
+        return None
+    return local, start * tensor[0].numel()
 
 
 def load_zero3_partitions(model: nn.Module, ckpt: SafetensorsCheckpoint) -> LoadStats | None:
@@ -264,7 +275,7 @@ def load_zero3_partitions(model: nn.Module, ckpt: SafetensorsCheckpoint) -> Load
     if keys is None:
         return None
     plan = []
-    for name, tensor in _state_tensors(model):
+    for name, tensor in state_tensors(model):
         part = getattr(tensor, "ds_tensor", None)
         if part is None:  # a buffer: every rank holds it whole
             plan.append((keys[canonical_name(name)], tensor.data, 0))
@@ -281,19 +292,28 @@ def load_zero3_partitions(model: nn.Module, ckpt: SafetensorsCheckpoint) -> Load
 def _timed_load(
     ckpt: SafetensorsCheckpoint, plan: list[tuple[str, torch.Tensor, int]], model: nn.Module
 ) -> LoadStats:
-    stats = LoadStats(rss_before_bytes=_rss_bytes())
-    _reset_rss_peak()
-    start = time.perf_counter()
-    for key, out, first in plan:
-        if out.numel():
-            stats.read_bytes += ckpt.read(key, out, first)
-        stats.held_bytes += out.numel() * out.element_size()
-    stats.seconds = time.perf_counter() - start
-    stats.rss_peak_bytes = max(_rss_peak_bytes(), stats.rss_before_bytes)
+    stats = LoadStats()
+    with measured(stats):
+        for key, out, first in plan:
+            if out.numel():
+                stats.read_bytes += ckpt.read(key, out, first)
+            stats.held_bytes += out.numel() * out.element_size()
     stats.largest_tensor_bytes = max(
-        (4 * math.prod(_global_shape(t)) for _, t in _state_tensors(model)), default=0
+        (4 * math.prod(_global_shape(t)) for _, t in state_tensors(model)), default=0
     )
     return stats
+
+
+@contextlib.contextmanager
+def measured(stats: LoadStats) -> Iterator[LoadStats]:
+    """Time the block and record the process's resident set before it and its high-water mark
+    during it in `stats`."""
+    stats.rss_before_bytes = _rss_bytes()
+    _reset_rss_peak()
+    start = time.perf_counter()
+    yield stats
+    stats.seconds = time.perf_counter() - start
+    stats.rss_peak_bytes = max(_rss_peak_bytes(), stats.rss_before_bytes)
 
 
 def report_load(stats: LoadStats, rank: int, run_dir: Path | None, what: str) -> None:

@@ -21,8 +21,10 @@ rank's shard and reshards on load, for any strategy and world size.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,7 +41,10 @@ from trainer.core import strategies
 from trainer.dist import after_rank0
 from trainer.model import apply_activation_checkpointing, apply_compile, decoder_layers
 from trainer.optim import load_sharded_8bit_state, sharded_8bit_state
-from trainer.pretrained import canonical_name, load_fsdp_shards, load_per_rank
+from trainer.pretrained import canonical_name, load_fsdp_shards, load_per_rank, report_load
+from trainer.qlora_load import TensorSource, fill_4bit_shards, tensor_source
+
+log = logging.getLogger(__name__)
 
 
 class FsdpBackend:
@@ -52,11 +57,19 @@ class FsdpBackend:
     def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
         ctx = self.ctx
         home = torch.device("cpu") if self.offload else ctx.device
-        # QLoRA: each rank quantises the base (4-bit weights in bf16 storage, which FSDP2
-        # shards like any bf16 tensor; each Linear4bit keeps its quantisation state), then
-        # shards it; the meta-device path below has no 4-bit layout to shard
-        quantized = getattr(factory, "quantizes", False)
-        model = factory.build(home if quantized else "meta")
+        # QLoRA: the 4-bit layout on the meta device (the packed weights in bf16 storage, which
+        # FSDP2 shards like any bf16 tensor), each rank quantising into its own rows
+        # (trainer/qlora_load.py); a checkpoint not read that way is quantised whole by every
+        # rank, then sharded
+        quantized, source = getattr(factory, "quantizes", False), None
+        if quantized:
+            model = factory.build_4bit_skeleton()
+            source = tensor_source(model, factory)
+            if source is None:
+                _say_whole_base(factory, ctx.rank)
+                model = factory.build(home)
+        else:
+            model = factory.build("meta")
         apply_activation_checkpointing(model, ctx.activation_checkpointing)
         if ctx.cfg.train.compile:
             apply_compile(model)
@@ -68,7 +81,9 @@ class FsdpBackend:
             pin_memory=ctx.device.type == "cuda",
             mesh=_hybrid_mesh(ctx) if ctx.cfg.fsdp.hybrid else None,
         )
-        if not quantized:
+        if source is not None:
+            self._quantise_into_shards(model, factory, source, home)
+        elif not quantized:
             self._materialise(model, factory, home)
         model.train()
         self.model = model
@@ -92,6 +107,23 @@ class FsdpBackend:
                 model,
                 full or {},
                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            )
+
+    def _quantise_into_shards(
+        self, model: nn.Module, factory: ModelFactory, source: TensorSource, home: torch.device
+    ) -> None:
+        """This rank's shards of a 4-bit skeleton, quantised one tensor at a time."""
+        ctx = self.ctx
+        model.to_empty(device=home)
+        _rebuild_buffers(model, home)
+        stats = fill_4bit_shards(model, source, ctx.device, ctx.cfg.train.seed)
+        if factory.inner.model_cfg.name_or_path is not None:
+            report_load(stats, ctx.rank, Path(ctx.cfg.run.dir), "4-bit shard")
+        elif ctx.rank == 0:
+            log.info(
+                "random init: each rank quantised its 4-bit shard (rank 0: %.1f MiB in %.1f s)",
+                stats.held_bytes / 2**20,
+                stats.seconds,
             )
 
     def compute_context(self) -> AbstractContextManager:
@@ -251,6 +283,15 @@ def _sharded_scaler(ctx: BackendContext) -> Any:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     return ShardedGradScaler(ctx.device.type)
+
+
+def _say_whole_base(factory: ModelFactory, rank: int) -> None:
+    if rank == 0:
+        log.info(
+            "model.name_or_path: %s has no safetensors tensor for every weight: each rank "
+            "quantises the whole base, then keeps its shard",
+            factory.inner.model_cfg.name_or_path,
+        )
 
 
 def _rebuild_buffers(model: nn.Module, device: torch.device) -> None:
