@@ -18,6 +18,7 @@ fall back to transformers' own loading on rank 0 and a broadcast, with one log l
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import math
@@ -307,7 +308,9 @@ def _timed_load(
 @contextlib.contextmanager
 def measured(stats: LoadStats) -> Iterator[LoadStats]:
     """Time the block and record the process's resident set before it and its high-water mark
-    during it in `stats`."""
+    during it in `stats`; memory freed earlier is handed back first, so that the baseline is
+    what the process holds."""
+    release_freed_memory()
     stats.rss_before_bytes = _rss_bytes()
     _reset_rss_peak()
     start = time.perf_counter()
@@ -359,6 +362,15 @@ def _reset_rss_peak() -> None:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
+        pass
+
+
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`; a no-op elsewhere):
+    after freeing many temporaries of mixed sizes the resident set otherwise keeps them."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
         pass
 
 

@@ -5,14 +5,18 @@ The FSDP backend builds the QLoRA model on the meta device in its 4-bit layout
 (`FinetuneFactory.build_4bit_skeleton`: every linear of the decoder blocks a bitsandbytes
 `Linear4bit` whose weight has the shape of its packed NF4 storage), shards it and materialises
 only this rank's rows (`to_empty`). `fill_4bit_shards` then walks the tensors in model order:
-- a block linear's weight: the whole 16-bit weight is read, quantised on the compute device as
-  the replica rungs quantise it (trainer/finetune.py), and this rank's rows of the packed
-  storage are kept; the module keeps the weight's whole quantisation state (about 1/60 of the
-  4-bit bytes); the full-precision copy is freed before the next tensor;
+- a block linear's weight: read in chunks of rows (the 16-bit dtype the replica rungs load it
+  in), each chunk quantised on the compute device as bitsandbytes quantises the whole weight
+  (NF4 blocks of 64 are independent; the second-level quantisation of their scales runs once
+  over all of them, as in `bitsandbytes.functional.quantize_4bit`), and only this rank's rows of
+  the packed storage kept; the module keeps the weight's whole quantisation state (about 1/60 of
+  the 4-bit bytes);
 - any other tensor of the base (embeddings, norms, head, biases): only this rank's rows are read,
   in bf16;
 - a LoRA adapter: its seeded initial value (`trainer.finetune.initial_adapter`).
-So beyond its shard a rank holds one tensor in flight: the 16-bit read and its fp32 copy.
+So beyond its shard a rank holds one chunk in flight and one weight's block scales; freed memory
+is handed back to the OS after each weight (`release_freed_memory`), so the host's resident set
+tracks what the rank keeps.
 
 The tensors come from the pretrained safetensors files (`trainer.pretrained`), or for random
 init from the seeded fp32 model every rank builds, as the replica rungs do (the same numbers they
@@ -29,13 +33,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from trainer.finetune import QLORA_COMPUTE_DTYPE, initial_adapter, params_4bit
+from trainer.finetune import QLORA_COMPUTE_DTYPE, initial_adapter
 from trainer.pretrained import (
     LoadStats,
     SafetensorsCheckpoint,
     canonical_name,
     local_rows,
     measured,
+    release_freed_memory,
     state_tensors,
 )
 
@@ -43,26 +48,23 @@ _PEFT_PREFIX = "base_model.model."  # what peft puts before the HF model's names
 
 
 class TensorSource(Protocol):
-    """Where the base's initial tensors come from, by their name in the HF model."""
+    """Where the base's initial tensors come from, by their name in the HF model: `out`'s
+    elements from flat index `start` on, and the dtype a weight is quantised from."""
 
+    dtype: torch.dtype
     read_bytes: int
-
-    def whole(self, name: str, shape: tuple[int, ...]) -> torch.Tensor: ...
 
     def rows(self, name: str, out: torch.Tensor, start: int) -> None: ...
 
 
 class _Checkpoint:
-    """Pretrained safetensors: a whole weight in the 16-bit dtype the replica rungs load it in,
-    or `out`'s elements from flat index `start` on."""
+    """Pretrained safetensors; weights are quantised from the 16-bit dtype the replica rungs
+    load them in."""
+
+    dtype = QLORA_COMPUTE_DTYPE
 
     def __init__(self, ckpt: SafetensorsCheckpoint, keys: dict[str, str]):
         self.ckpt, self.keys, self.read_bytes = ckpt, keys, 0
-
-    def whole(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        out = torch.empty(shape, dtype=QLORA_COMPUTE_DTYPE)
-        self.rows(name, out, 0)
-        return out
 
     def rows(self, name: str, out: torch.Tensor, start: int) -> None:
         if out.numel():
@@ -70,13 +72,13 @@ class _Checkpoint:
 
 
 class _RandomInit:
-    """The seeded fp32 init of the whole model (`HFModelFactory.initial_state_dict`)."""
+    """The seeded fp32 init of the whole model (`HFModelFactory.initial_state_dict`), which the
+    replica rungs quantise as it is."""
+
+    dtype = torch.float32
 
     def __init__(self, state: dict[str, torch.Tensor]):
         self.state, self.read_bytes = state, 0
-
-    def whole(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return self.state[name]
 
     def rows(self, name: str, out: torch.Tensor, start: int) -> None:
         flat = self.state[name].reshape(-1)[start : start + out.numel()]
@@ -115,6 +117,8 @@ def tensor_source(skeleton: nn.Module, factory: Any) -> TensorSource | None:
     pretrained checkpoint where every tensor maps onto one of the same shape, the random init
     without `model.name_or_path`; None where the checkpoint cannot be read this way."""
     inner = factory.inner
+    if any(slot.linear and math.prod(slot.shape) % _CODES for slot in _slots(skeleton)):
+        return None  # a packed row would straddle two chunks' codes
     if inner.model_cfg.name_or_path is None:
         return _RandomInit(inner.initial_state_dict())
     ckpt = inner.pretrained_checkpoint()
@@ -147,9 +151,9 @@ def fill_4bit_shards(
                 raise RuntimeError(f"{slot.name}: not sharded by rows, as fully_shard does")
             local, start = part
             if slot.linear is not None:
-                packed = _quantize(source.whole(slot.name, slot.shape), slot.linear, device)
-                local.copy_(packed.view(-1)[start : start + local.numel()].view(local.shape))
+                slot.linear.quant_state = _quantize_rows(source, slot, local, start, device)
                 stats.held_bytes += _state_bytes(slot.linear.quant_state)
+                release_freed_memory()
             elif ".lora_" in slot.name:
                 full = initial_adapter(slot.name, torch.Size(slot.shape), seed)
                 local.copy_(full.view(-1)[start : start + local.numel()].view(local.shape))
@@ -161,10 +165,57 @@ def fill_4bit_shards(
     return stats
 
 
-def _quantize(weight: torch.Tensor, linear: nn.Module, device: torch.device) -> torch.Tensor:
-    """`weight`'s packed NF4 storage, quantised on `device` from fp32 as the replica rungs do;
-    `linear` takes the quantisation state."""
-    return params_4bit(weight.to(device).float(), linear).to(device).data
+_CODES = 4  # NF4 codes in one bf16 element of the packed storage
+_BLOCK = 64  # weights per NF4 scale (bitsandbytes' default, which Params4bit uses)
+_CHUNK = {"cpu": 1 << 16}  # weights quantised at once; 1 << 22 on an accelerator
+
+
+def _quantize_rows(
+    source: TensorSource, slot: _Slot, local: torch.Tensor, start: int, device: torch.device
+) -> Any:
+    """Quantise the weight of `slot` chunk by chunk into `local`, this rank's rows of its packed
+    storage (from packed element `start` on); returns the whole weight's quantisation state,
+    as `bitsandbytes.functional.quantize_4bit` gives it for the whole weight."""
+    import bitsandbytes.functional as F
+
+    n = math.prod(slot.shape)
+    first, last = _CODES * start, _CODES * (start + local.numel())  # the weights local covers
+    chunk = _CHUNK.get(device.type, 1 << 22)
+    buffer, scales, flat = torch.empty(min(chunk, n), dtype=source.dtype), [], local.view(-1)
+    for begin in range(0, n, chunk):
+        count = min(chunk, n - begin)
+        source.rows(slot.name, buffer[:count], begin)
+        packed, state = F.quantize_4bit(
+            buffer[:count].to(device).float(),
+            blocksize=_BLOCK,
+            quant_type="nf4",
+            quant_storage=QLORA_COMPUTE_DTYPE,
+        )
+        scales.append(state.absmax)
+        lo, hi = max(begin, first), min(begin + count, last)
+        if lo < hi:
+            mine = packed.view(-1)[(lo - begin) // _CODES : (hi - begin) // _CODES]
+            flat[(lo - first) // _CODES : (hi - first) // _CODES].copy_(mine)
+    return _double_quantized(torch.cat(scales), slot.shape, device)
+
+
+def _double_quantized(absmax: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> Any:
+    """The quantisation state of a weight whose fp32 block scales are `absmax`, with the scales
+    quantised once more (`bnb_4bit_use_double_quant`) as bitsandbytes does."""
+    import bitsandbytes.functional as F
+
+    offset = absmax.mean()
+    scales, nested = F.quantize_blockwise(absmax - offset, blocksize=256)
+    return F.QuantState(
+        absmax=scales,
+        shape=torch.Size(shape),
+        dtype=torch.float32,  # the replica rungs quantise an fp32 weight
+        blocksize=_BLOCK,
+        code=F.get_4bit_type("nf4", device=device),
+        quant_type="nf4",
+        offset=offset,
+        state2=nested,
+    )
 
 
 def _state_bytes(state: Any) -> int:

@@ -24,6 +24,9 @@ QLORA = (
     "precision=bf16",
     "run.checkpoint_every=2",
 )
+# the model tests/trainer/saved_model.py saves, loaded by two QLoRA runs: ddp (transformers'
+# from_pretrained on each rank, quantised whole) and fsdp (each rank quantising its own rows)
+PRETRAINED = ("model.name_or_path={work}/pretrained", "model.config=null", "train.steps=2")
 # name: overrides of the base config (fp32, 2 ranks x micro-batch 4 = global batch 8, no
 # accumulation, no clipping); `{work}` is WORK_DIR
 RUNS = {
@@ -48,6 +51,8 @@ RUNS = {
         "run.resume={work}/fsdp_qlora/checkpoints/step_2",
     ),
     "fsdp_offload_qlora": ("strategy=fsdp_offload", *QLORA),
+    "ddp_qlora_pretrained": ("strategy=ddp", *QLORA, *PRETRAINED),
+    "fsdp_qlora_pretrained": ("strategy=fsdp", *QLORA, *PRETRAINED),
     "fsdp_fp32": ("strategy=fsdp",),
     "fsdp_in_backward": ("strategy=fsdp", "train.optimizer_in_backward=true"),
     "fsdp_bf16_pure": ("strategy=fsdp", "precision=bf16_pure", "run.checkpoint_every=2"),

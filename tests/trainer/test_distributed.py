@@ -22,6 +22,7 @@ import torch
 
 from tests.conftest import PYTHON, REPO, python_env, run_bounded, write_demo_job
 from tests.trainer.dist_runs import RESUME_AT, RUNS, STEPS, checked
+from tests.trainer.saved_model import PRETRAINED_PARAMS, save_pretrained_model
 
 # the first test pays for the module's runs (the fixture): every training of dist_runs.py
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -81,33 +82,6 @@ def _needs_nvme(name: str) -> None:
         pytest.skip("DeepSpeed's async_io op cannot be built here: install libaio-dev")
 
 
-# hidden 1024, MLP 2048, 4 layers, 8 heads (4 for k/v): 37.8 M parameters, 151 MB in fp32;
-# the largest tensor (an MLP projection) 8 MB; vocabulary of the demo tokenizer, tied embeddings
-PRETRAINED_CONFIG = {
-    "model_type": "llama",
-    "vocab_size": 45,
-    "hidden_size": 1024,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": True,
-}
-
-
-def save_pretrained_model(path: Path) -> None:
-    """A model as `save_pretrained` writes it, in three safetensors shards with an index, from
-    another seed than the runs' random init (so a run that ignored the weights would show)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    params = {k: v for k, v in PRETRAINED_CONFIG.items() if k != "model_type"}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1234)
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**params), dtype=torch.float32)
-    model.save_pretrained(path, max_shard_size="60MB")
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("dist")
@@ -163,7 +137,7 @@ def test_pretrained_weights_read_per_rank_give_the_pretrained_loss(runs, run):
     assert abs(got - want) <= 1e-5 * want, (got, want)
     assert abs(_losses(runs / "single_fp32")[0] - want) > 1e-3  # the weights made a difference
     loads = [json.loads((runs / run.name / f"load_rank{r}.json").read_text()) for r in (0, 1)]
-    total = 4 * 37_804_032  # parameters of PRETRAINED_CONFIG, fp32
+    total = 4 * PRETRAINED_PARAMS  # fp32
     assert all(0.45 * total <= load["held_bytes"] <= 0.55 * total for load in loads), loads
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import PYTHON, REPO, oomless, python_env, run_bounded, write_demo_job
+from tests.trainer.saved_model import PRETRAINED_LINEAR_PARAMS, save_pretrained_model
 from trainer.core import methods
 from trainer.core.config import ConfigError, load_config
 
@@ -77,6 +78,7 @@ def runs(tmp_path_factory) -> Path:
 
     work = tmp_path_factory.mktemp("lowbit")
     base = _base(work)
+    save_pretrained_model(work / "pretrained")
     _single(base, work / "single_fp32")
     _single(base, work / "single_in_backward", "train.optimizer_in_backward=true")
     _single(base, work / "single_bf16_pure", "precision=bf16_pure", "run.checkpoint_every=2")
@@ -248,6 +250,28 @@ def test_qlora_on_fsdp_resumes_bit_exact_and_checkpoints_only_the_adapters(runs)
     names = _dtypes(runs / "fsdp_qlora/checkpoints/step_2")
     assert names and all(".lora_" in k for k in names if k.startswith(("model/", "optim/")))
     assert (runs / "fsdp_qlora/final/adapter_model.safetensors").is_file()
+
+
+def test_qlora_on_fsdp_loads_a_saved_model_as_ddp_replicas_load_it(runs):
+    """Each fsdp rank quantises the saved model's weights into its own rows: the losses are
+    those of two DDP replicas that load it with transformers' from_pretrained and quantise it
+    whole."""
+    got, want = _losses(runs / "fsdp_qlora_pretrained"), _losses(runs / "ddp_qlora_pretrained")
+    assert len(got) == len(want) == 2
+    for a, b in zip(got, want, strict=True):
+        assert abs(a - b) <= 1e-3 * b, (got, want)
+
+
+def test_rank0_quantising_its_shard_grows_by_less_than_the_shard_plus_one_tensor(runs):
+    """Rank 0's resident set while loading grows by less than what it keeps (its half of the
+    4-bit linears, its rows of the rest, the quantisation states) plus the largest weight in
+    fp32: the whole 16-bit base (76 MB) never sits on a rank."""
+    load = json.loads((runs / "fsdp_qlora_pretrained" / "load_rank0.json").read_text())
+    growth = load["rss_peak_bytes"] - load["rss_before_bytes"]
+    four_bit_half = PRETRAINED_LINEAR_PARAMS // 4  # 0.5 bytes a weight, half of them
+    assert four_bit_half <= load["held_bytes"] <= 1.2 * four_bit_half, load
+    assert load["largest_tensor_bytes"] == 4 * 2048 * 1024, load
+    assert growth <= load["held_bytes"] + load["largest_tensor_bytes"], load
 
 
 def _engine_qlora(ckpt: Path) -> torch.nn.Module:
