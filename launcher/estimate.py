@@ -29,7 +29,7 @@ from launcher.estimate_activations import (
     micro_activations,
     micro_for,
 )
-from launcher.estimate_finetune import whole_4bit_base_bytes
+from launcher.estimate_finetune import quantising_bytes
 from launcher.model_shape import ModelShape
 from launcher.model_states import GradFlow, ModelStates, model_states
 from trainer.core.errors import ConfigError
@@ -166,9 +166,8 @@ def _runtime_overhead(device: str, peak: int, persistent: int) -> int:
 
 
 def loading_host_bytes(
-    shape: ModelShape, row: Strategy, ranks_here: int, bytes_per_param: int = 4,
-    whole_base: bool = False,
-) -> int:  # fmt: skip
+    shape: ModelShape, row: Strategy, ranks_here: int, bytes_per_param: int = 4
+) -> int:
     """Host bytes per node that loading the initial (pretrained) weights adds at its peak.
 
     A replica (single, ddp, ZeRO-1/2) is built whole on the host by each rank: in fp32 (4N per
@@ -177,12 +176,12 @@ def loading_host_bytes(
     rung reads its own part from the safetensors files into its parameters
     (`trainer/pretrained.py`): beyond the part itself (counted with the model states) at most
     one tensor in flight per rank, its fp32 copy on the way to the device (4 x the largest
-    tensor). QLoRA on a sharded rung (`whole_base`) builds the whole 16-bit base on every rank,
-    as a replica does, and shards it once quantised. zero3_nvme builds the full weights on rank
-    0 (the model, then its state dict cloned: 8N) and sends each rank its part, as random init
-    does on every sharded rung."""
+    tensor); QLoRA's rank streams each weight through in chunks and keeps its rows of the 4-bit
+    storage (`trainer/qlora_load.py`), less than that. zero3_nvme builds the full weights on
+    rank 0 (the model, then its state dict cloned: 8N) and sends each rank its part, as random
+    init does on every sharded rung."""
     n = shape.num_params
-    if not row.shards_params or whole_base:
+    if not row.shards_params:
         return bytes_per_param * n * ranks_here
     if row.needs_nvme:
         return 8 * n
@@ -196,13 +195,12 @@ def _host_bytes(
     ranks_here: int,
     device_bytes: int,
     device: str,
-    load: tuple[int, bool],
+    load_bytes: int,
 ) -> dict[str, int]:
     """Host memory per node: every rank's offloaded states, loading the initial weights
-    (`loading_host_bytes` with `load`: bytes per parameter, whole base), process
-    baseline."""
+    (`loading_host_bytes` with `load_bytes` per parameter), process baseline."""
     host = {k: v * ranks_here for k, v in states.on_host.items()}
-    host["initial_weights"] = loading_host_bytes(shape, row, ranks_here, *load)
+    host["initial_weights"] = loading_host_bytes(shape, row, ranks_here, load_bytes)
     host["processes"] = HOST_PROCESS_BYTES * ranks_here
     if device == "cpu":  # the "device" is host memory too
         host["device_memory_of_cpu_ranks"] = device_bytes * ranks_here
@@ -237,12 +235,11 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
     sixteen = ft.adapters or spec.precision == "bf16_pure"
     load_bytes = m.c if sixteen and ft.pretrained else 4
     if ft.method == "qlora" and row.shards_params:
-        # the engine builds and quantises the whole base on every rank, then shards it
-        # (trainer/finetune.py): the 16-bit base on the host, the whole 4-bit one on the device
-        phases["loading"] = whole_4bit_base_bytes(shape, ft, m.c)
+        # each rank quantises one chunk of a weight at a time into its shard
+        # (trainer/qlora_load.py): its states plus the chunk and the weight's block scales
+        phases["loading"] = states.base + quantising_bytes(shape)
         peak = max(peak, phases["loading"])
-    host = _host_bytes(row, states, shape, ranks_here, peak + overhead, spec.device,
-                       (load_bytes, ft.method == "qlora"))  # fmt: skip
+    host = _host_bytes(row, states, shape, ranks_here, peak + overhead, spec.device, load_bytes)
     offloaded = acts.offloaded
     if spec.offload_activations:
         host["offloaded_activations"] = offloaded * ranks_here

@@ -219,11 +219,17 @@ def first_adapter_stage(shape: Any, ft: Finetune) -> int:
     return min(_STAGE[name] for name in targeted(shape, ft))
 
 
-def whole_4bit_base_bytes(shape: Any, ft: Finetune, c: int) -> int:
-    """The whole QLoRA base, 4-bit linears and 16-bit rest, with its fp32 adapters: what a rank
-    holds on its device before the model is sharded."""
-    sizes = method_sizes(shape, ft, c)
-    return sizes.frozen + 4 * sizes.trainable
+# weights a rank quantises at once on an accelerator (trainer/qlora_load.py's chunk), and the
+# bytes each of them costs there in flight: its 16-bit copy, fp32 copy, scaled and code tensors
+QUANTISE_CHUNK = 1 << 22
+QUANTISE_BYTES_PER_WEIGHT = 24
+
+
+def quantising_bytes(shape: Any) -> int:
+    """Device bytes a rank's QLoRA load adds to its shards: one chunk of a weight being
+    quantised, and the largest block linear's fp32 block scales (one per 64 weights)."""
+    largest = max(fan_in * fan_out for fan_in, fan_out in layer_linears(shape).values())
+    return QUANTISE_CHUNK * QUANTISE_BYTES_PER_WEIGHT + 4 * largest // 64
 
 
 @dataclass(frozen=True)

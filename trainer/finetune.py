@@ -10,7 +10,8 @@ the optimizer only what trains, and their canonical state (the checkpoint) holds
   the compute dtype (bf16 under `precision: bf16`; fp32 under fp32; pretrained weights load
   straight in it, a random init is drawn in fp32 and cast) and has no fp32 master, no gradient
   and no optimizer state; the adapters are fp32 parameters with their own AdamW state.
-  Adapter init (lora_A's Kaiming draw) is seeded by `train.seed`, so every rung starts alike.
+  Adapter init (lora_A's Kaiming draw) is seeded by `train.seed` and the tensor's name, so every
+  rung starts alike (`initial_adapter`).
 - QLoRA: the decoder blocks' linear layers become `bitsandbytes.nn.Linear4bit` holding NF4
   weights (double quantisation, bf16 compute and bf16 quant storage, as a
   `transformers.BitsAndBytesConfig(load_in_4bit=True, ...)` asks for), then the LoRA adapters as
