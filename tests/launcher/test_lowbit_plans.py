@@ -230,4 +230,3 @@ def test_qlora_on_fsdp_loads_one_chunk_at_a_time_beyond_the_shard():
     assert est.host_breakdown["initial_weights"] == 2 * 4 * shape.largest_tensor_params
     loading = est.phases["loading"] - model_states(spec, shape).base
     assert 0 < loading < 0.2 * GIB  # a chunk being quantised and one weight's block scales
-

@@ -100,3 +100,21 @@ def test_initial_adapters_depend_on_the_seed_and_the_name_only(tmp_path):
     assert not torch.equal(a, initial_adapter(other, torch.Size([4, 40]), seed=1))
     assert a.abs().max() <= 1 / 40**0.5 + 1e-6  # Kaiming-uniform, a = sqrt(5): bound 1/sqrt(fan_in)
     assert not initial_adapter(name.replace("lora_A", "lora_B"), torch.Size([40, 4]), 1).any()
+
+
+def test_a_checkpoint_not_read_per_rank_gives_no_source(tmp_path):
+    """A weight missing from the safetensors (renamed, or in a format this does not read): the
+    fsdp backend then quantises the whole base on every rank (one log line) instead."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    params = {k: v for k, v in ODD.items() if k != "model_type"}
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **params)).save_pretrained(
+        tmp_path / "saved"
+    )
+    weights = tmp_path / "saved" / "model.safetensors"
+    state = load_file(weights)
+    state["model.final_norm.weight"] = state.pop("model.norm.weight")
+    save_file(state, weights, metadata={"format": "pt"})
+    factory = _factory(tmp_path, f"model.name_or_path={tmp_path / 'saved'}", "model.config=null")
+    assert qlora_load.tensor_source(factory.build_4bit_skeleton(), factory) is None

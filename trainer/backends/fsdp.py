@@ -57,19 +57,10 @@ class FsdpBackend:
     def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
         ctx = self.ctx
         home = torch.device("cpu") if self.offload else ctx.device
-        # QLoRA: the 4-bit layout on the meta device (the packed weights in bf16 storage, which
-        # FSDP2 shards like any bf16 tensor), each rank quantising into its own rows
-        # (trainer/qlora_load.py); a checkpoint not read that way is quantised whole by every
-        # rank, then sharded
-        quantized, source = getattr(factory, "quantizes", False), None
-        if quantized:
-            model = factory.build_4bit_skeleton()
-            source = tensor_source(model, factory)
-            if source is None:
-                _say_whole_base(factory, ctx.rank)
-                model = factory.build(home)
-        else:
-            model = factory.build("meta")
+        quantized = getattr(factory, "quantizes", False)
+        model, source = (
+            _build_qlora(factory, home, ctx.rank) if quantized else (factory.build("meta"), None)
+        )
         apply_activation_checkpointing(model, ctx.activation_checkpointing)
         if ctx.cfg.train.compile:
             apply_compile(model)
@@ -285,13 +276,24 @@ def _sharded_scaler(ctx: BackendContext) -> Any:
     return ShardedGradScaler(ctx.device.type)
 
 
-def _say_whole_base(factory: ModelFactory, rank: int) -> None:
+def _build_qlora(
+    factory: ModelFactory, home: torch.device, rank: int
+) -> tuple[nn.Module, TensorSource | None]:
+    """QLoRA's model before sharding, and where its rank's rows come from: the 4-bit layout on
+    the meta device (the packed weights in bf16 storage, which FSDP2 shards like any bf16
+    tensor), each rank later quantising into its own rows (trainer/qlora_load.py); a checkpoint
+    not read that way is built and quantised whole by every rank (no source), then sharded."""
+    skeleton = factory.build_4bit_skeleton()
+    source = tensor_source(skeleton, factory)
+    if source is not None:
+        return skeleton, source
     if rank == 0:
         log.info(
             "model.name_or_path: %s has no safetensors tensor for every weight: each rank "
             "quantises the whole base, then keeps its shard",
             factory.inner.model_cfg.name_or_path,
         )
+    return factory.build(home), None
 
 
 def _rebuild_buffers(model: nn.Module, device: torch.device) -> None:
