@@ -237,7 +237,7 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
     if ft.method == "qlora" and row.shards_params:
         # each rank quantises one chunk of a weight at a time into its shard
         # (trainer/qlora_load.py): its states plus the chunk and the weight's block scales
-        phases["loading"] = states.base + quantising_bytes(shape)
+        phases["loading"] = states.base + quantising_bytes(shape, spec.device)
         peak = max(peak, phases["loading"])
     host = _host_bytes(row, states, shape, ranks_here, peak + overhead, spec.device, load_bytes)
     offloaded = acts.offloaded

@@ -219,17 +219,20 @@ def first_adapter_stage(shape: Any, ft: Finetune) -> int:
     return min(_STAGE[name] for name in targeted(shape, ft))
 
 
-# weights a rank quantises at once on an accelerator (trainer/qlora_load.py's chunk), and the
-# bytes each of them costs there in flight: its 16-bit copy, fp32 copy, scaled and code tensors
-QUANTISE_CHUNK = 1 << 22
-QUANTISE_BYTES_PER_WEIGHT = 24
+# weights a rank quantises at once (trainer/qlora_load.py's chunk), and the bytes each costs in
+# flight: on an accelerator its 16-bit and fp32 copies and its packed codes and scale (the
+# CUDA kernel); on a CPU process also the default kernel's scaled, clamped and code tensors
+QUANTISE_CHUNK = {"cpu": 1 << 16, "cuda": 1 << 22}
+QUANTISE_BYTES_PER_WEIGHT = {"cpu": 24, "cuda": 7}
 
 
-def quantising_bytes(shape: Any) -> int:
+def quantising_bytes(shape: Any, device: str) -> int:
     """Device bytes a rank's QLoRA load adds to its shards: one chunk of a weight being
     quantised, and the largest block linear's fp32 block scales (one per 64 weights)."""
     largest = max(fan_in * fan_out for fan_in, fan_out in layer_linears(shape).values())
-    return QUANTISE_CHUNK * QUANTISE_BYTES_PER_WEIGHT + 4 * largest // 64
+    kind = "cpu" if device == "cpu" else "cuda"
+    chunk = min(QUANTISE_CHUNK[kind], largest)
+    return chunk * QUANTISE_BYTES_PER_WEIGHT[kind] + 4 * largest // 64
 
 
 @dataclass(frozen=True)
