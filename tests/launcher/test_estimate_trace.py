@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import statistics
 
 import pytest
@@ -130,6 +131,10 @@ def test_analytic_peak_is_within_the_band_of_the_trace_on_the_covering_grid():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("OOMLESS_FULL_GRID"),
+    reason="4-5 min on 2 cores; the covering grid meets each of its factors: OOMLESS_FULL_GRID=1",
+)
 def test_analytic_peak_is_within_the_band_of_the_trace_on_the_full_grid():
     assert_within_band(full_grid())
 
