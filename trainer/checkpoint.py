@@ -3,8 +3,9 @@
 Layout of `run.dir/checkpoints/step_N/`:
   .metadata, *.distcp       torch.distributed.checkpoint of the canonical state, keyed by
                             parameter name: `model/NAME` (fp32 master weights) and
-                            `optim/NAME/{exp_avg,exp_avg_sq,step}`; every rank writes its own
-                            shard (sharded tensors stay sharded)
+                            `optim/NAME/{exp_avg,exp_avg_sq,step}` (adamw_8bit: the codes
+                            and block scales of block-aligned matrices, trainer/optim.py);
+                            every rank writes its own shard (sharded tensors stay sharded)
   rng/rank_R.safetensors    every rank's RNG states
   manifest.json             every other file's size and checksum (trainer/manifest.py)
   trainer_state.json        step, plan, config hash, grad-scaler state; written last: a directory
@@ -56,6 +57,7 @@ from trainer.dist import (
 )
 from trainer.finetune import base_pointer, check_same_base
 from trainer.manifest import STATE_FILE, HashingFileSystem, damage, digests_of, write_manifest
+from trainer.optim import from_legacy_8bit
 
 log = logging.getLogger(__name__)
 # A one-process run saves and loads without a process group (no_dist) on purpose; torch warns
@@ -471,7 +473,8 @@ def load_checkpoint(
     micro-batch and the other keys outside MATH_KEYS may change.
     """
     state = check_resumable(path, cfg, data_fingerprint)
-    stored = set(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    metadata = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = set(metadata)
     flat = flatten_state(template)
     missing = sorted(k for k in flat if k.startswith("model/") and k not in stored)
     # Ranks may ask for different keys (DeepSpeed: each rank its own parameters): all of them
@@ -487,9 +490,34 @@ def load_checkpoint(
         )
     # Parameters that had no optimizer state when saved (never stepped) keep a fresh one.
     flat = {k: v for k, v in flat.items() if k in stored}
-    dcp.load(flat, storage_reader=SafeFileSystemReader(str(path)), no_dist=not is_distributed())
+    legacy = _legacy_8bit_request(template, metadata)
+    dcp.load(
+        {**flat, **legacy},
+        storage_reader=SafeFileSystemReader(str(path)),
+        no_dist=not is_distributed(),
+    )
     state["backend"] = unflatten_state(flat)
+    for name, saved in unflatten_state(legacy)["optim"].items():
+        shape = template["model"][name].shape
+        state["backend"]["optim"][name].update(from_legacy_8bit(shape, saved))
     return state
+
+
+def _legacy_8bit_request(template: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
+    """Whole tensors to read for the moments a checkpoint from before the 8-bit canonical form
+    (trainer/optim.py) holds as bitsandbytes kept them, where the template asks for fp32 ones."""
+    request = {}
+    for name, moments in template["optim"].items():
+        prefix = f"optim/{name}/"
+        if "exp_avg" not in moments or prefix + "exp_avg" in metadata:
+            continue
+        if prefix + "state1" not in metadata:
+            continue
+        for key in ("state1", "state2", "absmax1", "absmax2"):
+            if prefix + key in metadata:
+                meta = metadata[prefix + key]
+                request[prefix + key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    return request
 
 
 def restore_rng(path: Path, rank: int) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainer.backends import OptimizerSpec
 from trainer.core.config import ConfigError
@@ -178,16 +179,86 @@ def shards_in_8bit(p: torch.Tensor) -> bool:
     return p.numel() >= MIN_8BIT_NUMEL and p.dim() == 2 and p.shape[1] % BLOCK == 0
 
 
+# The checkpoint's form of bitsandbytes' AdamW state, the same on every rung and world size:
+# - a matrix whose rows hold whole blocks (`shards_in_8bit`): its 8-bit codes `state1`/`state2`
+#   with their fp32 block scales by rows `absmax1`/`absmax2` ([rows, cols / 256]); a replica and
+#   every FSDP shard hold these very blocks, so they move bit for bit;
+# - any other tensor: its fp32 moments `exp_avg`/`exp_avg_sq`, as torch's AdamW names them. A
+#   replica quantises tensors of 4096+ values in blocks that run across rows, which an FSDP shard
+#   cannot hold (it keeps fp32 moments there): the replica's codes are saved dequantised and
+#   re-quantised on load into whatever blocks the loading rung keeps.
+FP32_MOMENTS = ("exp_avg", "exp_avg_sq")
+CODES = ("state1", "state2")
+SCALES = ("absmax1", "absmax2")
+# per moment: its fp32 name, bitsandbytes' codes, block scales and quantisation map (signed for
+# the first moment, unsigned for the second)
+MOMENTS = (("exp_avg", "state1", "absmax1", "qmap1"), ("exp_avg_sq", "state2", "absmax2", "qmap2"))
+
+
+def canonical_8bit_moments(p: torch.Tensor, state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The moments of `p` from its bitsandbytes `state` (one replica's, whole tensors) in the
+    checkpoint's form (above)."""
+    if state["state1"].dtype != torch.uint8:  # under 4096 values: bitsandbytes' fp32 moments
+        return {moment: state[code] for moment, code, _, _ in MOMENTS}
+    if shards_in_8bit(p):
+        out = {key: state[key] for key in CODES}
+        return out | {key: state[key].view(p.shape[0], -1) for key in SCALES}
+    F = require("bitsandbytes", "train.optimizer", "adamw_8bit").functional
+    return {
+        moment: F.dequantize_blockwise(
+            state[code], absmax=state[scale], code=state[qmap], blocksize=BLOCK
+        ).view(p.shape)
+        for moment, code, scale, qmap in MOMENTS
+    }
+
+
+def from_legacy_8bit(shape: torch.Size, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint written before the canonical form kept bitsandbytes' state as it was:
+    `state1`/`state2` fp32 for small tensors, or codes with flat block scales whatever the
+    shape. Returns the fp32 moments of a tensor of `shape` from the whole saved tensors."""
+    if saved["state1"].dtype != torch.uint8:
+        return {moment: saved[code].view(shape) for moment, code, _, _ in MOMENTS}
+    F = require("bitsandbytes", "train.optimizer", "adamw_8bit").functional
+    signed, unsigned = F.create_dynamic_map(signed=True), F.create_dynamic_map(signed=False)
+    qmaps = {"qmap1": signed, "qmap2": unsigned}
+    return {
+        moment: F.dequantize_blockwise(
+            saved[code].flatten(), absmax=saved[scale].flatten(), code=qmaps[qmap], blocksize=BLOCK
+        ).view(shape)
+        for moment, code, scale, qmap in MOMENTS
+    }
+
+
+@torch.no_grad()
+def load_8bit_moments(live: dict[str, Any], saved: dict[str, torch.Tensor]) -> None:
+    """Fill bitsandbytes' `live` state (created at setup, on a replica or a shard's rows) from
+    canonical moments: codes are copied, fp32 moments copied or quantised into the blocks the
+    live state keeps."""
+    if "state1" in saved:  # a block-aligned matrix: the same blocks on every rung
+        for key in (*CODES, *SCALES):
+            live[key].copy_(saved[key].reshape(live[key].shape))
+        return
+    F = require("bitsandbytes", "train.optimizer", "adamw_8bit").functional
+    for moment, code, scale, qmap in MOMENTS:
+        values = saved[moment].reshape(-1).to(live[code].device, torch.float32)
+        if live[code].dtype != torch.uint8:  # fp32 moments on this rung
+            live[code].copy_(values.view(live[code].shape))
+            continue
+        codes, quant = F.quantize_blockwise(values, code=live[qmap], blocksize=BLOCK)
+        live[code].copy_(codes.view(live[code].shape))
+        live[scale].copy_(quant.absmax.view(live[scale].shape))
+
+
 class ShardedAdamW8bit:
     """bitsandbytes' AdamW8bit on FSDP2's DTensor shards: its step runs on each rank's local
     rows (a plain tensor sharing the shard's storage), the moments and block scales live with
     the shard. As on a replica, tensors under 4096 elements keep fp32 moments (bitsandbytes'
     32-bit AdamW); so do tensors whose rows do not hold whole blocks of 256.
 
-    The moments are per shard: `sharded_state` gives them to the checkpoint as DTensors laid
-    out like the parameter (codes, fp32 moments) and like its rows (block scales,
-    [rows, cols / 256]): the canonical form a replica writes too, so DCP writes each rank's part
-    and reshards it for another rung or world size, bit for bit.
+    The moments are per shard: `sharded_state` gives them to the checkpoint in its canonical
+    form (above) as DTensors laid out like the parameter (codes, fp32 moments) and like its rows
+    (block scales, [rows, cols / 256]), the form a replica writes too: DCP writes each rank's
+    part and reshards it for another rung or world size.
     """
 
     def __init__(self, params: list[nn.Parameter], kwargs: dict[str, Any]):
@@ -227,18 +298,17 @@ class ShardedAdamW8bit:
     def sharded_state(self, p: nn.Parameter) -> dict[str, Any]:
         """The state of `p` as DTensors sharing the live tensors (DCP fills them in place on
         load)."""
-        from torch.distributed.tensor import DTensor
-
         live = self.state[p] if p in self.proxies else _empty_state(p)
         out: dict[str, Any] = {"step": torch.as_tensor(float(live["step"]))}
-        for key in ("state1", "state2"):
+        names = CODES if shards_in_8bit(p) else FP32_MOMENTS  # the checkpoint's form (above)
+        for name, key in zip(names, CODES, strict=True):
             local = live[key].view(p.to_local().shape)
-            out[key] = DTensor.from_local(
+            out[name] = DTensor.from_local(
                 local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
             )
         if shards_in_8bit(p):
             rows, cols = p.shape
-            for key in ("absmax1", "absmax2"):
+            for key in SCALES:
                 out[key] = DTensor.from_local(
                     live[key].view(-1, cols // BLOCK),
                     p.device_mesh,
@@ -312,7 +382,9 @@ def load_sharded_8bit_state(optimizer: Any, p: nn.Parameter, saved: dict[str, An
             if key == "step":
                 continue
             src = saved[key]
-            src = src.to_local() if hasattr(src, "to_local") else src
+            if not hasattr(src, "to_local"):  # a whole tensor (a legacy checkpoint's, converted)
+                src = distribute_tensor(src, dst.device_mesh, dst.placements, src_data_rank=None)
+            src = src.to_local()
             dst = dst.to_local()
             if src.data_ptr() != dst.data_ptr():
                 dst.copy_(src.reshape(dst.shape))

@@ -15,6 +15,18 @@ WIDE = (
     "max_position_embeddings: 256}"
 )
 ADAMW_8BIT = (WIDE, "train.optimizer=adamw_8bit", "run.checkpoint_every=2")
+# the base model's matrices (64 or 128 wide, 4096+ values): a replica quantises them in blocks
+# that run across rows, an FSDP2 shard keeps fp32 moments; checkpoints hold them as fp32 moments
+ODD_8BIT = ("train.optimizer=adamw_8bit", "run.checkpoint_every=2")
+# LoRA r=16 on the wide model: lora_B [256, 16] is 8-bit on a replica, fp32 on a shard; lora_A
+# [16, 256] holds whole blocks per row
+LORA_8BIT = (
+    WIDE,
+    *ODD_8BIT,
+    "finetune.method=lora",
+    "finetune.lora.r=16",
+    "finetune.lora.alpha=32",
+)
 # QLoRA's 4-bit base (bf16 compute), adapters of rank 4 on every linear of the blocks
 QLORA = (
     WIDE,
@@ -43,6 +55,36 @@ RUNS = {
         "run.resume={work}/single_8bit/checkpoints/step_2",
     ),
     "fsdp_offload_8bit": ("strategy=fsdp_offload", *ADAMW_8BIT),
+    # every move of 8-bit moments between replica and shard layouts, full and LoRA
+    # (tests/trainer/test_lowbit.py::test_8bit_moments_of_any_shape_move_between_every_rung)
+    "ddp_8bit_odd": ("strategy=ddp", *ODD_8BIT),
+    "fsdp_8bit_odd": ("strategy=fsdp", *ODD_8BIT),
+    "fsdp_8bit_odd_from_ddp": (
+        "strategy=fsdp",
+        *ODD_8BIT,
+        "run.resume={work}/ddp_8bit_odd/checkpoints/step_2",
+    ),
+    "ddp_8bit_odd_from_fsdp": (
+        "strategy=ddp",
+        *ODD_8BIT,
+        "run.resume={work}/fsdp_8bit_odd/checkpoints/step_2",
+    ),
+    "fsdp_offload_8bit_odd_from_single": (
+        "strategy=fsdp_offload",
+        *ODD_8BIT,
+        "run.resume={work}/single_8bit_odd/checkpoints/step_2",
+    ),
+    "fsdp_lora_8bit": ("strategy=fsdp", *LORA_8BIT),
+    "ddp_lora_8bit_from_fsdp": (
+        "strategy=ddp",
+        *LORA_8BIT,
+        "run.resume={work}/fsdp_lora_8bit/checkpoints/step_2",
+    ),
+    "fsdp_lora_8bit_from_single": (
+        "strategy=fsdp",
+        *LORA_8BIT,
+        "run.resume={work}/single_lora_8bit/checkpoints/step_2",
+    ),
     "ddp_qlora": ("strategy=ddp", *QLORA),
     "fsdp_qlora": ("strategy=fsdp", *QLORA, "run.save_final=true"),
     "fsdp_qlora_resumed": (

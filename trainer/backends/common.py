@@ -14,7 +14,13 @@ from torch import nn
 from trainer.backends import OptimizerSpec
 from trainer.model import apply_activation_checkpointing, apply_compile
 from trainer.oom import OutOfMemoryInStep
-from trainer.optim import OptimizerInBackward, build_optimizer, shards_in_8bit
+from trainer.optim import (
+    FP32_MOMENTS,
+    OptimizerInBackward,
+    build_optimizer,
+    canonical_8bit_moments,
+    load_8bit_moments,
+)
 from trainer.optim import set_lr as set_optimizer_lr
 from trainer.pretrained import canonical_name
 
@@ -40,17 +46,12 @@ def build_adamw(
     return build_optimizer(list(params), optim, grad_accum)
 
 
-# The moments of each optimizer, by its state keys: torch AdamW's fp32 moments; bitsandbytes'
-# 8-bit AdamW's uint8 moments with their per-block fp32 scales (kept as they are: bit-exact).
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "state1", "state2", "absmax1", "absmax2")
-
-
 def canonical_optim_state(
     optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor]
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """AdamW moments and step per canonical parameter name, on CPU (portable layout), in the
-    dtype they train in: fp32 for torch AdamW, bf16 under bf16_pure, bitsandbytes' own 8-bit
-    layout for adamw_8bit.
+    """AdamW moments and step per canonical parameter name, on CPU (portable layout): fp32
+    `exp_avg`/`exp_avg_sq` for torch AdamW (bf16 under bf16_pure); for adamw_8bit the form
+    every rung shares (`trainer.optim.canonical_8bit_moments`).
 
     On CPU these are the live tensors, not copies: a synchronous save writes them before training
     goes on, and an asynchronous one stages its own copy first.
@@ -60,21 +61,13 @@ def canonical_optim_state(
         state = optimizer.state.get(p)
         if not state:
             continue
-        out[name] = {
-            key: _block_rows(p, key, _full(state[key]).to("cpu"))
-            for key in MOMENT_KEYS
-            if key in state
-        }
+        if "state1" in state:  # bitsandbytes
+            moments = canonical_8bit_moments(p, state)
+        else:
+            moments = {key: _full(state[key]) for key in FP32_MOMENTS}
+        out[name] = {key: t.to("cpu") for key, t in moments.items()}
         out[name]["step"] = torch.as_tensor(float(state["step"]), dtype=torch.float32)
     return out
-
-
-def _block_rows(p: torch.Tensor, key: str, t: torch.Tensor) -> torch.Tensor:
-    """8-bit block scales of a matrix whose rows hold whole blocks, one row of scales per row
-    ([rows, cols / 256]): the layout FSDP2 shards by rows too (trainer/optim.py)."""
-    if key.startswith("absmax") and shards_in_8bit(p):
-        return t.view(p.shape[0], -1)
-    return t
 
 
 def load_canonical_optim_state(
@@ -87,11 +80,9 @@ def load_canonical_optim_state(
         if name not in state:
             continue
         s = state[name]
-        if "state1" in s:  # bitsandbytes: into the state it created at setup (qmaps kept)
-            live = optimizer.state[p]
-            for key in MOMENT_KEYS:
-                if key in s:
-                    live[key].copy_(s[key].reshape_as(live[key]))
+        live = optimizer.state.get(p)
+        if live and "state1" in live:  # bitsandbytes: into the state it created at setup
+            load_8bit_moments(live, s)
             live["step"] = int(s["step"])
             continue
         step_device = p.device if fused else "cpu"

@@ -153,8 +153,8 @@ class FsdpBackend:
         return common.trained_params(self.model)
 
     def state_dict(self) -> dict[str, Any]:
-        """Sharded: DTensor parameters and AdamW moments (fp32; bf16 under bf16_pure; 8-bit
-        codes and block scales under adamw_8bit); DCP writes each rank's shard."""
+        """Sharded: DTensor parameters and AdamW moments (fp32; bf16 under bf16_pure; under
+        adamw_8bit the form every rung shares, trainer/optim.py); DCP writes each rank's shard."""
         params = self._named_params()
         optim: dict[str, dict[str, torch.Tensor]] = {}
         for name, p in params.items():
@@ -184,7 +184,7 @@ class FsdpBackend:
                     p.copy_(src)
         optim = dict(state["optim"])
         for name, p in params.items():
-            if name in optim and "state1" in optim[name]:
+            if name in optim and sharded_8bit_state(self.optimizer, p) is not None:
                 load_sharded_8bit_state(self.optimizer, p, optim.pop(name))
         common.load_canonical_optim_state(self.optimizer, params, optim)
         if state.get("scaler") and self.scaler:
