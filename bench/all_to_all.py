@@ -3,7 +3,7 @@
 Two gloo ranks (one process each, on this machine) exchange a tensor with the engine's own
 `trainer.sequence_parallel.all_to_all` (all_to_all_single in equal chunks), as each layer's
 attention does four times forward and four times backward. The effective bandwidth is what
-the cost model's `hardware.intra_node_bandwidth` stands for (launcher/cost.py: 2 GB/s for CPU
+the cost model's `hardware.intra_node_bandwidth` stands for (launcher/plan/cost.py: 2 GB/s for CPU
 ranks by default).
 
     python -m bench.all_to_all [--repeats 20] [--json out.json]

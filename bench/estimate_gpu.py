@@ -72,8 +72,8 @@ CPU_SMOKE_GRID = (
 
 def estimate_for(run: Run, device_type: str, device_memory_bytes: int) -> dict[str, Any]:
     """What `oomless estimate` says for this run (pure; no device touched)."""
-    from launcher.estimate import estimate
-    from launcher.model_shape import model_shape
+    from launcher.estimate.peak import estimate
+    from launcher.estimate.shape import model_shape
 
     with tempfile.TemporaryDirectory() as tmp:
         shape = model_shape(_job(run, device_type, Path(tmp)).model)

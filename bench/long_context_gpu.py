@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from launcher.estimate import estimate
-from launcher.model_shape import shape_of
+from launcher.estimate.peak import estimate
+from launcher.estimate.shape import shape_of
 from trainer.backends import OptimizerSpec
 from trainer.backends.common import build_adamw
 from trainer.core.config import ModelConfig

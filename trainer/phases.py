@@ -3,7 +3,7 @@ head and loss between the last forward and the first backward, the backward of e
 the optimizer step.
 
 The same markers label a real step in the profiler's trace (`trainer/profile.py`) and the
-FakeTensor trace of the estimate (`launcher/trace.py`), so `oomless report` can lay the
+FakeTensor trace of the estimate (`launcher/estimate/trace.py`), so `oomless report` can lay the
 estimate's live bytes per phase over the measured ones.
 """
 

@@ -168,7 +168,7 @@ def fill_4bit_shards(
 _CODES = 4  # NF4 codes in one bf16 element of the packed storage
 _BLOCK = 64  # weights per NF4 scale (bitsandbytes' default, which Params4bit uses)
 _CHUNK = {"cpu": 1 << 16}  # weights quantised at once; 1 << 22 on an accelerator
-# (launcher/estimate_finetune.py counts the same chunks)
+# (launcher/estimate/methods.py counts the same chunks)
 
 
 def _quantize_rows(

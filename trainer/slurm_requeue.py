@@ -29,7 +29,7 @@ from trainer.core.files import write_atomic
 log = logging.getLogger(__name__)
 
 REQUEUE_TIMEOUT_S = 30
-# exported by the sbatch template, launcher/templates/submit.sbatch.tmpl
+# exported by the sbatch template, launcher/slurm/templates/submit.sbatch.tmpl
 REQUEUE_BY_SCRIPT_ENV = "OOMLESS_REQUEUE_BY_SCRIPT"
 REQUEUE_MARKER = "requeue.json"  # left for that script by rank 0
 

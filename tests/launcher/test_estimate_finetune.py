@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from launcher.cli import main
-from launcher.estimate import estimate
-from launcher.estimate_finetune import (
+from launcher.estimate.methods import (
     adam_state_bytes,
     adapter_params,
     layer_tensors,
     nf4_bytes,
     root_tensors,
 )
-from launcher.model_shape import model_shape, shape_of
+from launcher.estimate.peak import estimate
+from launcher.estimate.shape import model_shape, shape_of
 from trainer.core.config import ConfigError, ModelConfig
 from trainer.core.step_spec import FULL, Finetune, StepSpec
 from trainer.core.units import GIB
@@ -267,9 +267,9 @@ def test_the_cost_model_counts_adapter_matmuls_and_dequantisation():
     """LoRA skips the frozen weights' gradients (4N + 6A FLOPs per token, not 6N); QLoRA adds a
     memory-bound dequantisation of every 4-bit weight per pass, which a smaller micro-batch
     repeats more often; only the adapters' gradients are reduced across ranks."""
-    from launcher.cost import Links, step_time_s
-    from launcher.hardware import detect_hardware
-    from launcher.ladder import job_step
+    from launcher.plan.cost import Links, step_time_s
+    from launcher.plan.hardware import detect_hardware
+    from launcher.plan.ladder import job_step
     from trainer.core import strategies
     from trainer.core.config import load_config
 

@@ -17,9 +17,9 @@ import statistics
 
 import pytest
 
-from launcher.estimate import estimate
-from launcher.model_shape import shape_of
-from launcher.trace import BACKWARD_END, trace_step
+from launcher.estimate.peak import estimate
+from launcher.estimate.shape import shape_of
+from launcher.estimate.trace import BACKWARD_END, trace_step
 from trainer.core.step_spec import FULL, Finetune, StepSpec
 
 SIZES = {
@@ -68,8 +68,8 @@ def relative_error(
     """(analytic - traced) / traced peak tensor bytes on one device. `levers`: "chunked" and/or
     "offload" in the name switch on chunked loss (chunks of LOSS_CHUNK_TOKENS) and activation
     offload; `finetune`: the method and optimizer (issue 17). A bf16_pure step is traced up to
-    its optimizer step (torch.compile does not run under the tracker; launcher/trace.py) and
-    compared with the estimate's phases before it."""
+    its optimizer step (torch.compile does not run under the tracker; launcher/estimate/trace.py)
+    and compared with the estimate's phases before it."""
     pure = precision == "bf16_pure"
     config = hf_config(arch, size)
     on = {
@@ -233,10 +233,10 @@ def test_fsdp_reducing_every_micro_batch_matches_the_trace(arch, size, world, mi
 
 
 # Issue 17: LoRA (traced under FakeTensorMode like a full fine-tune), QLoRA and 8-bit AdamW
-# (bitsandbytes, run for real on CPU: launcher/trace.py) against the estimate, within a median
-# of 2% and a maximum of 5%. Adapters r=8 on every linear; QLoRA and adamw_8bit on `single`, the
-# rungs trainer/core/methods.py runs them on among the traceable ones. Cases after the seventh field
-# add accumulation and the exact levers. The walk over the whole covering grid per method is
+# (bitsandbytes, run for real on CPU: launcher/estimate/trace.py) against the estimate, within a
+# median of 2% and a maximum of 5%. Adapters r=8 on every linear; QLoRA and adamw_8bit on `single`,
+# the rungs trainer/core/methods.py runs them on among the traceable ones. Cases after the seventh
+# field add accumulation and the exact levers. The walk over the whole covering grid per method is
 # `python -m bench.finetune_trace`.
 METHODS = {
     "lora": Finetune(method="lora", r=8),

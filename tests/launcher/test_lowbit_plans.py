@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from launcher.cli import main
-from launcher.estimate import estimate
-from launcher.model_shape import model_shape
-from launcher.model_states import model_states
+from launcher.estimate.model_states import model_states
+from launcher.estimate.peak import estimate
+from launcher.estimate.shape import model_shape
 from trainer.core.config import load_config
 from trainer.core.methods import method_support
 from trainer.core.step_spec import Finetune, StepSpec

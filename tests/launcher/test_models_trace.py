@@ -16,7 +16,7 @@ import statistics
 import pytest
 
 from bench.models_trace import measured_shape, relative_error, sized_config
-from launcher.model_shape import shape_of
+from launcher.estimate.shape import shape_of
 
 COVERING = {
     "gemma3_text": ((("fsdp", 4), 1, "full"), (("single", 1), 4, "none")),

@@ -161,7 +161,7 @@ def replica_step(backend: Any) -> float:
 
 def attach(backend: Any, model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float):
     """A backend over a model and optimizer built elsewhere (the planner's traced step,
-    launcher/trace.py): what `setup` would have left on it, for `no_sync`, `backward`,
+    launcher/estimate/trace.py): what `setup` would have left on it, for `no_sync`, `backward`,
     `compute_context` and `clip_and_step` to act on."""
     backend.model, backend.optimizer, backend.grad_clip = model, optimizer, grad_clip
     return backend

@@ -218,7 +218,8 @@ def apply_fsdp(
     16-bit parameters for compute and fp32 gradient reduction under mixed precision (bf16 both
     under bf16_pure, whose parameters are bf16); with
     `offload`, parameters, gradients and AdamW on the host (CPUOffloadPolicy). The backend and
-    the estimator's trace (launcher/trace.py) both call this, so they cannot drift apart."""
+    the estimator's trace (launcher/estimate/trace.py) both call this, so they cannot drift
+    apart."""
     options: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     dtype = common.COMPUTE_DTYPES.get(precision)
     if dtype is not None:

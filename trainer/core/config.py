@@ -241,7 +241,7 @@ class HardwareConfig(_Section):
     device_memory: int | None = None
     host_memory: int | None = None
     # Effective bandwidths for the planner's cost model, bytes per second ("150GB" = 150e9/s);
-    # defaults in launcher/plan.py (docs/planner.md).
+    # defaults in launcher/plan/planner.py (docs/planner.md).
     intra_node_bandwidth: int | None = None
     inter_node_bandwidth: int | None = None
     pcie_bandwidth: int | None = None

@@ -1,9 +1,10 @@
 """One training step as the estimator, the cost model and the tracer see it: the rung, the world,
 the micro-batch and sequence, precision, checkpointing, the exact levers and the fine-tune method.
 
-A plan makes one `StepSpec` per candidate it weighs; `launcher/estimate.py` turns it into bytes,
-`launcher/cost.py` into seconds and `launcher/trace.py` into a traced step of the engine. The
-model's shape travels beside it (`launcher/model_shape.py`), derived once per plan. Torch-free.
+A plan makes one `StepSpec` per candidate it weighs; `launcher/estimate/peak.py` turns it into
+bytes, `launcher/plan/cost.py` into seconds and `launcher/estimate/trace.py` into a traced step of
+the engine. The model's shape travels beside it (`launcher/estimate/shape.py`), derived once per
+plan. Torch-free.
 """
 
 from __future__ import annotations

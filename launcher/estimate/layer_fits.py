@@ -1,6 +1,7 @@
 """What a decoder layer keeps for backward, as fits in the micro-batch and sequence: measured from
-a block's own code by `launcher/activations.py` for blocks the analytic model does not know, and
-read by the estimate (`launcher/estimate_activations.py`) through the model's shape."""
+a block's own code by `launcher/estimate/activations.py` for blocks the analytic model does not
+know, and read by the estimate (`launcher/estimate/analytic_activations.py`) through the model's
+shape."""
 
 from __future__ import annotations
 

@@ -1,17 +1,18 @@
 """Peak memory per device and per host for one training step (a `StepSpec`). Pure arithmetic.
 
 The model describes what oomless's engine and backends allocate (docs/memory.md has the formulas
-and their sources). It composes three parts: one rank's model states (`launcher/model_states.py`),
-one micro-batch's activations (`launcher/estimate_activations.py`), and the transients of the
-step: the autocast weight-cast cache (a 16-bit copy of every weight used in forward), FSDP
-all-gathers of the current and prefetched layer plus the root and reduce-scatter buffers,
-DeepSpeed buckets and the live/prefetched ZeRO-3 parameters (AdamW is fused: no temporaries).
-Runtime overhead is a constant for the CUDA context plus the allocator's fragmentation as a ratio.
+and their sources). It composes three parts: one rank's model states
+(`launcher/estimate/model_states.py`), one micro-batch's activations
+(`launcher/estimate/analytic_activations.py`), and the transients of the step: the autocast
+weight-cast cache (a 16-bit copy of every weight used in forward), FSDP all-gathers of the current
+and prefetched layer plus the root and reduce-scatter buffers, DeepSpeed buckets and the
+live/prefetched ZeRO-3 parameters (AdamW is fused: no temporaries). Runtime overhead is a constant
+for the CUDA context plus the allocator's fragmentation as a ratio.
 
 The breakdown lists the size of each part; the peak is the largest of the step's phases (end of
 forward, the loss, the backward of every layer, the embedding's, the optimizer step), since
 activations and gradients, or the autocast cache and the optimizer's temporaries, are never all
-alive at once. Single and fsdp are calibrated against `launcher/trace.py` (tests/launcher/
+alive at once. Single and fsdp are calibrated against `launcher/estimate/trace.py` (tests/launcher/
 test_estimate_trace.py); the DeepSpeed rungs follow the ZeRO paper and DeepSpeed's source.
 Notation: N parameters, W ranks, b micro-batch, s sequence length, h hidden, V vocabulary, L
 layers, c bytes of the compute dtype (2 for bf16/fp16, 4 for fp32).
@@ -22,16 +23,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from launcher.estimate_activations import (
+from launcher.estimate.analytic_activations import (
     MODELLED_TYPES,
     Micro,
     MicroActivations,
     micro_activations,
     micro_for,
 )
-from launcher.estimate_finetune import quantising_bytes
-from launcher.model_shape import ModelShape
-from launcher.model_states import GradFlow, ModelStates, model_states
+from launcher.estimate.methods import quantising_bytes
+from launcher.estimate.model_states import GradFlow, ModelStates, model_states
+from launcher.estimate.shape import ModelShape
 from trainer.core.errors import ConfigError
 from trainer.core.step_spec import StepSpec
 from trainer.core.strategies import Strategy
@@ -212,8 +213,8 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
 
     Every `grad_accum` above 1 costs the same (later micro-batches run with the earlier ones'
     gradients alive); the exact levers count as the engine runs them
-    (launcher/estimate_activations.py); the method and optimizer as launcher/estimate_finetune.py
-    says."""
+    (launcher/estimate/analytic_activations.py); the method and optimizer as
+    launcher/estimate/methods.py says."""
     _check_modelled(shape)
     m = micro_for(spec, shape)
     acts = micro_activations(shape, m)
@@ -267,5 +268,5 @@ def _check_modelled(shape: ModelShape) -> None:
             f"the memory estimate models {', '.join(MODELLED_TYPES)} decoder blocks, not "
             f"{shape.model_type} (its activations are not checked against a trace)",
             "plan it with `oomless plan` or `oomless estimate` (they measure other blocks' "
-            "activations: launcher/activations.py)",
+            "activations: launcher/estimate/activations.py)",
         )

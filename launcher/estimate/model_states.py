@@ -8,15 +8,15 @@ gradients and optimizer state are what the rung shards or offloads, as it does a
 the frozen base (16-bit, or NF4 under QLoRA) is replicated on `single`, `ddp`, `zero1` and
 `zero2`, sharded on `fsdp` and `zero3`, on the host on the offload rungs that keep parameters
 there. Full fine-tuning with 8-bit moments swaps the two fp32 moments for the 8-bit ones
-(byte counts: `launcher/estimate_finetune.py`).
+(byte counts: `launcher/estimate/methods.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from launcher.estimate_finetune import MethodSizes, method_sizes
-from launcher.model_shape import ModelShape
+from launcher.estimate.methods import MethodSizes, method_sizes
+from launcher.estimate.shape import ModelShape
 from trainer.core.step_spec import FULL, StepSpec
 from trainer.core.strategies import DEEPSPEED_BUCKET_ELEMENTS, Strategy
 

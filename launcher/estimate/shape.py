@@ -3,8 +3,8 @@
 Sources: an inline `model.config`, a local directory with `config.json`, or a hub id that names a
 preset shipped in `trainer/core/presets/` (read offline; its `index.yaml` maps hub ids to
 preset files). Parameter counts of the block types the estimate models are arithmetic
-(`launcher.analytic_shape`, no torch: cold start under 3 s); any other type is instantiated on
-the meta device, once per config and transformers version, and cached.
+(`launcher.estimate.analytic_shape`, no torch: cold start under 3 s); any other type is instantiated
+on the meta device, once per config and transformers version, and cached.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from launcher.analytic_shape import analytic_shape_fields, counts_analytically
-from launcher.layer_fits import LayerActivations
+from launcher.estimate.analytic_shape import analytic_shape_fields, counts_analytically
+from launcher.estimate.layer_fits import LayerActivations
 from trainer.core.config import ModelConfig
 from trainer.core.hf_config import PRESETS, hf_config_dict, preset_index
 
@@ -50,7 +50,7 @@ class ModelShape:
     experts_per_token: int = 0
     num_active_params: int = 0
     # measured (or bounded) activations for block types the analytic model does not know;
-    # attached by launcher.activations.with_activations, never cached with the shape
+    # attached by launcher.estimate.activations.with_activations, never cached with the shape
     activations: LayerActivations | None = None
 
     @property
@@ -218,7 +218,7 @@ def _experts(model: Any, text: Any) -> tuple[int, int, int]:
     return num_experts, top_k, routed
 
 
-if __name__ == "__main__":  # python -m launcher.model_shape: rewrite the presets' shapes.json
+if __name__ == "__main__":  # python -m launcher.estimate.shape: rewrite the presets' shapes.json
     (PRESETS / "shapes.json").write_text(
         json.dumps(preset_shapes(), indent=1, sort_keys=True) + "\n"
     )

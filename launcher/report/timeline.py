@@ -5,9 +5,9 @@ Measured: the memory events of rank 0's profiler trace (`debug.profile`) over th
 step; on CPU the profiler counts only what was allocated after it started, so the state alive
 then (parameters, buffers, optimizer state; recorded in the trace's metadata) is added. Phases:
 the markers `trainer/phases.py` put into the trace. Predicted: the same step traced under
-FakeTensorMode (`launcher/trace.py`, what `oomless estimate --trace` runs) at the micro-batch,
-accumulation and checkpointing the profiled step ran with, marked by the same phase markers.
-The plotted numbers are written beside the picture (`memory_timeline.json`).
+FakeTensorMode (`launcher/estimate/trace.py`, what `oomless estimate --trace` runs) at the
+micro-batch, accumulation and checkpointing the profiled step ran with, marked by the same phase
+markers. The plotted numbers are written beside the picture (`memory_timeline.json`).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def measured_timeline(trace_path: Path) -> Timeline:
 def predicted_phases(run_dir: Path, record: dict[str, Any]) -> list[tuple[str, int]] | None:
     """The estimate's live bytes per phase for the profiled step's shape, from a FakeTensor
     trace of one step; None for strategies the trace does not cover."""
-    from launcher.trace import TRACEABLE, trace_step
+    from launcher.estimate.trace import TRACEABLE, trace_step
     from trainer.core.config import load_config
     from trainer.core.hf_config import hf_config_dict
     from trainer.core.step_spec import StepSpec

@@ -6,9 +6,9 @@ import json
 import sys
 from pathlib import Path
 
-from launcher.launch import launch_spec
-from launcher.plan import NoFitError, Plan
-from launcher.planning import plan_job
+from launcher.plan.job import plan_job
+from launcher.plan.planner import NoFitError, Plan
+from launcher.run.launch import launch_spec
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
 from trainer.core.contract import CONFIG_FILE
@@ -35,7 +35,7 @@ def plan_command(cfg: JobConfig, as_json: bool, emit: str | None) -> int:
         sys.stdout.write(deepspeed_config_json(plan, resolved))
         return 0
     if emit == "sbatch":
-        from launcher.slurm import render_sbatch
+        from launcher.slurm.submit import render_sbatch
 
         plan_json = plan.to_json(hw, cfg.memory.headroom, argv)
         sys.stdout.write(
@@ -92,7 +92,7 @@ def render_plan(plan: Plan, device_bytes: int, host_bytes: int, argv: list[str])
         "rungs:",
     ]
     for alt in plan.alternatives:
-        if hasattr(alt, "change"):  # an opt-in method/optimizer change (plan_finetune.py)
+        if hasattr(alt, "change"):  # an opt-in method/optimizer change (plan/alternatives.py)
             lines.append(f"  {alt.words()}")
         elif alt.fits:
             lines.append(

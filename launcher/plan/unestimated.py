@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 
-from launcher.estimate import DEVICE_PARTS, Estimate
-from launcher.hardware import Hardware
-from launcher.ladder import job_step, per_rank_batch, rung_world
-from launcher.plan import Plan
+from launcher.estimate.peak import DEVICE_PARTS, Estimate
+from launcher.plan.hardware import Hardware
+from launcher.plan.ladder import job_step, per_rank_batch, rung_world
+from launcher.plan.planner import Plan
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
 from trainer.core.step_spec import Levers, LongContext

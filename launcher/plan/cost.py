@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.estimate_finetune import method_cost
-from launcher.hardware import Hardware
-from launcher.model_shape import ModelShape
+from launcher.estimate.methods import method_cost
+from launcher.estimate.shape import ModelShape
+from launcher.plan.hardware import Hardware
 from trainer.core.step_spec import StepSpec
 
 # Cost-model constants (docs/planner.md): effective bandwidths and rates, not peaks. The

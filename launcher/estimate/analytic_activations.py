@@ -7,8 +7,8 @@ log-sum-exp of a fused kernel, the SwiGLU intermediates), times the layers not c
 checkpointed layer keeps only its input. Then the loss: 16-bit logits, their fp32 upcast, and
 cross-entropy's fp32 log-probabilities. Under FSDP's mixed precision the stream is 16-bit; under
 ZeRO-3 DeepSpeed's own linear function saves its fp32 input and no 16-bit weight copy. Blocks the
-analytic model does not know carry measured activations (`launcher/activations.py`), which these
-functions read from the shape. The exact levers: with chunked loss (`trainer/chunked_loss.py`)
+analytic model does not know carry measured activations (`launcher/estimate/activations.py`), which
+these functions read from the shape. The exact levers: with chunked loss (`trainer/chunked_loss.py`)
 the logits, their fp32 copy and the loss's tensors exist for one chunk of tokens at a time, in
 forward and again in backward; with activation offload (`trainer/offload.py`) what the layers
 save waits in host memory, and the device keeps the layer in flight and the next one.
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.estimate_finetune import adapter_terms
-from launcher.layer_fits import compute_mode
-from launcher.model_shape import ModelShape
+from launcher.estimate.layer_fits import compute_mode
+from launcher.estimate.methods import adapter_terms
+from launcher.estimate.shape import ModelShape
 from trainer.core.step_spec import StepSpec
 from trainer.core.strategies import checkpointed_layers, loss_chunk_tokens
 
@@ -47,7 +47,7 @@ class Micro:
     zero3_linear: bool = False
     chunk_tokens: int | None = None  # chunked loss: tokens per chunk
     offload: bool = False  # activation offload: the layers' saved tensors wait on the host
-    adapter: int = 0  # LoRA: bytes per token a block's adapters add/drop (estimate_finetune.py)
+    adapter: int = 0  # LoRA: bytes per token a block's adapters add/drop (methods.py)
     first_adapter_stage: int = -1  # LoRA: where in the first block the first adapter is
     adapter_grad: int = 0  # LoRA: bytes per token of fp32 input gradients in a block's backward
     dequant: int = 0  # QLoRA: one 4-bit weight dequantised for a matmul
@@ -73,7 +73,7 @@ class Micro:
 
 def layer_activation_bytes(shape: ModelShape, m: Micro) -> int:
     """What autograd keeps for one decoder layer that is not checkpointed, its input included:
-    the analytic block where it describes the model, else what `launcher/activations.py`
+    the analytic block where it describes the model, else what `launcher/estimate/activations.py`
     measured from the model's own code (or bounded)."""
     if shape.activations is not None:
         return shape.activations.layer_bytes(mode_of(m), m.b, m.s)
@@ -83,7 +83,7 @@ def layer_activation_bytes(shape: ModelShape, m: Micro) -> int:
 def layer_backward_bytes(shape: ModelShape, m: Micro) -> int:
     """What a layer's backward allocates beyond its saved tensors and its parameters'
     gradients: the gradients of its activations (measured for blocks the analytic model does
-    not know, against the traced step: launcher/activations.py)."""
+    not know, against the traced step: launcher/estimate/activations.py)."""
     if shape.activations is not None:
         return shape.activations.backward_bytes(mode_of(m), m.b, m.s)
     if m.mlp_chunk is not None:  # the MLP's gradients one chunk at a time
@@ -92,7 +92,8 @@ def layer_backward_bytes(shape: ModelShape, m: Micro) -> int:
 
 
 def mode_of(m: Micro) -> str:
-    """The compute mode a measured activation model is keyed by (launcher/layer_fits.py)."""
+    """The compute mode a measured activation model is keyed by
+    (launcher/estimate/layer_fits.py)."""
     return compute_mode(m.c, m.autocast)
 
 

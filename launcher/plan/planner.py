@@ -14,12 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from launcher.activations import with_activations
-from launcher.cost import Links, step_time_s
-from launcher.estimate import Estimate
-from launcher.estimate_finetune import why_not_on
-from launcher.hardware import Hardware
-from launcher.ladder import (
+from launcher.estimate.activations import with_activations
+from launcher.estimate.methods import why_not_on
+from launcher.estimate.peak import Estimate
+from launcher.estimate.shape import ModelShape, model_shape
+from launcher.plan.alternatives import MethodAlternative, method_alternatives
+from launcher.plan.cost import Links, step_time_s
+from launcher.plan.hardware import Hardware
+from launcher.plan.ladder import (
     SIMPLER_RUNG_MARGIN,
     Alternative,
     Candidate,
@@ -28,9 +30,7 @@ from launcher.ladder import (
     scaled_estimate,
     shortfall,
 )
-from launcher.long_context import climb_long, long_context_reasons, max_seq_len
-from launcher.model_shape import ModelShape, model_shape
-from launcher.plan_finetune import MethodAlternative, method_alternatives
+from launcher.plan.long_context import climb_long, long_context_reasons, max_seq_len
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
 from trainer.core.step_spec import (
@@ -109,7 +109,7 @@ class Plan:
 
 class NoFitError(Exception):
     """Nothing fits on the hardware given (exit 3); the message says what would, and
-    `alternatives` holds the opt-in method/optimizer changes that would (plan_finetune.py)."""
+    `alternatives` holds the opt-in method/optimizer changes that would (plan/alternatives.py)."""
 
     def __init__(self, message: str, alternatives: list[MethodAlternative] | None = None):
         super().__init__(message)

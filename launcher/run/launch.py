@@ -17,7 +17,7 @@ from trainer.core.config import JobConfig
 from trainer.core.contract import EXIT_SIGNAL
 
 if TYPE_CHECKING:
-    from launcher.torchrun_output import TorchrunOutput
+    from launcher.run.torchrun_output import TorchrunOutput
 
 RDZV_PORT = 29500
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)

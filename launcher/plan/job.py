@@ -1,6 +1,6 @@
 """Planning a job: the hardware detected, the model's shape derived once, the plan made, and the
 config resolved (every `auto` made concrete) for the ranks to run. What `oomless plan`, `train`
-and `submit` share; the planner itself is `launcher/plan.py`.
+and `submit` share; the planner itself is `launcher/plan/planner.py`.
 """
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from launcher.activations import with_activations
-from launcher.hardware import Hardware, detect_hardware
-from launcher.model_shape import ModelShape, model_shape
-from launcher.plan import NoFitError, Plan, apply_plan, make_plan
-from launcher.unestimated import planning_keys_forced, unestimated_plan, unestimated_warning
+from launcher.estimate.activations import with_activations
+from launcher.estimate.shape import ModelShape, model_shape
+from launcher.plan.hardware import Hardware, detect_hardware
+from launcher.plan.planner import NoFitError, Plan, apply_plan, make_plan
+from launcher.plan.unestimated import planning_keys_forced, unestimated_plan, unestimated_warning
 from trainer.core.config import ConfigError, JobConfig
 
 log = logging.getLogger(__name__)

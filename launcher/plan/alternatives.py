@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.hardware import Hardware
-from launcher.ladder import climb
-from launcher.model_shape import ModelShape
+from launcher.estimate.shape import ModelShape
+from launcher.plan.hardware import Hardware
+from launcher.plan.ladder import climb
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig, apply_overrides, build_config
 from trainer.core.units import GIB

@@ -3,7 +3,7 @@
 Writes `loss.png` (training loss per step, eval loss where measured), when the run has a
 plan `memory.png` (the estimate's per-device breakdown beside the measured peak), and when it
 was profiled (`debug.profile`) `memory_timeline.png` (live bytes over one step by phase, the
-estimate's per-phase prediction over it: launcher/timeline.py) into the run directory.
+estimate's per-phase prediction over it: launcher/report/timeline.py) into the run directory.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def report_command(run_dir: str) -> int:
     from trainer.profile import trace_path
 
     if trace_path(root, 0).is_file():  # a run with debug.profile
-        from launcher.timeline import plot_memory_timeline
+        from launcher.report.timeline import plot_memory_timeline
 
         out = root / "memory_timeline.png"
         written += _drawn(lambda: plot_memory_timeline(root, records, out), trace_path(root, 0))

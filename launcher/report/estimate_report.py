@@ -1,7 +1,8 @@
 """`oomless estimate`: memory per device and per host for every strategy, as a table or JSON.
 
 `--trace` (calibration) also runs one real step of the engine under FakeTensorMode for the rows it
-can trace (`launcher/trace.py`: single, fsdp) and prints traced and analytic peaks side by side.
+can trace (`launcher/estimate/trace.py`: single, fsdp) and prints traced and analytic peaks side by
+side.
 """
 
 from __future__ import annotations
@@ -10,13 +11,13 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from launcher.activations import with_activations
-from launcher.estimate import Estimate, estimate
-from launcher.estimate_finetune import why_not_on
-from launcher.hardware import Hardware, detect_hardware
-from launcher.ladder import best_for_rung, job_step, rung_world, shortfall
-from launcher.model_shape import ModelShape, model_shape
-from launcher.plan import model_reasons
+from launcher.estimate.activations import with_activations
+from launcher.estimate.methods import why_not_on
+from launcher.estimate.peak import Estimate, estimate
+from launcher.estimate.shape import ModelShape, model_shape
+from launcher.plan.hardware import Hardware, detect_hardware
+from launcher.plan.ladder import best_for_rung, job_step, rung_world, shortfall
+from launcher.plan.planner import model_reasons
 from trainer.core import strategies
 from trainer.core.config import JobConfig
 from trainer.core.hf_config import hf_config_dict
@@ -45,7 +46,7 @@ def estimate_command(cfg: JobConfig, as_json: bool, trace: bool) -> int:
 def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, dict[str, Any]]:
     """Trace one step of every traceable row at its micro-batch and checkpointing; the analytic
     peak next to it is recomputed for the same accumulation (1, or 2 standing for any more)."""
-    from launcher.trace import trace_step, traceable
+    from launcher.estimate.trace import trace_step, traceable
 
     hf_config = hf_config_dict(cfg.model.config, cfg.model.name_or_path)
     shape = with_activations(model_shape(cfg.model), cfg)

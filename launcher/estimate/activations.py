@@ -1,7 +1,7 @@
 """Activations of decoder blocks the analytic model does not know: measured from the model's own
 code, or bounded when its code cannot be traced.
 
-`launcher/estimate.py` describes llama-style blocks (MODELLED_TYPES) in closed form. Any other
+`launcher/estimate/peak.py` describes llama-style blocks (MODELLED_TYPES) in closed form. Any other
 block is measured: the model runs one forward under FakeTensorMode (shapes and dtypes, no
 storage) and a saved-tensor hook on one layer of each kind records what autograd keeps for that
 layer's backward (each distinct storage once; parameters and the inputs every layer shares, such
@@ -36,10 +36,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from launcher.estimate import estimate
-from launcher.estimate_activations import MODELLED_TYPES, Micro, analytic_layer_bytes
-from launcher.layer_fits import BOUND_FACTOR, PARTS, Fit, LayerActivations
-from launcher.model_shape import ModelShape, shape_of, transformers_version
+from launcher.estimate.analytic_activations import MODELLED_TYPES, Micro, analytic_layer_bytes
+from launcher.estimate.layer_fits import BOUND_FACTOR, PARTS, Fit, LayerActivations
+from launcher.estimate.peak import estimate
+from launcher.estimate.shape import ModelShape, shape_of, transformers_version
 from trainer.core.config import JobConfig, ModelConfig
 from trainer.core.hf_config import hf_config_dict
 from trainer.core.step_spec import StepSpec
@@ -248,7 +248,7 @@ def saved_activations(
     hf_config: dict[str, Any], seq_len: int, precision: str, attn_implementation: str = "sdpa"
 ) -> LayerActivations:
     """What each part keeps for backward (layers, shared inputs, final), fitted per mode."""
-    from launcher.trace import moe_fake_kernels
+    from launcher.estimate.trace import moe_fake_kernels
 
     s = max(2, seq_len - seq_len % 2)
     parts: dict[str, dict[str, Fit]] = {part: {} for part in PARTS}
@@ -274,7 +274,7 @@ def calibrate_transients(
     depths: tuple[int, ...] = (),
 ) -> LayerActivations:
     """`acts` with each layer's forward and backward transients: what the traced step (the
-    engine's step under fake tensors, launcher/trace.py) peaks at in a layer's forward (no
+    engine's step under fake tensors, launcher/estimate/trace.py) peaks at in a layer's forward (no
     checkpointing) and backward (full checkpointing) beyond the estimate's same phase without
     them, at the three points, per mode (single for autocast and fp32, fsdp x4 for 16-bit
     parameters). With two `depths`, the traced steps are those of copies of those depths, and
@@ -403,7 +403,7 @@ def layer_phase_peaks(
     """Layer index -> the traced step's phase-local peak in that layer's forward (no
     checkpointing) or backward (full checkpointing), on the rung of `mode`. The trace stops
     where the phases after it begin (the head, or the optimizer)."""
-    from launcher.trace import BACKWARD_END, FORWARD_END, trace_step
+    from launcher.estimate.trace import BACKWARD_END, FORWARD_END, trace_step
 
     strategy, world = _TRANSIENT_RUNG[mode == "lowp"]
     ckpt, label, _ = _TRANSIENT_PHASE[part]
@@ -446,7 +446,7 @@ def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from launcher.trace import autocast_for, packed_batch
+    from launcher.estimate.trace import autocast_for, packed_batch
     from trainer.backends.common import COMPUTE_DTYPES
     from trainer.model import HFModelFactory, decoder_layers
 

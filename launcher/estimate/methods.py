@@ -13,8 +13,8 @@ What the engine holds (trainer/finetune.py runs it through peft and bitsandbytes
   with one fp32 absmax per block of 256 elements each (bitsandbytes 0.50's blocksize; older
   releases used 2048), fp32 moments for tensors under 4096 elements (`min_8bit_size`).
 
-Activations (launcher/estimate.py, `_Micro.adapter`): the base computes in the compute dtype, so
-the residual stream is 16-bit and no autocast weight copy is saved for the base; each adapter
+Activations (launcher/estimate/peak.py, `_Micro.adapter`): the base computes in the compute dtype,
+so the residual stream is 16-bit and no autocast weight copy is saved for the base; each adapter
 saves its input (the dropout's output; the very tensor the base linear reads when dropout is 0)
 and the output of A (r per token); a 4-bit linear dequantises its weight to the compute dtype
 for each matmul (one weight's transient at a time).
@@ -203,7 +203,7 @@ def adapter_grad_per_token(shape: Any, ft: Finetune, private: bool) -> int:
     """Bytes per token of the fp32 input gradients a block's backward holds at once when peft
     casts the adapters' inputs to fp32 (`private`): gate's and up's together (one product's
     backward makes both), any other adapter's alone. Fitted to the traced recompute of a
-    checkpointed block (launcher/trace.py), within 3% of its peak."""
+    checkpointed block (launcher/estimate/trace.py), within 3% of its peak."""
     if not (ft.adapters and private):
         return 0
     targets = targeted(shape, ft)
@@ -237,7 +237,8 @@ def quantising_bytes(shape: Any, device: str) -> int:
 
 @dataclass(frozen=True)
 class AdapterTerms:
-    """What a method adds to one micro-batch's activations (launcher/estimate_activations.py)."""
+    """What a method adds to one micro-batch's activations
+    (launcher/estimate/analytic_activations.py)."""
 
     saved_per_token: int  # bytes per token a block's adapters add/drop
     first_stage: int  # where in the first block the first adapter is (-1: full fine-tuning)
@@ -258,7 +259,7 @@ def adapter_terms(shape: Any, ft: Finetune, c: int, private: bool) -> AdapterTer
 
 @dataclass(frozen=True)
 class MethodCost:
-    """What the cost model (launcher/plan.py) needs of a method, per token and per pass."""
+    """What the cost model (launcher/plan/planner.py) needs of a method, per token and per pass."""
 
     flops_per_token: float  # matmul FLOPs of forward + backward, attention aside (6N for full)
     recompute_flops_per_token: float  # one more forward of every matmul (full checkpointing)

@@ -19,17 +19,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launcher.launch import launch_spec, run_command, under_launcher
-from launcher.plan import NoFitError
-from launcher.planning import next_rung, resolve_plan
-from launcher.preflight import (
+from launcher.plan.job import next_rung, resolve_plan
+from launcher.plan.planner import NoFitError
+from launcher.run.launch import launch_spec, run_command, under_launcher
+from launcher.run.preflight import (
     check_resume,
     check_rows,
     check_run_dir,
     ensure_run_dir,
     tokenize_data,
 )
-from launcher.torchrun_output import TorchrunOutput
+from launcher.run.torchrun_output import TorchrunOutput
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig, write_config
 from trainer.core.contract import (

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from launcher.hardware import Hardware
-from launcher.ladder import Climb, climb, scaled_estimate, shortfall
-from launcher.model_shape import ModelShape
+from launcher.estimate.shape import ModelShape
+from launcher.plan.hardware import Hardware
+from launcher.plan.ladder import Climb, climb, scaled_estimate, shortfall
 from trainer.core.config import JobConfig
 from trainer.core.step_spec import LongContext, StepSpec
 from trainer.core.strategies import Strategy

@@ -2,8 +2,8 @@
 checkpointing and exact levers that the estimate says fits; then the rungs ranked.
 
 Each combination is one `StepSpec` (trainer/core/step_spec.py): the estimate
-(`launcher/estimate.py`) says whether it fits, the cost model (`launcher/cost.py`) how long its
-step takes. What is learned never changes here: the global batch, optimizer, schedule and
+(`launcher/estimate/peak.py`) says whether it fits, the cost model (`launcher/plan/cost.py`) how
+long its step takes. What is learned never changes here: the global batch, optimizer, schedule and
 precision stay as configured; only micro-batch x accumulation, recomputation, sharding and
 offload move.
 """
@@ -14,11 +14,11 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Any
 
-from launcher.cost import Links, step_time_s
-from launcher.estimate import Estimate, estimate
-from launcher.estimate_finetune import why_not_on
-from launcher.hardware import Hardware
-from launcher.model_shape import ModelShape
+from launcher.estimate.methods import why_not_on
+from launcher.estimate.peak import Estimate, estimate
+from launcher.estimate.shape import ModelShape
+from launcher.plan.cost import Links, step_time_s
+from launcher.plan.hardware import Hardware
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
 from trainer.core.step_spec import (

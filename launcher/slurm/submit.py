@@ -3,7 +3,7 @@
 Rendering is pure (`render_sbatch`); `submit_command` writes the run dir and calls sbatch.
 The script asks for exactly what the plan needs: nodes, GPUs per node, host memory from the
 estimate (offload rungs need a lot), CPU cores, and the time limit, sized to what the partition's
-nodes have as `sinfo` reports them at submit time (launcher/slurm_nodes.py; exit 3 when the plan
+nodes have as `sinfo` reports them at submit time (launcher/slurm/nodes.py; exit 3 when the plan
 cannot be had there). One srun task per node runs torchrun with a static rendezvous on the job's
 first node; `$SLURM_NODEID` is expanded on each node. Preemption: `--signal=USR1` reaches the
 ranks `grace_s` before the end; they checkpoint and exit 0, the script requeues the job
@@ -28,23 +28,23 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 
-from launcher.plan import NoFitError
-from launcher.planning import resolve_plan
-from launcher.preflight import (
+from launcher.plan.job import resolve_plan
+from launcher.plan.planner import NoFitError
+from launcher.run.preflight import (
     check_resume,
     check_rows,
     check_run_dir,
     ensure_run_dir,
     tokenize_data,
 )
-from launcher.slurm_nodes import PartitionNodes, SlurmRequest, read_partition, size_request
+from launcher.slurm.nodes import PartitionNodes, SlurmRequest, read_partition, size_request
 from trainer.core.config import ConfigError, JobConfig, write_config
 from trainer.core.contract import CONFIG_FILE, PLAN_FILE
 from trainer.core.files import absolute_path, write_atomic, write_json
 from trainer.core.run_lock import check_run_lock
 from trainer.core.units import GIB, MIB
 
-TEMPLATE = resources.files("launcher") / "templates" / "submit.sbatch.tmpl"
+TEMPLATE = resources.files("launcher.slurm") / "templates" / "submit.sbatch.tmpl"
 CPUS_PER_RANK = 8
 MIN_MEM_BYTES = 16 * GIB
 

@@ -13,7 +13,7 @@ import re
 import subprocess
 from dataclasses import dataclass
 
-from launcher.plan import NoFitError
+from launcher.plan.planner import NoFitError
 from trainer.core.units import GIB, MIB
 
 SINFO_FORMAT = "%N|%c|%m|%G|%P"
