@@ -129,7 +129,7 @@ def measure(run: Run, device_type: str) -> dict[str, Any]:
     from bench.common import make_batches
     from bench.engine_vs_plain import OPTIM
     from trainer.backends import BackendContext, build_backend
-    from trainer.model import HFModelFactory
+    from trainer.model.build import HFModelFactory
     from trainer.step import train_step
 
     device = torch.device(device_type)

@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
-        from trainer.export import export_command
+        from trainer.checkpoint.export import export_command
 
         return export_command(
             args.checkpoint, args.out_dir, args.overwrite, args.trust_remote_code, args.merge

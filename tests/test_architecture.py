@@ -17,33 +17,36 @@ BOTTOM = tuple(
 )
 # The few places where the launcher runs engine code, and why.
 LAUNCHER_RUNS_ENGINE = {
-    ("launcher.cli", "trainer.export"),  # oomless export
-    ("launcher.estimate.shape", "trainer.model"),  # the decoder layers of a meta-device model
+    ("launcher.cli", "trainer.checkpoint.export"),  # oomless export
+    ("launcher.estimate.shape", "trainer.model.build"),  # the decoder layers of a meta-device model
     ("launcher.report.plan_report", "trainer.backends.deepspeed_config"),  # --emit deepspeed
     ("launcher.run.supervisor", "trainer.engine"),  # the in-process run
     # a resume's compatibility (the checkpoint's config and data fingerprint), before launch
-    ("launcher.run.preflight", "trainer.checkpoint"),
+    ("launcher.run.preflight", "trainer.checkpoint.checkpointer"),
     ("launcher.run.preflight", "trainer.data"),  # ... and the data tokenised once, before launch
     # the traced step runs the engine's own model, backends, levers and step functions
     ("launcher.estimate.trace", "trainer.backends"),
     ("launcher.estimate.trace", "trainer.backends.common"),
     ("launcher.estimate.trace", "trainer.backends.fsdp"),
-    ("launcher.estimate.trace", "trainer.levers"),
-    ("launcher.estimate.trace", "trainer.model"),
-    ("launcher.estimate.trace", "trainer.phases"),  # the same phase markers as a profiled step
+    ("launcher.estimate.trace", "trainer.memory.levers"),
+    ("launcher.estimate.trace", "trainer.model.build"),
+    (
+        "launcher.estimate.trace",
+        "trainer.observe.phases",
+    ),  # the same phase markers as a profiled step
     ("launcher.estimate.trace", "trainer.step"),
-    ("launcher.estimate.trace", "trainer.finetune"),  # LoRA / QLoRA as the engine builds them
+    ("launcher.estimate.trace", "trainer.model.finetune"),  # LoRA / QLoRA as the engine builds them
     ("launcher.estimate.trace", "trainer.optim"),  # 8-bit AdamW as the engine builds it
     # one rank of a sequence group: the engine's Ulysses attention and tiled MLP
-    ("launcher.estimate.trace", "trainer.sequence_parallel"),
-    ("launcher.estimate.trace", "trainer.tiled_mlp"),
+    ("launcher.estimate.trace", "trainer.memory.sequence_parallel"),
+    ("launcher.estimate.trace", "trainer.memory.tiled_mlp"),
     # the activations of a block the analytic model does not know: one traced forward
     ("launcher.estimate.activations", "trainer.backends.common"),
     ("launcher.estimate.activations", "trainer.loss"),
-    ("launcher.estimate.activations", "trainer.model"),
-    ("launcher.report.timeline", "trainer.phases"),  # reads a profiled step's trace
-    ("launcher.report.timeline", "trainer.profile"),
-    ("launcher.report.run_report", "trainer.profile"),
+    ("launcher.estimate.activations", "trainer.model.build"),
+    ("launcher.report.timeline", "trainer.observe.phases"),  # reads a profiled step's trace
+    ("launcher.report.timeline", "trainer.observe.profile"),
+    ("launcher.report.run_report", "trainer.observe.profile"),
 }
 
 

@@ -19,20 +19,42 @@ from typing import Any
 import torch
 
 from trainer.backends import Backend, BackendContext, OptimizerSpec, build_backend
-from trainer.checkpoint import (
+from trainer.checkpoint.checkpointer import (
     Checkpointer,
     load_checkpoint,
     load_template,
     resolve_resume,
     restore_rng,
 )
+from trainer.checkpoint.export import save_final_model
 from trainer.core.config import JobConfig
 from trainer.core.contract import EXIT_OOM, EXIT_SIGNAL, FINAL_DIR, PLAN_FILE
 from trainer.core.gpus import peak_flops_for
 from trainer.core.logs import setup_logging
 from trainer.core.strategies import AC_LEVELS
 from trainer.data import build_data, build_tokenizer
-from trainer.dist import (
+from trainer.evaluate import evaluate
+from trainer.memory.levers import LEVER_NAMES, MemoryLevers, concrete_lever
+from trainer.memory.sequence_parallel import (
+    SequenceMesh,
+    apply_sequence_parallel,
+    build_sequence_mesh,
+    check_sequence_parallel,
+    concrete_sequence_parallel,
+    split_sequence,
+)
+from trainer.memory.tiled_mlp import apply_tiled_mlp, tiled_mlp_chunk_tokens
+from trainer.model.build import (
+    HFModelFactory,
+    count_parameters,
+    num_compiled_layers,
+    set_activation_checkpointing,
+)
+from trainer.model.finetune import build_factory, describe_method
+from trainer.observe.metrics import MetricsLog
+from trainer.observe.profile import ProfileWindow
+from trainer.observe.trackers import Trackers
+from trainer.runtime.dist import (
     after_rank0,
     all_reduce_max,
     all_reduce_sum,
@@ -41,18 +63,7 @@ from trainer.dist import (
     resolve_device,
     slow_down,
 )
-from trainer.evaluate import evaluate
-from trainer.export import save_final_model
-from trainer.finetune import build_factory, describe_method
-from trainer.levers import LEVER_NAMES, MemoryLevers, concrete_lever
-from trainer.metrics import MetricsLog
-from trainer.model import (
-    HFModelFactory,
-    count_parameters,
-    num_compiled_layers,
-    set_activation_checkpointing,
-)
-from trainer.oom import (
+from trainer.runtime.oom import (
     FaultInjector,
     OutOfMemoryInStep,
     StepAborted,
@@ -61,21 +72,10 @@ from trainer.oom import (
     memory_summary,
     write_oom_report,
 )
-from trainer.profile import ProfileWindow
+from trainer.runtime.signals import StopSignals
+from trainer.runtime.slurm_requeue import after_stop
 from trainer.schedule import lr_at
-from trainer.sequence_parallel import (
-    SequenceMesh,
-    apply_sequence_parallel,
-    build_sequence_mesh,
-    check_sequence_parallel,
-    concrete_sequence_parallel,
-    split_sequence,
-)
-from trainer.signals import StopSignals
-from trainer.slurm_requeue import after_stop
 from trainer.step import train_step
-from trainer.tiled_mlp import apply_tiled_mlp, tiled_mlp_chunk_tokens
-from trainer.trackers import Trackers
 
 log = logging.getLogger(__name__)
 

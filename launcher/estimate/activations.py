@@ -237,7 +237,7 @@ def reduced_depths(hf_config: dict[str, Any], attn_implementation: str) -> tuple
 
 
 def _num_layer_kinds(hf_config: dict[str, Any], attn_implementation: str) -> int:
-    from trainer.model import HFModelFactory, decoder_layers
+    from trainer.model.build import HFModelFactory, decoder_layers
 
     model_cfg = ModelConfig(config=dict(hf_config), attn_implementation=attn_implementation)
     model = HFModelFactory(model_cfg, seed=0).build("meta")
@@ -448,7 +448,7 @@ def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s):
 
     from launcher.estimate.trace import autocast_for, packed_batch
     from trainer.backends.common import COMPUTE_DTYPES
-    from trainer.model import HFModelFactory, decoder_layers
+    from trainer.model.build import HFModelFactory, decoder_layers
 
     model_cfg = ModelConfig(config=dict(hf_config), attn_implementation=attn_implementation)
     model = HFModelFactory(model_cfg, seed=0).build("meta")

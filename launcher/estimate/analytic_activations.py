@@ -8,11 +8,11 @@ checkpointed layer keeps only its input. Then the loss: 16-bit logits, their fp3
 cross-entropy's fp32 log-probabilities. Under FSDP's mixed precision the stream is 16-bit; under
 ZeRO-3 DeepSpeed's own linear function saves its fp32 input and no 16-bit weight copy. Blocks the
 analytic model does not know carry measured activations (`launcher/estimate/activations.py`), which
-these functions read from the shape. The exact levers: with chunked loss (`trainer/chunked_loss.py`)
-the logits, their fp32 copy and the loss's tensors exist for one chunk of tokens at a time, in
-forward and again in backward; with activation offload (`trainer/offload.py`) what the layers
-save waits in host memory, and the device keeps the layer in flight and the next one.
-Notation: b micro-batch, s sequence, c compute-dtype bytes.
+these functions read from the shape. The exact levers: with chunked loss
+(`trainer/memory/chunked_loss.py`) the logits, their fp32 copy and the loss's tensors exist for one
+chunk of tokens at a time, in forward and again in backward; with activation offload
+(`trainer/memory/offload.py`) what the layers save waits in host memory, and the device keeps the
+layer in flight and the next one. Notation: b micro-batch, s sequence, c compute-dtype bytes.
 """
 
 from __future__ import annotations

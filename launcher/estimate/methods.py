@@ -1,6 +1,6 @@
 """Model states of LoRA, QLoRA and 8-bit AdamW (issue 17), per rung. Pure arithmetic, torch-free.
 
-What the engine holds (trainer/finetune.py runs it through peft and bitsandbytes):
+What the engine holds (trainer/model/finetune.py runs it through peft and bitsandbytes):
 
 - LoRA: the frozen base in the compute dtype (c bytes per parameter: no fp32 master, no
   gradient, no optimizer state); adapters A (r x in) and B (out x r) on every targeted linear of
@@ -219,8 +219,8 @@ def first_adapter_stage(shape: Any, ft: Finetune) -> int:
     return min(_STAGE[name] for name in targeted(shape, ft))
 
 
-# weights a rank quantises at once (trainer/qlora_load.py's chunk), and the bytes each costs in
-# flight: on an accelerator its 16-bit and fp32 copies and its packed codes and scale (the
+# weights a rank quantises at once (trainer/model/qlora_load.py's chunk), and the bytes each costs
+# in flight: on an accelerator its 16-bit and fp32 copies and its packed codes and scale (the
 # CUDA kernel); on a CPU process also the default kernel's scaled, clamped and code tensors
 QUANTISE_CHUNK = {"cpu": 1 << 16, "cuda": 1 << 22}
 QUANTISE_BYTES_PER_WEIGHT = {"cpu": 24, "cuda": 7}

@@ -175,10 +175,10 @@ def loading_host_bytes(
     rank), or for a frozen LoRA/QLoRA base loaded from pretrained weights in the 16-bit compute
     dtype (`bytes_per_param` 2: 2N; QLoRA quantises it layer by layer afterwards). A sharded
     rung reads its own part from the safetensors files into its parameters
-    (`trainer/pretrained.py`): beyond the part itself (counted with the model states) at most
+    (`trainer/model/pretrained.py`): beyond the part itself (counted with the model states) at most
     one tensor in flight per rank, its fp32 copy on the way to the device (4 x the largest
     tensor); QLoRA's rank streams each weight through in chunks and keeps its rows of the 4-bit
-    storage (`trainer/qlora_load.py`), less than that. zero3_nvme builds the full weights on
+    storage (`trainer/model/qlora_load.py`), less than that. zero3_nvme builds the full weights on
     rank 0 (the model, then its state dict cloned: 8N) and sends each rank its part, as random
     init does on every sharded rung."""
     n = shape.num_params
@@ -231,13 +231,13 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
     }
     ranks_here = spec.ranks_per_node
     # a frozen base (and a bf16_pure model) from pretrained weights loads in its compute
-    # dtype (trainer/finetune.py)
+    # dtype (trainer/model/finetune.py)
     ft, row = spec.finetune, spec.row
     sixteen = ft.adapters or spec.precision == "bf16_pure"
     load_bytes = m.c if sixteen and ft.pretrained else 4
     if ft.method == "qlora" and row.shards_params:
         # each rank quantises one chunk of a weight at a time into its shard
-        # (trainer/qlora_load.py): its states plus the chunk and the weight's block scales
+        # (trainer/model/qlora_load.py): its states plus the chunk and the weight's block scales
         phases["loading"] = states.base + quantising_bytes(shape, spec.device)
         peak = max(peak, phases["loading"])
     host = _host_bytes(row, states, shape, ranks_here, peak + overhead, spec.device, load_bytes)

@@ -165,7 +165,7 @@ def shape_of(config_json: str) -> ModelShape:
     config = CONFIG_MAPPING[model_type](**params)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    from trainer.model import decoder_layers
+    from trainer.model.build import decoder_layers
 
     layers = decoder_layers(model)
     num_params = sum(p.numel() for p in model.parameters())

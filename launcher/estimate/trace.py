@@ -38,17 +38,17 @@ from trainer.backends.common import COMPUTE_DTYPES, attach, clip_and_step
 from trainer.backends.fsdp import apply_fsdp
 from trainer.core.config import JobConfig, ModelConfig
 from trainer.core.step_spec import FULL, Finetune, StepSpec
-from trainer.levers import MemoryLevers
-from trainer.model import HFModelFactory, apply_activation_checkpointing
-from trainer.phases import HEAD, OPTIMIZER, STEP, phase_markers
-from trainer.sequence_parallel import (
+from trainer.memory.levers import MemoryLevers
+from trainer.memory.sequence_parallel import (
     SequenceMesh,
     apply_sequence_parallel,
     build_sequence_mesh,
     split_sequence,
 )
+from trainer.memory.tiled_mlp import apply_tiled_mlp
+from trainer.model.build import HFModelFactory, apply_activation_checkpointing
+from trainer.observe.phases import HEAD, OPTIMIZER, STEP, phase_markers
 from trainer.step import accumulation_context, micro_batch_loss
-from trainer.tiled_mlp import apply_tiled_mlp
 
 TRACEABLE = ("single", "fsdp")
 # `until=` for a trace of the layers' forward phases only, or of the step up to its optimizer
@@ -75,7 +75,8 @@ class Trace:
     spec: StepSpec
     peak_bytes: int  # live tensor bytes at the step's peak, on one device
     breakdown: dict[str, int]  # the tracker's categories at that peak
-    # (label, peak live bytes) of each phase of the step in order (trainer/phases.py's labels)
+    # (label, peak live bytes) of each phase of the step in order (trainer/observe/phases.py's
+    # labels)
     phases: tuple[tuple[str, int], ...] = ()
 
 
@@ -96,7 +97,7 @@ def trace_step(
     the engine's own backend and step functions. With `phase_local_peaks`, each phase's peak is
     the highest live bytes inside that phase, even where an earlier phase went higher (by
     default a phase below the step's peak so far reports the live bytes at its ends), and the
-    tracker keeps no per-module peaks. With `until` (a phase label of trainer/phases.py:
+    tracker keeps no per-module peaks. With `until` (a phase label of trainer/observe/phases.py:
     FORWARD_END, BACKWARD_END) the traced step stops where that phase begins: a quicker trace of
     the phases before it only (then `peak_bytes` is theirs)."""
     if not traceable(spec.strategy, spec.finetune):
@@ -138,7 +139,7 @@ def _traced_model(
     mesh = _sequence_mesh(spec, factory.hf_config, sharded, stack)
     model = apply_finetune(factory.build("cpu" if real else "meta"), spec.finetune, spec.precision)
     if spec.precision == "bf16_pure" and not spec.finetune.adapters:
-        from trainer.finetune import params_to_bf16
+        from trainer.model.finetune import params_to_bf16
 
         params_to_bf16(model)  # as the engine's Bf16PureFactory builds it
     apply_activation_checkpointing(model, spec.activation_checkpointing)
@@ -190,7 +191,8 @@ def _backend_context(spec: StepSpec, device: torch.device) -> BackendContext:
 
 
 class _PhaseMarks:
-    """The tracker's live and peak bytes as each phase begins (`trainer/phases.py` calls it)."""
+    """The tracker's live and peak bytes as each phase begins (`trainer/observe/phases.py` calls
+    it)."""
 
     def __init__(self, tracker: Any, phase_local_peaks: bool, until: str | None):
         self.tracker, self.local, self.until = tracker, phase_local_peaks, until
@@ -331,9 +333,9 @@ def _skip_frozen(tracker: Any, model: nn.Module) -> None:
 
 
 def apply_finetune(model: nn.Module, ft: Finetune, precision: str) -> nn.Module:
-    """What `finetune.method` trains, built by the engine's own trainer/finetune.py."""
+    """What `finetune.method` trains, built by the engine's own trainer/model/finetune.py."""
     from trainer.core.config import FinetuneConfig, LoraConfig
-    from trainer.finetune import apply_finetune as engine_apply
+    from trainer.model.finetune import apply_finetune as engine_apply
 
     targets = ft.target_modules if isinstance(ft.target_modules, str) else list(ft.target_modules)
     lora = LoraConfig(r=ft.r, dropout=ft.dropout, target_modules=targets)

@@ -1,6 +1,6 @@
 """Long context in the plan: how many ranks split each sequence (Ulysses sequence parallelism,
-trainer/sequence_parallel.py) and whether the MLP runs tiled (trainer/tiled_mlp.py), chosen
-with the rung; and the longest sequence the chosen plan still fits.
+trainer/memory/sequence_parallel.py) and whether the MLP runs tiled (trainer/memory/tiled_mlp.py),
+chosen with the rung; and the longest sequence the chosen plan still fits.
 
 The ladder is climbed with each sequence not split and the MLP whole first; then with the MLP
 tiled; then split over the smallest number of ranks that divides the world, the model's heads
@@ -27,7 +27,7 @@ LONGEST_SEARCHED = 1 << 24  # tokens: the longest sequence the search for max_se
 def sequence_parallel_sizes(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[int]:
     """The sequence group sizes the planner may use, smallest first: the config's own, or every
     divisor of the world that splits the heads (key/value heads divide it or it them, as
-    trainer/sequence_parallel.py checks), the sequence and the global batch's data groups."""
+    trainer/memory/sequence_parallel.py checks), the sequence and the global batch's data groups."""
     if isinstance(cfg.sequence_parallel, int):
         return [cfg.sequence_parallel]
     world, seq = hw.world_size, cfg.data.seq_len

@@ -43,7 +43,7 @@ def report_command(run_dir: str) -> int:
     if plan_path.is_file():
         plan = read_json_object(plan_path)
         written += _drawn(lambda: plot_memory(plan, records, root / "memory.png"), plan_path)
-    from trainer.profile import trace_path
+    from trainer.observe.profile import trace_path
 
     if trace_path(root, 0).is_file():  # a run with debug.profile
         from launcher.report.timeline import plot_memory_timeline

@@ -4,7 +4,7 @@ prediction per phase laid over the measured curve.
 Measured: the memory events of rank 0's profiler trace (`debug.profile`) over the last profiled
 step; on CPU the profiler counts only what was allocated after it started, so the state alive
 then (parameters, buffers, optimizer state; recorded in the trace's metadata) is added. Phases:
-the markers `trainer/phases.py` put into the trace. Predicted: the same step traced under
+the markers `trainer/observe/phases.py` put into the trace. Predicted: the same step traced under
 FakeTensorMode (`launcher/estimate/trace.py`, what `oomless estimate --trace` runs) at the
 micro-batch, accumulation and checkpointing the profiled step ran with, marked by the same phase
 markers. The plotted numbers are written beside the picture (`memory_timeline.json`).
@@ -23,8 +23,8 @@ from typing import Any
 from trainer.core.contract import CONFIG_FILE
 from trainer.core.files import umask_mode, write_atomic
 from trainer.core.units import MIB
-from trainer.phases import MARKER, OPTIMIZER
-from trainer.profile import trace_path
+from trainer.observe.phases import MARKER, OPTIMIZER
+from trainer.observe.profile import trace_path
 
 log = logging.getLogger(__name__)
 

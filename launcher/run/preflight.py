@@ -134,7 +134,10 @@ def tokenize_data(cfg: JobConfig) -> None:
 def check_resume(cfg: JobConfig) -> None:
     """ConfigError (exit 2) when the checkpoint this run would resume was trained with other
     math or on other data; the changes that keep the math are logged."""
-    from trainer.checkpoint import check_resumable, resolve_resume  # engine code: torch
+    from trainer.checkpoint.checkpointer import (  # engine code: torch
+        check_resumable,
+        resolve_resume,
+    )
     from trainer.data import train_data_fingerprint
 
     path = resolve_resume(cfg)

@@ -7,8 +7,8 @@ nodes have as `sinfo` reports them at submit time (launcher/slurm/nodes.py; exit
 cannot be had there). One srun task per node runs torchrun with a static rendezvous on the job's
 first node; `$SLURM_NODEID` is expanded on each node. Preemption: `--signal=USR1` reaches the
 ranks `grace_s` before the end; they checkpoint and exit 0, the script requeues the job
-(trainer/slurm_requeue.py), and `run.resume: auto` continues from that checkpoint. docs/slurm.md
-has the user's side.
+(trainer/runtime/slurm_requeue.py), and `run.resume: auto` continues from that checkpoint.
+docs/slurm.md has the user's side.
 
 Every value is quoted for the place it lands in: `#SBATCH` lines are split by sbatch itself (blanks
 separate, `"` and `\\` are its quoting), the script body by bash, and the command inside the

@@ -167,7 +167,7 @@ def test_model_states_of_8b_per_method():
 
 def test_a_pretrained_frozen_base_loads_on_the_host_in_16_bits():
     """LoRA and QLoRA on a replica rung load the base's files straight in bf16
-    (trainer/finetune.py): 2 bytes per parameter on the host while loading, where a full
+    (trainer/model/finetune.py): 2 bytes per parameter on the host while loading, where a full
     fine-tune (fp32 masters) and a random init (drawn in fp32) take 4."""
     shape = model_shape(ModelConfig(name_or_path="meta-llama/Llama-3.1-8B"))
 

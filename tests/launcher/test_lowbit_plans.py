@@ -78,7 +78,7 @@ def _assert_fits(plan: dict, device_gib: float, host_gib: float) -> None:
 
 
 def test_70b_qlora_fits_two_24gib_cards_on_an_fsdp_rung(capsys):
-    """Each rank quantises its own rows of the base (trainer/qlora_load.py): ~17.5 GB of 4-bit
+    """Each rank quantises its own rows of the base (trainer/model/qlora_load.py): ~17.5 GB of 4-bit
     weights per card, one tensor in flight on the host while loading."""
     rc, plan, err = _plan(capsys, PRESET_70B, *QLORA_JOB, *_gpus(2, "24GiB", "128GiB"))
     assert rc == 0, err

@@ -66,7 +66,7 @@ MODELS = {  # inline HF configs as `model.config=` overrides
     "qwen3_moe": "{model_type: qwen3_moe, " + _SMALL + ", intermediate_size: 64, "
     "moe_intermediate_size: 32, num_experts: 4, num_experts_per_tok: 2}",
 }
-# LoRA (trainer/finetune.py): adapters on every linear layer of the blocks, a frozen base
+# LoRA (trainer/model/finetune.py): adapters on every linear layer of the blocks, a frozen base
 LORA = ("finetune.method=lora", "finetune.lora.r=4", "finetune.lora.alpha=8")
 RUNS: tuple[Run, ...] = (
     # one process: the references

@@ -11,7 +11,7 @@ import yaml
 from launcher.cli import main
 from tests.conftest import TINY_LLAMA
 from tests.trainer.test_step import _backend
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint.checkpointer import Checkpointer
 
 
 @pytest.fixture(scope="module")

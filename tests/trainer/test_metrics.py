@@ -8,7 +8,7 @@ import logging
 import subprocess
 
 from tests.conftest import PYTHON, REPO, python_env
-from trainer.metrics import MetricsLog
+from trainer.observe.metrics import MetricsLog
 
 
 def _lines(steps) -> str:
@@ -33,7 +33,7 @@ def test_item3_failed_metrics_rewrite_keeps_the_old_file(tmp_path):
     code = (
         "import resource, signal, sys\n"
         "from pathlib import Path\n"
-        "from trainer.metrics import MetricsLog\n"
+        "from trainer.observe.metrics import MetricsLog\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))\n"
         "try:\n"

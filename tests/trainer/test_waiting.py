@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import oomless
 from tests.test_cli_train import DEMO, metrics
-from trainer.dist import slurm_head_node, wait_for_future
+from trainer.runtime.dist import slurm_head_node, wait_for_future
 
 
 @pytest.mark.slow

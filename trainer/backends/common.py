@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from trainer.backends import OptimizerSpec
-from trainer.model import apply_activation_checkpointing, apply_compile
-from trainer.oom import OutOfMemoryInStep
+from trainer.model.build import apply_activation_checkpointing, apply_compile
+from trainer.model.pretrained import canonical_name
 from trainer.optim import OptimizerInBackward, build_optimizer, shards_in_8bit
 from trainer.optim import set_lr as set_optimizer_lr
-from trainer.pretrained import canonical_name
+from trainer.runtime.oom import OutOfMemoryInStep
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -227,7 +227,7 @@ class MemoryConfig(_Section):
     chunked_loss: Literal["auto"] | bool = "auto"
     offload_activations: Literal["auto"] | bool = "auto"
     # each decoder layer's MLP over chunks of the sequence, each recomputed in backward
-    # (trainer/tiled_mlp.py); auto: the planner (off in the engine until it chooses)
+    # (trainer/memory/tiled_mlp.py); auto: the planner (off in the engine until it chooses)
     tiled_mlp: Literal["auto"] | bool = "auto"
     mlp_chunk_tokens: int | None = Field(None, ge=1)  # tokens per MLP chunk; None: hidden size
     loss_chunk_tokens: int | None = Field(None, ge=1)  # tokens per chunk; None: by vocabulary
@@ -310,7 +310,7 @@ class RunConfig(_Section):
     async_checkpoint: bool = False
     resume: str = "auto"  # auto | never | a checkpoint directory
     save_final: bool = True
-    # experiment trackers rank 0 sends metrics.jsonl's records to (trainer/trackers.py)
+    # experiment trackers rank 0 sends metrics.jsonl's records to (trainer/observe/trackers.py)
     trackers: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
         default_factory=list
     )
@@ -377,8 +377,8 @@ class JobConfig(_Section):
     precision: Literal["bf16", "fp16", "fp32", "bf16_pure"] = "bf16"
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     strategy: str = "auto"  # auto or a row of trainer/core/strategies.py
-    # ranks that split each sequence (Ulysses, trainer/sequence_parallel.py); auto: the planner
-    # (1 in the engine until it chooses). Changes where tokens live, never what is learned.
+    # ranks that split each sequence (Ulysses, trainer/memory/sequence_parallel.py); auto: the
+    # planner (1 in the engine until it chooses). Changes where tokens live, never what is learned.
     sequence_parallel: Literal["auto"] | int = "auto"
     hardware: HardwareConfig = Field(default_factory=HardwareConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)

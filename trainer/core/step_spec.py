@@ -141,10 +141,10 @@ class StepSpec:
     offload_activations: bool = False
     loss_chunk_tokens: int | None = None  # memory.loss_chunk_tokens (None: chosen by vocabulary)
     finetune: Finetune = FULL
-    # Ulysses (trainer/sequence_parallel.py): each sequence split over this many ranks, each
-    # holding seq_len / sequence_parallel tokens of it through every layer
+    # Ulysses (trainer/memory/sequence_parallel.py): each sequence split over this many ranks,
+    # each holding seq_len / sequence_parallel tokens of it through every layer
     sequence_parallel: int = 1
-    tiled_mlp: bool = False  # trainer/tiled_mlp.py: the MLP over chunks, recomputed in backward
+    tiled_mlp: bool = False  # trainer/memory/tiled_mlp.py: MLP chunks, recomputed in backward
     mlp_chunk_tokens: int | None = None  # memory.mlp_chunk_tokens (None: the hidden size)
 
     @property
@@ -188,3 +188,17 @@ class StepSpec:
 def _words(*named: tuple[str, bool], none: str = "none") -> str:
     """The names whose flag is set, joined with "and"; `none` when no flag is."""
     return " and ".join(name for name, on in named if on) or none
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """AdamW and its hyper-parameters; identical on every rung (escalation never changes them)."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    grad_clip: float  # max total grad norm; 0 disables clipping
+    name: str = "adamw"  # train.optimizer: adamw | adamw_8bit (trainer/optim.py)
+    bf16_pure: bool = False  # precision: bf16_pure: bf16 states, stochastically rounded step
+    in_backward: bool = False  # train.optimizer_in_backward: step each parameter in backward

@@ -74,7 +74,7 @@ def lora_target_modules(model: nn.Module, target: str | list[str]) -> list[str]:
     `all-linear`, else the names given (peft matches them as name suffixes)."""
     if target != "all-linear":
         return list(target)
-    from trainer.model import decoder_layers
+    from trainer.model.build import decoder_layers
 
     layers = decoder_layers(model)
     inside = {id(m) for layer in layers for m in layer.modules()}
@@ -158,9 +158,9 @@ def initial_adapter(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     """The initial fp32 value of the LoRA tensor `name` (a parameter name; wrappers' prefixes
     do not matter): lora_A drawn as peft draws it (Kaiming-uniform, a = sqrt(5)) from a
     generator seeded by `train.seed` and the name, lora_B zero. It depends on nothing else, so
-    a rank filling its shard of a meta-built model (trainer/qlora_load.py) and a replica built
+    a rank filling its shard of a meta-built model (trainer/model/qlora_load.py) and a replica built
     whole start from the same adapters."""
-    from trainer.pretrained import canonical_name
+    from trainer.model.pretrained import canonical_name
 
     name = canonical_name(name)
     value = torch.zeros(shape)
@@ -177,9 +177,9 @@ def quantize_decoder_linears(model: nn.Module) -> None:
     """Replace each nn.Linear of the decoder blocks by a bitsandbytes NF4 `Linear4bit`, in place,
     with the settings of `bnb_config()`; the weights quantise when moved to their device. On the
     meta device each weight takes the shape of its packed 4-bit storage, with nothing in it
-    (trainer/qlora_load.py quantises into it later)."""
+    (trainer/model/qlora_load.py quantises into it later)."""
     bnb = require("bitsandbytes", "finetune.method", "qlora")
-    from trainer.model import decoder_layers
+    from trainer.model.build import decoder_layers
 
     qc = bnb_config()
     for layer in decoder_layers(model):
@@ -272,7 +272,7 @@ class FinetuneFactory:
     def build_4bit_skeleton(self) -> nn.Module:
         """QLoRA's model on the meta device in its 4-bit layout (each block linear's weight
         shaped as its packed storage), for FSDP2 to shard before any weight exists; its shards
-        are filled by trainer/qlora_load.py."""
+        are filled by trainer/model/qlora_load.py."""
         model = self.inner.build("meta")
         quantize_decoder_linears(model)
         return self.adapt(model)

@@ -6,7 +6,7 @@ Layout of `run.dir/checkpoints/step_N/`:
                             `optim/NAME/{exp_avg,exp_avg_sq,step}`; every rank writes its own
                             shard (sharded tensors stay sharded)
   rng/rank_R.safetensors    every rank's RNG states
-  manifest.json             every other file's size and checksum (trainer/manifest.py)
+  manifest.json             every other file's size and checksum (trainer/checkpoint/manifest.py)
   trainer_state.json        step, plan, config hash, grad-scaler state; written last: a directory
                             without it was cut off mid-write and is never loaded
   config.yaml, tokenizer/   what `oomless export` needs to write an HF model directory
@@ -38,6 +38,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
+from trainer.checkpoint.manifest import (
+    STATE_FILE,
+    HashingFileSystem,
+    damage,
+    digests_of,
+    write_manifest,
+)
 from trainer.core.config import (
     ConfigError,
     JobConfig,
@@ -46,7 +53,8 @@ from trainer.core.config import (
     semantic_hash,
     write_config,
 )
-from trainer.dist import (
+from trainer.model.finetune import base_pointer, check_same_base
+from trainer.runtime.dist import (
     after_rank0,
     all_reduce_max,
     barrier,
@@ -54,8 +62,6 @@ from trainer.dist import (
     slow_down,
     wait_for_future,
 )
-from trainer.finetune import base_pointer, check_same_base
-from trainer.manifest import STATE_FILE, HashingFileSystem, damage, digests_of, write_manifest
 
 log = logging.getLogger(__name__)
 # A one-process run saves and loads without a process group (no_dist) on purpose; torch warns

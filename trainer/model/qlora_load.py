@@ -13,12 +13,12 @@ only this rank's rows (`to_empty`). `fill_4bit_shards` then walks the tensors in
   the 4-bit bytes);
 - any other tensor of the base (embeddings, norms, head, biases): only this rank's rows are read,
   in bf16;
-- a LoRA adapter: its seeded initial value (`trainer.finetune.initial_adapter`).
+- a LoRA adapter: its seeded initial value (`trainer.model.finetune.initial_adapter`).
 So beyond its shard a rank holds one chunk in flight and one weight's block scales; freed memory
 is handed back to the OS after each weight (`release_freed_memory`), so the host's resident set
 tracks what the rank keeps.
 
-The tensors come from the pretrained safetensors files (`trainer.pretrained`), or for random
+The tensors come from the pretrained safetensors files (`trainer.model.pretrained`), or for random
 init from the seeded fp32 model every rank builds, as the replica rungs do (the same numbers they
 quantise). A checkpoint that does not map onto the model (.bin files, renamed keys) returns no
 source: the backend then builds the whole base on every rank and shards it once quantised.
@@ -33,8 +33,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from trainer.finetune import QLORA_COMPUTE_DTYPE, initial_adapter
-from trainer.pretrained import (
+from trainer.model.finetune import QLORA_COMPUTE_DTYPE, initial_adapter
+from trainer.model.pretrained import (
     LoadStats,
     SafetensorsCheckpoint,
     canonical_name,

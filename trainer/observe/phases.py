@@ -2,7 +2,7 @@
 head and loss between the last forward and the first backward, the backward of each layer, and
 the optimizer step.
 
-The same markers label a real step in the profiler's trace (`trainer/profile.py`) and the
+The same markers label a real step in the profiler's trace (`trainer/observe/profile.py`) and the
 FakeTensor trace of the estimate (`launcher/estimate/trace.py`), so `oomless report` can lay the
 estimate's live bytes per phase over the measured ones.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from trainer.model import decoder_layers
+from trainer.model.build import decoder_layers
 
 MARKER = "oomless.phase: "  # the prefix of the marker events in a profiler trace
 STEP = "step start"  # from the start of the step to the first layer: data, embeddings

@@ -17,7 +17,7 @@ import signal
 import torch
 
 from trainer.core.contract import EXIT_CUT_OFF, EXIT_SIGNAL
-from trainer.dist import all_reduce_max, all_reduce_max_many
+from trainer.runtime.dist import all_reduce_max, all_reduce_max_many
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.core.config import ConfigError, JobConfig
-from trainer.loss import shifted_targets
+from trainer.memory.chunked_loss import shifted_targets
 
 ATTENTION_NAME = "oomless_ulysses"
 SHARDED_KEYS = ("input_ids", "position_ids", "doc_ids", "targets")

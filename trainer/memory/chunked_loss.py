@@ -29,6 +29,12 @@ from trainer.core.strategies import loss_chunk_tokens
 
 IGNORE_INDEX = -100
 
+
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """What each position predicts: the next label (the last position predicts nothing)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
 LogitTransform = Callable[[torch.Tensor], torch.Tensor]
 
 

@@ -37,7 +37,7 @@ START_DEADLINE_S = 60.0  # all trackers together: a server to reach, a run to cr
 CLOSE_DEADLINE_S = 60.0  # the pending records flushed and the tracker run closed
 STOP_CLOSE_DEADLINE_S = 5.0  # the same after a stop by signal: the grace period is short
 MAX_PENDING_CALLS = 10_000  # queued calls of one tracker that has fallen this far behind
-_SIGNALS_LOGGER = "trainer.signals"  # its warning says a stop signal was received
+_SIGNALS_LOGGER = "trainer.runtime.signals"  # its warning says a stop signal was received
 
 PROJECT = "oomless"  # the W&B project, MLflow experiment and Trackio project unless set otherwise
 

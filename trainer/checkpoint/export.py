@@ -29,7 +29,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from trainer.checkpoint import check_intact, find_latest, is_complete, read_full_weights
+from trainer.checkpoint.checkpointer import (
+    check_intact,
+    find_latest,
+    is_complete,
+    read_full_weights,
+)
+from trainer.checkpoint.manifest import STATE_FILE
 from trainer.core.config import (
     ConfigError,
     FinetuneConfig,
@@ -40,10 +46,9 @@ from trainer.core.config import (
 )
 from trainer.core.contract import CONFIG_FILE
 from trainer.core.files import fsync_dir, umask_mode
-from trainer.finetune import ADAPTER_NAME, apply_finetune, base_pointer, check_same_base
-from trainer.manifest import STATE_FILE
-from trainer.model import HFModelFactory, load_hf_config
-from trainer.pretrained import INDEX_FILE, SINGLE_FILE
+from trainer.model.build import HFModelFactory, load_hf_config
+from trainer.model.finetune import ADAPTER_NAME, apply_finetune, base_pointer, check_same_base
+from trainer.model.pretrained import INDEX_FILE, SINGLE_FILE
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from trainer.core.config import ConfigError
-from trainer.model import decoder_layers
+from trainer.model.build import decoder_layers
 
 
 def apply_tiled_mlp(model: nn.Module, chunk_tokens: int | None) -> int:

@@ -1,8 +1,8 @@
 """Activation offload: what decoder layers save for backward lives in host memory in between.
 
 `ActivationOffload.layer(i)` is a `saved_tensors_hooks` context around one decoder layer's
-forward (the checkpoint wrapper of `trainer.model` enters it). Every tensor autograd saves in it
-(under `full` checkpointing only the layer's inputs: the recomputation saves the rest in
+forward (the checkpoint wrapper of `trainer.model.build` enters it). Every tensor autograd saves in
+it (under `full` checkpointing only the layer's inputs: the recomputation saves the rest in
 backward) is copied to host memory and brought back when backward unpacks it. Parameters are
 left where they are (they stay on the device anyway), and so are tiny tensors.
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from contextlib import AbstractContextManager
 from functools import cached_property, partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from trainer.core.config import ConfigError, ModelConfig
 from trainer.core.strategies import checkpointed_layers
-from trainer.offload import ActivationOffload
-from trainer.pretrained import SafetensorsCheckpoint, resolve_checkpoint
+from trainer.model.pretrained import SafetensorsCheckpoint, resolve_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class HFModelFactory:
 
     def pretrained_checkpoint(self) -> SafetensorsCheckpoint | None:
         """The safetensors files of `model.name_or_path`, which sharded rungs read per rank
-        (`trainer.pretrained`); None for random init or weights in another format."""
+        (`trainer.model.pretrained`); None for random init or weights in another format."""
         if self.model_cfg.name_or_path is None:
             return None
         if not hasattr(self, "_checkpoint"):
@@ -159,15 +159,22 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return best
 
 
+class LayerOffload(Protocol):
+    """Where a layer's saved activations go while it runs (`trainer.memory.offload`'s
+    `ActivationOffload`): the levers sit above the model and hand one in."""
+
+    def layer(self, index: int) -> AbstractContextManager[None]: ...
+
+
 class _Recompute:
     """A wrapped layer's checkpoint_fn: non-reentrant recomputation while `enabled`; what the
     layer saves for backward (with recomputation: its inputs) goes to host memory while
-    `offload` is set (`trainer.offload`)."""
+    `offload` is set (`trainer.memory.offload`)."""
 
     def __init__(self, enabled: bool, index: int):
         self.enabled = enabled
         self.index = index
-        self.offload: ActivationOffload | None = None
+        self.offload: LayerOffload | None = None
 
     def __call__(self, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
         offloading = self.offload is not None and torch.is_grad_enabled()
@@ -228,7 +235,7 @@ def set_activation_checkpointing(model: nn.Module, level: str) -> None:
         switch.enabled = i in on
 
 
-def set_offload_activations(model: nn.Module, offload: ActivationOffload | None) -> None:
+def set_offload_activations(model: nn.Module, offload: LayerOffload | None) -> None:
     """Offload the saved activations of every decoder layer through `offload` (None: keep them
     on the device), in a model wrapped by `apply_activation_checkpointing` and maybe since
     sharded; the OOM back-off switches it on mid-run."""

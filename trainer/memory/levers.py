@@ -1,6 +1,6 @@
 """The exact-math memory levers besides recomputation, on a built model: chunked loss
-(`trainer.chunked_loss`) and activation offload (`trainer.offload`). Both keep the numbers to
-floating-point reordering, so the OOM back-off may switch them on mid-run."""
+(`trainer.memory.chunked_loss`) and activation offload (`trainer.memory.offload`). Both keep the
+numbers to floating-point reordering, so the OOM back-off may switch them on mid-run."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.chunked_loss import apply_chunked_loss, chunkable
 from trainer.core.config import ConfigError
-from trainer.model import set_offload_activations
-from trainer.offload import ActivationOffload
+from trainer.memory.chunked_loss import apply_chunked_loss, chunkable
+from trainer.memory.offload import ActivationOffload
+from trainer.model.build import set_offload_activations
 
 LEVERS = ("chunked_loss", "offload_activations")  # the order the OOM back-off tries them in
 LEVER_NAMES = {"chunked_loss": "chunked loss", "offload_activations": "activation offload"}

@@ -22,7 +22,7 @@ import torch
 from trainer.core.config import InjectOomConfig
 from trainer.core.contract import OOM_REPORT_FILE
 from trainer.core.files import write_atomic
-from trainer.dist import all_reduce_max
+from trainer.runtime.dist import all_reduce_max
 
 log = logging.getLogger(__name__)
 

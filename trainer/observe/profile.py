@@ -2,7 +2,7 @@
 
 Writes `run.dir/profile/rank{N}.trace.json` (Chrome trace format: Perfetto, chrome://tracing)
 with CPU and CUDA activities, shapes and memory events, plus the phase markers of
-`trainer/phases.py`; on CUDA also `rank{N}.memory_snapshot.pickle` (pytorch.org/memory_viz).
+`trainer/observe/phases.py`; on CUDA also `rank{N}.memory_snapshot.pickle` (pytorch.org/memory_viz).
 The steps it profiles carry `"profiled": true` in metrics.jsonl: their time includes the
 profiler's overhead and is left out of throughput (ETA, trackers).
 """
@@ -22,7 +22,7 @@ from torch import nn
 
 from trainer.core.contract import PROFILE_DIR
 from trainer.core.files import umask_mode, write_by_name
-from trainer.phases import STEP, mark_in_profile, phase_markers
+from trainer.observe.phases import STEP, mark_in_profile, phase_markers
 
 log = logging.getLogger(__name__)
 
