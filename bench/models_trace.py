@@ -58,8 +58,8 @@ def sized_config(model_type: str, size: str) -> dict[str, Any]:
 
 def measured_shape(config: dict[str, Any]):
     """The shape with the activations `oomless plan` would attach (measured at SEQ_LEN)."""
-    from launcher.estimate.activations import trace_layer_activations
     from launcher.estimate.shape import shape_of
+    from launcher.estimate.traced_activations import trace_layer_activations
 
     shape = shape_of(json.dumps(config, sort_keys=True))
     acts = trace_layer_activations(config, SEQ_LEN, "bf16")  # gpt_oss: eager, as it runs

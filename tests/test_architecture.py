@@ -12,8 +12,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 # The torch-free bottom layer that both packages import: every module in trainer/core/.
 BOTTOM = tuple(
-    "trainer.core." + path.stem if path.stem != "__init__" else "trainer.core"
-    for path in sorted((REPO / "trainer" / "core").glob("*.py"))
+    ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+    for path in sorted((REPO / "trainer" / "core").rglob("*.py"))
 )
 # The few places where the launcher runs engine code, and why.
 LAUNCHER_RUNS_ENGINE = {
@@ -41,9 +41,9 @@ LAUNCHER_RUNS_ENGINE = {
     ("launcher.estimate.trace", "trainer.memory.sequence_parallel"),
     ("launcher.estimate.trace", "trainer.memory.tiled_mlp"),
     # the activations of a block the analytic model does not know: one traced forward
-    ("launcher.estimate.activations", "trainer.backends.common"),
-    ("launcher.estimate.activations", "trainer.loss"),
-    ("launcher.estimate.activations", "trainer.model.build"),
+    ("launcher.estimate.traced_activations", "trainer.backends.common"),
+    ("launcher.estimate.traced_activations", "trainer.loss"),
+    ("launcher.estimate.traced_activations", "trainer.model.build"),
     ("launcher.report.timeline", "trainer.observe.phases"),  # reads a profiled step's trace
     ("launcher.report.timeline", "trainer.observe.profile"),
     ("launcher.report.run_report", "trainer.observe.profile"),
@@ -237,3 +237,4 @@ def test_following_the_config_from_train_to_launch_revisits_no_module_more_than_
     assert "launcher.run.launch" in stays and "launcher.plan.planner" in stays
     counts = {m: stays.count(m) for m in stays}
     assert max(counts.values()) <= 4, sorted(counts.items(), key=lambda kv: -kv[1])[:5]
+
