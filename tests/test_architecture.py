@@ -238,3 +238,32 @@ def test_following_the_config_from_train_to_launch_revisits_no_module_more_than_
     counts = {m: stays.count(m) for m in stays}
     assert max(counts.values()) <= 4, sorted(counts.items(), key=lambda kv: -kv[1])[:5]
 
+
+def _modules(package: str) -> list[Path]:
+    return sorted((REPO / package).rglob("*.py"))
+
+
+def test_each_package_top_holds_at_most_8_modules():
+    """launcher/ and trainer/ show their concerns as subpackages; the top keeps entry points."""
+    for package in ("launcher", "trainer"):
+        top = [
+            p.name
+            for p in (REPO / package).glob("*.py")
+            if p.name not in ("__init__.py", "__main__.py")
+        ]
+        assert len(top) <= 8, f"{package}/ has {len(top)} top-level modules: {sorted(top)}"
+
+
+# A module above 500 lines asks to be split along a seam. Excepted while another change edits it
+# (split it once that lands): the checkpointer.
+OVER_500_LINES_FOR_NOW = {"trainer/checkpoint/checkpointer.py"}
+
+
+def test_no_module_is_over_500_lines():
+    long = {
+        str(p.relative_to(REPO)): n
+        for package in ("launcher", "trainer")
+        for p in _modules(package)
+        if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert set(long) <= OVER_500_LINES_FOR_NOW, long
