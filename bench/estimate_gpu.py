@@ -11,7 +11,7 @@ optimizer step (the planner's accumulation case) and two steps; the second step 
 estimate. Compared: the estimate's `peak_tensor_bytes` with `torch.cuda.max_memory_allocated`
 and its `total_bytes` with `max_memory_reserved` plus the CUDA context (measured once per run as
 the device's used memory before the model, `torch.cuda.mem_get_info`). The table prints last;
-with `$OUT` set, `$OUT/estimate_gpu.json` holds every run's details. Target (issue 4): the
+with `$OUT` set, `$OUT/estimate_gpu.json` holds every run's details. Target: the
 estimate within +-10% of the measured peak and never more than 5% under it.
 """
 

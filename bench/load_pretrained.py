@@ -1,5 +1,5 @@
 """Loading a ~1B pretrained model under fsdp x 2 on the CPU: time and host peak, per-rank reads
-against the broadcast from rank 0 (main's path before issue 16).
+against the broadcast from rank 0 (the path before per-rank loading).
 
     python -m bench.load_pretrained [--cache DIR] [--json out.json]
 

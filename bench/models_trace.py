@@ -1,4 +1,4 @@
-"""The estimate against the traced step for the nine architectures of issue 16.
+"""The estimate against the traced step for nine architectures.
 
     python -m bench.models_trace [--types gpt2,falcon] [--sizes small,medium] [--json out.json]
 

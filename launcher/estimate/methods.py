@@ -1,4 +1,4 @@
-"""Model states of LoRA, QLoRA and 8-bit AdamW (issue 17), per rung. Pure arithmetic, torch-free.
+"""Model states of LoRA, QLoRA and 8-bit AdamW, per rung. Pure arithmetic, torch-free.
 
 What the engine holds (trainer/model/finetune.py runs it through peft and bitsandbytes):
 
@@ -86,11 +86,6 @@ def adapter_tensors(shape: Any, ft: Finetune) -> list[int]:
     for fan_in, fan_out in targeted(shape, ft).values():
         out += [ft.r * fan_in, fan_out * ft.r]
     return out
-
-
-def adapter_params(shape: Any, ft: Finetune) -> int:
-    """Trainable parameters of the whole model under LoRA: r x (in + out) per targeted linear."""
-    return shape.num_layers * sum(adapter_tensors(shape, ft)) if ft.adapters else shape.num_params
 
 
 def layer_tensors(shape: Any) -> list[int]:

@@ -1,4 +1,4 @@
-"""Plans for big models on few small cards (issue 28): QLoRA and 8-bit AdamW on the FSDP rungs,
+"""Plans for big models on few small cards: QLoRA and 8-bit AdamW on the FSDP rungs,
 `precision: bf16_pure` and the step in backward counted by the estimate, and the exit-3 line that
 names the opt-in changes that would fit, each as overrides `oomless plan` accepts. Pure planning
 through the command line (no GPU, no torch), on the shipped presets and a 405B-shaped Llama."""

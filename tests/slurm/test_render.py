@@ -95,7 +95,7 @@ def _sbatch_args(line: str) -> list[str]:
     return [*args, arg] if started else args
 
 
-def test_item7_sbatch_quotes_every_value(tmp_path):
+def test_the_sbatch_script_quotes_every_value(tmp_path):
     from launcher.slurm.submit import render_sbatch
     from trainer.core.config import load_config
 
@@ -145,7 +145,7 @@ def test_item7_sbatch_quotes_every_value(tmp_path):
     assert _sbatch_args(header["#SBATCH --job-name"]) == [f"--job-name={run_dir.name}"]
 
 
-def test_item7_line_breaks_in_slurm_values_exit_2(tmp_path):
+def test_line_breaks_in_slurm_values_exit_2(tmp_path):
     for override in (
         'slurm.partition="gpu\\nrm -rf ~"',
         'slurm.account="a\\u0000b"',

@@ -1,5 +1,4 @@
-"""metrics.jsonl on resume: a torn last line is dropped, a failed rewrite loses nothing
-(issue 19, item 3)."""
+"""metrics.jsonl on resume: a torn last line is dropped, a failed rewrite loses nothing."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ def _lines(steps) -> str:
     return "".join(json.dumps({"step": s, "loss": 5.0 - s / 10}) + "\n" for s in steps)
 
 
-def test_item3_resume_drops_torn_metrics_line(tmp_path, caplog):
+def test_resume_drops_a_torn_metrics_line(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
     path.write_text(_lines([1, 2, 3]) + '{"step": 4, "lo')  # the writer died mid-line
     with caplog.at_level(logging.WARNING):

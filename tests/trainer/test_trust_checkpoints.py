@@ -1,4 +1,4 @@
-"""Checkpoints under faults (issue 29): a damaged newest checkpoint is skipped in one line and the
+"""Checkpoints under faults: a damaged newest checkpoint is skipped in one line and the
 run resumes from the newest good one, a full disk during a save is one line and keeps the previous
 checkpoint, and the last step of every run is in a checkpoint."""
 

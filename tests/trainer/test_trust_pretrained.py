@@ -1,5 +1,5 @@
 """The per-rank safetensors reader (trainer/model/pretrained.py) checks a file's header as the
-safetensors library does (issue 29): offsets in the file, no overlaps or gaps, sizes matching
+safetensors library does: offsets in the file, no overlaps or gaps, sizes matching
 dtype x shape, a sane header length. A bad file is refused in one line naming it (exit 2)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Trackers under faults (issue 29): a tracker whose calls block never delays the run or its stop,
+"""Trackers under faults: a tracker whose calls block never delays the run or its stop,
 and a tracking URI's password never reaches the log or a run file.
 
 The blocking tracker is a fault injection, registered in `TRACKERS` under a name the config

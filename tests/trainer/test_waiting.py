@@ -1,4 +1,4 @@
-"""Ranks wait on rank 0's serial work, not on a clock (issue 20, item 1); what waits on
+"""Ranks wait on rank 0's serial work, not on a clock; what waits on
 something outside the run (an async checkpoint's writes, scontrol) has a bound (item 3).
 
 Two ranks with `dist.timeout_s=2`, and rank 0's tokenisation, checkpoint completion and final save

@@ -351,11 +351,6 @@ def describe_method(cfg: JobConfig, model: nn.Module) -> str:
     return f" ({cfg.finetune.method}: {num:,} trainable)"
 
 
-def adapter_state(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapter weights among canonical names, as peft saves them (adapter name dropped)."""
-    return {n.replace(f".{ADAPTER_NAME}.", "."): t for n, t in weights.items() if ".lora_" in n}
-
-
 _SAMPLES_PER_FILE = 16
 _SAMPLE_BYTES = 4096
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
