@@ -13,7 +13,7 @@ experts; every other key at the class's default), and four things are tried:
 
 - estimated: `model_shape` + `with_activations` + `estimate` (single, micro-batch 2) answers;
   the column says how its activations were counted (analytic / traced / bound);
-- traced: one step of the engine traced under fake tensors (`launcher/trace.py`), and the
+- traced: one step of the engine traced under fake tensors (`launcher/estimate/trace.py`), and the
   analytic peak's error against it;
 - single: `steps` optimizer steps of the real engine, fp32, one CPU process (finite losses);
 - fsdp x2: the same steps under FSDP2 on two CPU processes (one torchrun launch for all types),
@@ -143,9 +143,9 @@ def check_one(model_type: str, work: Path, steps: int) -> dict[str, Any]:
         return {**out, "config": _first_line(err)}
     out["config"] = "ok"
     path = job(model_type, work, steps, config)
-    from launcher.activations import with_activations
-    from launcher.estimate import estimate
-    from launcher.model_shape import model_shape
+    from launcher.estimate.activations import with_activations
+    from launcher.estimate.peak import estimate
+    from launcher.estimate.shape import model_shape
     from trainer.core.config import load_config
 
     cfg = load_config(path, ["strategy=single", f"run.dir={work / 'runs' / model_type / 'single'}"])
@@ -172,7 +172,7 @@ def check_one(model_type: str, work: Path, steps: int) -> dict[str, Any]:
     except Exception as err:
         out["estimated"] = _first_line(err)
     try:
-        from launcher.trace import trace_step
+        from launcher.estimate.trace import trace_step
 
         traced = trace_step(
             dict(cfg.model.config),
@@ -195,7 +195,7 @@ def check_one(model_type: str, work: Path, steps: int) -> dict[str, Any]:
     except Exception as err:
         out["traced"] = _first_line(err)
     try:
-        from launcher.preflight import tokenize_data
+        from launcher.run.preflight import tokenize_data
         from trainer.engine import run_training
 
         tokenize_data(cfg)

@@ -24,10 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.backends import BackendContext, OptimizerSpec, build_backend  # noqa: E402
-from trainer.checkpoint import Checkpointer  # noqa: E402
+from trainer.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from trainer.core.config import build_config  # noqa: E402
 from trainer.core.units import GIB
-from trainer.model import HFModelFactory, count_parameters  # noqa: E402
+from trainer.model.build import HFModelFactory, count_parameters  # noqa: E402
 from trainer.step import train_step  # noqa: E402
 
 MODEL = {

@@ -183,8 +183,8 @@ def largest_model_that_fits(
     """
     import psutil
 
-    from launcher.hardware import Hardware
-    from launcher.plan import NoFitError, make_plan
+    from launcher.plan.hardware import Hardware
+    from launcher.plan.planner import NoFitError, make_plan
     from trainer.core import strategies
 
     if device.type == "cuda":

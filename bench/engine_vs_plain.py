@@ -47,8 +47,8 @@ from bench.common import (
 from bench.contenders import Contender, add_sessions_arg, time_in_processes
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
 from trainer.backends.common import autocast_context, build_adamw
-from trainer.metrics import MetricsLog
-from trainer.model import HFModelFactory
+from trainer.model.build import HFModelFactory
+from trainer.observe.metrics import MetricsLog
 from trainer.step import train_step
 
 OPTIM = OptimizerSpec(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0)

@@ -11,7 +11,7 @@ optimizer step (the planner's accumulation case) and two steps; the second step 
 estimate. Compared: the estimate's `peak_tensor_bytes` with `torch.cuda.max_memory_allocated`
 and its `total_bytes` with `max_memory_reserved` plus the CUDA context (measured once per run as
 the device's used memory before the model, `torch.cuda.mem_get_info`). The table prints last;
-with `$OUT` set, `$OUT/estimate_gpu.json` holds every run's details. Target (issue 4): the
+with `$OUT` set, `$OUT/estimate_gpu.json` holds every run's details. Target: the
 estimate within +-10% of the measured peak and never more than 5% under it.
 """
 
@@ -72,8 +72,8 @@ CPU_SMOKE_GRID = (
 
 def estimate_for(run: Run, device_type: str, device_memory_bytes: int) -> dict[str, Any]:
     """What `oomless estimate` says for this run (pure; no device touched)."""
-    from launcher.estimate import estimate
-    from launcher.model_shape import model_shape
+    from launcher.estimate.peak import estimate
+    from launcher.estimate.shape import model_shape
 
     with tempfile.TemporaryDirectory() as tmp:
         shape = model_shape(_job(run, device_type, Path(tmp)).model)
@@ -129,7 +129,7 @@ def measure(run: Run, device_type: str) -> dict[str, Any]:
     from bench.common import make_batches
     from bench.engine_vs_plain import OPTIM
     from trainer.backends import BackendContext, build_backend
-    from trainer.model import HFModelFactory
+    from trainer.model.build import HFModelFactory
     from trainer.step import train_step
 
     device = torch.device(device_type)

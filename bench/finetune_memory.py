@@ -1,6 +1,6 @@
 """The estimator's memory for each fine-tune method on the presets, and beside torchtune's table.
 
-Pure arithmetic (launcher/estimate.py, no torch, no GPU): one device, bf16, packed windows. Per
+Pure arithmetic (launcher/estimate/peak.py, no torch, no GPU): one device, bf16, packed windows. Per
 shipped preset and per method (full fine-tuning with fp32 AdamW or 8-bit moments, LoRA
 r=16 on every linear, QLoRA), the model states (parameters + gradients + optimizer state) and the
 device total of one step (micro-batch 1, sequence 2048, full activation checkpointing; what must
@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from launcher.estimate import estimate
-from launcher.model_shape import model_shape
+from launcher.estimate.peak import estimate
+from launcher.estimate.shape import model_shape
 from trainer.core.config import ModelConfig
 from trainer.core.hf_config import preset_index
 from trainer.core.step_spec import Finetune, StepSpec

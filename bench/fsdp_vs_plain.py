@@ -39,7 +39,7 @@ from bench.common import (
 from bench.engine_vs_plain import OPTIM
 from trainer.backends import BackendContext, build_backend
 from trainer.backends.common import COMPUTE_DTYPES, build_adamw
-from trainer.model import HFModelFactory, decoder_layers
+from trainer.model.build import HFModelFactory, decoder_layers
 from trainer.step import train_step
 
 
@@ -150,6 +150,6 @@ def report(
 
 if __name__ == "__main__":
     main()
-    from trainer.dist import exit_without_teardown
+    from trainer.runtime.dist import exit_without_teardown
 
     exit_without_teardown(0)  # a torchrun worker: gloo can abort at interpreter teardown

@@ -34,8 +34,8 @@ from bench.common import (
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
 from trainer.core.strategies import AC_LEVELS
 from trainer.core.units import GIB, MIB
-from trainer.levers import MemoryLevers
-from trainer.model import HFModelFactory
+from trainer.memory.levers import MemoryLevers
+from trainer.model.build import HFModelFactory
 from trainer.step import train_step
 
 OPTIM = OptimizerSpec(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0)

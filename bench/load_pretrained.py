@@ -1,5 +1,5 @@
 """Loading a ~1B pretrained model under fsdp x 2 on the CPU: time and host peak, per-rank reads
-against the broadcast from rank 0 (main's path before issue 16).
+against the broadcast from rank 0 (the path before per-rank loading).
 
     python -m bench.load_pretrained [--cache DIR] [--json out.json]
 
@@ -7,7 +7,7 @@ The model (a 1.01B Llama: hidden 2048, 20 layers, 32000 vocabulary, untied; rand
 saved once with `save_pretrained` in bf16, as Hub checkpoints are, into `--cache` (default
 `~/.cache/oomless/bench/llama-1b`). Each mode is one torchrun launch of two CPU ranks that run the
 FSDP backend's setup (meta build, `fully_shard`, `to_empty`, the initial weights) on it:
-`per_rank` reads each rank's shard from the safetensors files (trainer/pretrained.py);
+`per_rank` reads each rank's shard from the safetensors files (trainer/model/pretrained.py);
 `broadcast` is the old path: rank 0 loads the whole model with `from_pretrained`, copies its
 state dict, and sends every rank its shard (`set_model_state_dict(broadcast_from_rank0)`).
 Reported per rank: the setup's wall time and the process's peak resident set (`ru_maxrss`) over
@@ -62,7 +62,7 @@ def worker(model_dir: Path, mode: str, out: Path) -> None:
 
     from trainer.backends import BackendContext, OptimizerSpec, build_backend
     from trainer.core.config import build_config
-    from trainer.model import HFModelFactory
+    from trainer.model.build import HFModelFactory
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -38,7 +38,7 @@ def _median_s(fn, rounds: int) -> float:
 def all_to_all(seq: int, rounds: int) -> dict:
     import torch.distributed as dist
 
-    from trainer.sequence_parallel import all_to_all as exchange
+    from trainer.memory.sequence_parallel import all_to_all as exchange
 
     dist.init_process_group("gloo")
     sp = dist.get_world_size()
@@ -71,7 +71,7 @@ def tiled_mlp(seq: int, rounds: int) -> dict:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from trainer.tiled_mlp import TiledForward
+    from trainer.memory.tiled_mlp import TiledForward
 
     torch.manual_seed(0)
     mlp = LlamaMLP(LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE))

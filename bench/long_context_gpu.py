@@ -3,7 +3,7 @@
 Llama-3.1-8B's layer shape (hidden 4,096, intermediate 14,336, 32 heads, 8 key/value heads,
 vocabulary 128,256) with `--layers` decoder layers, on the `single` rung as the engine builds
 it: bf16 autocast over fp32 weights, full activation checkpointing, chunked loss and the tiled
-MLP (`trainer/tiled_mlp.py`), fused AdamW. One sequence per step at each of `--seqs`; packed
+MLP (`trainer/memory/tiled_mlp.py`), fused AdamW. One sequence per step at each of `--seqs`; packed
 (two documents: the block-causal mask) up to `--packed-max` tokens, one causal document above
 (no mask: the estimate is told which). The second step is measured from
 `torch.cuda.reset_peak_memory_stats`: `max_memory_allocated` vs the estimate's
@@ -22,16 +22,16 @@ from typing import Any
 
 import torch
 
-from launcher.estimate import estimate
-from launcher.model_shape import shape_of
+from launcher.estimate.peak import estimate
+from launcher.estimate.shape import shape_of
 from trainer.backends import OptimizerSpec
 from trainer.backends.common import build_adamw
 from trainer.core.config import ModelConfig
 from trainer.core.step_spec import StepSpec
-from trainer.levers import MemoryLevers
 from trainer.loss import compute_loss
-from trainer.model import HFModelFactory, apply_activation_checkpointing
-from trainer.tiled_mlp import apply_tiled_mlp
+from trainer.memory.levers import MemoryLevers
+from trainer.memory.tiled_mlp import apply_tiled_mlp
+from trainer.model.build import HFModelFactory, apply_activation_checkpointing
 
 LLAMA_8B_LAYER = {
     "model_type": "llama",

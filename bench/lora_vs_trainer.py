@@ -35,8 +35,8 @@ from bench.contenders import Contender, add_sessions_arg, time_in_processes
 from bench.engine_vs_plain import OPTIM, build_hf_trainer
 from trainer.backends import BackendContext, build_backend
 from trainer.core.config import FinetuneConfig
-from trainer.finetune import COMPUTE_DTYPES, build_factory, lora_target_modules
-from trainer.model import HFModelFactory
+from trainer.model.build import HFModelFactory
+from trainer.model.finetune import COMPUTE_DTYPES, build_factory, lora_target_modules
 from trainer.step import train_step
 
 

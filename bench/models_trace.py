@@ -1,13 +1,13 @@
-"""The estimate against the traced step for the nine architectures of issue 16.
+"""The estimate against the traced step for nine architectures.
 
     python -m bench.models_trace [--types gpt2,falcon] [--sizes small,medium] [--json out.json]
 
 gpt_neox, gpt2, falcon, gemma3_text, qwen3, olmo2, mixtral, qwen3_moe and gpt_oss, built from their
 own HF config classes at two small sizes (bench/all_models.py's tiny config, resized): for each,
-the activations are measured as `oomless plan` measures them (launcher/activations.py, at the
-grid's sequence length), then the analytic `peak_tensor_bytes` is compared with one real step of
-the engine traced under fake tensors (launcher/trace.py) on single and fsdp x4, micro-batch 1
-and 4, checkpointing none and full (bf16). Prints every case and the median and largest
+the activations are measured as `oomless plan` measures them (launcher/estimate/activations.py, at
+the grid's sequence length), then the analytic `peak_tensor_bytes` is compared with one real step of
+the engine traced under fake tensors (launcher/estimate/trace.py) on single and fsdp x4, micro-batch
+1 and 4, checkpointing none and full (bf16). Prints every case and the median and largest
 absolute error. tests/launcher/test_models_trace.py runs a covering subset in CI.
 """
 
@@ -58,8 +58,8 @@ def sized_config(model_type: str, size: str) -> dict[str, Any]:
 
 def measured_shape(config: dict[str, Any]):
     """The shape with the activations `oomless plan` would attach (measured at SEQ_LEN)."""
-    from launcher.activations import trace_layer_activations
-    from launcher.model_shape import shape_of
+    from launcher.estimate.shape import shape_of
+    from launcher.estimate.traced_activations import trace_layer_activations
 
     shape = shape_of(json.dumps(config, sort_keys=True))
     acts = trace_layer_activations(config, SEQ_LEN, "bf16")  # gpt_oss: eager, as it runs
@@ -68,8 +68,8 @@ def measured_shape(config: dict[str, Any]):
 
 def relative_error(config: dict[str, Any], shape, case: tuple) -> tuple[float, str, str]:
     """(analytic - traced) / traced peak tensor bytes for one case, and each one's peak phase."""
-    from launcher.estimate import estimate
-    from launcher.trace import trace_step
+    from launcher.estimate.peak import estimate
+    from launcher.estimate.trace import trace_step
 
     (strategy, world), micro, ckpt = case
     common = {"strategy": strategy, "world_size": world, "micro_batch_size": micro,

@@ -9,7 +9,7 @@ the CLI on a shape no preset ships and no cache holds (the 70B config with 79 la
 `XDG_CACHE_HOME` per run): the shape is counted by arithmetic, without torch. The traced cold
 start is the CLI on a block type the analytic model does not know (a 1.0B gpt_neox: 16 layers,
 hidden 2048, seq 4096, bf16) with an empty cache: its activations are measured by tracing
-(launcher/activations.py), on copies of 3 and 4 layers.
+(launcher/estimate/activations.py), on copies of 3 and 4 layers.
 """
 
 from __future__ import annotations
@@ -106,9 +106,9 @@ def _empty_cache_seconds(job: dict[str, Any], repeats: int) -> list[float]:
 
 
 def in_process_seconds(num_calls: int) -> list[float]:
-    from launcher.hardware import detect_hardware
-    from launcher.model_shape import model_shape
-    from launcher.plan import NoFitError, make_plan
+    from launcher.estimate.shape import model_shape
+    from launcher.plan.hardware import detect_hardware
+    from launcher.plan.planner import NoFitError, make_plan
     from trainer.core.config import load_config
 
     cfg = load_config(PRESET, OVERRIDES)

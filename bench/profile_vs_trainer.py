@@ -1,6 +1,6 @@
 """Where the time of one eager step goes: oomless `single`, the plain loop and the transformers
 Trainer on `make bench`'s job, each profiled with the engine's profiler window
-(`trainer/profile.py`: the same trace, memory events and phase markers a `debug.profile` run
+(`trainer/observe/profile.py`: the same trace, memory events and phase markers a `debug.profile` run
 writes), and the load-insensitive differences printed side by side: operator counts,
 allocations, threads, and the share of the step in each phase.
 
@@ -26,8 +26,8 @@ import torch
 
 from bench.common import make_batches, resolve_device
 from bench.engine_vs_plain import HFTrainerStepper, OomlessSingle, PlainLoop
-from trainer.phases import MARKER
-from trainer.profile import ProfileWindow, trace_path
+from trainer.observe.phases import MARKER
+from trainer.observe.profile import ProfileWindow, trace_path
 
 _STEP = "oomless: optimizer step "
 

@@ -2,8 +2,8 @@
 
 A Llama of 2 layers (hidden 256, intermediate 1,024, vocabulary 1,024) in fp32, one sequence
 of `--seq` tokens; forward and backward timed with the MLPs plain and then tiled by the engine's
-`trainer.tiled_mlp.apply_tiled_mlp` (chunks of the hidden size, 256 tokens), alternating rounds.
-Saved bytes: the tensors autograd keeps for backward (saved_tensors_hooks), by storage.
+`trainer.memory.tiled_mlp.apply_tiled_mlp` (chunks of the hidden size, 256 tokens), alternating
+rounds. Saved bytes: the tensors autograd keeps for backward (saved_tensors_hooks), by storage.
 
     python -m bench.tiled_mlp [--seq 4096] [--rounds 10]
 """
@@ -17,7 +17,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainer.tiled_mlp import apply_tiled_mlp
+from trainer.memory.tiled_mlp import apply_tiled_mlp
 
 
 def _model() -> torch.nn.Module:

@@ -49,7 +49,7 @@ from bench.common import (
 )
 from bench.engine_vs_plain import OPTIM
 from trainer.backends import BackendContext, build_backend
-from trainer.model import HFModelFactory
+from trainer.model.build import HFModelFactory
 from trainer.step import train_step
 
 AUTOCAST = {"bf16": "bfloat16"}
@@ -200,6 +200,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from trainer.dist import exit_without_teardown
+    from trainer.runtime.dist import exit_without_teardown
 
     exit_without_teardown(0)  # a torchrun worker: gloo can abort at interpreter teardown

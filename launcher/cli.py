@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from launcher.plan import NoFitError
+from launcher.plan.planner import NoFitError
 from trainer.core.config import ConfigError, dump_config, load_config
 from trainer.core.contract import EXIT_CUT_OFF, EXIT_NO_FIT, EXIT_OK, EXIT_USAGE, METRICS_FILE
 from trainer.core.files import read_jsonl
@@ -69,13 +69,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
-        from trainer.export import export_command
+        from trainer.checkpoint.export import export_command
 
         return export_command(
             args.checkpoint, args.out_dir, args.overwrite, args.trust_remote_code, args.merge
         )
     if args.command == "report":
-        from launcher.report import report_command
+        from launcher.report.run_report import report_command
 
         return report_command(args.run_dir)
     cfg = load_config(args.config, args.overrides)
@@ -83,22 +83,22 @@ def _dispatch(args: argparse.Namespace) -> int:
         sys.stdout.write(dump_config(cfg))
         return EXIT_OK
     if args.command == "estimate":
-        from launcher.estimate_report import estimate_command
+        from launcher.report.estimate_report import estimate_command
 
         return estimate_command(cfg, as_json=args.json, trace=args.trace)
     if args.command == "plan":
-        from launcher.plan_report import plan_command
+        from launcher.report.plan_report import plan_command
 
         return plan_command(cfg, as_json=args.json, emit=args.emit)
     if args.command == "train":
-        from launcher.supervisor import train_command
+        from launcher.run.supervisor import train_command
 
         code = train_command(cfg, dry_run=args.dry_run)
         if code == EXIT_OK and not args.dry_run:
             _print_last_metrics(Path(cfg.run.dir).expanduser())
         return code
     if args.command == "submit":
-        from launcher.slurm import submit_command
+        from launcher.slurm.submit import submit_command
 
         return submit_command(cfg, dry_run=args.dry_run)
     raise AssertionError(args.command)

@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from launcher.model_shape import PRESETS
+from launcher.estimate.shape import PRESETS
 from tests.conftest import REPO
 from trainer.core.config import load_config
 

@@ -96,7 +96,7 @@ def _where(path: Path, text: str, find: Callable[[str], list[str]]) -> list[str]
 
 
 def test_the_checker_finds_a_missing_path_and_a_missing_name() -> None:
-    text = "see launcher/plan.py, launcher/nope.py, docs/planner.md. and INTERFACE.md"
+    text = "see launcher/plan/planner.py, launcher/nope.py, docs/planner.md. and INTERFACE.md"
     assert missing_paths(text) == ["launcher/nope.py"]
     assert missing_names(text, _repo_file_names()) == ["INTERFACE.md"]
     assert missing_paths("~/.cache/oomless/bench/x.json and $OUT/docs/x.md") == []

@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 29): job files, overrides, data files, command lines and run-dir states
+"""Hostile inputs: job files, overrides, data files, command lines and run-dir states
 that a careless or hostile user could hand oomless. Each case runs the CLI as a user does, in a
 process of its own, and asserts what the user would notice: the exit code is 0, 2 or 143; stderr
 holds no traceback; an exit 2 is ONE line that names the key or the file and says what is wrong

@@ -1,5 +1,5 @@
 """A resume that would change the math is refused before anything is written; one that does not
-(a longer run, another cache dir or attention kernel) continues (issue 19, item 4)."""
+(a longer run, another cache dir or attention kernel) continues."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One run per run.dir, and no worker outlives its supervisor (issue 19, item 2)."""
+"""One run per run.dir, and no worker outlives its supervisor."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from trainer.core.run_lock import LOCK_FILE, acquire_run_lock
 
 
 @pytest.mark.slow
-def test_item2_second_start_exits_2_and_a_killed_supervisor_takes_its_workers(tmp_path):
+def test_a_second_start_exits_2_and_a_killed_supervisor_takes_its_workers(tmp_path):
     run_dir = tmp_path / "run"
     args = [
         "train",
@@ -87,7 +87,7 @@ def test_item2_second_start_exits_2_and_a_killed_supervisor_takes_its_workers(tm
     assert not (run_dir / LOCK_FILE).exists()
 
 
-def test_item2_lock_of_a_live_process_refuses_a_dead_ones_is_taken_over(tmp_path, caplog):
+def test_the_lock_of_a_live_process_refuses_a_dead_ones_is_taken_over(tmp_path, caplog):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     host = socket.gethostname()

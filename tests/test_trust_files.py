@@ -1,4 +1,4 @@
-"""Run files under hostile or broken conditions (issue 29): a symbolic link planted in run.dir is
+"""Run files under hostile or broken conditions: a symbolic link planted in run.dir is
 replaced or refused, never written through; a side file torn by a kill or malformed costs one
 warning, never the resume; what a script wants is on stdout and nothing else is.
 

@@ -25,7 +25,7 @@ from trainer.core.strategies import names
 
 pytestmark = pytest.mark.slow
 
-TEMPLATE = REPO / "launcher" / "templates" / "submit.sbatch.tmpl"
+TEMPLATE = REPO / "launcher" / "slurm" / "templates" / "submit.sbatch.tmpl"
 JOB = {
     "model": {"name_or_path": "meta-llama/Llama-3.1-8B"},
     "data": {"path": "HuggingFaceH4/no_robots", "format": "chat", "seq_len": 4096},

@@ -27,8 +27,8 @@ def main(argv: list[str]) -> int:
         # Global rank 0 holds run.dir for the run (a Slurm job, a torchrun started by hand);
         # under `oomless train` the supervisor's lock is recognised and kept by the supervisor.
         lock = acquire_run_lock(cfg.run.dir) if os.environ.get("RANK", "0") == "0" else None
-        from trainer.dist import exit_without_teardown
         from trainer.engine import run_training
+        from trainer.runtime.dist import exit_without_teardown
 
         try:
             code = run_training(cfg)

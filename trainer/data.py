@@ -38,8 +38,8 @@ import torch
 from trainer.core.config import ConfigError, DataConfig, JobConfig, ModelConfig
 from trainer.core.errors import not_writable
 from trainer.core.rows import bad_row_error, data_files, field, messages, no_rows_error, read_rows
-from trainer.dist import after_rank0, slow_down
 from trainer.loss import IGNORE_INDEX
+from trainer.runtime.dist import after_rank0, slow_down
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,6 @@ update does not depend on how the batch is split into ranks and micro-batches.
 
 from __future__ import annotations
 
-import itertools
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -19,63 +17,60 @@ from typing import Any
 import torch
 
 from trainer.backends import Backend, BackendContext, OptimizerSpec, build_backend
-from trainer.checkpoint import (
+from trainer.backoff import (
+    BatchSplit,
+    OutOfMemoryGaveUp,
+    evaluate_with_backoff,
+    report_oom,
+    report_oom_alone,
+    step_with_backoff,
+    write_report,
+)
+from trainer.checkpoint.checkpointer import (
     Checkpointer,
     load_checkpoint,
     load_template,
     resolve_resume,
     restore_rng,
 )
+from trainer.checkpoint.export import save_final_model
 from trainer.core.config import JobConfig
-from trainer.core.contract import EXIT_OOM, EXIT_SIGNAL, FINAL_DIR, PLAN_FILE
+from trainer.core.contract import EXIT_OOM, EXIT_SIGNAL, FINAL_DIR
 from trainer.core.gpus import peak_flops_for
 from trainer.core.logs import setup_logging
-from trainer.core.strategies import AC_LEVELS
 from trainer.data import build_data, build_tokenizer
-from trainer.dist import (
+from trainer.memory.levers import MemoryLevers, concrete_lever
+from trainer.memory.sequence_parallel import (
+    apply_sequence_parallel,
+    build_sequence_mesh,
+    check_sequence_parallel,
+    concrete_sequence_parallel,
+)
+from trainer.memory.tiled_mlp import apply_tiled_mlp, tiled_mlp_chunk_tokens
+from trainer.model.build import (
+    HFModelFactory,
+    count_parameters,
+    num_compiled_layers,
+)
+from trainer.model.finetune import build_factory, describe_method
+from trainer.observe.metrics import MetricsLog
+from trainer.observe.profile import ProfileWindow
+from trainer.observe.trackers import Trackers
+from trainer.runtime.dist import (
     after_rank0,
-    all_reduce_max,
-    all_reduce_sum,
     env_rank,
     init_distributed,
     resolve_device,
     slow_down,
 )
-from trainer.evaluate import evaluate
-from trainer.export import save_final_model
-from trainer.finetune import build_factory, describe_method
-from trainer.levers import LEVER_NAMES, MemoryLevers, concrete_lever
-from trainer.metrics import MetricsLog
-from trainer.model import (
-    HFModelFactory,
-    count_parameters,
-    num_compiled_layers,
-    set_activation_checkpointing,
-)
-from trainer.oom import (
+from trainer.runtime.oom import (
     FaultInjector,
     OutOfMemoryInStep,
-    StepAborted,
-    free_memory,
     is_oom,
-    memory_summary,
-    write_oom_report,
 )
-from trainer.profile import ProfileWindow
+from trainer.runtime.signals import StopSignals
+from trainer.runtime.slurm_requeue import after_stop
 from trainer.schedule import lr_at
-from trainer.sequence_parallel import (
-    SequenceMesh,
-    apply_sequence_parallel,
-    build_sequence_mesh,
-    check_sequence_parallel,
-    concrete_sequence_parallel,
-    split_sequence,
-)
-from trainer.signals import StopSignals
-from trainer.slurm_requeue import after_stop
-from trainer.step import train_step
-from trainer.tiled_mlp import apply_tiled_mlp, tiled_mlp_chunk_tokens
-from trainer.trackers import Trackers
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +158,7 @@ def _setup(cfg: JobConfig) -> _Run | int:
         # No agreement is possible here (the others may be in a collective of setup or load):
         # this rank reports alone and leaves; torchrun stops the others.
         measured = int(backend.memory_stats()["peak_device_bytes"])
-        _write_report(run_dir, phase, err, [rank], measured, 0, start_step, split, ctx)
+        write_report(run_dir, phase, err, [rank], measured, 0, start_step, split, ctx)
         return EXIT_OOM
     split.levers = _memory_levers(cfg, model, device)
     if concrete_lever(cfg.memory.tiled_mlp):  # auto: off until the planner chooses
@@ -215,12 +210,12 @@ def _train(run: _Run) -> int:
         run.faults.step = step
         try:
             window.begin(step)
-            result = _step_with_backoff(run.model, backend, run.data, split, step, ctx, run.faults)
+            result = step_with_backoff(run.model, backend, run.data, split, step, ctx, run.faults)
         except OutOfMemoryGaveUp as err:
-            _report_oom(run.run_dir, err, step, split, backend, ctx)
+            report_oom(run.run_dir, err, step, split, backend, ctx)
             return _ended(EXIT_OOM, trackers, window)
         except OutOfMemoryInStep as err:  # this rank alone; no collective may follow
-            _report_oom_alone(run.run_dir, err, step, split, backend, ctx)
+            report_oom_alone(run.run_dir, err, step, split, backend, ctx)
             return _ended(EXIT_OOM, trackers, window)
         profiled = window.end(step)
         stopping, peak_bytes = stop.agreed_with(
@@ -236,10 +231,10 @@ def _train(run: _Run) -> int:
             eval_set = run.data.eval
             try:
                 record.update(
-                    _evaluate_with_backoff(run.model, backend, eval_set, split, ctx, run.faults)
+                    evaluate_with_backoff(run.model, backend, eval_set, split, ctx, run.faults)
                 )
             except OutOfMemoryGaveUp as err:  # at eval batch 1: climb a rung, like a step
-                _report_oom(run.run_dir, err, step, split, backend, ctx)
+                report_oom(run.run_dir, err, step, split, backend, ctx)
                 return _ended(EXIT_OOM, trackers, window)
         metrics.write(record)
         trackers.log(record)
@@ -330,239 +325,6 @@ def _save_final(run: _Run) -> None:
         log.info("saved the trained model to %s", out)
 
     after_rank0("saving the final model", save_final, clock_s=run.cfg.dist.timeout_s)
-
-
-@dataclass
-class BatchSplit:
-    """How this rank's share of the global batch is cut: the share of its sequence group
-    (`mesh`: the slice of every sequence it holds), micro-batch x accumulation, and which layers
-    recompute their activations.
-
-    The OOM back-off changes the cut and the recomputation, never the share: what is learned
-    stays the same.
-    """
-
-    mesh: SequenceMesh
-    per_rank: int  # sequences of the group's share
-    micro_batch_size: int
-    activation_checkpointing: str = "none"
-    eval_batch_size: int = 0
-    levers: MemoryLevers | None = None  # chunked loss, activation offload: set once built
-
-    def __post_init__(self) -> None:
-        self.eval_batch_size = self.eval_batch_size or self.micro_batch_size
-
-    @property
-    def grad_accum(self) -> int:
-        return self.per_rank // self.micro_batch_size
-
-
-class OutOfMemoryGaveUp(Exception):
-    def __init__(self, aborted: StepAborted, num_backoffs: int):
-        super().__init__(str(aborted))
-        self.aborted = aborted
-        self.num_backoffs = num_backoffs
-
-
-def _halved(size: int, per_rank: int) -> int | None:
-    """The largest divisor of per_rank at most half of size (None at 1)."""
-    for candidate in range(size // 2, 0, -1):
-        if per_rank % candidate == 0:
-            return candidate
-    return None
-
-
-def _step_with_backoff(
-    model: torch.nn.Module,
-    backend: Backend,
-    data: Any,
-    split: BatchSplit,
-    step: int,
-    ctx: BackendContext,
-    faults: FaultInjector,
-):
-    """Run the step; on an OOM on any rank, all ranks halve the micro-batch and redo it; at
-    micro-batch 1 they switch on chunked loss, then activation offload, then raise the
-    activation checkpointing level, up to `full` (each keeps the math)."""
-    num_backoffs = 0
-    while True:
-        mesh = split.mesh
-        batches = [
-            split_sequence(batch, mesh)
-            for batch in data.train.micro_batches(
-                step,
-                mesh.data_rank,
-                mesh.num_data_ranks,
-                split.micro_batch_size,
-                ctx.cfg.train.global_batch_size,
-            )
-        ]
-        try:
-            return train_step(model, backend, batches, ctx.device, faults)
-        except StepAborted as err:
-            del batches
-            backend.drop_grads()
-            split.levers.drop_partial_step()
-            free_memory(ctx.device)
-            smaller = _halved(split.micro_batch_size, split.per_rank)
-            if smaller is None and (lever := split.levers.next_off()) is not None:
-                num_backoffs += 1
-                log.warning(
-                    "step %d: out of memory in %s at micro-batch 1; retrying with %s on",
-                    step + 1,
-                    err.phase,
-                    LEVER_NAMES[lever],
-                )
-                split.levers.set(lever, True)
-                continue
-            if smaller is None:  # at micro-batch 1: recompute more layers, if any are left
-                level = split.activation_checkpointing
-                if level == AC_LEVELS[-1]:
-                    raise OutOfMemoryGaveUp(err, num_backoffs) from None
-                higher = AC_LEVELS[AC_LEVELS.index(level) + 1]
-                num_backoffs += 1
-                log.warning(
-                    "step %d: out of memory in %s at micro-batch 1; retrying with activation "
-                    "checkpointing %s (was %s)",
-                    step + 1,
-                    err.phase,
-                    higher,
-                    level,
-                )
-                set_activation_checkpointing(model, higher)
-                split.activation_checkpointing = higher
-                continue
-            num_backoffs += 1
-            log.warning(
-                "step %d: out of memory in %s; retrying with micro-batch %d x accumulation %d "
-                "(was %d x %d); the global batch is unchanged",
-                step + 1,
-                err.phase,
-                smaller,
-                split.per_rank // smaller,
-                split.micro_batch_size,
-                split.grad_accum,
-            )
-            split.micro_batch_size = smaller
-            backend.set_micro_batch(smaller, split.grad_accum)
-
-
-def _evaluate_with_backoff(
-    model: torch.nn.Module,
-    backend: Backend,
-    eval_set: Any,
-    split: BatchSplit,
-    ctx: BackendContext,
-    faults: FaultInjector,
-) -> dict[str, float]:
-    """Evaluate; an OOM halves the eval batch and starts the evaluation over; at eval batch 1
-    it gives up like a training step (OutOfMemoryGaveUp: report, exit 75, climb)."""
-    num_backoffs = 0
-    while True:
-        mesh = split.mesh
-        batches = eval_set.batches(split.eval_batch_size, mesh.data_rank, mesh.num_data_ranks)
-        try:
-            return evaluate(
-                model,
-                (
-                    split_sequence(b, mesh)
-                    for b in itertools.islice(batches, ctx.cfg.train.eval_batches)
-                ),
-                backend.compute_context,
-                ctx.device,
-                faults,
-                mesh.group,
-            )
-        except StepAborted as err:
-            free_memory(ctx.device)
-            if split.eval_batch_size == 1:
-                raise OutOfMemoryGaveUp(err, num_backoffs) from None
-            num_backoffs += 1
-            split.eval_batch_size //= 2
-            log.warning("eval: out of memory; eval batch halved to %d", split.eval_batch_size)
-
-
-def _report_oom(
-    run_dir: Path,
-    err: OutOfMemoryGaveUp,
-    step: int,
-    split: BatchSplit,
-    backend: Backend,
-    ctx: BackendContext,
-) -> None:
-    """oom-report.json for the supervisor, which re-plans one rung up from it (all ranks)."""
-    failing = all_reduce_sum(
-        [
-            1.0 if (r == ctx.rank and err.aborted.local_error) else 0.0
-            for r in range(ctx.world_size)
-        ],
-        ctx.device,
-    )
-    measured = int(all_reduce_max(backend.memory_stats()["peak_device_bytes"], ctx.device))
-    if ctx.rank != 0:
-        return
-    ranks = [r for r, v in enumerate(failing) if v > 0]
-    error = err.aborted.local_error or err.aborted
-    _write_report(
-        run_dir, err.aborted.phase, error, ranks, measured, err.num_backoffs, step, split, ctx
-    )
-
-
-def _report_oom_alone(
-    run_dir: Path,
-    err: OutOfMemoryInStep,
-    step: int,
-    split: BatchSplit,
-    backend: Backend,
-    ctx: BackendContext,
-) -> None:
-    """The report of a rank that ran out of memory inside the optimizer step: written by that
-    rank without any collective (the others may be inside one); they are stopped by torchrun."""
-    measured = int(backend.memory_stats()["peak_device_bytes"])
-    _write_report(run_dir, err.phase, err.local_error, [ctx.rank], measured, 0, step, split, ctx)
-
-
-def _write_report(
-    run_dir: Path,
-    phase: str,
-    error: BaseException,
-    ranks: list[int],
-    measured_peak_bytes: int,
-    num_backoffs: int,
-    step: int,
-    split: BatchSplit,
-    ctx: BackendContext,
-) -> None:
-    plan_path = run_dir / PLAN_FILE
-    estimate = json.loads(plan_path.read_text()).get("estimate", {}) if plan_path.exists() else {}
-    report = {
-        "step": step + 1,
-        "phase": phase,
-        "strategy": ctx.cfg.strategy,
-        "world_size": ctx.world_size,
-        "micro_batch_size": split.micro_batch_size,
-        "activation_checkpointing": split.activation_checkpointing,
-        **(split.levers.state() if split.levers else {}),
-        "num_backoffs": num_backoffs,
-        "ranks": ranks,
-        "error": str(error),
-        # what the measurement is comparable with: allocator peak on CUDA, process RSS on CPU
-        "estimated_peak_bytes": estimate.get("device", {}).get(
-            "peak_tensor_bytes" if ctx.device.type == "cuda" else "total_bytes"
-        ),
-        "measured_peak_bytes": measured_peak_bytes,
-        "memory": memory_summary(ctx.device),
-    }
-    path = write_oom_report(run_dir, report, ctx.rank)
-    log.error(
-        "out of memory at step %d on %s in %s at micro-batch %d: wrote %s (exit %d)",
-        step + 1,
-        ctx.cfg.strategy,
-        phase,
-        split.micro_batch_size,
-        path,
-        EXIT_OOM,
-    )
 
 
 def _resume(path: Path, backend: Backend, cfg: JobConfig, rank: int, data_fingerprint: str) -> int:

@@ -11,9 +11,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.dist import all_reduce_sum
 from trainer.loss import IGNORE_INDEX, targets_of
-from trainer.oom import NO_FAULTS, FaultInjector, agree, is_oom
+from trainer.runtime.dist import all_reduce_sum
+from trainer.runtime.oom import NO_FAULTS, FaultInjector, agree, is_oom
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.chunked_loss import IGNORE_INDEX, chunked_head
+from trainer.memory.chunked_loss import IGNORE_INDEX, chunked_head, shifted_targets
 
 __all__ = [
     "IGNORE_INDEX",
@@ -23,7 +23,7 @@ def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tens
     the whole global batch, before any forward: no host sync here).
 
     Labels are aligned with input_ids (not shifted); position t predicts labels[t + 1]. A
-    batch split along the sequence (trainer/sequence_parallel.py) carries its `targets`
+    batch split along the sequence (trainer/memory/sequence_parallel.py) carries its `targets`
     instead, taken before the split.
     """
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids")}
@@ -40,11 +40,6 @@ def targets_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """What each position of the batch predicts: its `targets`, else the shifted labels."""
     targets = batch.get("targets")
     return shifted_targets(batch["labels"]) if targets is None else targets
-
-
-def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
-    """What each position predicts: the next label (the last position predicts nothing)."""
-    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -23,11 +23,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from trainer.backends import OptimizerSpec
 from trainer.core.config import ConfigError
-from trainer.dist import all_reduce_sum
-from trainer.finetune import require
-from trainer.oom import OutOfMemoryInStep
+from trainer.core.step_spec import OptimizerSpec
+from trainer.model.finetune import require
+from trainer.runtime.dist import all_reduce_sum
+from trainer.runtime.oom import OutOfMemoryInStep
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def _build_adamw(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.optim
 
 
 def import_torchao_optim() -> Any:
-    """torchao.optim (its import-time log lines are quieted in trainer.finetune)."""
+    """torchao.optim (its import-time log lines are quieted in trainer.model.finetune)."""
     require("torchao", "precision", "bf16_pure")
     return require("torchao.optim", "precision", "bf16_pure")
 

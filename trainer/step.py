@@ -11,10 +11,10 @@ from typing import Any, TypeVar
 import torch
 
 from trainer.backends import Backend
-from trainer.dist import all_reduce_sum
 from trainer.loss import IGNORE_INDEX, compute_loss, targets_of
-from trainer.oom import NO_FAULTS, FaultInjector, OutOfMemoryInStep, agree, is_oom
-from trainer.phases import OPTIMIZER, mark_in_profile
+from trainer.observe.phases import OPTIMIZER, mark_in_profile
+from trainer.runtime.dist import all_reduce_sum
+from trainer.runtime.oom import NO_FAULTS, FaultInjector, OutOfMemoryInStep, agree, is_oom
 
 T = TypeVar("T")
 

@@ -7,7 +7,10 @@ import json
 
 import pytest
 
-from launcher.activations import (
+from launcher.cli import main
+from launcher.estimate.analytic_activations import Micro, analytic_layer_bytes
+from launcher.estimate.shape import shape_of
+from launcher.estimate.traced_activations import (
     REDUCED_DEPTHS,
     _traced_on_two_cores,
     at_depth,
@@ -16,9 +19,6 @@ from launcher.activations import (
     reduced_depths,
     saved_activations,
 )
-from launcher.cli import main
-from launcher.estimate_activations import Micro, analytic_layer_bytes
-from launcher.model_shape import shape_of
 from tests.conftest import write_demo_job
 
 NEOX = {
@@ -159,12 +159,12 @@ def test_the_traces_split_over_two_processes_give_the_numbers_of_one_after_the_o
 def test_a_child_that_does_not_answer_in_time_has_its_traces_run_again_here(monkeypatch):
     """A forked child that hangs must not hang the plan: past the timeout its half of the
     traces runs in the planner's own process, with the same numbers."""
-    import launcher.activations as activations
+    import launcher.estimate.traced_activations as traced
 
     jobs = [(at_depth({**NEOX, "num_hidden_layers": 6}, 3), "autocast", part, b, 32, "bf16",
              "sdpa") for b in (1, 2) for part in ("backward", "forward")]  # fmt: skip
     serial = [layer_phase_peaks(*job) for job in jobs]
-    monkeypatch.setattr(activations, "_CHILD_TIMEOUT_S", 0)
+    monkeypatch.setattr(traced, "_CHILD_TIMEOUT_S", 0)
     assert _traced_on_two_cores(jobs) == serial
 
 

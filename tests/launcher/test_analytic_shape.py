@@ -11,8 +11,12 @@ from dataclasses import asdict
 import pytest
 import yaml
 
-from launcher.analytic_shape import ANALYTIC_TYPES, analytic_shape_fields, counts_analytically
-from launcher.model_shape import PRESETS, ModelShape, shape_of
+from launcher.estimate.analytic_shape import (
+    ANALYTIC_TYPES,
+    analytic_shape_fields,
+    counts_analytically,
+)
+from launcher.estimate.shape import PRESETS, ModelShape, shape_of
 from tests.conftest import REPO
 
 SMALL = {

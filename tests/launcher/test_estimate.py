@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from launcher.estimate import GIB, estimate
-from launcher.model_shape import model_shape
-from launcher.model_states import zero_model_state_bytes
+from launcher.estimate.model_states import zero_model_state_bytes
+from launcher.estimate.peak import GIB, estimate
+from launcher.estimate.shape import model_shape
 from trainer.core.config import ConfigError, ModelConfig
 from trainer.core.step_spec import StepSpec
 

@@ -1,4 +1,4 @@
-"""LoRA, QLoRA and 8-bit AdamW in the estimate and the planner (issue 17): the byte counts against
+"""LoRA, QLoRA and 8-bit AdamW in the estimate and the planner: the byte counts against
 what peft and bitsandbytes allocate, and the plans a one-GPU fine-tuner asks for."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from launcher.cli import main
-from launcher.estimate import estimate
-from launcher.estimate_finetune import (
+from launcher.estimate.methods import (
     adam_state_bytes,
-    adapter_params,
+    adapter_tensors,
     layer_tensors,
     nf4_bytes,
     root_tensors,
 )
-from launcher.model_shape import model_shape, shape_of
+from launcher.estimate.peak import estimate
+from launcher.estimate.shape import model_shape, shape_of
 from trainer.core.config import ConfigError, ModelConfig
 from trainer.core.step_spec import FULL, Finetune, StepSpec
 from trainer.core.units import GIB
@@ -40,6 +40,11 @@ TINY = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+
+
+def _adapter_params(shape, ft: Finetune) -> int:
+    """Trainable parameters of the whole model under LoRA: r x (in + out) per targeted linear."""
+    return shape.num_layers * sum(adapter_tensors(shape, ft))
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +81,7 @@ def test_adapter_count_is_what_peft_makes_trainable(model_type, targets):
     lora = LoraConfig(r=8, target_modules=targets if isinstance(targets, str) else list(targets))
     model = get_peft_model(_meta_model(config), lora)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert adapter_params(shape, ft) == trainable
+    assert _adapter_params(shape, ft) == trainable
     # every tensor of the model is counted once, by size (8-bit moments depend on sizes)
     base = sorted(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
     ours = sorted(shape.num_layers * layer_tensors(shape) + root_tensors(shape))
@@ -86,7 +91,7 @@ def test_adapter_count_is_what_peft_makes_trainable(model_type, targets):
 def test_a_target_that_is_no_linear_of_the_block_is_a_config_error():
     shape = model_shape(ModelConfig(name_or_path="meta-llama/Llama-3.1-8B"))
     with pytest.raises(ConfigError, match="finetune.lora.target_modules.*qkv_proj"):
-        adapter_params(shape, Finetune(method="lora", target_modules=("qkv_proj",)))
+        _adapter_params(shape, Finetune(method="lora", target_modules=("qkv_proj",)))
 
 
 def test_nf4_bytes_are_what_bitsandbytes_stores():
@@ -149,7 +154,7 @@ def test_model_states_of_8b_per_method():
 
     n = shape.num_params
     lora = Finetune(method="lora")
-    adapters = adapter_params(shape, lora)
+    adapters = _adapter_params(shape, lora)
     assert adapters == 41_943_040  # r=16 on all seven linears of 32 blocks
     assert states(FULL) == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
     assert states(lora) == {"params": 2 * n + 4 * adapters, "grads": 4 * adapters,
@@ -167,7 +172,7 @@ def test_model_states_of_8b_per_method():
 
 def test_a_pretrained_frozen_base_loads_on_the_host_in_16_bits():
     """LoRA and QLoRA on a replica rung load the base's files straight in bf16
-    (trainer/finetune.py): 2 bytes per parameter on the host while loading, where a full
+    (trainer/model/finetune.py): 2 bytes per parameter on the host while loading, where a full
     fine-tune (fp32 masters) and a random init (drawn in fp32) take 4."""
     shape = model_shape(ModelConfig(name_or_path="meta-llama/Llama-3.1-8B"))
 
@@ -267,9 +272,9 @@ def test_the_cost_model_counts_adapter_matmuls_and_dequantisation():
     """LoRA skips the frozen weights' gradients (4N + 6A FLOPs per token, not 6N); QLoRA adds a
     memory-bound dequantisation of every 4-bit weight per pass, which a smaller micro-batch
     repeats more often; only the adapters' gradients are reduced across ranks."""
-    from launcher.cost import Links, step_time_s
-    from launcher.hardware import detect_hardware
-    from launcher.ladder import job_step
+    from launcher.plan.cost import Links, step_time_s
+    from launcher.plan.hardware import detect_hardware
+    from launcher.plan.ladder import job_step
     from trainer.core import strategies
     from trainer.core.config import load_config
 

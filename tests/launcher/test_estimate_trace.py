@@ -1,6 +1,6 @@
 """The analytic peak against one real step of the engine traced under FakeTensorMode.
 
-Issue 4's grid: llama, qwen2 (tied embeddings on the small size) and mistral, two sizes,
+The grid: llama, qwen2 (tied embeddings on the small size) and mistral, two sizes,
 micro-batch 1 and 4, sequence 512 and 2048, checkpointing none and full, `single` and `fsdp` at
 world 2, 4 and 8. The analytic `peak_tensor_bytes` must be within a median absolute error of 5%
 and a maximum of 10% of the traced peak, and never more than 5% below it. The full grid (192
@@ -17,9 +17,9 @@ import statistics
 
 import pytest
 
-from launcher.estimate import estimate
-from launcher.model_shape import shape_of
-from launcher.trace import BACKWARD_END, trace_step
+from launcher.estimate.peak import estimate
+from launcher.estimate.shape import shape_of
+from launcher.estimate.trace import BACKWARD_END, trace_step
 from trainer.core.step_spec import FULL, Finetune, StepSpec
 
 SIZES = {
@@ -67,9 +67,9 @@ def relative_error(
 ) -> float:  # fmt: skip
     """(analytic - traced) / traced peak tensor bytes on one device. `levers`: "chunked" and/or
     "offload" in the name switch on chunked loss (chunks of LOSS_CHUNK_TOKENS) and activation
-    offload; `finetune`: the method and optimizer (issue 17). A bf16_pure step is traced up to
-    its optimizer step (torch.compile does not run under the tracker; launcher/trace.py) and
-    compared with the estimate's phases before it."""
+    offload; `finetune`: the method and optimizer. A bf16_pure step is traced up to
+    its optimizer step (torch.compile does not run under the tracker; launcher/estimate/trace.py)
+    and compared with the estimate's phases before it."""
     pure = precision == "bf16_pure"
     config = hf_config(arch, size)
     on = {
@@ -232,11 +232,11 @@ def test_fsdp_reducing_every_micro_batch_matches_the_trace(arch, size, world, mi
     assert peaks[True][0] < peaks[False][0] and peaks[True][1] < peaks[False][1]
 
 
-# Issue 17: LoRA (traced under FakeTensorMode like a full fine-tune), QLoRA and 8-bit AdamW
-# (bitsandbytes, run for real on CPU: launcher/trace.py) against the estimate, within a median
-# of 2% and a maximum of 5%. Adapters r=8 on every linear; QLoRA and adamw_8bit on `single`, the
-# rungs trainer/core/methods.py runs them on among the traceable ones. Cases after the seventh field
-# add accumulation and the exact levers. The walk over the whole covering grid per method is
+# LoRA (traced under FakeTensorMode like a full fine-tune), QLoRA and 8-bit AdamW
+# (bitsandbytes, run for real on CPU: launcher/estimate/trace.py) against the estimate, within a
+# median of 2% and a maximum of 5%. Adapters r=8 on every linear; QLoRA and adamw_8bit on `single`,
+# the rungs trainer/core/methods.py runs them on among the traceable ones. Cases after the seventh
+# field add accumulation and the exact levers. The walk over the whole covering grid per method is
 # `python -m bench.finetune_trace`.
 METHODS = {
     "lora": Finetune(method="lora", r=8),
@@ -267,10 +267,10 @@ def test_lora_qlora_and_8bit_adamw_follow_the_trace():
     assert max(absolute) <= METHOD_BAND[1], report
 
 
-# Issue 28: QLoRA on fsdp (the 4-bit base sharded in its bf16 storage, run for real over the
+# QLoRA on fsdp (the 4-bit base sharded in its bf16 storage, run for real over the
 # fake process group) and `precision: bf16_pure` (bf16 weights, grads and torchao's bf16
 # moments), two architectures each, in the same band. The engine half (trainer/optim.py, the
-# QLoRA and bf16_pure paths of trainer/finetune.py and the FSDP backend) must be there.
+# QLoRA and bf16_pure paths of trainer/model/finetune.py and the FSDP backend) must be there.
 LOWBIT_CASES = [
     ("qlora", "bf16", ("llama", "small", "fsdp", 2, 1, 512, "none")),
     ("qlora", "bf16", ("mistral", "medium", "fsdp", 2, 2, 512, "full", 1, "chunked")),
@@ -280,7 +280,7 @@ LOWBIT_CASES = [
 
 
 def test_qlora_on_fsdp_and_bf16_pure_follow_the_trace():
-    pytest.importorskip("trainer.optim", reason="the engine half of issue 28 is not merged")
+    pytest.importorskip("trainer.optim", reason="trainer.optim is not importable")
     errors = {
         (method, precision, case): relative_error(
             *case, finetune=Finetune(method=method, r=8), precision=precision

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from launcher.hardware import (
+from launcher.plan.hardware import (
     ASSUMED_GPU_MEMORY,
     DeviceProbe,
     detect_hardware,
@@ -60,7 +60,7 @@ def test_a_device_memory_on_a_machine_without_gpus_plans_for_gpus():
 
 
 def test_cuda_without_a_gpu_or_a_size_assumes_80_gib_and_says_so(caplog):
-    with caplog.at_level(logging.WARNING, logger="launcher.hardware"):
+    with caplog.at_level(logging.WARNING, logger="launcher.plan.hardware"):
         hw = _detect(NO_GPU, device="cuda", devices_per_node=8)
     assert hw.device == "cuda" and hw.device_memory_bytes == ASSUMED_GPU_MEMORY == 80 * GiB
     assert "set hardware.device_memory" in caplog.text and "set hardware.host_memory" in caplog.text

@@ -8,7 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
-from launcher.launch import build_torchrun_command, run_command
+from launcher.run.launch import build_torchrun_command, run_command
 from tests.conftest import TINY_LLAMA
 from trainer.core.config import build_config
 

@@ -1,5 +1,5 @@
 """Long context in the plan: the sequence split over ranks (sequence_parallel), the MLP tiled,
-and the longest sequence a plan fits (launcher/long_context.py). Pure planning."""
+and the longest sequence a plan fits (launcher/plan/long_context.py). Pure planning."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from dataclasses import replace
 import pytest
 
 from launcher.cli import main
-from launcher.cost import Links, all_to_all_s
-from launcher.estimate import estimate
-from launcher.hardware import Hardware
-from launcher.ladder import shortfall
-from launcher.long_context import max_seq_len
-from launcher.model_shape import model_shape, shape_of
-from launcher.plan import make_plan
-from launcher.planning import resolve_plan
-from launcher.trace import trace_step
+from launcher.estimate.peak import estimate
+from launcher.estimate.shape import model_shape, shape_of
+from launcher.estimate.trace import trace_step
+from launcher.plan.cost import Links, all_to_all_s
+from launcher.plan.hardware import Hardware
+from launcher.plan.job import resolve_plan
+from launcher.plan.ladder import shortfall
+from launcher.plan.long_context import max_seq_len
+from launcher.plan.planner import make_plan
 from tests.launcher.test_estimate_trace import hf_config
 from trainer.core.config import build_config, load_config
 from trainer.core.step_spec import StepSpec
@@ -147,8 +147,8 @@ def test_all_to_alls_cost_more_across_nodes_than_within_one():
     assert across > 3 * within
 
 
-# one rank of a sequence group traced (launcher/trace.py: a fake process group, the engine's
-# Ulysses all-to-alls and tiled MLP under FakeTensorMode) against the estimate
+# one rank of a sequence group traced (launcher/estimate/trace.py: a fake process group, the
+# engine's Ulysses all-to-alls and tiled MLP under FakeTensorMode) against the estimate
 SPLIT_TRACES = (
     ("single", 2, "none", False),
     ("single", 4, "full", True),

@@ -1,4 +1,4 @@
-"""Plans for big models on few small cards (issue 28): QLoRA and 8-bit AdamW on the FSDP rungs,
+"""Plans for big models on few small cards: QLoRA and 8-bit AdamW on the FSDP rungs,
 `precision: bf16_pure` and the step in backward counted by the estimate, and the exit-3 line that
 names the opt-in changes that would fit, each as overrides `oomless plan` accepts. Pure planning
 through the command line (no GPU, no torch), on the shipped presets and a 405B-shaped Llama."""
@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from launcher.cli import main
-from launcher.estimate import estimate
-from launcher.model_shape import model_shape
-from launcher.model_states import model_states
+from launcher.estimate.model_states import model_states
+from launcher.estimate.peak import estimate
+from launcher.estimate.shape import model_shape
 from trainer.core.config import load_config
 from trainer.core.methods import method_support
 from trainer.core.step_spec import Finetune, StepSpec
@@ -78,7 +78,7 @@ def _assert_fits(plan: dict, device_gib: float, host_gib: float) -> None:
 
 
 def test_70b_qlora_fits_two_24gib_cards_on_an_fsdp_rung(capsys):
-    """Each rank quantises its own rows of the base (trainer/qlora_load.py): ~17.5 GB of 4-bit
+    """Each rank quantises its own rows of the base (trainer/model/qlora_load.py): ~17.5 GB of 4-bit
     weights per card, one tensor in flight on the host while loading."""
     rc, plan, err = _plan(capsys, PRESET_70B, *QLORA_JOB, *_gpus(2, "24GiB", "128GiB"))
     assert rc == 0, err

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from launcher.model_shape import PRESETS, ModelShape, model_shape, preset_shapes
+from launcher.estimate.shape import PRESETS, ModelShape, model_shape, preset_shapes
 from trainer.core.config import ConfigError, ModelConfig
 
 # Parameter counts the model cards publish (safetensors index totals).
@@ -31,7 +31,7 @@ def test_presets_have_the_published_parameter_counts(hub_id, tmp_path):
 
 
 def test_the_shipped_preset_shapes_are_what_the_meta_model_gives():
-    """trainer/core/presets/shapes.json is current (else: python -m launcher.model_shape)."""
+    """trainer/core/presets/shapes.json is current (else: python -m launcher.estimate.shape)."""
     shipped = json.loads((PRESETS / "shapes.json").read_text())
     assert shipped == preset_shapes()
     assert {entry["preset"] for entry in shipped.values()} == {

@@ -1,6 +1,6 @@
 """The estimate of architectures the analytic block does not describe, against the traced step.
 
-Issue 16's bar: within 2% median and 5% max of the traced peak. The full grid (nine types, two
+The bar: within 2% median and 5% max of the traced peak. The full grid (nine types, two
 sizes, single and fsdp x4, micro-batch 1 and 4, checkpointing none and full: 144 cases) is
 `python -m bench.models_trace` (its numbers are in docs/models.md); CI runs two types that
 stand for the rest, sliding and global attention layers (gemma3_text) and a mixture of experts
@@ -16,7 +16,7 @@ import statistics
 import pytest
 
 from bench.models_trace import measured_shape, relative_error, sized_config
-from launcher.model_shape import shape_of
+from launcher.estimate.shape import shape_of
 
 COVERING = {
     "gemma3_text": ((("fsdp", 4), 1, "full"), (("single", 1), 4, "none")),

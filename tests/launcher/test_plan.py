@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.hardware import Hardware
-from launcher.ladder import shortfall
-from launcher.plan import NoFitError, make_plan
+from launcher.plan.hardware import Hardware
+from launcher.plan.ladder import shortfall
+from launcher.plan.planner import NoFitError, make_plan
 from trainer.core.config import ConfigError, build_config, parse_size
 
 CASES = yaml.safe_load((Path(__file__).parent / "plan_cases.yaml").read_text())
@@ -99,7 +99,7 @@ def test_forced_rung_and_micro_batch_are_kept_and_a_misfit_is_said():
 def test_what_is_learned_never_changes():
     hw = _hw({"devices": 8, "device_memory": "80GiB", "host": "1TiB"})
     cfg = _job("llama-3.1-8b")
-    from launcher.plan import apply_plan
+    from launcher.plan.planner import apply_plan
 
     resolved = apply_plan(cfg, make_plan(cfg, hw), hw)
     for key in ("global_batch_size", "lr", "schedule", "steps", "seed", "betas"):
@@ -135,7 +135,7 @@ def test_fsdp_accumulates_sharded_when_unsharded_gradients_cost_more():
     every device, which forces fsdp to a slower micro-batch/recompute; reducing after every
     micro-batch is faster overall, and the resolved config says which the ranks run. (Levers
     off: chunked loss fits micro-batch 8 without accumulation, where the choice is moot.)"""
-    from launcher.plan import apply_plan
+    from launcher.plan.planner import apply_plan
 
     hw = _hw({"devices": 8, "device_memory": "80GiB", "host": "1TiB"})
     levers_off = {"chunked_loss": False, "offload_activations": False}
@@ -159,7 +159,7 @@ def test_chunked_loss_lets_llama_3_2_1b_at_4096_tokens_run_single_without_recomp
     (the 4096 x 128256 logits and their fp32 copies) and the plan is `fsdp` on one device; with
     them `single` runs at micro-batch 1 without recomputation, chunked loss in force, and the
     resolved config and plan.json say so."""
-    from launcher.plan import apply_plan
+    from launcher.plan.planner import apply_plan
 
     hw = _hw({"devices": 1, "device_memory": "40GiB", "host": "256GiB"})
     off = {"chunked_loss": False, "offload_activations": False}
@@ -197,9 +197,9 @@ def test_activation_offload_earns_its_place_and_the_sbatch_asks_what_the_plan_ne
     """8B on 2 x 8 x 80 GiB: plans without offload fit within the cost model's margin, so none
     offloads, and the host and the sbatch `--mem` hold what the job needs, not 248 GiB of
     activations per node (the node's devices share its host memory bandwidth)."""
-    from launcher.hardware import detect_hardware
-    from launcher.planning import resolve_plan
-    from launcher.slurm import render_sbatch
+    from launcher.plan.hardware import detect_hardware
+    from launcher.plan.job import resolve_plan
+    from launcher.slurm.submit import render_sbatch
     from trainer.core.config import load_config
     from trainer.core.units import GIB
 
@@ -218,7 +218,7 @@ def test_escalation_never_climbs_to_a_rung_with_a_larger_estimated_peak():
     """After fsdp runs out of memory, a plain re-plan without it would take zero2, whose
     estimated peak is above fsdp's; the climb passes it over for a rung whose estimate is at
     most the failed one's."""
-    from launcher.planning import next_rung, resolve_plan
+    from launcher.plan.job import next_rung, resolve_plan
     from trainer.core.config import load_config
 
     cfg = load_config(PRESET_8B, [*TWO_NODES[1:], "hardware.nodes=1", "train.micro_batch_size=1",

@@ -1,5 +1,5 @@
 """Bad input found before launch: `oomless train` exits 2 with one line, and nothing is written
-into run.dir (issue 20, items 4-7)."""
+into run.dir."""
 
 from __future__ import annotations
 

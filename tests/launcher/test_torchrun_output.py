@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 
-from launcher.torchrun_output import TorchrunOutput
+from launcher.run.torchrun_output import TorchrunOutput
 
 WORKER = """\
 [rank0] step 1/4 | loss 3.7893 | lr 3.00e-03 | gnorm 3.105 | 7,074 tok/s | eta 0:00:00

@@ -161,7 +161,7 @@ def _wait_requeued_and_done(job_id: str, run_dir: Path, deadline: float) -> dict
 
 def test_the_local_cluster_declares_this_machines_cpus_and_memory():
     """Real sizes, not generous ones: a job that asks a node for more than the machine has
-    pends here as it would on a real cluster (issue 20, item 8)."""
+    pends here as it would on a real cluster."""
     out = subprocess.run(
         ["sinfo", "-h", "-N", "-o", "%N %c %m"], capture_output=True, text=True, timeout=30
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.slurm import render_sbatch
+from launcher.slurm.submit import render_sbatch
 from tests.conftest import REPO
 from trainer.core.config import load_config
 

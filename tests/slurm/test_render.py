@@ -95,8 +95,8 @@ def _sbatch_args(line: str) -> list[str]:
     return [*args, arg] if started else args
 
 
-def test_item7_sbatch_quotes_every_value(tmp_path):
-    from launcher.slurm import render_sbatch
+def test_the_sbatch_script_quotes_every_value(tmp_path):
+    from launcher.slurm.submit import render_sbatch
     from trainer.core.config import load_config
 
     run_dir = tmp_path / "my runs" / 'it\'s "odd" $(touch PWNED) `touch PWNED2` 100%'
@@ -145,7 +145,7 @@ def test_item7_sbatch_quotes_every_value(tmp_path):
     assert _sbatch_args(header["#SBATCH --job-name"]) == [f"--job-name={run_dir.name}"]
 
 
-def test_item7_line_breaks_in_slurm_values_exit_2(tmp_path):
+def test_line_breaks_in_slurm_values_exit_2(tmp_path):
     for override in (
         'slurm.partition="gpu\\nrm -rf ~"',
         'slurm.account="a\\u0000b"',
@@ -167,7 +167,7 @@ c2|2|24105|(null)|cpu
 
 
 def test_sinfo_is_read_per_partition_smallest_node_first():
-    from launcher.slurm_nodes import parse_sinfo
+    from launcher.slurm.nodes import parse_sinfo
 
     gpu = parse_sinfo(SINFO, None)  # the default partition
     assert (gpu.partition, gpu.num_nodes, gpu.cpus, gpu.gpus) == ("gpu", 3, 32, 6)
@@ -180,8 +180,8 @@ def test_sinfo_is_read_per_partition_smallest_node_first():
 def test_requests_fit_the_nodes_or_exit_3_naming_what_is_missing():
     """--cpus-per-task and --mem at most what a node has; host memory, GPUs or nodes that the
     partition cannot give are NoFitError (exit 3), one line each."""
-    from launcher.plan import NoFitError
-    from launcher.slurm_nodes import parse_sinfo, size_request
+    from launcher.plan.planner import NoFitError
+    from launcher.slurm.nodes import parse_sinfo, size_request
 
     cpu = parse_sinfo(SINFO, "cpu")
     sized = size_request(cpu, 2, 0, 1, 2**30, cpus_wanted=8, min_mem_bytes=16 * 2**30)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 
-from trainer.slurm_requeue import requeue_command, requeue_if_preempted, slurm_job_id
+from trainer.runtime.slurm_requeue import requeue_command, requeue_if_preempted, slurm_job_id
 
 JOB = {"SLURM_JOB_ID": "41"}
 ARRAY = {"SLURM_JOB_ID": "57", "SLURM_ARRAY_JOB_ID": "50", "SLURM_ARRAY_TASK_ID": "7"}
@@ -38,7 +38,7 @@ def test_under_the_submit_script_the_ranks_exit_0_and_leave_the_requeue_to_it(
     """torchrun and srun end cleanly (exit 0); rank 0 leaves requeue.json for the script."""
     import json
 
-    from trainer.slurm_requeue import REQUEUE_MARKER, after_stop
+    from trainer.runtime.slurm_requeue import REQUEUE_MARKER, after_stop
 
     monkeypatch.setenv("SLURM_JOB_ID", "41")
     monkeypatch.setenv("OOMLESS_REQUEUE_BY_SCRIPT", "1")

@@ -12,7 +12,7 @@ STEPS = 10
 RESUME_AT = 4  # the straight runs write checkpoints/step_4 and step_8; resumed runs step_8
 # Bit-exact resumes stop at step 6: not the first checkpoint, and a step after which CPU Adam's
 # running beta2^t and pow(beta2, t) differ (steps 6-8 for beta2 0.95), so a resume that rebuilt
-# it with a power would drift from step 8 on (issue 20, item 10); from step 4 they agree by luck.
+# it with a power would drift from step 8 on; from step 4 they agree by luck.
 STOP_AT = 6
 EVERY_2 = ("run.checkpoint_every=2", "run.keep_checkpoints=5")  # step_2 .. step_8, all kept
 
@@ -66,7 +66,7 @@ MODELS = {  # inline HF configs as `model.config=` overrides
     "qwen3_moe": "{model_type: qwen3_moe, " + _SMALL + ", intermediate_size: 64, "
     "moe_intermediate_size: 32, num_experts: 4, num_experts_per_tok: 2}",
 }
-# LoRA (trainer/finetune.py): adapters on every linear layer of the blocks, a frozen base
+# LoRA (trainer/model/finetune.py): adapters on every linear layer of the blocks, a frozen base
 LORA = ("finetune.method=lora", "finetune.lora.r=4", "finetune.lora.alpha=8")
 RUNS: tuple[Run, ...] = (
     # one process: the references
@@ -126,7 +126,7 @@ RUNS: tuple[Run, ...] = (
         for strategy in ("zero2", "zero3")
         for where in ("backward", "optimizer")
     ),
-    # architectures other than the base llama (issue 16): sliding/global attention with a
+    # architectures other than the base llama: sliding/global attention with a
     # non-persistent embedding scale, and a mixture of experts
     *(
         run

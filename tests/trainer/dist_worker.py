@@ -45,9 +45,9 @@ def probe_deepspeed_state_split(base: str, work: Path) -> None:
 
     from trainer.backends import BackendContext, build_backend
     from trainer.core.config import load_config
-    from trainer.dist import env_rank
     from trainer.engine import _optimizer_spec
-    from trainer.model import HFModelFactory
+    from trainer.model.build import HFModelFactory
+    from trainer.runtime.dist import env_rank
 
     cfg = load_config(base, ["strategy=zero3", f"run.dir={work / 'zero3_split'}"])
     rank, local_rank, world_size = env_rank()
@@ -73,6 +73,6 @@ def probe_deepspeed_state_split(base: str, work: Path) -> None:
 
 
 if __name__ == "__main__":
-    from trainer.dist import exit_without_teardown
+    from trainer.runtime.dist import exit_without_teardown
 
     exit_without_teardown(main())

@@ -121,6 +121,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from trainer.dist import exit_without_teardown
+    from trainer.runtime.dist import exit_without_teardown
 
     exit_without_teardown(main())

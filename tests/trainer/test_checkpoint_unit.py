@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.conftest import TINY_LLAMA
-from trainer.checkpoint import (
+from trainer.checkpoint.checkpointer import (
     STATE_FILE,
     Checkpointer,
     SafeFileSystemReader,

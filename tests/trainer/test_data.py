@@ -90,7 +90,7 @@ def test_packed_window_attends_only_within_each_document(tmp_path):
 
     The model is built as the engine builds it (use_cache off: transformers looks for packed
     position_ids only without a KV cache)."""
-    from trainer.model import HFModelFactory
+    from trainer.model.build import HFModelFactory
 
     cfg = _cfg(tmp_path, ADDITIONS)
     tok = build_tokenizer(cfg.model)

@@ -9,9 +9,9 @@ import torch
 from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env
 from tests.trainer.test_step import SEQ, _backend, _global_batch, _split
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.core.config import build_config
-from trainer.model import HFModelFactory
+from trainer.model.build import HFModelFactory
 from trainer.step import train_step
 
 

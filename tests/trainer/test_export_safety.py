@@ -1,5 +1,4 @@
-"""`oomless export` never deletes what it did not write and never runs a checkpoint's code
-(issue 19, items 1 and 6)."""
+"""`oomless export` never deletes what it did not write and never runs a checkpoint's code."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import yaml
 from launcher.cli import main
 from tests.conftest import TINY_LLAMA
 from tests.trainer.test_step import _backend
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint.checkpointer import Checkpointer
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +35,7 @@ def _export(capsys, *args: str) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
-def test_item1_export_refuses_nonempty_out(run, tmp_path, capsys):
+def test_export_refuses_a_nonempty_out(run, tmp_path, capsys):
     run_dir, ckpt = run
     models = tmp_path / "models"
     models.mkdir()
@@ -61,7 +60,7 @@ def test_item1_export_refuses_nonempty_out(run, tmp_path, capsys):
     assert rc == 0 and (empty / "config.json").is_file(), err
 
 
-def test_item1_export_refuses_out_inside_run(run, tmp_path, capsys):
+def test_export_refuses_an_out_inside_the_run(run, tmp_path, capsys):
     run_dir, ckpt = run
     before = _files(run_dir)
     for out, extra in (
@@ -77,7 +76,7 @@ def test_item1_export_refuses_out_inside_run(run, tmp_path, capsys):
     assert not (run_dir / "exported").exists()
 
 
-def test_item6_export_never_trusts_the_checkpoints_remote_code(run, tmp_path, capsys):
+def test_export_never_trusts_the_checkpoints_remote_code(run, tmp_path, capsys):
     _, ckpt = run
     marker = tmp_path / "PWNED"
     remote = tmp_path / "remote_model"

@@ -1,6 +1,6 @@
-"""LoRA, QLoRA and 8-bit AdamW (trainer/finetune.py) on one process: training, what a checkpoint
-holds, bit-exact resume, export to a PEFT adapter dir and --merge. The 2-process rungs are rows of
-tests/trainer/dist_runs.py (one shared torchrun launch)."""
+"""LoRA, QLoRA and 8-bit AdamW (trainer/model/finetune.py) on one process: training, what a
+checkpoint holds, bit-exact resume, export to a PEFT adapter dir and --merge. The 2-process rungs
+are rows of tests/trainer/dist_runs.py (one shared torchrun launch)."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_lora_resume_is_bit_exact(runs):
 
 
 def _optim_dtypes(ckpt: Path) -> dict[str, torch.dtype]:
-    from trainer.checkpoint import SafeFileSystemReader
+    from trainer.checkpoint.checkpointer import SafeFileSystemReader
 
     meta = SafeFileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     return {k: m.properties.dtype for k, m in meta.items() if k.startswith("optim/")}
@@ -127,8 +127,8 @@ def test_a_pretrained_base_loads_in_its_compute_dtype_with_the_numbers_of_fp32_t
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from trainer.core.config import load_config
-    from trainer.finetune import FinetuneFactory, apply_finetune
-    from trainer.model import HFModelFactory
+    from trainer.model.build import HFModelFactory
+    from trainer.model.finetune import FinetuneFactory, apply_finetune
 
     base = tmp_path / "base"
     config = LlamaConfig(**{k: v for k, v in WIDE.items() if k != "model_type"})
@@ -174,10 +174,10 @@ def test_a_resume_on_another_base_is_refused_in_one_line(tmp_path):
 
 def _engine_model(ckpt: Path) -> torch.nn.Module:
     """The model the engine trained, rebuilt from the checkpoint's config and adapter weights."""
-    from trainer.checkpoint import read_full_weights
+    from trainer.checkpoint.checkpointer import read_full_weights
     from trainer.core.config import load_config
-    from trainer.finetune import FinetuneFactory
-    from trainer.model import HFModelFactory
+    from trainer.model.build import HFModelFactory
+    from trainer.model.finetune import FinetuneFactory
 
     cfg = load_config(ckpt / "config.yaml", [])
     model = FinetuneFactory(HFModelFactory(cfg.model, cfg.train.seed), cfg).build("cpu")
@@ -197,7 +197,7 @@ def test_export_writes_a_peft_adapter_dir_and_merge_a_plain_model(runs, tmp_path
     from transformers import AutoModelForCausalLM
 
     from trainer.core.config import load_config
-    from trainer.model import HFModelFactory
+    from trainer.model.build import HFModelFactory
 
     ckpt = runs / "lora" / "checkpoints" / "step_4"
     want = _logits(_engine_model(ckpt))

@@ -10,9 +10,9 @@ import torch
 from tests.conftest import TINY_LLAMA
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
 from trainer.core.config import build_config
-from trainer.levers import MemoryLevers
 from trainer.loss import IGNORE_INDEX
-from trainer.model import HFModelFactory
+from trainer.memory.levers import MemoryLevers
+from trainer.model.build import HFModelFactory
 from trainer.step import train_step
 
 SEQ = 16
@@ -141,7 +141,7 @@ def test_a_model_whose_head_cannot_be_chunked_runs_without_it(tmp_path):
     """An output layer that is not a plain nn.Linear: chunked loss off is fine (the back-off
     skips it), forced on is one config error naming the key."""
     from trainer.core.config import ConfigError, ModelConfig
-    from trainer.model import apply_activation_checkpointing
+    from trainer.model.build import apply_activation_checkpointing
 
     model = HFModelFactory(ModelConfig(config=TINY_LLAMA), seed=0).build(CPU)
     apply_activation_checkpointing(model, "none")
@@ -158,8 +158,8 @@ def test_backward_finds_the_next_layer_already_brought_back():
     layer, not only the top one."""
     from trainer.core.config import ModelConfig
     from trainer.loss import compute_loss
-    from trainer.model import apply_activation_checkpointing, set_offload_activations
-    from trainer.offload import ActivationOffload
+    from trainer.memory.offload import ActivationOffload
+    from trainer.model.build import apply_activation_checkpointing, set_offload_activations
 
     config = {**TINY_LLAMA, "num_hidden_layers": 4}
     model = HFModelFactory(ModelConfig(config=config), seed=0).build(CPU)

@@ -66,7 +66,7 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def _dtypes(ckpt: Path) -> dict[str, torch.dtype]:
-    from trainer.checkpoint import SafeFileSystemReader
+    from trainer.checkpoint.checkpointer import SafeFileSystemReader
 
     meta = SafeFileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     return {k: m.properties.dtype for k, m in meta.items() if hasattr(m, "properties")}
@@ -211,7 +211,7 @@ def test_adamw_8bit_on_fsdp_shards_learns_what_one_process_learns(runs, name):
 
 
 def test_an_8bit_fsdp_checkpoint_holds_8bit_codes_and_block_scales_per_row(runs):
-    from trainer.checkpoint import SafeFileSystemReader
+    from trainer.checkpoint.checkpointer import SafeFileSystemReader
 
     meta = SafeFileSystemReader(str(runs / "fsdp_8bit/checkpoints/step_2")).read_metadata()
     sizes = {k: tuple(m.size) for k, m in meta.state_dict_metadata.items()}
@@ -314,9 +314,9 @@ def test_rank0_quantising_its_shard_grows_by_less_than_the_shard_plus_one_tensor
 
 def _engine_qlora(ckpt: Path) -> torch.nn.Module:
     """The model the engine trained: its quantised base, the checkpoint's adapters."""
-    from trainer.checkpoint import read_full_weights
-    from trainer.finetune import FinetuneFactory
-    from trainer.model import HFModelFactory
+    from trainer.checkpoint.checkpointer import read_full_weights
+    from trainer.model.build import HFModelFactory
+    from trainer.model.finetune import FinetuneFactory
 
     cfg = load_config(ckpt / "config.yaml", [])
     model = FinetuneFactory(HFModelFactory(cfg.model, cfg.train.seed), cfg).build("cpu")
@@ -338,8 +338,8 @@ def test_a_sharded_qlora_checkpoint_exports_an_adapter_peft_loads(runs, tmp_path
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from trainer.finetune import QLORA_COMPUTE_DTYPE, quantize_decoder_linears
-    from trainer.model import HFModelFactory
+    from trainer.model.build import HFModelFactory
+    from trainer.model.finetune import QLORA_COMPUTE_DTYPE, quantize_decoder_linears
 
     ckpt = runs / "fsdp_qlora/checkpoints/step_4"
     want = _logits(_engine_qlora(ckpt))

@@ -1,5 +1,4 @@
-"""metrics.jsonl on resume: a torn last line is dropped, a failed rewrite loses nothing
-(issue 19, item 3)."""
+"""metrics.jsonl on resume: a torn last line is dropped, a failed rewrite loses nothing."""
 
 from __future__ import annotations
 
@@ -8,14 +7,14 @@ import logging
 import subprocess
 
 from tests.conftest import PYTHON, REPO, python_env
-from trainer.metrics import MetricsLog
+from trainer.observe.metrics import MetricsLog
 
 
 def _lines(steps) -> str:
     return "".join(json.dumps({"step": s, "loss": 5.0 - s / 10}) + "\n" for s in steps)
 
 
-def test_item3_resume_drops_torn_metrics_line(tmp_path, caplog):
+def test_resume_drops_a_torn_metrics_line(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
     path.write_text(_lines([1, 2, 3]) + '{"step": 4, "lo')  # the writer died mid-line
     with caplog.at_level(logging.WARNING):
@@ -33,7 +32,7 @@ def test_item3_failed_metrics_rewrite_keeps_the_old_file(tmp_path):
     code = (
         "import resource, signal, sys\n"
         "from pathlib import Path\n"
-        "from trainer.metrics import MetricsLog\n"
+        "from trainer.observe.metrics import MetricsLog\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))\n"
         "try:\n"

@@ -1,6 +1,6 @@
-"""Reading pretrained weights per rank from safetensors (trainer/pretrained.py): the parts a rank
-reads are the checkpoint's values in the dtype it keeps, names map as transformers maps them, and
-formats it cannot read are left to transformers. The two-rank loads (FSDP shards, ZeRO-3
+"""Reading pretrained weights per rank from safetensors (trainer/model/pretrained.py): the parts a
+rank reads are the checkpoint's values in the dtype it keeps, names map as transformers maps them,
+and formats it cannot read are left to transformers. The two-rank loads (FSDP shards, ZeRO-3
 partitions, rank 0's host peak) are checked in tests/trainer/test_distributed.py."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import TINY_LLAMA
 from trainer.core.config import ModelConfig
-from trainer.model import HFModelFactory
-from trainer.pretrained import SafetensorsCheckpoint, checkpoint_keys, resolve_checkpoint
+from trainer.model.build import HFModelFactory
+from trainer.model.pretrained import SafetensorsCheckpoint, checkpoint_keys, resolve_checkpoint
 
 
 def _model(**overrides):

@@ -94,7 +94,7 @@ def test_one_chrome_trace_per_rank_holds_the_optimizer_steps(runs, name, world_s
 
 
 def test_memory_timeline_lays_the_estimate_over_the_measured_step(runs):
-    from launcher.report import report_command
+    from launcher.report.run_report import report_command
 
     run_dir = runs["fsdp"]
     assert report_command(str(run_dir)) == 0

@@ -1,5 +1,5 @@
-"""QLoRA's per-rank quantise-on-load (trainer/qlora_load.py) against the replica rungs' build
-(trainer/finetune.py), in one process: the 4-bit skeleton filled chunk by chunk holds the same
+"""QLoRA's per-rank quantise-on-load (trainer/model/qlora_load.py) against the replica rungs' build
+(trainer/model/finetune.py), in one process: the 4-bit skeleton filled chunk by chunk holds the same
 packed bytes, quantisation states, 16-bit tensors and initial adapters, bit for bit, from a
 random init and from saved files. The sharded runs are in tests/trainer/test_lowbit.py."""
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tests.conftest import write_demo_job
-from trainer import qlora_load
 from trainer.core.config import load_config
-from trainer.finetune import FinetuneFactory
-from trainer.model import HFModelFactory
+from trainer.model import qlora_load
+from trainer.model.build import HFModelFactory
+from trainer.model.finetune import FinetuneFactory
 
 # 40 x 70 = 2800 weights per MLP matrix: 43.75 blocks of 64, so a weight ends inside a block
 ODD = {
@@ -89,7 +89,7 @@ def test_saved_weights_quantised_chunk_by_chunk_are_the_replicas_model(tmp_path,
 
 
 def test_initial_adapters_depend_on_the_seed_and_the_name_only(tmp_path):
-    from trainer.finetune import initial_adapter
+    from trainer.model.finetune import initial_adapter
 
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
     wrapped = name.replace("layers.0.", "layers.0._checkpoint_wrapped_module.")

@@ -23,7 +23,7 @@ def _worker() -> int:
     import torch
     import torch.distributed as dist
 
-    from trainer.dist import init_distributed
+    from trainer.runtime.dist import init_distributed
 
     attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
     if attempt == 1 and rank == 1:
@@ -55,6 +55,6 @@ def test_restarted_ranks_connect_after_a_rank_was_killed():
 
 
 if __name__ == "__main__":
-    from trainer.dist import exit_without_teardown
+    from trainer.runtime.dist import exit_without_teardown
 
     exit_without_teardown(_worker())

@@ -1,4 +1,4 @@
-"""Secrets come from the environment only; run files are private (issue 19, item 5)."""
+"""Secrets come from the environment only; run files are private."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ HF = "hf_" + "aBcDeFgHiJkLmNoPqRsTuVwXyZ012345"  # split so that scanners leave 
 WANDB = "0123456789abcdef" * 2 + "89abcdef"
 
 
-def test_item5_secret_in_a_config_value_exits_2(tmp_path, capsys):
+def test_a_secret_in_a_config_value_exits_2(tmp_path, capsys):
     job = str(_job(tmp_path))
     for override, key, env in (
         (f'slurm.setup=["export HF_TOKEN={HF}"]', "slurm.setup[0]", "HF_TOKEN"),
@@ -45,7 +45,7 @@ def test_item5_secret_in_a_config_value_exits_2(tmp_path, capsys):
     assert yaml.safe_load(capsys.readouterr().out)["slurm"]["setup"] == setup
 
 
-def test_item5_run_files_are_private(tmp_path):
+def test_run_files_are_private(tmp_path):
     cfg = load_config(_job(tmp_path), ["slurm.setup=[source /opt/venv/bin/activate]"])
     run_dir = tmp_path / "runs" / "r1"
     path = write_config(cfg, run_dir)

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (trainer/sequence_parallel.py) on CPU processes (gloo): the
+"""Ulysses sequence parallelism (trainer/memory/sequence_parallel.py) on CPU processes (gloo): the
 per-step losses and eval losses of sequence_parallel=2 and 4 equal one process's, under ddp and
 fsdp, with activation checkpointing none and full, with LoRA, with the memory levers and the
 OOM back-off, on grouped-query attention with fewer key/value heads than ranks, on a second and a
@@ -23,7 +23,7 @@ import torch
 from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env, run_bounded, write_demo_job
 from trainer.core.config import ConfigError
 from trainer.loss import IGNORE_INDEX
-from trainer.sequence_parallel import SequenceMesh, check_sequence_parallel, split_sequence
+from trainer.memory.sequence_parallel import SequenceMesh, check_sequence_parallel, split_sequence
 
 WORKER = str(REPO / "tests" / "trainer" / "sp_worker.py")
 STEPS = 6
@@ -76,7 +76,7 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     ),
     # one group of four: the model's 2 key/value heads repeated to one per rank
     "ddp_sp4_w4": (("strategy=ddp", "sequence_parallel=4"), 4, "single"),
-    # tiled MLP (trainer/tiled_mlp.py): 4 chunks of each rank's 16 / the window's 32 tokens
+    # tiled MLP (trainer/memory/tiled_mlp.py): 4 chunks of each rank's 16 / the window's 32 tokens
     "single_tiled": ((*SINGLE, *TILED), 1, None),
     "fsdp_sp2_full_tiled": (("strategy=fsdp", "sequence_parallel=2", FULL_AC, *TILED), 2, None),
     # the one-process checkpoint of step 3, resumed at sp=2; the sp=2 one resumed at sp=1
@@ -310,7 +310,7 @@ def _evaluate_half(rank: int, store_dir: str) -> None:
     import torch.distributed as dist
 
     from trainer.evaluate import evaluate
-    from trainer.sequence_parallel import build_sequence_mesh
+    from trainer.memory.sequence_parallel import build_sequence_mesh
 
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank,
                             world_size=2)  # fmt: skip

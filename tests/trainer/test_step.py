@@ -9,7 +9,7 @@ from tests.conftest import TINY_LLAMA
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
 from trainer.core.config import build_config
 from trainer.loss import IGNORE_INDEX
-from trainer.model import HFModelFactory, decoder_layers, set_activation_checkpointing
+from trainer.model.build import HFModelFactory, decoder_layers, set_activation_checkpointing
 from trainer.step import train_step
 
 SEQ = 16

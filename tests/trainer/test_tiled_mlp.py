@@ -1,4 +1,4 @@
-"""Tiled MLP (trainer/tiled_mlp.py) on one process: the same loss and gradients as the plain
+"""Tiled MLP (trainer/memory/tiled_mlp.py) on one process: the same loss and gradients as the plain
 MLP, with a fraction of the activations saved for backward; the training runs with it on are in
 tests/trainer/test_sequence_parallel.py."""
 
@@ -9,7 +9,7 @@ import torch
 
 from trainer.core.config import ConfigError
 from trainer.loss import compute_loss
-from trainer.tiled_mlp import apply_tiled_mlp, tiled_mlp_chunk_tokens
+from trainer.memory.tiled_mlp import apply_tiled_mlp, tiled_mlp_chunk_tokens
 
 
 def _model():

@@ -1,4 +1,4 @@
-"""Checkpoints under faults (issue 29): a damaged newest checkpoint is skipped in one line and the
+"""Checkpoints under faults: a damaged newest checkpoint is skipped in one line and the
 run resumes from the newest good one, a full disk during a save is one line and keeps the previous
 checkpoint, and the last step of every run is in a checkpoint."""
 
@@ -168,7 +168,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_in_one_line(
     assert last.startswith("config error: run.dir: could not write checkpoint step_4"), last
     assert "No space left on device" in last and "step_2 is kept" in last, last
     assert _steps(run) == ["step_2"]  # the half-written step_4.tmp is gone, step_2 is whole
-    from trainer.manifest import damage
+    from trainer.checkpoint.manifest import damage
 
     assert damage(run / "checkpoints" / "step_2") is None
     # with room again the run resumes from step_2 and ends where an uninterrupted run ends
@@ -190,7 +190,7 @@ def test_two_ranks_each_hash_their_own_shard_and_a_damaged_one_is_skipped(tmp_pa
     assert r.returncode == 0, r.stderr[-3000:]
     manifest = json.loads((run / "checkpoints" / "step_4" / "manifest.json").read_text())
     assert {"__0_0.distcp", "__1_0.distcp", "rng/rank_1.safetensors"} <= manifest["files"].keys()
-    from trainer.manifest import damage
+    from trainer.checkpoint.manifest import damage
 
     assert damage(run / "checkpoints" / "step_4") is None
     clean = tmp_path / "clean"

@@ -1,4 +1,4 @@
-"""`oomless export` of a finished LoRA run (issue 29): `RUN/final --merge` works, `--merge` refuses
+"""`oomless export` of a finished LoRA run: `RUN/final --merge` works, `--merge` refuses
 a base whose weights changed, OUT_DIR never replaces the run, the base model, the data or the
 current directory, and exported models generate with the KV cache on."""
 

@@ -1,5 +1,5 @@
-"""The per-rank safetensors reader (trainer/pretrained.py) checks a file's header as the
-safetensors library does (issue 29): offsets in the file, no overlaps or gaps, sizes matching
+"""The per-rank safetensors reader (trainer/model/pretrained.py) checks a file's header as the
+safetensors library does: offsets in the file, no overlaps or gaps, sizes matching
 dtype x shape, a sane header length. A bad file is refused in one line naming it (exit 2)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from tests.conftest import TINY_LLAMA, oomless, write_demo_job
 from trainer.core.errors import ConfigError
-from trainer.pretrained import SINGLE_FILE, SafetensorsCheckpoint
+from trainer.model.pretrained import SINGLE_FILE, SafetensorsCheckpoint
 
 TENSORS = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4)}
 

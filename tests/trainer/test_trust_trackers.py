@@ -1,4 +1,4 @@
-"""Trackers under faults (issue 29): a tracker whose calls block never delays the run or its stop,
+"""Trackers under faults: a tracker whose calls block never delays the run or its stop,
 and a tracking URI's password never reaches the log or a run file.
 
 The blocking tracker is a fault injection, registered in `TRACKERS` under a name the config
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PYTHON, REPO, kill_tree, oomless, python_env, write_demo_job
-from trainer import trackers
 from trainer.core.contract import CHECKPOINTS_DIR
+from trainer.observe import trackers
 
 
 class HangingTracker:
@@ -61,7 +61,9 @@ def test_a_hung_log_call_never_blocks_the_loop_and_drops_the_tracker(tmp_path, m
         t0 = time.monotonic()
         for step in range(1, 4):
             t.log(_record(step))  # queued: the first one hangs on the tracker's thread
-        logging.getLogger("trainer.signals").warning("received SIGTERM: stopping after this step")
+        logging.getLogger("trainer.runtime.signals").warning(
+            "received SIGTERM: stopping after this step"
+        )
         assert time.monotonic() - t0 < 0.2
         time.sleep(0.7)
         t.log(_record(4))
@@ -90,7 +92,9 @@ def test_a_stop_signal_that_exits_0_still_closes_within_the_stop_deadline(tmp_pa
     monkeypatch.setattr(trackers, "STOP_CLOSE_DEADLINE_S", 0.5)
     t = trackers.Trackers.start(["tensorboard"], tmp_path, "r", 0, enabled=True)
     t.log(_record(1))
-    logging.getLogger("trainer.signals").warning("received SIGUSR1: stopping after this step")
+    logging.getLogger("trainer.runtime.signals").warning(
+        "received SIGUSR1: stopping after this step"
+    )
     t0 = time.monotonic()
     t.close(0)
     assert time.monotonic() - t0 < 1.0  # not CLOSE_DEADLINE_S
@@ -110,7 +114,7 @@ def test_a_tracker_that_does_not_start_in_time_is_left_out(tmp_path, monkeypatch
 
 _RUN_WITH_A_HANGING_TRACKER = """
 import sys
-from trainer import trackers
+from trainer.observe import trackers
 from tests.trainer.test_trust_trackers import HangingTracker
 trackers.TRACKERS["tensorboard"] = HangingTracker
 from launcher.cli import main

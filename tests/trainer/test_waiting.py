@@ -1,4 +1,4 @@
-"""Ranks wait on rank 0's serial work, not on a clock (issue 20, item 1); what waits on
+"""Ranks wait on rank 0's serial work, not on a clock; what waits on
 something outside the run (an async checkpoint's writes, scontrol) has a bound (item 3).
 
 Two ranks with `dist.timeout_s=2`, and rank 0's tokenisation, checkpoint completion and final save
@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import oomless
 from tests.test_cli_train import DEMO, metrics
-from trainer.dist import slurm_head_node, wait_for_future
+from trainer.runtime.dist import slurm_head_node, wait_for_future
 
 
 @pytest.mark.slow

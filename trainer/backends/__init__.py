@@ -1,7 +1,8 @@
 """Backends: everything that differs between strategies, behind one small protocol.
 
 One file per backend, no inheritance between them; shared logic lives in free functions
-(`trainer.model`, `trainer.dist`). The engine talks only to `Backend` and never names a strategy.
+(`trainer.model.build`, `trainer.runtime.dist`). The engine talks only to `Backend` and never names
+a strategy.
 
 Gradient convention (what `backward` receives): `loss` is this micro-batch's contribution to the
 token-weighted mean loss of the whole global batch, i.e. sum of token losses on this rank's
@@ -24,20 +25,7 @@ from torch import nn
 
 from trainer.core import strategies
 from trainer.core.config import JobConfig
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """AdamW and its hyper-parameters; identical on every rung (escalation never changes them)."""
-
-    lr: float
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
-    grad_clip: float  # max total grad norm; 0 disables clipping
-    name: str = "adamw"  # train.optimizer: adamw | adamw_8bit (trainer/optim.py)
-    bf16_pure: bool = False  # precision: bf16_pure: bf16 states, stochastically rounded step
-    in_backward: bool = False  # train.optimizer_in_backward: step each parameter in backward
+from trainer.core.step_spec import OptimizerSpec
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from trainer.backends import OptimizerSpec
-from trainer.model import apply_activation_checkpointing, apply_compile
-from trainer.oom import OutOfMemoryInStep
+from trainer.model.build import apply_activation_checkpointing, apply_compile
+from trainer.model.pretrained import canonical_name
 from trainer.optim import (
     FP32_MOMENTS,
     OptimizerInBackward,
@@ -22,7 +22,7 @@ from trainer.optim import (
     load_8bit_moments,
 )
 from trainer.optim import set_lr as set_optimizer_lr
-from trainer.pretrained import canonical_name
+from trainer.runtime.oom import OutOfMemoryInStep
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -152,7 +152,7 @@ def replica_step(backend: Any) -> float:
 
 def attach(backend: Any, model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float):
     """A backend over a model and optimizer built elsewhere (the planner's traced step,
-    launcher/trace.py): what `setup` would have left on it, for `no_sync`, `backward`,
+    launcher/estimate/trace.py): what `setup` would have left on it, for `no_sync`, `backward`,
     `compute_context` and `clip_and_step` to act on."""
     backend.model, backend.optimizer, backend.grad_clip = model, optimizer, grad_clip
     return backend

@@ -37,9 +37,9 @@ from trainer.backends.common import device_memory_stats, reset_device_peak, trai
 from trainer.backends.deepspeed_config import build_deepspeed_config
 from trainer.core import strategies
 from trainer.core.config import ConfigError
-from trainer.dist import after_rank0, all_reduce_max, all_reduce_sum
-from trainer.model import apply_activation_checkpointing
-from trainer.pretrained import load_per_rank, load_zero3_partitions
+from trainer.model.build import apply_activation_checkpointing
+from trainer.model.pretrained import load_per_rank, load_zero3_partitions
+from trainer.runtime.dist import after_rank0, all_reduce_max, all_reduce_sum
 
 log = logging.getLogger(__name__)
 

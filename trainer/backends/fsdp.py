@@ -2,10 +2,10 @@
 
 torchtitan's order: build on the meta device, apply activation checkpointing, shard each decoder
 layer and then the root, materialise only this rank's shards (`to_empty`), then load the initial
-weights: pretrained safetensors are read by each rank, its own rows only (`trainer.pretrained`);
-random init (and weights in other formats) with `set_model_state_dict(full_state_dict=True,
-broadcast_from_rank0=True)`: rank 0 alone builds the full weights and sends every rank its shard,
-so no other rank ever holds the full model.
+weights: pretrained safetensors are read by each rank, its own rows only
+(`trainer.model.pretrained`); random init (and weights in other formats) with
+`set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`: rank 0 alone builds the
+full weights and sends every rank its shard, so no other rank ever holds the full model.
 Mixed precision is `MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)` over fp32
 sharded parameters (no autocast); `precision: bf16_pure` shards bf16 parameters and gathers and
 reduces them in bf16. `train.optimizer_in_backward` steps each shard from its post-accumulate-grad
@@ -38,11 +38,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from trainer.backends import BackendContext, ModelFactory, OptimizerSpec, common
 from trainer.core import strategies
-from trainer.dist import after_rank0
-from trainer.model import apply_activation_checkpointing, apply_compile, decoder_layers
+from trainer.model.build import apply_activation_checkpointing, apply_compile, decoder_layers
+from trainer.model.pretrained import canonical_name, load_fsdp_shards, load_per_rank, report_load
+from trainer.model.qlora_load import TensorSource, fill_4bit_shards, tensor_source
 from trainer.optim import load_sharded_8bit_state, sharded_8bit_state
-from trainer.pretrained import canonical_name, load_fsdp_shards, load_per_rank, report_load
-from trainer.qlora_load import TensorSource, fill_4bit_shards, tensor_source
+from trainer.runtime.dist import after_rank0
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,8 @@ def apply_fsdp(
     16-bit parameters for compute and fp32 gradient reduction under mixed precision (bf16 both
     under bf16_pure, whose parameters are bf16); with
     `offload`, parameters, gradients and AdamW on the host (CPUOffloadPolicy). The backend and
-    the estimator's trace (launcher/trace.py) both call this, so they cannot drift apart."""
+    the estimator's trace (launcher/estimate/trace.py) both call this, so they cannot drift
+    apart."""
     options: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     dtype = common.COMPUTE_DTYPES.get(precision)
     if dtype is not None:
@@ -281,8 +282,9 @@ def _build_qlora(
 ) -> tuple[nn.Module, TensorSource | None]:
     """QLoRA's model before sharding, and where its rank's rows come from: the 4-bit layout on
     the meta device (the packed weights in bf16 storage, which FSDP2 shards like any bf16
-    tensor), each rank later quantising into its own rows (trainer/qlora_load.py); a checkpoint
-    not read that way is built and quantised whole by every rank (no source), then sharded."""
+    tensor), each rank later quantising into its own rows (trainer/model/qlora_load.py); a
+    checkpoint not read that way is built and quantised whole by every rank (no source), then
+    sharded."""
     skeleton = factory.build_4bit_skeleton()
     source = tensor_source(skeleton, factory)
     if source is not None:

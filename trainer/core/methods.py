@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from trainer.core import strategies
 
-# The methods, optimizers and precisions the engine runs (trainer/finetune.py, trainer/optim.py).
+# The methods, optimizers and precisions the engine runs (trainer/model/finetune.py,
+# trainer/optim.py).
 METHODS = ("full", "lora", "qlora")
 OPTIMIZERS = ("adamw", "adamw_8bit")
 PRECISIONS = ("bf16", "fp16", "fp32", "bf16_pure")

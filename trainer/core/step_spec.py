@@ -1,9 +1,10 @@
 """One training step as the estimator, the cost model and the tracer see it: the rung, the world,
 the micro-batch and sequence, precision, checkpointing, the exact levers and the fine-tune method.
 
-A plan makes one `StepSpec` per candidate it weighs; `launcher/estimate.py` turns it into bytes,
-`launcher/cost.py` into seconds and `launcher/trace.py` into a traced step of the engine. The
-model's shape travels beside it (`launcher/model_shape.py`), derived once per plan. Torch-free.
+A plan makes one `StepSpec` per candidate it weighs; `launcher/estimate/peak.py` turns it into
+bytes, `launcher/plan/cost.py` into seconds and `launcher/estimate/trace.py` into a traced step of
+the engine. The model's shape travels beside it (`launcher/estimate/shape.py`), derived once per
+plan. Torch-free.
 """
 
 from __future__ import annotations
@@ -140,10 +141,10 @@ class StepSpec:
     offload_activations: bool = False
     loss_chunk_tokens: int | None = None  # memory.loss_chunk_tokens (None: chosen by vocabulary)
     finetune: Finetune = FULL
-    # Ulysses (trainer/sequence_parallel.py): each sequence split over this many ranks, each
-    # holding seq_len / sequence_parallel tokens of it through every layer
+    # Ulysses (trainer/memory/sequence_parallel.py): each sequence split over this many ranks,
+    # each holding seq_len / sequence_parallel tokens of it through every layer
     sequence_parallel: int = 1
-    tiled_mlp: bool = False  # trainer/tiled_mlp.py: the MLP over chunks, recomputed in backward
+    tiled_mlp: bool = False  # trainer/memory/tiled_mlp.py: MLP chunks, recomputed in backward
     mlp_chunk_tokens: int | None = None  # memory.mlp_chunk_tokens (None: the hidden size)
 
     @property
@@ -187,3 +188,17 @@ class StepSpec:
 def _words(*named: tuple[str, bool], none: str = "none") -> str:
     """The names whose flag is set, joined with "and"; `none` when no flag is."""
     return " and ".join(name for name, on in named if on) or none
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """AdamW and its hyper-parameters; identical on every rung (escalation never changes them)."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    grad_clip: float  # max total grad norm; 0 disables clipping
+    name: str = "adamw"  # train.optimizer: adamw | adamw_8bit (trainer/optim.py)
+    bf16_pure: bool = False  # precision: bf16_pure: bf16 states, stochastically rounded step
+    in_backward: bool = False  # train.optimizer_in_backward: step each parameter in backward

@@ -156,9 +156,9 @@ def checkpointed_layers(num_layers: int, level: str) -> list[int]:
     return []
 
 
-# Chunked loss (trainer/chunked_loss.py): logit elements per chunk when `memory.loss_chunk_tokens`
-# is not set: 2^26 (256 MiB in fp32), about 512 tokens of a 128k vocabulary, so a 4096-token
-# micro-batch goes in 8 chunks (torchtitan's count).
+# Chunked loss (trainer/memory/chunked_loss.py): logit elements per chunk when
+# `memory.loss_chunk_tokens` is not set: 2^26 (256 MiB in fp32), about 512 tokens of a 128k
+# vocabulary, so a 4096-token micro-batch goes in 8 chunks (torchtitan's count).
 CHUNK_LOGIT_ELEMENTS = 1 << 26
 
 

@@ -1,0 +1,388 @@
+"""`oomless estimate --trace`: one real training step of our engine, traced without allocating.
+
+The step is the engine's own code: the HF model built on the meta device by `HFModelFactory`,
+activation checkpointing by `apply_activation_checkpointing`, `compute_loss`'s tensors (logits
+upcast to fp32), backward, grad-norm clipping, AdamW (`build_adamw` as on CUDA: fused, no foreach
+temporaries) and `zero_grad(set_to_none=True)`. It runs under `FakeTensorMode`, so tensors have
+shapes and dtypes but no storage, and `MemTracker` (single) or `FSDPMemTracker` (fsdp, with
+FSDP2 `fully_shard` over a fake process group of any world size) counts the live tensor bytes of
+every operation. The peak of a steady-state step (optimizer state already present) is what
+`torch.cuda.max_memory_allocated` would see, less allocator rounding.
+
+LoRA traces the same way (peft's layers are plain modules). QLoRA, 8-bit AdamW and bf16_pure run
+for real on CPU (bitsandbytes quantises real weights, and its 8-bit step reads a scalar, which a
+fake tensor cannot give; torchao's bf16 step is compiled), on fsdp over the same fake process
+group (its collectives leave the outputs unwritten, which a memory count does not read); the
+tracker counts real allocations just as well, and the grid's models step on a CPU in seconds.
+torch.compile refuses to run under the tracker's dispatch mode, so a bf16_pure step is traced
+up to its optimizer step (`until=BACKWARD_END`); compiled, that step is one fused kernel per
+parameter, with no temporaries.
+
+CPU stands in for the device (a CPU-only torch cannot fake CUDA tensors): autocast runs as CPU
+autocast in the same 16-bit dtype, and SDPA dispatches to its CPU flash kernel, which saves what
+the CUDA kernels save (output and fp32 log-sum-exp). The trace counts tensor bytes only; compare
+it with the analytic `peak_tensor_bytes`, not with `total_bytes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.backends import BackendContext, OptimizerSpec, build_backend
+from trainer.backends.common import COMPUTE_DTYPES, attach, clip_and_step
+from trainer.backends.fsdp import apply_fsdp
+from trainer.core.config import JobConfig, ModelConfig
+from trainer.core.step_spec import FULL, Finetune, StepSpec
+from trainer.memory.levers import MemoryLevers
+from trainer.memory.sequence_parallel import (
+    SequenceMesh,
+    apply_sequence_parallel,
+    build_sequence_mesh,
+    split_sequence,
+)
+from trainer.memory.tiled_mlp import apply_tiled_mlp
+from trainer.model.build import HFModelFactory, apply_activation_checkpointing
+from trainer.observe.phases import HEAD, OPTIMIZER, STEP, phase_markers
+from trainer.step import accumulation_context, micro_batch_loss
+
+TRACEABLE = ("single", "fsdp")
+# `until=` for a trace of the layers' forward phases only, or of the step up to its optimizer
+FORWARD_END, BACKWARD_END = HEAD, OPTIMIZER
+_SPEC = OptimizerSpec(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, grad_clip=1.0)
+
+
+def _real(spec: StepSpec) -> bool:
+    """Real CPU tensors: QLoRA's 4-bit weights are quantised from real ones, bitsandbytes'
+    8-bit step reads a scalar, and torchao's bf16 step (bf16_pure) is compiled."""
+    ft = spec.finetune
+    return ft.method == "qlora" or ft.optimizer == "adamw_8bit" or spec.precision == "bf16_pure"
+
+
+def traceable(strategy: str, ft: Finetune = FULL) -> bool:
+    """single and fsdp (with real tensors over a fake process group too); 8-bit AdamW on single
+    only: FSDP's tracker hooks the optimizer's step, and the engine's 8-bit AdamW over FSDP2
+    shards is no torch optimizer that has such hooks."""
+    return strategy == "single" or (strategy in TRACEABLE and ft.optimizer != "adamw_8bit")
+
+
+@dataclass(frozen=True)
+class Trace:
+    spec: StepSpec
+    peak_bytes: int  # live tensor bytes at the step's peak, on one device
+    breakdown: dict[str, int]  # the tracker's categories at that peak
+    # (label, peak live bytes) of each phase of the step in order (trainer/observe/phases.py's
+    # labels)
+    phases: tuple[tuple[str, int], ...] = ()
+
+
+def trace_step(
+    hf_config: dict[str, Any],
+    spec: StepSpec,
+    *,
+    attn_implementation: str = "sdpa",
+    reshard_after_forward: bool = True,
+    phase_local_peaks: bool = False,
+    until: str | None = None,
+) -> Trace:
+    """Peak live tensor bytes on one device for a steady-state training step (the second one)
+    of `spec`: `grad_accum` micro-batches, all but the last under the backend's no-sync (unless
+    FSDP reduces every micro-batch), as the engine runs them.
+
+    Build, shard, fake and track read in the order the engine does them; the step runs through
+    the engine's own backend and step functions. With `phase_local_peaks`, each phase's peak is
+    the highest live bytes inside that phase, even where an earlier phase went higher (by
+    default a phase below the step's peak so far reports the live bytes at its ends), and the
+    tracker keeps no per-module peaks. With `until` (a phase label of trainer/observe/phases.py:
+    FORWARD_END, BACKWARD_END) the traced step stops where that phase begins: a quicker trace of
+    the phases before it only (then `peak_bytes` is theirs)."""
+    if not traceable(spec.strategy, spec.finetune):
+        raise ValueError(f"--trace covers {', '.join(TRACEABLE)} ({spec.finetune.words()} on "
+                         f"single only), not {spec.strategy}")  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        model, backend, mesh = _traced_model(hf_config, spec, attn_implementation,
+                                             reshard_after_forward, stack)  # fmt: skip
+        batch = packed_batch(hf_config["vocab_size"], spec.micro_batch_size, spec.seq_len)
+        if mesh.size > 1:  # this rank's slice of every sequence, as the engine splits it
+            doc_ids = (batch["position_ids"] == 0).cumsum(dim=1) - 1
+            batch = split_sequence({**batch, "doc_ids": doc_ids}, mesh)
+        _init_optimizer_state(model, backend.optimizer)  # the traced step is a steady-state one
+        tracker = _tracker(spec.strategy, model, backend.optimizer, batch)
+        marks = _PhaseMarks(tracker, phase_local_peaks, until)
+        with contextlib.suppress(_Stop), tracker, phase_markers(model, marks):
+            _step(model, backend, [batch] * spec.grad_accum, tracker, marks)
+            marks("end")
+        snapshot = marks.highest or tracker.get_tracker_snapshot("peak")
+    dev = next(d for d in snapshot if torch.device(d).type == "cpu")
+    breakdown = {getattr(k, "name", k).lower(): int(v) for k, v in snapshot[dev].items()}
+    phases = _local_peaks(marks.marks) if phase_local_peaks else phase_peaks(marks.marks)
+    return Trace(spec, breakdown.pop("total"), breakdown, phases)
+
+
+def _traced_model(
+    hf_config: dict[str, Any], spec: StepSpec, attn_implementation: str,
+    reshard_after_forward: bool, stack: contextlib.ExitStack,
+) -> tuple[nn.Module, Any, SequenceMesh]:  # fmt: skip
+    """The engine's model for `spec` on fake tensors (QLoRA, 8-bit AdamW: real CPU tensors),
+    sharded over a fake process group for fsdp, split over a sequence group as `spec` says, and
+    its backend attached to it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = _real(spec)
+    model_cfg = ModelConfig(config=dict(hf_config), attn_implementation=attn_implementation)
+    factory = HFModelFactory(model_cfg, seed=0)
+    sharded = spec.row.engine == "fsdp"
+    mesh = _sequence_mesh(spec, factory.hf_config, sharded, stack)
+    model = apply_finetune(factory.build("cpu" if real else "meta"), spec.finetune, spec.precision)
+    if spec.precision == "bf16_pure" and not spec.finetune.adapters:
+        from trainer.model.finetune import params_to_bf16
+
+        params_to_bf16(model)  # as the engine's Bf16PureFactory builds it
+    apply_activation_checkpointing(model, spec.activation_checkpointing)
+    model.train()
+    if sharded:
+        apply_fsdp(model, precision=spec.precision, reshard_after_forward=reshard_after_forward)
+    stack.enter_context(moe_fake_kernels())
+    if not real:
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        model.to_empty(device="cpu")
+        if not sharded and hasattr(model, "tie_weights"):
+            model.tie_weights()  # to_empty made fake copies of tied weights: one tensor again
+    device = torch.device("cpu")
+    MemoryLevers(
+        model, device, spec.chunked_loss, spec.offload_activations, spec.loss_chunk_tokens,
+        offload_host=torch.device("meta"),  # host copies: not counted as the device's
+    )  # fmt: skip
+    if spec.tiled_mlp:  # after the backend's wrapping, as the engine does
+        apply_tiled_mlp(model, spec.mlp_chunk_tokens)
+    backend = build_backend(spec.strategy, _backend_context(spec, device))
+    return model, attach(backend, model, _optimizer(model, spec), _SPEC.grad_clip), mesh
+
+
+def _sequence_mesh(
+    spec: StepSpec, hf_config: Any, sharded: bool, stack: contextlib.ExitStack
+) -> SequenceMesh:
+    """Rank 0's place in the data x sequence mesh over a fake process group (of the world for
+    fsdp, of one sequence group for single), its model attending through the engine's Ulysses
+    all-to-alls (which the fake group completes without moving data)."""
+    sp = spec.sequence_parallel
+    if sharded or sp > 1:
+        stack.enter_context(_fake_process_group(spec.world_size if sharded else sp))
+    mesh = build_sequence_mesh(sp, 0, spec.world_size if sharded else sp)
+    apply_sequence_parallel(hf_config, mesh)
+    return mesh
+
+
+def _backend_context(spec: StepSpec, device: torch.device) -> BackendContext:
+    job = JobConfig(
+        model={"config": {"model_type": "traced"}},
+        data={"path": "traced"},
+        fsdp={"reduce_every_micro_batch": spec.fsdp_reduce_every_micro_batch},
+    )
+    return BackendContext(
+        cfg=job, device=device, rank=0, local_rank=0, world_size=spec.world_size,
+        precision=spec.precision, activation_checkpointing=spec.activation_checkpointing,
+        micro_batch_size=spec.micro_batch_size, grad_accum=spec.grad_accum,
+    )  # fmt: skip
+
+
+class _PhaseMarks:
+    """The tracker's live and peak bytes as each phase begins (`trainer/observe/phases.py` calls
+    it)."""
+
+    def __init__(self, tracker: Any, phase_local_peaks: bool, until: str | None):
+        self.tracker, self.local, self.until = tracker, phase_local_peaks, until
+        self.marks: list[tuple[str, int, int]] = []  # (label, live bytes, peak so far)
+        self.highest: Any = None  # with phase-local peaks: the step's peak snapshot so far
+        if phase_local_peaks:
+            _global_peak_only(tracker)
+
+    def __call__(self, label: str) -> None:
+        current = self.tracker.get_tracker_snapshot("current")
+        peak = self.tracker.get_tracker_snapshot("peak")
+        self.marks.append((label, _total(current), _total(peak)))
+        if self.local:
+            if self.highest is None or _total(peak) > _total(self.highest):
+                self.highest = peak
+            _restart_peak(self.tracker, current)
+        if label == self.until:
+            raise _Stop
+
+
+def _step(model: nn.Module, backend: Any, batches: list[dict], tracker: Any, mark: Any) -> None:
+    """One training step through the engine's functions (trainer/step.py): the micro-batches
+    in the backend's accumulation context, forward under its compute context, its backward;
+    then clipping, the optimizer step and zero_grad as the replica rungs' backends run them."""
+    tokens = batches[0]["input_ids"].numel()
+    mark(STEP)
+    for i, batch in enumerate(batches):
+        tracker.reset_mod_stats()  # its per-module stats allow one call per module
+        with accumulation_context(backend, last=i == len(batches) - 1):
+            loss_sum = micro_batch_loss(model, backend, batch)
+            backend.backward(loss_sum / tokens)
+            del loss_sum
+    mark(OPTIMIZER)
+    clip_and_step(model.parameters(), backend.optimizer, None, backend.grad_clip)
+
+
+def phase_peaks(marks: list[tuple[str, int, int]]) -> tuple[tuple[str, int], ...]:
+    """(label, peak live bytes) per phase from the marks at phase starts: the live bytes at its
+    two ends, or the tracker's peak if that rose in between (then it was reached in there)."""
+    out = []
+    for (label, live0, peak0), (_, live1, peak1) in zip(marks, marks[1:], strict=False):
+        out.append((label, max(live0, live1, peak1 if peak1 > peak0 else 0)))
+    return tuple(out)
+
+
+class _Stop(Exception):
+    """Raised at the phase a trace stops at (`trace_step(until=...)`)."""
+
+
+def _local_peaks(marks: list[tuple[str, int, int]]) -> tuple[tuple[str, int], ...]:
+    """(label, peak live bytes) per phase where the tracker's peak restarts at each mark."""
+    return tuple((a[0], max(a[1], b[1], b[2])) for a, b in zip(marks, marks[1:], strict=False))
+
+
+def _global_peak_only(tracker: Any) -> None:
+    """The tracker updates its step-wide peak only, not the per-module peaks (a loop over
+    every module seen, after every operation: a fifth of a traced step's time) that nothing
+    here reads. MemTracker's `_update_peak_stats` without its module loop."""
+    from copy import deepcopy
+
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    def update(peak_state: Any) -> None:
+        for dev, snap in tracker._curr_mem_snap.items():
+            total = snap[_TOTAL_KEY]
+            if tracker._peak_mem.get(dev, 0) < total:
+                tracker._peak_mem[dev] = total
+                tracker._peak_mem_snap[dev] = deepcopy(snap)
+
+    tracker._update_peak_stats = update
+
+
+def _restart_peak(tracker: Any, current: dict[Any, dict[Any, int]]) -> None:
+    """The tracker's peak from now on: the live bytes now (MemTracker keeps one running peak,
+    in `_peak_mem` and `_peak_mem_snap`, and offers no public reset)."""
+    tracker._peak_mem_snap = current
+    tracker._peak_mem = {dev: _total({dev: snap}) for dev, snap in current.items()}
+
+
+def _total(snapshot: dict[Any, dict[Any, int]]) -> int:
+    dev = next(iter(snapshot))
+    return int(next(v for k, v in snapshot[dev].items() if getattr(k, "name", k) == "Total"))
+
+
+def _init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's moments and step, as after a first step (a step on zero grads: no forward)."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def autocast_for(precision: str):
+    dtype = COMPUTE_DTYPES.get(precision)
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast("cpu", dtype=dtype)
+
+
+def packed_batch(vocab_size: int, micro: int, seq: int) -> dict[str, torch.Tensor]:
+    """A packed window as the data pipeline makes it: position ids restart per document (two
+    documents here; a real step's transformers reads them and builds the block-causal mask)."""
+    ids = torch.zeros(micro, seq, dtype=torch.long)
+    return {
+        "input_ids": ids,
+        "labels": ids.clone(),
+        "position_ids": (torch.arange(seq) % max(1, seq // 2)).repeat(micro, 1),
+    }
+
+
+def _tracker(strategy: str, model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> Any:
+    if strategy == "fsdp":
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        tracker = FSDPMemTracker(model, optimizer)
+        _skip_frozen(tracker, model)
+        tracker.track_inputs(tuple(batch.values()))
+        return tracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    _skip_frozen(tracker, model)
+    tracker.track_external(model, optimizer, *batch.values())
+    return tracker
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _skip_frozen(tracker: Any, model: nn.Module) -> None:
+    """The tracker hooks every parameter's gradient; a frozen one (LoRA's base) has none."""
+    for p in model.parameters():
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+
+
+def apply_finetune(model: nn.Module, ft: Finetune, precision: str) -> nn.Module:
+    """What `finetune.method` trains, built by the engine's own trainer/model/finetune.py."""
+    from trainer.core.config import FinetuneConfig, LoraConfig
+    from trainer.model.finetune import apply_finetune as engine_apply
+
+    targets = ft.target_modules if isinstance(ft.target_modules, str) else list(ft.target_modules)
+    lora = LoraConfig(r=ft.r, dropout=ft.dropout, target_modules=targets)
+    return engine_apply(model, FinetuneConfig(method=ft.method, lora=lora), precision, seed=0)
+
+
+def _optimizer(model: nn.Module, spec: StepSpec) -> torch.optim.Optimizer:
+    """The engine's optimizer over what trains: fused AdamW, bitsandbytes' AdamW8bit, or under
+    bf16_pure torchao's bf16 AdamW."""
+    from dataclasses import replace
+
+    from trainer.optim import build_optimizer
+
+    kind = {"name": spec.finetune.optimizer}
+    if spec.precision == "bf16_pure":
+        kind["bf16_pure"] = True
+    return build_optimizer(list(model.parameters()), replace(_SPEC, **kind))
+
+
+@contextlib.contextmanager
+def moe_fake_kernels():
+    """MoE experts under fake tensors: transformers' grouped_mm experts call torch's grouped_mm,
+    whose meta kernel accepts bf16 only (its CUDA kernel's restriction), so fp32 experts cannot
+    be traced through it; its own fallback op (a loop over experts, registered with a fake
+    kernel) takes every dtype and saves the same tensors for backward (input, weight, offsets).
+    A no-op for dense models or without transformers' MoE integration."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        yield
+        return
+    original = moe._can_use_grouped_mm
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
+@contextlib.contextmanager
+def _fake_process_group(world_size: int):
+    """A process group of `world_size` ranks that exists in this process only (rank 0)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,162 @@
+"""The cost model: predicted seconds per optimizer step of a `StepSpec` on the given hardware.
+
+Compute (FLOPs at an effective utilisation that grows with the micro-batch), recomputation
+(activation checkpointing, chunked loss), communication (gradient reduction and parameter
+gathers per the rung's row), and host traffic (offloaded state over PCIe, host AdamW, NVMe,
+activation offload). Effective rates, not peaks; they rank candidates coarsely
+(docs/planner.md). Pure arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from launcher.estimate.methods import method_cost
+from launcher.estimate.shape import ModelShape
+from launcher.plan.hardware import Hardware
+from trainer.core.step_spec import StepSpec
+
+# Cost-model constants (docs/planner.md): effective bandwidths and rates, not peaks. The
+# bandwidths are defaults for the `hardware.*_bandwidth` keys.
+INTRA_NODE_BYTES_S = {"cuda": 150e9, "cpu": 2e9}  # NVLink-class / shared memory via gloo
+INTER_NODE_BYTES_S = {"cuda": 20e9, "cpu": 1e9}  # per device over the network
+PCIE_BYTES_S = 12e9
+# Pinned host memory a node's devices copy to and from at once: their PCIe links share it
+HOST_MEMORY_BYTES_S = {"cuda": 80e9, "cpu": 20e9}
+NVME_BYTES_S = 3e9
+BASE_UTILIZATION = 0.45  # fraction of peak FLOP/s a well-fed step reaches
+SATURATION_TOKENS = 512  # tokens per micro-batch at which utilisation is half its base
+# A rung later on the ladder must be predicted this much faster to be chosen over an earlier one:
+# the cost model ranks rungs coarsely, and earlier rungs have fewer moving parts.
+SIMPLER_RUNG_MARGIN = 0.10
+CPU_PEAK_FLOPS = 0.2e12  # when planning CPU processes (tests, the demo)
+DEVICE_MEMORY_BYTES_S = {"cuda": 1.5e12, "cpu": 20e9}  # QLoRA's dequantisation is memory-bound
+UNKNOWN_GPU_PEAK_FLOPS = 100e12
+
+
+@dataclass(frozen=True)
+class Links:
+    """Effective bandwidths in bytes per second (the `hardware.*_bandwidth` keys, or defaults)."""
+
+    intra_node: float
+    inter_node: float
+    pcie: float
+    nvme: float
+    host: float  # the node's pinned host memory, shared by its devices
+
+    @classmethod
+    def of(cls, hardware_cfg: Any, device: str) -> Links:
+        given = hardware_cfg
+        return cls(
+            intra_node=given.intra_node_bandwidth or INTRA_NODE_BYTES_S[device],
+            inter_node=given.inter_node_bandwidth or INTER_NODE_BYTES_S[device],
+            pcie=given.pcie_bandwidth or PCIE_BYTES_S,
+            nvme=given.nvme_bandwidth or NVME_BYTES_S,
+            host=HOST_MEMORY_BYTES_S[device],
+        )
+
+
+def step_time_s(
+    shape: ModelShape, spec: StepSpec, hw: Hardware, links: Links, offloaded_bytes: int = 0
+) -> float:
+    """Predicted seconds per optimizer step: compute + recompute + communication + host traffic.
+    `offloaded_bytes`: what activation offload moves per micro-batch (the estimate's)."""
+    compute = _compute_s(shape, spec, hw)
+    return compute + _comm_s(shape, spec, hw, links) + _host_s(shape, spec, hw, links, compute,
+                                                                offloaded_bytes)  # fmt: skip
+
+
+def _compute_s(shape: ModelShape, spec: StepSpec, hw: Hardware) -> float:
+    """FLOPs of the step (the method's, attention, recomputation) at an effective rate, plus
+    QLoRA's memory-bound dequantisation."""
+    seq, world, micro = spec.seq_len, max(1, spec.world_size), spec.micro_batch_size
+    tokens = spec.data_ranks * micro * spec.grad_accum * seq  # a sequence group shares its own
+    cost = method_cost(shape, spec.finetune, spec.compute_bytes)  # full, LoRA or QLoRA; MoE
+    attention = 12 * shape.num_layers * shape.hidden_size * seq  # per token, fwd + bwd
+    recomputed = {"none": 0.0, "selective": 0.5, "full": 1.0}[spec.activation_checkpointing]
+    recompute = recomputed * (cost.recompute_flops_per_token + attention / 3)
+    if spec.chunked_loss:
+        recompute += recomputed_head_flops_per_token(shape.hidden_size, shape.vocab_size)
+    if spec.tiled_mlp:  # each chunk's MLP forward again in backward (and in a recompute)
+        mlp_flops = 6 * shape.hidden_size * shape.intermediate_size * shape.num_layers
+        recompute += (1 + recomputed) * mlp_flops
+    flops = tokens * (cost.flops_per_token + attention + recompute)
+    peak = hw.peak_flops or (CPU_PEAK_FLOPS if hw.device == "cpu" else UNKNOWN_GPU_PEAK_FLOPS)
+    micro_tokens = micro * spec.local_seq_len
+    utilization = BASE_UTILIZATION * micro_tokens / (micro_tokens + SATURATION_TOKENS)
+    passes = spec.grad_accum * (2 + recomputed)  # forward, backward, recompute per micro-batch
+    dequant = cost.dequant_bytes * passes / DEVICE_MEMORY_BYTES_S[hw.device]
+    return flops / (world * peak * utilization) + dequant
+
+
+def _grad_reductions(spec: StepSpec) -> int:
+    every = spec.row.grads_every_micro or spec.fsdp_reduce_every_micro_batch
+    return spec.grad_accum if every else 1
+
+
+def _comm_s(shape: ModelShape, spec: StepSpec, hw: Hardware, links: Links) -> float:
+    """Gradient reductions and parameter gathers over the ring of all ranks."""
+    rung, world = spec.row, max(1, spec.world_size)
+    cost = method_cost(shape, spec.finetune, spec.compute_bytes)
+    bandwidth = links.intra_node if hw.nodes == 1 else links.inter_node
+    gather_scale = spec.compute_bytes / 2 if rung.engine == "fsdp" else 1.0
+    comm_bytes = cost.trained * rung.grad_comm * _grad_reductions(spec)
+    comm_bytes += cost.gathered * rung.param_comm_per_micro * gather_scale * spec.grad_accum
+    return (world - 1) / world * comm_bytes / bandwidth + all_to_all_s(shape, spec, links)
+
+
+def all_to_all_s(shape: ModelShape, spec: StepSpec, links: Links) -> float:
+    """Ulysses' all-to-alls (trainer/memory/sequence_parallel.py): per layer and pass (forward,
+    backward, a checkpoint's recompute) q, k, v and the output, each rank sending (sp-1)/sp of
+    its slice's; within a node while the sequence group fits in one, else over the network."""
+    sp = spec.sequence_parallel
+    if sp == 1:
+        return 0.0
+    tokens = spec.micro_batch_size * spec.local_seq_len
+    kv = max(shape.num_kv_heads, sp) * shape.head_dim
+    per_layer = spec.compute_bytes * tokens * (2 * shape.num_heads * shape.head_dim + 2 * kv)
+    recomputed = {"none": 0.0, "selective": 0.5, "full": 1.0}[spec.activation_checkpointing]
+    passes = (2 + recomputed) * spec.grad_accum
+    bandwidth = links.intra_node if sp <= spec.ranks_per_node else links.inter_node
+    return (sp - 1) / sp * per_layer * shape.num_layers * passes / bandwidth
+
+
+def _host_s(
+    shape: ModelShape, spec: StepSpec, hw: Hardware, links: Links, compute_s: float,
+    offloaded_bytes: int,
+) -> float:  # fmt: skip
+    """Offloaded state over PCIe, AdamW on the host, NVMe, and activation offload's copies."""
+    rung, world = spec.row, max(1, spec.world_size)
+    cost = method_cost(shape, spec.finetune, spec.compute_bytes)
+    per_rank = cost.trained / world  # what is stepped and moved once per step or reduction
+    pcie_bytes = (rung.pcie_per_step + rung.offloaded_grads * _grad_reductions(spec)) * per_rank
+    pcie_bytes += rung.pcie_per_micro * spec.grad_accum * cost.gathered / world  # params, per use
+    seconds = pcie_bytes / links.pcie
+    if rung.host_adam_params_s:
+        seconds += per_rank * min(hw.devices_per_node, world) / rung.host_adam_params_s
+    seconds += rung.nvme_per_step * per_rank / links.nvme
+    if spec.offload_activations:
+        per_node = spec.ranks_per_node * offloaded_bytes * spec.grad_accum
+        seconds += offload_seconds(
+            offloaded_bytes * spec.grad_accum, per_node, links.pcie, links.host, compute_s
+        )
+    return seconds
+
+
+def recomputed_head_flops_per_token(hidden: int, vocab: int) -> float:
+    """Chunked loss runs the output layer's forward matmul again in backward."""
+    return 2.0 * hidden * vocab
+
+
+def offload_seconds(
+    saved_bytes: int, node_bytes: int, pcie_bytes_per_s: float, host_bytes_per_s: float,
+    compute_s: float,
+) -> float:  # fmt: skip
+    """Activation offload's copies, out in forward and back in backward, on side streams: what
+    compute does not hide. Each device's bytes cross its own PCIe link, and all of the node's
+    devices' bytes (`node_bytes`) cross the host memory they share; the slower of the two is the
+    transfer. The copies overlap the layers' compute (torchtune measured <1% slowdown at 8B);
+    charge the part that exceeds the compute time, plus a fixed 2% for the stream syncs."""
+    transfer = max(2 * saved_bytes / pcie_bytes_per_s, 2 * node_bytes / host_bytes_per_s)
+    return max(0.0, transfer - compute_s) + 0.02 * compute_s

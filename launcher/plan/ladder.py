@@ -1,0 +1,325 @@
+"""The ladder walk: for every rung, the fastest combination of micro-batch, activation
+checkpointing and exact levers that the estimate says fits; then the rungs ranked.
+
+Each combination is one `StepSpec` (trainer/core/step_spec.py): the estimate
+(`launcher/estimate/peak.py`) says whether it fits, the cost model (`launcher/plan/cost.py`) how
+long its step takes. What is learned never changes here: the global batch, optimizer, schedule and
+precision stay as configured; only micro-batch x accumulation, recomputation, sharding and
+offload move.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Any
+
+from launcher.estimate.methods import why_not_on
+from launcher.estimate.peak import Estimate, estimate
+from launcher.estimate.shape import ModelShape
+from launcher.plan.cost import Links, step_time_s
+from launcher.plan.hardware import Hardware
+from trainer.core import strategies
+from trainer.core.config import ConfigError, JobConfig
+from trainer.core.step_spec import (
+    NO_LEVERS,
+    Finetune,
+    Levers,
+    LongContext,
+    StepSpec,
+    lever_variants,
+)
+from trainer.core.strategies import AC_LEVELS, Strategy
+from trainer.core.units import GIB
+
+# A rung later on the ladder must be predicted this much faster to be chosen over an earlier one:
+# the cost model ranks rungs coarsely, and earlier rungs have fewer moving parts.
+SIMPLER_RUNG_MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class Alternative:
+    strategy: str
+    fits: bool
+    why_not: str | None
+    relative_step_time: float | None
+    micro_batch_size: int | None = None
+    activation_checkpointing: str | None = None
+    levers: str | None = None  # the exact levers in words (`Levers.words`)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "fits": self.fits,
+            "why_not": self.why_not,
+            "relative_step_time": self.relative_step_time,
+            "micro_batch_size": self.micro_batch_size,
+            "activation_checkpointing": self.activation_checkpointing,
+            "levers": self.levers,
+        }
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One rung's fastest fitting step, its estimate and predicted step time."""
+
+    rung: Strategy
+    spec: StepSpec
+    estimate: Estimate
+    time_s: float
+    reduce_every_micro: bool | None = None  # fsdp rungs only
+
+    @property
+    def micro(self) -> int:
+        return self.spec.micro_batch_size
+
+    @property
+    def ac(self) -> str:
+        return self.spec.activation_checkpointing
+
+    @property
+    def levers(self) -> Levers:
+        return self.spec.levers
+
+
+def shortfall(est: Estimate, hw: Hardware, headroom: float) -> str | None:
+    """Why the estimate does not fit the device or the host memory less the headroom, in words;
+    None when it fits."""
+    if est.device_total_bytes > hw.device_memory_bytes * (1 - headroom):
+        return (
+            f"needs {est.device_total_bytes / GIB:.1f} GiB per device, has "
+            f"{hw.device_memory_bytes / GIB:.1f} GiB less {headroom:.0%} headroom"
+        )
+    if est.host_total_bytes > hw.host_memory_bytes * (1 - headroom):
+        return (
+            f"needs {est.host_total_bytes / GIB:.1f} GiB host memory per node, has "
+            f"{hw.host_memory_bytes / GIB:.1f} GiB less {headroom:.0%} headroom"
+        )
+    return None
+
+
+def rung_world(rung: Strategy, hw: Hardware) -> int | None:
+    world = hw.world_size
+    if world < rung.min_world or (rung.max_world is not None and world > rung.max_world):
+        return None
+    return world
+
+
+def per_rank_batch(cfg: JobConfig, hw: Hardware, sequence_parallel: int = 1) -> int:
+    """Sequences per rank per optimizer step; the global batch must split evenly over the
+    data-parallel groups (the ranks of a sequence group read the same sequences)."""
+    world = hw.world_size // sequence_parallel
+    gbs = cfg.train.global_batch_size
+    if gbs % world:
+        fits = [m * world for m in range(max(1, gbs // world), gbs // world + 3)]
+        raise ConfigError(
+            "train.global_batch_size",
+            f"{gbs} sequences cannot be split evenly over {world} ranks",
+            f"use a multiple of {world} (e.g. {', '.join(map(str, fits))})",
+        )
+    per_rank = gbs // world
+    if isinstance(cfg.train.micro_batch_size, int) and per_rank % cfg.train.micro_batch_size:
+        raise ConfigError(
+            "train.micro_batch_size",
+            f"{cfg.train.micro_batch_size} does not divide the {per_rank} sequences per rank "
+            f"({gbs} over {world} data-parallel ranks)",
+            f"use one of {', '.join(map(str, sorted(_divisors_desc(per_rank))))} or auto",
+        )
+    return per_rank
+
+
+def _divisors_desc(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def job_step(
+    cfg: JobConfig, hw: Hardware, rung: Strategy, micro: int, ac: str, *,
+    reduce_every_micro: bool | None = False, levers: Levers = NO_LEVERS,
+    finetune: Finetune | None = None, long: LongContext | None = None,
+) -> StepSpec:  # fmt: skip
+    """The step this job runs on `rung` at this micro-batch, checkpointing and levers, with the
+    global batch's accumulation; split over a sequence group as `long` says (None: as the
+    config says, `auto` being 1 and off)."""
+    long = long or LongContext.of(cfg)
+    data_ranks = hw.world_size // long.sequence_parallel
+    return StepSpec(
+        strategy=rung.name,
+        world_size=hw.world_size,
+        micro_batch_size=micro,
+        seq_len=cfg.data.seq_len,
+        activation_checkpointing=ac,
+        precision=cfg.precision,
+        grad_accum=max(1, cfg.train.global_batch_size // (data_ranks * micro)),
+        devices_per_node=hw.devices_per_node,
+        device=hw.device,
+        # packed windows get a block-causal mask, except under flash/flex attention (position
+        # ids or a sparse block mask keep the documents apart)
+        packed=cfg.data.pack and cfg.model.attn_implementation in ("sdpa", "eager"),
+        fsdp_reduce_every_micro_batch=bool(reduce_every_micro),
+        chunked_loss=levers.chunked_loss,
+        offload_activations=levers.offload_activations,
+        loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
+        finetune=finetune or Finetune.of(cfg),
+        sequence_parallel=long.sequence_parallel,
+        tiled_mlp=long.tiled_mlp,
+        mlp_chunk_tokens=cfg.memory.mlp_chunk_tokens,
+    )
+
+
+def scaled_estimate(shape: ModelShape, spec: StepSpec, memory_scale: float) -> Estimate:
+    """The estimate of one step, device bytes scaled by a measured `memory_scale`."""
+    est = estimate(shape, spec)
+    if memory_scale == 1.0:
+        return est
+    return replace(
+        est,
+        device_breakdown={k: int(v * memory_scale) for k, v in est.device_breakdown.items()},
+        peak_tensor_bytes=int(est.peak_tensor_bytes * memory_scale),
+        device_total_bytes=int(est.device_total_bytes * memory_scale),
+        phases={},
+    )
+
+
+def reduce_variants(rung: Strategy, cfg: JobConfig) -> tuple[bool | None, ...]:
+    """FSDP's gradient accumulation: unsharded under no-sync (False) or sharded, reducing after
+    every micro-batch (True); both are tried under `fsdp.reduce_every_micro_batch: auto`. Other
+    rungs have no such choice (None)."""
+    if rung.engine != "fsdp":
+        return (None,)
+    chosen = cfg.fsdp.reduce_every_micro_batch
+    return (False, True) if chosen == "auto" else (chosen,)
+
+
+@dataclass(frozen=True)
+class Climb:
+    """What a walk up the ladder found: each fitting rung's best step, fastest first (the
+    simplest within SIMPLER_RUNG_MARGIN of the fastest leading), and why the others did not."""
+
+    per_rank: int  # sequences per rank per optimizer step
+    ranked: list[Candidate]
+    rejected: list[Alternative]
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """What every rung's search shares, worked out once per climb."""
+
+    cfg: JobConfig
+    hw: Hardware
+    shape: ModelShape
+    per_rank: int
+    memory_scale: float
+    finetune: Finetune
+    levers: list[Levers]
+    links: Links
+    long: LongContext | None = None
+
+
+def climb(
+    cfg: JobConfig, hw: Hardware, shape: ModelShape, rungs: list[Strategy],
+    exclude: tuple[str, ...] | list[str] = (), memory_scale: float = 1.0,
+    long: LongContext | None = None,
+) -> Climb:  # fmt: skip
+    """Walk `rungs` for this job: each one's fastest fitting step, then the ranking; each
+    sequence split as `long` says (None: as the config says)."""
+    long = long or LongContext.of(cfg)
+    per_rank = per_rank_batch(cfg, hw, long.sequence_parallel)
+    finetune = Finetune.of(cfg)
+    unsupported = {rung.name: why_not_on(rung, finetune, cfg.precision) for rung in rungs}
+    levers = lever_variants(cfg.memory.chunked_loss, cfg.memory.offload_activations, hw.device)
+    walk = _Walk(cfg, hw, shape, per_rank, memory_scale, finetune, levers,
+                 Links.of(cfg.hardware, hw.device), long)  # fmt: skip
+    candidates: list[Candidate] = []
+    rejected: list[Alternative] = []
+    for rung in rungs:
+        why = _why_not_tried(rung, hw, cfg, exclude) or unsupported[rung.name]
+        if why is None:
+            best, why = _best_on(walk, rung)
+            if best is not None:
+                candidates.append(best)
+                continue
+        rejected.append(Alternative(rung.name, False, why, None))
+    if not candidates:
+        return Climb(per_rank, [], rejected)
+    # fastest first, except that a rung earlier on the ladder within SIMPLER_RUNG_MARGIN of
+    # the fastest goes first (the cost model ranks coarsely; earlier rungs are simpler)
+    ranked = sorted(candidates, key=lambda cand: cand.time_s)  # stable: ladder order on ties
+    ladder = strategies.names()
+    limit = ranked[0].time_s * (1 + SIMPLER_RUNG_MARGIN)
+    chosen = min((c for c in ranked if c.time_s <= limit), key=lambda c: ladder.index(c.rung.name))
+    ranked.remove(chosen)
+    return Climb(per_rank, [chosen, *ranked], rejected)
+
+
+def best_for_rung(
+    shape: ModelShape, rung: Strategy, hw: Hardware, cfg: JobConfig, per_rank: int,
+    memory_scale: float,
+) -> tuple[Candidate | None, str]:  # fmt: skip
+    """The rung's fastest fitting step, or None and why the smallest one does not fit."""
+    finetune = Finetune.of(cfg)
+    levers = lever_variants(cfg.memory.chunked_loss, cfg.memory.offload_activations, hw.device)
+    links = Links.of(cfg.hardware, hw.device)
+    return _best_on(_Walk(cfg, hw, shape, per_rank, memory_scale, finetune, levers, links), rung)
+
+
+def _best_on(walk: _Walk, rung: Strategy) -> tuple[Candidate | None, str]:
+    cfg, hw = walk.cfg, walk.hw
+    micros = _divisors_desc(walk.per_rank)
+    if isinstance(cfg.train.micro_batch_size, int):
+        micros = [cfg.train.micro_batch_size]
+    if walk.finetune.in_backward:  # one micro-batch per step: no accumulation
+        micros = [m for m in micros if m == walk.per_rank]
+        if not micros:
+            return None, f"train.optimizer_in_backward needs micro-batch {walk.per_rank}"
+    acs = AC_LEVELS
+    if cfg.memory.activation_checkpointing != "auto":
+        acs = (cfg.memory.activation_checkpointing,)
+    best: Candidate | None = None
+    smallest: Estimate | None = None
+    for every, ac, lev in itertools.product(reduce_variants(rung, cfg), acs, walk.levers):
+        for micro in micros:
+            spec = job_step(cfg, hw, rung, micro, ac, reduce_every_micro=every, levers=lev,
+                            finetune=walk.finetune, long=walk.long)  # fmt: skip
+            est = scaled_estimate(walk.shape, spec, walk.memory_scale)
+            if smallest is None or est.device_total_bytes < smallest.device_total_bytes:
+                smallest = est
+            t = step_time_s(walk.shape, spec, hw, walk.links, est.offloaded_bytes)
+            if not _fits_faster(est, t, spec, best, hw, cfg.memory.headroom):
+                if shortfall(est, hw, cfg.memory.headroom) is None:
+                    break  # fits, but slower: smaller micro-batches here are only slower still
+                continue
+            best = Candidate(rung, spec, est, t, every)
+            break  # smaller micro-batches at this checkpointing level are only slower
+    why = "" if best else (shortfall(smallest, hw, cfg.memory.headroom) or "does not fit")
+    return best, why
+
+
+def _fits_faster(
+    est: Estimate, time_s: float, spec: StepSpec, than: Candidate | None, hw: Hardware,
+    headroom: float,
+) -> bool:  # fmt: skip
+    """Whether a step fits and beats the best so far on its rung. Activation offload must earn
+    its place: it fills the node's host memory (and the job's `--mem`), so a step that offloads
+    is chosen over one that does not only when predicted faster by more than
+    SIMPLER_RUNG_MARGIN, and a step that does not offload wins back within it."""
+    if shortfall(est, hw, headroom) is not None:
+        return False
+    if than is None:
+        return True
+    offloads, best_offloads = spec.offload_activations, than.spec.offload_activations
+    if offloads and not best_offloads:
+        return time_s < than.time_s * (1 - SIMPLER_RUNG_MARGIN)
+    if best_offloads and not offloads:
+        return time_s < than.time_s * (1 + SIMPLER_RUNG_MARGIN)
+    return time_s < than.time_s
+
+
+def _why_not_tried(rung: Strategy, hw: Hardware, cfg: JobConfig, exclude) -> str | None:
+    if rung.name in exclude:
+        return "ran out of memory in this run"
+    if rung_world(rung, hw) is None:
+        need = f"{rung.min_world}+ ranks" if rung.max_world is None else "exactly 1 rank"
+        return f"needs {need}, has {hw.world_size}"
+    if rung.needs_nvme and not cfg.deepspeed.nvme_path:
+        return "needs deepspeed.nvme_path"
+    return None

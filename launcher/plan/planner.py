@@ -1,0 +1,354 @@
+"""The planner: walk the ladder, keep what fits, pick the fastest. A pure function of its inputs.
+
+For every rung (trainer/core/strategies.py) the planner tries activation checkpointing
+none -> selective -> full and every micro-batch that divides this rank's share of the global batch,
+keeps the combinations the estimate says fit with `memory.headroom`, and predicts a step time for
+each with a small cost model (docs/planner.md). The fastest fitting combination of each rung is
+that rung's candidate; the fastest candidate wins. What is learned never changes: the global
+batch, optimizer, schedule and precision stay as configured; only micro-batch x accumulation,
+recomputation, sharding and offload move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from launcher.estimate.activations import with_activations
+from launcher.estimate.methods import why_not_on
+from launcher.estimate.peak import Estimate
+from launcher.estimate.shape import ModelShape, model_shape
+from launcher.plan.alternatives import MethodAlternative, method_alternatives
+from launcher.plan.cost import Links, step_time_s
+from launcher.plan.hardware import Hardware
+from launcher.plan.ladder import (
+    SIMPLER_RUNG_MARGIN,
+    Alternative,
+    Candidate,
+    job_step,
+    reduce_variants,
+    scaled_estimate,
+    shortfall,
+)
+from launcher.plan.long_context import climb_long, long_context_reasons, max_seq_len
+from trainer.core import strategies
+from trainer.core.config import ConfigError, JobConfig
+from trainer.core.step_spec import (
+    NO_LEVERS,
+    SHORT,
+    Finetune,
+    Levers,
+    LongContext,
+    StepSpec,
+    smallest_levers,
+)
+from trainer.core.units import GIB
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str
+    world_size: int
+    nodes: int
+    devices_per_node: int
+    micro_batch_size: int
+    grad_accum: int
+    activation_checkpointing: str
+    estimate: Estimate
+    step_time_s: float
+    reasons: list[str] = field(default_factory=list)
+    alternatives: list[Alternative] = field(default_factory=list)
+    fsdp_reduce_every_micro_batch: bool | None = None  # fsdp rungs only
+    levers: Levers = NO_LEVERS
+    long: LongContext = SHORT  # sequence parallel and tiled MLP
+    max_seq_len: int | None = None  # the longest data.seq_len this plan still fits
+
+    @classmethod
+    def of(
+        cls, spec: StepSpec, hw: Hardware, estimate: Estimate, step_time_s: float,
+        reasons: list[str], alternatives: list = (), reduce_every_micro: bool | None = None,
+        max_seq_len: int | None = None,
+    ) -> Plan:  # fmt: skip
+        """The plan that runs `spec` on `hw`."""
+        return cls(
+            strategy=spec.strategy, world_size=hw.world_size, nodes=hw.nodes,
+            devices_per_node=hw.devices_per_node, micro_batch_size=spec.micro_batch_size,
+            grad_accum=spec.grad_accum, activation_checkpointing=spec.activation_checkpointing,
+            estimate=estimate, step_time_s=step_time_s, reasons=list(reasons),
+            alternatives=list(alternatives), fsdp_reduce_every_micro_batch=reduce_every_micro,
+            levers=spec.levers, long=spec.long_context, max_seq_len=max_seq_len,
+        )  # fmt: skip
+
+    def to_json(self, hw: Hardware, headroom: float, command: list[str]) -> dict[str, Any]:
+        """docs/interface.md's `plan --json`."""
+        return {
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "nodes": self.nodes,
+            "devices_per_node": self.devices_per_node,
+            "micro_batch_size": self.micro_batch_size,
+            "grad_accum": self.grad_accum,
+            "activation_checkpointing": self.activation_checkpointing,
+            "chunked_loss": self.levers.chunked_loss,
+            "offload_activations": self.levers.offload_activations,
+            "sequence_parallel": self.long.sequence_parallel,
+            "tiled_mlp": self.long.tiled_mlp,
+            "max_seq_len": self.max_seq_len,
+            "predicted_step_time_s": self.step_time_s,
+            **(
+                {"fsdp_reduce_every_micro_batch": self.fsdp_reduce_every_micro_batch}
+                if self.fsdp_reduce_every_micro_batch is not None
+                else {}
+            ),
+            "estimate": self.estimate.to_json(shortfall(self.estimate, hw, headroom) is None),
+            "reasons": list(self.reasons),
+            "alternatives": [a.to_json() for a in self.alternatives],
+            "command": list(command),
+        }
+
+
+class NoFitError(Exception):
+    """Nothing fits on the hardware given (exit 3); the message says what would, and
+    `alternatives` holds the opt-in method/optimizer changes that would (plan/alternatives.py)."""
+
+    def __init__(self, message: str, alternatives: list[MethodAlternative] | None = None):
+        super().__init__(message)
+        self.alternatives = alternatives or []
+
+
+def make_plan(
+    cfg: JobConfig,
+    hw: Hardware,
+    shape: ModelShape | None = None,
+    *,
+    exclude: tuple[str, ...] | list[str] = (),
+    memory_scale: float = 1.0,
+) -> Plan:
+    """The plan for this job on this hardware (raises NoFitError or ConfigError)."""
+    shape = with_activations(shape or model_shape(cfg.model), cfg)
+    forced = cfg.strategy if cfg.strategy != "auto" else None
+    rungs = [r for r in strategies.rows() if not forced or r.name == forced]
+    found, _ = climb_long(cfg, hw, shape, rungs, exclude, memory_scale)
+    per_rank, ranked, rejected = found.per_rank, found.ranked, found.rejected
+    if forced and not ranked:
+        if rejected and " rank" in (rejected[0].why_not or ""):
+            raise ConfigError("strategy", f"{forced} {rejected[0].why_not}", "pick another rung")
+        if forced in exclude:
+            raise NoFitError(f"strategy {forced} ran out of memory and is forced by the config")
+        return _forced_plan(cfg, hw, shape, forced, per_rank, rejected, memory_scale)
+    if not ranked:
+        changes = method_alternatives(cfg, hw, shape, exclude, memory_scale)
+        raise NoFitError(_what_would_fit(cfg, hw, shape, rejected, changes), changes)
+    chosen = ranked[0]
+    alternatives = [
+        Alternative(
+            cand.rung.name,
+            True,
+            None,
+            round(cand.time_s / chosen.time_s, 3),
+            cand.micro,
+            cand.ac,
+            cand.levers.words(),
+        )
+        for cand in ranked
+    ] + rejected
+    longest = max_seq_len(shape, chosen.spec, hw, cfg.memory.headroom, memory_scale)
+    reasons = _reasons(cfg, hw, ranked, memory_scale) + model_reasons(shape)
+    reasons += long_context_reasons(shape, chosen.spec, memory_scale, longest)
+    return Plan.of(chosen.spec, hw, chosen.estimate, chosen.time_s, reasons, alternatives,
+                   chosen.reduce_every_micro, longest)  # fmt: skip
+
+
+def _reasons(cfg: JobConfig, hw: Hardware, ranked: list[Candidate], memory_scale: float):
+    """The plan's reasons, in words: what fits, the batch geometry, why this rung."""
+    chosen = ranked[0]
+    world = hw.world_size // chosen.spec.sequence_parallel  # data-parallel groups
+    per_rank = cfg.train.global_batch_size // world
+    est = chosen.estimate
+    reasons = [
+        f"{chosen.rung.name} fits: {est.device_total_bytes / GIB:.1f} GiB of "
+        f"{hw.device_memory_bytes / GIB:.1f} GiB per device (headroom {cfg.memory.headroom:.0%})"
+        f", {est.host_total_bytes / GIB:.1f} GiB of {hw.host_memory_bytes / GIB:.0f}"
+        " GiB host per node",
+        f"micro-batch {chosen.micro} x accumulation {per_rank // chosen.micro} x {world} "
+        + ("ranks" if world == hw.world_size else "data-parallel groups")
+        + f" = global batch {cfg.train.global_batch_size}; activation checkpointing {chosen.ac}",
+    ]
+    if chosen.levers != NO_LEVERS:
+        reasons.append(_lever_reason(chosen, ranked))
+    if chosen.reduce_every_micro and per_rank // chosen.micro > 1:
+        reasons.append(
+            f"{chosen.rung.name} reduce-scatters gradients after every micro-batch and "
+            "accumulates them sharded (unsharded accumulation holds 4 bytes per parameter more "
+            "on every device)"
+        )
+    fastest = min(ranked, key=lambda cand: cand.time_s)
+    if fastest is not chosen and fastest.time_s < chosen.time_s:
+        reasons.append(
+            f"{len(ranked)} rungs fit; {chosen.rung.name} ({chosen.time_s:.3g} s predicted) "
+            f"is within {SIMPLER_RUNG_MARGIN:.0%} of the fastest, {fastest.rung.name} "
+            f"({fastest.time_s:.3g} s), and comes earlier on the ladder (simpler, fewer moving "
+            "parts); the cost model does not resolve finer differences"
+        )
+    elif len(ranked) > 1:
+        runner_up = ranked[1]
+        if runner_up.time_s > chosen.time_s * 1.001:
+            reasons.append(
+                f"fastest predicted step of {len(ranked)} rungs that fit: "
+                f"{chosen.time_s:.3g} s vs {runner_up.time_s:.3g} s on {runner_up.rung.name}"
+            )
+        else:
+            reasons.append(
+                f"{len(ranked)} rungs fit; {chosen.rung.name} ties {runner_up.rung.name} on "
+                "predicted step time and comes first on the ladder (simpler, fewer moving parts)"
+            )
+    if memory_scale != 1.0:
+        reasons.append(f"estimates scaled by {memory_scale:.2f} from a measured out-of-memory")
+    return reasons
+
+
+def model_reasons(shape: ModelShape) -> list[str]:
+    """How the model's activations and compute were counted, where not by the analytic block."""
+    reasons = []
+    if shape.activations is not None:
+        reasons.append(shape.activations.reason(shape.model_type))
+    if shape.num_experts:
+        reasons.append(
+            f"mixture of experts: {shape.num_experts} experts per MoE layer, top-"
+            f"{shape.experts_per_token} routing; memory counts every expert's parameters and "
+            f"states, activations the {shape.experts_per_token} expert rows of every token "
+            "(transformers' grouped experts keep tokens x top-k rows whatever the router picks, "
+            "so no routing is worse), compute the "
+            f"{shape.num_compute_params / 1e6:,.1f}M parameters a token uses of "
+            f"{shape.num_params / 1e6:,.1f}M"
+        )
+    return reasons
+
+
+def _lever_reason(chosen: Candidate, ranked: list[Candidate]) -> str:
+    """Why the exact levers in force: what they hold off the device, and their price."""
+    parts = []
+    if chosen.levers.chunked_loss:
+        parts.append(
+            "chunked loss (the logits of one chunk of tokens at a time; the head's "
+            "forward runs again in backward)"
+        )
+    if chosen.levers.offload_activations:
+        parts.append(
+            f"activation offload ({chosen.estimate.offloaded_bytes / GIB:.2f} GiB of saved "
+            "activations per micro-batch wait in host memory; the copies overlap compute)"
+        )
+    return (
+        " and ".join(parts) + f": the fastest fitting combination on {chosen.rung.name} "
+        f"(micro-batch {chosen.micro}, activation checkpointing {chosen.ac})"
+    )
+
+
+def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan:
+    """`strategy: NAME` that the estimate says will not fit: run it anyway, smallest footprint."""
+    rung = strategies.row(name)
+    micro = cfg.train.micro_batch_size
+    if not isinstance(micro, int):  # the step in backward runs one micro-batch per step
+        micro = per_rank if cfg.train.optimizer_in_backward else 1
+    ac = cfg.memory.activation_checkpointing
+    ac = "full" if ac == "auto" else ac
+    every = reduce_variants(rung, cfg)[-1]  # the smaller footprint
+    levers = smallest_levers(cfg.memory.chunked_loss, cfg.memory.offload_activations)
+    spec = job_step(cfg, hw, rung, micro, ac, reduce_every_micro=every, levers=levers)
+    est = scaled_estimate(shape, spec, memory_scale)
+    changes = (
+        []
+        if shortfall(est, hw, cfg.memory.headroom) is None
+        else method_alternatives(cfg, hw, shape, (), memory_scale)
+    )
+    links = Links.of(cfg.hardware, hw.device)
+    reasons = [
+        f"strategy {name} is forced by the config, but the estimate says it will not fit: "
+        f"{shortfall(est, hw, cfg.memory.headroom)}",
+        *model_reasons(shape),
+        *(alt.words() for alt in changes),
+    ]
+    time_s = step_time_s(shape, spec, hw, links, est.offloaded_bytes)
+    return Plan.of(spec, hw, est, time_s, reasons, [*rejected, *changes], every)
+
+
+def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected, changes) -> str:
+    """One line: the host RAM, or the number of devices, with which the job would fit; then
+    the opt-in method/optimizer `changes` that would fit here."""
+    per_rank = cfg.train.global_batch_size // hw.world_size
+    base = (
+        f"does not fit on {hw.world_size} x {hw.device_memory_bytes / GIB:.0f} GiB "
+        f"{hw.device} with {hw.host_memory_bytes / GIB:.0f} GiB host memory per node on any "
+        "strategy"
+    )
+    offers = []
+    finetune = Finetune.of(cfg)
+    runs = [r for r in strategies.rows() if why_not_on(r, finetune, cfg.precision) is None]
+    for rung in [r for r in runs if r.engine == "deepspeed" and r.offloads and not r.needs_nvme]:
+        est = scaled_estimate(shape, job_step(cfg, hw, rung, 1, "full"), 1.0)
+        device_ok = est.device_total_bytes <= hw.device_memory_bytes * (1 - cfg.memory.headroom)
+        need = est.host_total_bytes / (1 - cfg.memory.headroom)
+        # more host memory than the node has: anything less is not what stands in the way
+        if device_ok and per_rank >= 1 and need > hw.host_memory_bytes:
+            offers.append(f"{rung.name} would fit with {need / GIB:.0f} GiB host memory per node")
+            break
+    fsdp = next(r for r in strategies.rows() if r.engine == "fsdp" and not r.offloads)
+    for world_mult in (2, 4, 8, 16, 32, 64, 128) if fsdp in runs else ():
+        bigger = Hardware(
+            hw.device,
+            hw.nodes * world_mult,
+            hw.devices_per_node,
+            hw.device_memory_bytes,
+            hw.host_memory_bytes,
+            hw.device_name,
+            hw.peak_flops,
+        )
+        if cfg.train.global_batch_size % bigger.world_size:
+            continue
+        spec = job_step(cfg, bigger, fsdp, 1, "full", reduce_every_micro=True)
+        est = scaled_estimate(shape, spec, 1.0)
+        if shortfall(est, bigger, cfg.memory.headroom) is None:
+            offers.append(
+                f"{fsdp.name} would fit on {bigger.world_size} such devices "
+                f"({bigger.nodes} nodes x {bigger.devices_per_node})"
+            )
+            break
+    offers += [alt.words() for alt in changes]
+    return base + ("; " + "; or ".join(offers) if offers else "")
+
+
+def apply_plan(cfg: JobConfig, plan: Plan, hw: Hardware) -> JobConfig:
+    """The resolved config the ranks run: every `auto` made concrete, nothing learned changed."""
+    return cfg.model_copy(
+        update={
+            "strategy": plan.strategy,
+            **(
+                {
+                    "fsdp": cfg.fsdp.model_copy(
+                        update={"reduce_every_micro_batch": plan.fsdp_reduce_every_micro_batch}
+                    )
+                }
+                if plan.fsdp_reduce_every_micro_batch is not None
+                else {}
+            ),
+            "train": cfg.train.model_copy(update={"micro_batch_size": plan.micro_batch_size}),
+            "memory": cfg.memory.model_copy(
+                update={
+                    "activation_checkpointing": plan.activation_checkpointing,
+                    "chunked_loss": plan.levers.chunked_loss,
+                    "offload_activations": plan.levers.offload_activations,
+                    "tiled_mlp": plan.long.tiled_mlp,
+                }
+            ),
+            "sequence_parallel": plan.long.sequence_parallel,
+            "hardware": cfg.hardware.model_copy(
+                update={
+                    "device": hw.device,
+                    "nodes": plan.nodes,
+                    "devices_per_node": plan.devices_per_node,
+                    "device_memory": hw.device_memory_bytes,
+                    "host_memory": hw.host_memory_bytes,
+                }
+            ),
+        }
+    )

@@ -1,0 +1,1 @@
+"""What the user reads: `oomless estimate` and `plan` output, a run's report and memory timeline."""

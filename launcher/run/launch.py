@@ -1,0 +1,130 @@
+"""Launch commands, built as data: `(argv, env)` for torchrun; `run_command` is the one side effect.
+
+Single node: `torchrun --standalone`. Several nodes: c10d rendezvous on the head node; each node
+runs the same command with its own `--node_rank` (from the environment, evaluated on that node).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trainer.core.config import JobConfig
+from trainer.core.contract import EXIT_SIGNAL
+
+if TYPE_CHECKING:
+    from launcher.run.torchrun_output import TorchrunOutput
+
+RDZV_PORT = 29500
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+def build_torchrun_command(
+    cfg: JobConfig,
+    config_path: Path,
+    node_rank: str = "$NODE_RANK",
+    head_node: str = "$HEAD_NODE",
+) -> tuple[list[str], dict[str, str]]:
+    """torchrun argv for the resolved config, and the environment its children need.
+
+    For several nodes `node_rank` and `head_node` are left as shell variables by default, so the
+    printed command is the one to run on every node.
+    """
+    hw = cfg.hardware
+    per_node = hw.devices_per_node or 1
+    argv = [sys.executable, "-m", "torch.distributed.run"]
+    if hw.nodes == 1:
+        argv += ["--standalone", "--nnodes", "1"]
+    else:
+        argv += [
+            "--nnodes",
+            str(hw.nodes),
+            "--node_rank",
+            node_rank,
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            f"{head_node}:{RDZV_PORT}",
+            "--rdzv_id",
+            f"oomless-{Path(cfg.run.dir).name}",
+        ]
+    argv += [
+        "--nproc_per_node",
+        str(per_node),
+        "--max_restarts",
+        str(cfg.dist.max_restarts),
+        "-m",
+        "trainer",
+        str(config_path),
+    ]
+    env: dict[str, str] = {}
+    if hw.device == "cpu":
+        # CPU ranks share the cores: one intra-op thread each unless the user said otherwise.
+        cores = os.cpu_count() or 1
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(max(1, cores // per_node)))
+    return argv, env
+
+
+def run_command(argv: list[str], env: dict[str, str], output: TorchrunOutput | None = None) -> int:
+    """Run argv in its own session, forward stop signals to it, return its exit code. With
+    `output`, its stderr goes through that filter (torchrun's own report into a file).
+
+    The child gets SIGTERM when this process dies (PR_SET_PDEATHSIG), even by SIGKILL.
+    torchrun turns SIGTERM/SIGINT into a stop of its workers (which checkpoint and exit 143);
+    SIGUSR1, which torchrun does not handle, is forwarded as SIGTERM. A run stopped that way
+    returns 143 (docs/interface.md: stopped by a signal after writing a checkpoint).
+    """
+    from trainer.core.run_lock import die_with_parent
+
+    child_env = dict(os.environ, **env)
+    # Its own session (a Ctrl-C reaches it once, through us), but it dies with us: a supervisor
+    # killed with SIGKILL sends torchrun SIGTERM, and torchrun stops the workers.
+    stderr = subprocess.PIPE if output is not None else None
+    proc = subprocess.Popen(
+        argv,
+        env=child_env,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+        stderr=stderr,
+        text=True,
+        bufsize=1,
+    )
+    pump = output.pump(proc.stderr) if output is not None and proc.stderr else None
+    stopped = []
+
+    def forward(signum: int, frame: object) -> None:
+        stopped.append(signum)
+        proc.send_signal(signal.SIGTERM if signum == signal.SIGUSR1 else signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
+    try:
+        rc = proc.wait()
+        if pump is not None:
+            pump.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if stopped and rc != 0:
+        return EXIT_SIGNAL
+    return 128 - rc if rc < 0 else rc
+
+
+def launch_spec(cfg: JobConfig, config_path: Path) -> tuple[list[str], dict[str, str], bool]:
+    """(argv, env, spawn): torchrun for several processes, else this process runs the engine."""
+    world_size = cfg.hardware.nodes * (cfg.hardware.devices_per_node or 1)
+    if world_size > 1 and not under_launcher():
+        argv, env = build_torchrun_command(cfg, config_path)
+        return argv, env, True
+    return [sys.executable, "-m", "trainer", str(config_path)], {}, False
+
+
+def under_launcher() -> bool:
+    """Already one rank of torchrun, or one of several srun tasks: run here, spawn nothing."""
+    env = os.environ
+    return (
+        "TORCHELASTIC_RUN_ID" in env or "LOCAL_RANK" in env or int(env.get("SLURM_NTASKS", "1")) > 1
+    )

@@ -1,0 +1,150 @@
+"""Checks before anything is written into run.dir or launched: bad input exits 2 in one line.
+
+- `check_run_dir`: run.dir is a directory (or can become one) that this user can write.
+- `check_rows`: every row of the local data reads and has its fields (torch-free, so a broken
+  file answers as fast as it is read; it runs before the plan).
+- `tokenize_data`: an inline `model.config` checked by its transformers config class
+  (`check_model`), then the data tokenised once into the cache, so a problem only transformers
+  or the tokenizer sees stops here too, and the ranks start on a warm cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from trainer.core.config import ConfigError, JobConfig
+from trainer.core.errors import not_writable
+from trainer.core.files import refuse_links
+
+log = logging.getLogger(__name__)
+
+
+def check_run_dir(path: str | Path) -> None:
+    """Raise ConfigError when run.dir is a file, lies under a file, or cannot be written.
+
+    Nothing is created here; `ensure_run_dir` creates it once the other checks have passed.
+    A symbolic link planted where oomless appends a run file is refused too.
+    """
+    p = Path(path)
+    existing = next(q for q in (p, *p.parents) if q.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == p else f"lies under '{existing}', which is a file"
+        raise ConfigError("run.dir", f"'{p}' {where}", "point run.dir at a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            "run.dir",
+            f"'{p}' cannot be written ('{existing}' is not writable by this user)",
+            "point run.dir at a writable directory",
+        )
+    if existing == p:
+        refuse_links(p)
+
+
+def ensure_run_dir(path: str | Path) -> None:
+    """Create run.dir; a failure (a read-only or virtual file system) is a config error."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".oomless-write-test.", dir=p)  # never an existing name
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise not_writable("run.dir", p, err) from None
+
+
+def check_rows(cfg: JobConfig) -> None:
+    """Read every row of the local data and check its fields (torch-free: a broken file answers
+    as fast as it is read)."""
+    from trainer.core.rows import check_rows as check_data_rows
+
+    check_data_rows(cfg.data)
+
+
+# sizes of an HF config that must be positive where a model has them
+_DIMENSIONS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+
+
+def check_model(cfg: JobConfig) -> None:
+    """An inline `model.config` that transformers refuses (an unknown model_type, heads that do
+    not divide the hidden size) or with a size below 1 stops here with one line, not as a
+    traceback in every rank. Only the config class is built: the model classes are not
+    imported here (importing them prints other libraries' warnings)."""
+    if cfg.model.config is None:  # a pretrained model's config is its own
+        return
+    from transformers import CONFIG_MAPPING
+
+    params = dict(cfg.model.config)
+    model_type = params.pop("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(
+            "model.config.model_type",
+            f"'{model_type}' is not a model type this transformers knows",
+            "use one of its model types (llama, qwen2, mistral, gemma3_text, ...)",
+        )
+    _check_sizes(params)  # before transformers sees them: it warns about a negative vocab
+    try:
+        hf = CONFIG_MAPPING[model_type](**params)
+    except Exception as err:  # transformers' checks raise ValueError, TypeError, its own kinds
+        said = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        raise ConfigError(
+            "model.config",
+            f"transformers refuses it ({type(err).__name__}: {said[:240]})",
+            "fix model.config: its keys are those of the model type's Hugging Face config",
+        ) from None
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    _check_sizes({name: getattr(text, name, None) for name in _DIMENSIONS})
+
+
+def _check_sizes(sizes: dict) -> None:
+    for name in _DIMENSIONS:
+        value = sizes.get(name)
+        if isinstance(value, int) and value < 1:
+            raise ConfigError(f"model.config.{name}", f"is {value}", "give a positive size")
+
+
+def tokenize_data(cfg: JobConfig) -> None:
+    """Check an inline model config, then tokenise the data into the cache the ranks read (what
+    only transformers or the tokenizer sees stops here)."""
+    from trainer.data import build_tokenizer, split_eval, tokenize_all
+
+    check_model(cfg)
+    start = time.perf_counter()
+    tokenizer = build_tokenizer(cfg.model)
+    train_docs, eval_docs = split_eval(cfg, *tokenize_all(cfg, tokenizer))
+    log.info(
+        "data tokenised in %.1f s: %d training documents%s",
+        time.perf_counter() - start,
+        train_docs.num_docs,
+        f", {eval_docs.num_docs} eval documents" if eval_docs is not None else "",
+    )
+
+
+def check_resume(cfg: JobConfig) -> None:
+    """ConfigError (exit 2) when the checkpoint this run would resume was trained with other
+    math or on other data; the changes that keep the math are logged."""
+    from trainer.checkpoint.checkpointer import (  # engine code: torch
+        check_resumable,
+        resolve_resume,
+    )
+    from trainer.data import train_data_fingerprint
+
+    path = resolve_resume(cfg)
+    if path is None:
+        return
+
+    def fingerprint() -> str:
+        return train_data_fingerprint(cfg)
+
+    check_resumable(path, cfg, fingerprint, announce=True)

@@ -1,0 +1,205 @@
+"""`oomless train`: plan, write the run dir, launch, and climb the ladder on out-of-memory.
+
+The supervisor is the only place that decides how processes start; the engine runs the same way
+on every rank whatever started it. When a launch exits 75 (out of memory after the in-process
+back-off), the supervisor reads `oom-report.json`, scales the estimate by what was measured so it
+does not pick a rung that will OOM again, re-plans without the failed rung, and relaunches with
+`run.resume: auto`: the new rung continues from the newest checkpoint (or from step 0), and the
+global batch, optimizer, schedule and precision stay as configured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from launcher.plan.job import next_rung, resolve_plan
+from launcher.plan.planner import NoFitError
+from launcher.run.launch import launch_spec, run_command, under_launcher
+from launcher.run.preflight import (
+    check_resume,
+    check_rows,
+    check_run_dir,
+    ensure_run_dir,
+    tokenize_data,
+)
+from launcher.run.torchrun_output import TorchrunOutput
+from trainer.core import strategies
+from trainer.core.config import ConfigError, JobConfig, write_config
+from trainer.core.contract import (
+    CONFIG_ERROR_FILE,
+    CONFIG_FILE,
+    ESCALATIONS_FILE,
+    EXIT_OOM,
+    EXIT_SIGNAL,
+    EXIT_USAGE,
+    OOM_REPORT_FILE,
+    PLAN_FILE,
+    TORCHRUN_LOG,
+)
+from trainer.core.files import absolute_path, append_line, read_json_object, write_json
+from trainer.core.run_lock import LOCK_OWNER_ENV, acquire_run_lock, check_run_lock
+
+log = logging.getLogger(__name__)
+
+
+def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
+    cfg = cfg.model_copy(
+        update={"run": cfg.run.model_copy(update={"dir": absolute_path(cfg.run.dir)})}
+    )
+    with contextlib.ExitStack() as held:  # the run-dir lock, once the input has been checked
+        return _train(cfg, dry_run, held)
+
+
+def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
+    """Plan, launch, and on an out-of-memory exit climb the ladder and resume, until the run
+    ends, fails otherwise, or no higher rung fits."""
+    run_dir = Path(cfg.run.dir)
+    if not dry_run:
+        check_run_dir(run_dir)
+        check_run_lock(run_dir)  # a live run's files stay as they are; it is taken after checks
+        check_rows(cfg)  # torch-free: a broken data file answers before anything imports torch
+    failed: list[str] = []
+    memory_scale = 1.0
+    attempt = 0
+    while True:
+        resolved, plan_json = resolve_plan(cfg, exclude=failed, memory_scale=memory_scale)
+        if attempt == 0:
+            check_resume(resolved)  # before anything is written into run.dir
+        argv, env, spawn = launch_spec(resolved, run_dir / CONFIG_FILE)
+        plan_json["command"] = argv
+        if dry_run:
+            print(json.dumps(plan_json, indent=2))
+            print(" ".join(argv))
+            return 0
+        if attempt == 0:  # bad input stops here, before anything is written or launched
+            if not under_launcher():  # srun tasks would write one cache at once: rank 0 does
+                tokenize_data(resolved)
+            ensure_run_dir(run_dir)
+            # one run per run.dir, for the life of this one
+            held.enter_context(acquire_run_lock(run_dir))
+        rc = _launch(resolved, plan_json, argv, env, spawn)
+        if rc != EXIT_OOM or not cfg.escalation.enabled:
+            return rc
+        attempt += 1
+        if attempt > cfg.escalation.max_attempts:
+            log.error("out of memory; escalation.max_attempts=%d reached", attempt - 1)
+            return rc
+        climbed = _climb(cfg, resolved, plan_json, failed, memory_scale)
+        if climbed is None:
+            return rc
+        cfg, failed, memory_scale = climbed
+
+
+def _launch(resolved: JobConfig, plan_json: dict, argv, env, spawn) -> int:
+    """One attempt: the resolved config and plan into run.dir, the ranks run; the exit code,
+    with a worker's bad-input line printed (exit 2) and an out-of-memory report read as 75."""
+    run_dir = Path(resolved.run.dir)
+    write_config(resolved, run_dir)
+    write_json(run_dir / PLAN_FILE, plan_json)
+    report_path = run_dir / OOM_REPORT_FILE
+    report_path.unlink(missing_ok=True)
+    config_error = run_dir / CONFIG_ERROR_FILE
+    config_error.unlink(missing_ok=True)
+    rc = _run(resolved, argv, env, spawn)
+    if rc not in (0, EXIT_OOM, EXIT_SIGNAL) and config_error.exists():
+        # a worker found bad input (data rows, an unusable strategy) after the launch
+        print(config_error.read_text().strip(), file=sys.stderr)
+        return EXIT_USAGE
+    if rc not in (0, EXIT_OOM, EXIT_SIGNAL) and report_path.exists():
+        rc = EXIT_OOM  # torchrun reports a failed worker as 1; the report says why
+    return rc
+
+
+def _climb(
+    cfg: JobConfig, resolved: JobConfig, plan_json: dict, failed: list[str], memory_scale: float
+):
+    """After an out-of-memory exit on `resolved.strategy` (planned as `plan_json`): (the config
+    to plan next, the rungs to exclude, the memory scale measured), with the escalation recorded
+    and said; None when no higher rung fits."""
+    run_dir = Path(cfg.run.dir)
+    report = read_json_object(run_dir / OOM_REPORT_FILE)
+    failed = [*failed, resolved.strategy]
+    left_forced = cfg.strategy if cfg.strategy != "auto" else None
+    if left_forced:  # a forced rung is where the ladder starts: climb from it
+        cfg, failed = climb_from_forced(cfg, failed)
+    ceiling = plan_json["estimate"]["device"]["peak_tensor_bytes"] / memory_scale
+    memory_scale = max(memory_scale, _measured_over_estimated(report))
+    try:
+        next_cfg, failed = next_rung(cfg, failed, memory_scale, ceiling)
+    except (NoFitError, ConfigError) as err:  # nothing higher fits
+        log.error("out of memory on %s and no higher rung fits: %s", resolved.strategy, err)
+        return None
+    record = {
+        "step": report.get("step"),
+        "from": resolved.strategy,
+        "to": next_cfg.strategy,
+        "reason": f"out of memory in {report.get('phase', '?')} at micro-batch "
+        f"{report.get('micro_batch_size')}"
+        + (f"; left the forced strategy {left_forced}" if left_forced else ""),
+        "estimated_peak_bytes": report.get("estimated_peak_bytes"),
+        "measured_peak_bytes": report.get("measured_peak_bytes"),
+    }
+    append_line(run_dir / ESCALATIONS_FILE, json.dumps(record))  # one write: a kill cannot tear it
+    log.warning(
+        "escalating %s -> %s after out of memory at step %s%s; resuming from the newest checkpoint",
+        record["from"],
+        record["to"],
+        record["step"],
+        f", leaving the forced strategy {left_forced} (escalation.enabled=false stops "
+        "there instead)"
+        if left_forced
+        else "",
+    )
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
+    return cfg, failed, memory_scale
+
+
+def climb_from_forced(cfg: JobConfig, failed: list[str]) -> tuple[JobConfig, list[str]]:
+    """After a forced rung ran out of memory: plan `auto` over the rungs above it on the ladder
+    (the same math; only where the bytes live changes)."""
+    names = list(strategies.names())
+    below = names[: names.index(cfg.strategy) + 1]
+    return cfg.model_copy(update={"strategy": "auto"}), sorted(
+        set(failed) | set(below), key=names.index
+    )
+
+
+def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> int:
+    if not spawn:
+        from trainer.engine import run_training
+
+        try:
+            return run_training(cfg)
+        finally:
+            _release_device_memory()
+    log.info("launching: %s", " ".join(argv))
+    output = TorchrunOutput(Path(cfg.run.dir) / TORCHRUN_LOG, sys.stderr)
+    rc = run_command(argv, dict(env, **{LOCK_OWNER_ENV: str(os.getpid())}), output)
+    run_dir = Path(cfg.run.dir)
+    explained = (run_dir / OOM_REPORT_FILE).exists() or (run_dir / CONFIG_ERROR_FILE).exists()
+    if output.num_diverted and rc not in (0, EXIT_SIGNAL) and not explained:
+        # out of memory and bad input have their own lines (the rank's, then the supervisor's)
+        log.error("torchrun: the workers failed (exit %d); its report: %s", rc, output.log_path)
+    return rc
+
+
+def _release_device_memory() -> None:
+    """After an in-process attempt, give its cached memory back before the next rung starts."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _measured_over_estimated(report: dict[str, Any]) -> float:
+    measured, estimated = report.get("measured_peak_bytes"), report.get("estimated_peak_bytes")
+    if not measured or not estimated:
+        return 1.0
+    return max(1.0, measured / estimated)

@@ -1,0 +1,1 @@
+"""`oomless submit`: the partition's nodes, the sbatch script and its template."""

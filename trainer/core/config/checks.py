@@ -1,0 +1,262 @@
+"""A validated config: the schema's errors as one line, and the rules that involve several keys,
+the paths, the model's positions and the secrets (`build_config`)."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from trainer.core import methods, strategies
+from trainer.core.config.paths import exists, has_local_parent
+from trainer.core.config.schema import JobConfig
+from trainer.core.config.secrets import check_no_secrets
+from trainer.core.errors import ConfigError
+from trainer.core.hf_config import hf_config_dict
+
+
+def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names valid at `loc` (for 'did you mean')."""
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        ann = field.annotation
+        candidates = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type)]
+        sub = next((a for a in candidates if issubclass(a, BaseModel)), None)
+        if sub is None:
+            return []
+        model = sub
+    return list(model.model_fields)
+
+
+def _explain(err: ValidationError) -> ConfigError:
+    first = err.errors(include_url=False)[0]
+    # pydantic puts union branch names such as 'int' or 'literal[...]' into loc; drop them.
+    names = [str(p) for p in first["loc"] if not str(p).startswith(("literal[", "function-"))]
+    names = [n for n in names if n not in ("int", "str", "float", "bool", "dict[str,any]")]
+    key = ".".join(names) or "config"
+    kind, msg = first["type"], first["msg"]
+    if kind == "extra_forbidden":
+        parent = tuple(names[:-1])
+        known = _known_keys(JobConfig, parent)
+        close = difflib.get_close_matches(names[-1], known, n=1)
+        hint = f"did you mean '{'.'.join([*parent, close[0]])}'?" if close else ""
+        valid = f"valid keys here: {', '.join(known)}" if known else "remove it"
+        return ConfigError(key, "unknown key", f"{hint} {valid}".strip())
+    if kind == "missing":
+        return ConfigError(key, "is required", f"add {key}: ... to the config")
+    if kind == "literal_error":
+        expected = first.get("ctx", {}).get("expected", "")
+        got = first.get("input")
+        close = difflib.get_close_matches(str(got), re.findall(r"'([^']+)'", expected), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        return ConfigError(key, f"'{got}' is not allowed", f"{hint}use one of {expected}")
+    if kind == "value_error":
+        text = msg.removeprefix("Value error, ")
+        return ConfigError(key, text, "fix the value in the config or with an override")
+    got = first.get("input")
+    if kind in ("model_type", "dict_type"):  # `model=[1,2]`, `train: 5`: a value for a section
+        return ConfigError(
+            key,
+            f"is {_describe(got)}, not a section of keys",
+            f"write {key} as a mapping of its keys (or set one key, e.g. {key}.KEY=VALUE)",
+        )
+    if kind == "finite_number":
+        return ConfigError(key, f"is {got} (not a finite number)", "give a finite number")
+    shown = json.dumps(got, default=str) if not isinstance(got, dict) else "a mapping"
+    return ConfigError(key, f"{msg.lower()} (got {shown})", f"set {key} to a valid value")
+
+
+def _describe(value: Any) -> str:
+    """A value as a short phrase for a message: `a list ([1, 2])`, `null`, `the number 5`."""
+    if value is None:
+        return "null"
+    shown = json.dumps(value, default=str)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    kind = {list: "a list", str: "the text", bool: "the boolean"}.get(type(value), "the number")
+    return f"{kind} {shown}"
+
+
+def check_finite(tree: Any, key: str = "") -> None:
+    """ConfigError naming the first number anywhere in the raw tree that is inf or nan (inline
+    model.config and deepspeed.overrides included: nothing in a job is meant to be infinite)."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            check_finite(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            check_finite(v, f"{key}[{i}]")
+    elif isinstance(tree, float) and not math.isfinite(tree):
+        raise ConfigError(key, f"is {tree} (not a finite number)", "give a finite number")
+
+
+def build_config(tree: dict[str, Any]) -> JobConfig:
+    """Validate a raw tree; raises ConfigError with the one-line message."""
+    check_finite(tree)
+    try:
+        cfg = JobConfig.model_validate(tree)
+    except ValidationError as err:
+        raise _explain(err) from None
+    check_no_secrets(cfg.to_dict())
+    _check_across_sections(cfg)
+    _check_paths(cfg)
+    _check_positions(cfg)
+    return cfg
+
+
+def _check_paths(cfg: JobConfig) -> None:
+    def looks_local(p: str) -> bool:
+        return (
+            p.startswith(("/", "./", "../", "~"))
+            or Path(p).suffix != ""
+            or has_local_parent(Path(p))
+        )
+
+    for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
+        if value and looks_local(value) and not exists(Path(value).expanduser()):
+            raise ConfigError(key, f"'{value}' does not exist", "point it at a data file or dir")
+    for key, value in (
+        ("model.name_or_path", cfg.model.name_or_path),
+        ("model.tokenizer", cfg.model.tokenizer),
+    ):
+        if value and value.startswith(("/", "./", "../", "~")):
+            if not exists(Path(value).expanduser()):
+                raise ConfigError(key, f"'{value}' does not exist", "point it at a local dir")
+
+
+def _check_across_sections(cfg: JobConfig) -> None:
+    """Rules that involve several keys; the message names the key to change."""
+    train, hw = cfg.train, cfg.hardware
+    micro = train.micro_batch_size
+    if isinstance(micro, int) and train.global_batch_size % micro:
+        raise ConfigError(
+            "train.micro_batch_size",
+            f"{micro} does not divide train.global_batch_size={train.global_batch_size}",
+            "use a divisor of the global batch, or auto",
+        )
+    rung = strategies.row(cfg.strategy) if cfg.strategy != "auto" else None
+    if rung and rung.needs_nvme and not cfg.deepspeed.nvme_path:
+        raise ConfigError(
+            "strategy",
+            f"{rung.name} needs deepspeed.nvme_path",
+            "set deepspeed.nvme_path=/nvme/dir",
+        )
+    if rung and rung.max_world == 1 and (hw.nodes > 1 or (hw.devices_per_node or 1) > 1):
+        raise ConfigError(
+            "strategy",
+            f"{rung.name} runs one process, but hardware.nodes x devices_per_node is above 1",
+            "use ddp, fsdp or a zero rung, or strategy=auto",
+        )
+    world = hw.nodes * hw.devices_per_node if hw.devices_per_node else None
+    sp = cfg.sequence_parallel if isinstance(cfg.sequence_parallel, int) else 1
+    if world and world % sp:
+        raise ConfigError(
+            "sequence_parallel",
+            f"{sp} does not divide the {world} ranks (hardware.nodes x devices_per_node)",
+            "use a divisor of the rank count, or auto",
+        )
+    data_ranks = world // sp if world else None  # the ranks of a sequence group share sequences
+    if data_ranks and isinstance(micro, int) and train.global_batch_size % (micro * data_ranks):
+        raise ConfigError(
+            "hardware.devices_per_node",
+            f"train.global_batch_size={train.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size x ranks = {micro} x {data_ranks}"
+            + (f" (the {world} ranks / sequence_parallel {sp})" if sp > 1 else ""),
+            "change the device count, the micro-batch or the global batch",
+        )
+    if cfg.precision == "fp16" and hw.device == "cpu":
+        raise ConfigError(
+            "precision",
+            "fp16 needs a GPU (CPU autocast computes in bf16)",
+            "use precision=bf16 or fp32 on CPU",
+        )
+    _check_finetune(cfg)
+
+
+def _check_finetune(cfg: JobConfig) -> None:
+    """The fine-tune method and optimizer: their libraries installed, their precision, and a
+    forced strategy that can run them (trainer/core/methods.py); never trained another way."""
+    method, optimizer = cfg.finetune.method, cfg.train.optimizer
+    needs = []
+    if method != "full":
+        needs.append(("finetune.method", method, "peft", "lora"))
+    if method == "qlora" or optimizer == "adamw_8bit":
+        key, value = (
+            ("finetune.method", method) if method == "qlora" else ("train.optimizer", optimizer)
+        )
+        needs.append((key, value, "bitsandbytes", "lora"))
+    if cfg.precision == "bf16_pure":
+        needs.append(("precision", "bf16_pure", "torchao", "lowbit"))
+    for key, value, module, extra in needs:
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                key,
+                f"{value} needs {module}, which is not installed",
+                f"pip install 'oomless[{extra}]'",
+            )
+    if method == "qlora" and cfg.precision != "bf16":
+        raise ConfigError(
+            "precision",
+            f"{cfg.precision} with finetune.method=qlora: the 4-bit base computes in bf16",
+            "use precision=bf16",
+        )
+    _check_in_backward(cfg)
+    if cfg.strategy != "auto":
+        opt_ins = (method, optimizer, cfg.precision, cfg.train.optimizer_in_backward)
+        why = methods.method_support(cfg.strategy, *opt_ins)
+        if why is not None:
+            rungs = methods.supported_rungs(*opt_ins)
+            raise ConfigError(
+                "strategy",
+                f"{cfg.strategy} cannot run {why}",
+                f"use one of {', '.join(rungs)}, or strategy=auto",
+            )
+
+
+def _check_in_backward(cfg: JobConfig) -> None:
+    """The step in backward keeps the math only with one micro-batch per step and no global
+    gradient-norm clipping (each parameter is stepped before the others' gradients exist)."""
+    train, hw = cfg.train, cfg.hardware
+    if not train.optimizer_in_backward:
+        return
+    if train.grad_clip > 0:
+        raise ConfigError(
+            "train.optimizer_in_backward",
+            f"steps each parameter before the global gradient norm is known, so "
+            f"train.grad_clip={train.grad_clip:g} cannot clip",
+            "set train.grad_clip=0, or train.optimizer_in_backward=false",
+        )
+    world = hw.nodes * hw.devices_per_node if hw.devices_per_node else None
+    micro = train.micro_batch_size
+    if world and isinstance(micro, int) and train.global_batch_size > micro * world:
+        raise ConfigError(
+            "train.optimizer_in_backward",
+            f"needs one micro-batch per step, but train.global_batch_size="
+            f"{train.global_batch_size} is {train.global_batch_size // (micro * world)} "
+            f"micro-batches of {micro} x {world} ranks",
+            "set train.micro_batch_size=global_batch_size / ranks, or "
+            "train.optimizer_in_backward=false",
+        )
+
+
+def _check_positions(cfg: JobConfig) -> None:
+    """data.seq_len within the model's positions, where the shape is known offline."""
+    try:
+        hf = hf_config_dict(cfg.model.config, cfg.model.name_or_path)
+    except ConfigError:  # a hub id without a shipped preset: checked when the model loads
+        return
+    text = hf.get("text_config") or hf
+    limit = text.get("max_position_embeddings") or text.get("n_positions")
+    if limit and cfg.data.seq_len > limit:
+        raise ConfigError(
+            "data.seq_len",
+            f"{cfg.data.seq_len} is more than the model's {limit} positions",
+            f"use data.seq_len <= {limit}",
+        )

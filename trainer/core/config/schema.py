@@ -1,0 +1,335 @@
+"""The job config's schema: one small pydantic model per section, strict keys.
+
+pydantic v2 rather than dataclasses: it gives strict keys (`extra="forbid"`), typed coercion and
+range checks for free, and its error locations name the exact key, which is what the one-line
+error message needs. Everything else in oomless reads this tree and never re-validates.
+
+A field marked `Annotated[..., LEARNED]` decides what is learned: a resume refuses a change of it
+(trainer/core/config/resume.py derives the list from these marks).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from trainer.core import strategies
+from trainer.core.config.paths import is_dir
+from trainer.core.units import parse_size
+
+
+@dataclass(frozen=True)
+class Learned:
+    """The mark of a key that decides what is learned (its value, or the whole section's)."""
+
+
+LEARNED = Learned()
+
+_SLURM_TIME_RE = re.compile(r"^(\d+|\d+:\d{2}(:\d{2})?|\d+-\d{1,2}(:\d{2}(:\d{2})?)?)$")
+
+
+class _Section(BaseModel):
+    # allow_inf_nan=False: `lr: inf` or `"nan"` is refused (a non-finite value trains NaN weights)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+class ModelConfig(_Section):
+    name_or_path: Annotated[str | None, LEARNED] = None
+    config: Annotated[dict[str, Any] | None, LEARNED] = None
+    tokenizer: str | None = None
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
+    trust_remote_code: bool = False
+    revision: Annotated[str | None, LEARNED] = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.name_or_path is None) == (self.config is None):
+            raise ValueError(
+                "set exactly one of model.name_or_path (pretrained) or model.config (inline HF "
+                "config, random init)"
+            )
+        if self.config is not None and "model_type" not in self.config:
+            raise ValueError("model.config needs a model_type (e.g. llama, qwen2, mistral)")
+        return self
+
+
+class DataConfig(_Section):
+    path: Annotated[str, LEARNED]
+    format: Annotated[Literal["text", "prompt_completion", "chat"], LEARNED] = "text"
+    seq_len: Annotated[int, LEARNED] = Field(2048, ge=8)
+    text_field: Annotated[str, LEARNED] = "text"
+    prompt_field: Annotated[str, LEARNED] = "prompt"
+    completion_field: Annotated[str, LEARNED] = "completion"
+    messages_field: Annotated[str, LEARNED] = "messages"
+    # .txt files: a file is one document | blocks between blank lines | every non-blank line
+    text_unit: Literal["document", "paragraph", "line"] = "document"
+    eval_path: str | None = None
+    eval_fraction: Annotated[float, LEARNED] = Field(0.0, ge=0.0, lt=1.0)
+    pack: Annotated[bool, LEARNED] = True
+    on_bad_row: Literal["error", "skip"] = "error"
+    cache_dir: str | None = None
+    append_eos: Annotated[bool, LEARNED] = True
+    # the longest line a jsonl/txt data file may have ("4MiB" or bytes); a longer one exits 2
+    max_line_bytes: int = 2**20
+
+    @field_validator("max_line_bytes", mode="before")
+    @classmethod
+    def _line_size(cls, v: Any) -> int:
+        return parse_size(v)
+
+
+class TrainConfig(_Section):
+    steps: int = Field(1000, ge=1)
+    global_batch_size: Annotated[int, LEARNED] = Field(64, ge=1, le=2**20)
+    micro_batch_size: int | Literal["auto"] = "auto"
+    lr: Annotated[float, LEARNED] = Field(2e-5, gt=0.0)
+    min_lr_ratio: Annotated[float, LEARNED] = Field(0.1, ge=0.0, le=1.0)
+    schedule: Annotated[Literal["cosine", "linear", "constant"], LEARNED] = "cosine"
+    warmup_steps: Annotated[int, LEARNED] = Field(0, ge=0)
+    weight_decay: Annotated[float, LEARNED] = Field(0.0, ge=0.0)
+    betas: Annotated[tuple[float, float], LEARNED] = (0.9, 0.95)
+    eps: Annotated[float, LEARNED] = Field(1e-8, gt=0.0)
+    grad_clip: Annotated[float, LEARNED] = Field(1.0, ge=0.0)
+    seed: Annotated[int, LEARNED] = Field(0, ge=0)
+    eval_every: int = Field(0, ge=0)
+    eval_batches: int = Field(8, ge=1)
+    log_every: int = Field(1, ge=1)
+    deterministic: bool = False
+    compile: bool = False  # torch.compile each decoder layer (single, ddp, fsdp rungs)
+    # adamw: fp32 moments; adamw_8bit: 8-bit moments with block scales (bitsandbytes)
+    optimizer: Annotated[Literal["adamw", "adamw_8bit"], LEARNED] = "adamw"
+    # opt-in: step each parameter as soon as its gradient is ready and free that gradient
+    # (needs accumulation 1 and train.grad_clip=0; trainer/optim.py)
+    optimizer_in_backward: bool = False
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _positive_micro(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1 or auto")
+        return v
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError("both betas must be in [0, 1)")
+        return v
+
+
+class LoraConfig(_Section):
+    r: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # "all-linear" (every linear layer of the decoder blocks) or a list of module names
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list) and not v:
+            raise ValueError("is empty; give module names (e.g. [q_proj, v_proj]) or all-linear")
+        return v
+
+
+class FinetuneConfig(_Section):
+    # full: every weight trains; lora: low-rank adapters on a frozen base in the compute dtype;
+    # qlora: adapters on a 4-bit NF4 base. These change what is learned: the planner never picks
+    # them, it names them when a full fine-tune does not fit.
+    method: Annotated[Literal["full", "lora", "qlora"], LEARNED] = "full"
+    lora: Annotated[LoraConfig, LEARNED] = Field(default_factory=LoraConfig)
+
+
+class MemoryConfig(_Section):
+    activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
+    # Exact levers (docs/memory.md): the LM head and loss over chunks of tokens; the decoder
+    # layers' saved activations in host memory between forward and backward. auto: the planner.
+    chunked_loss: Literal["auto"] | bool = "auto"
+    offload_activations: Literal["auto"] | bool = "auto"
+    # each decoder layer's MLP over chunks of the sequence, each recomputed in backward
+    # (trainer/memory/tiled_mlp.py); auto: the planner (off in the engine until it chooses)
+    tiled_mlp: Literal["auto"] | bool = "auto"
+    mlp_chunk_tokens: int | None = Field(None, ge=1)  # tokens per MLP chunk; None: hidden size
+    loss_chunk_tokens: int | None = Field(None, ge=1)  # tokens per chunk; None: by vocabulary
+    headroom: float = Field(0.10, ge=0.0, lt=0.9)
+
+
+class HardwareConfig(_Section):
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    nodes: int = Field(1, ge=1)
+    devices_per_node: int | None = Field(None, ge=1)
+    device_memory: int | None = None
+    host_memory: int | None = None
+    # Effective bandwidths for the planner's cost model, bytes per second ("150GB" = 150e9/s);
+    # defaults in launcher/plan/planner.py (docs/planner.md).
+    intra_node_bandwidth: int | None = None
+    inter_node_bandwidth: int | None = None
+    pcie_bandwidth: int | None = None
+    nvme_bandwidth: int | None = None
+
+    @field_validator(
+        "device_memory",
+        "host_memory",
+        "intra_node_bandwidth",
+        "inter_node_bandwidth",
+        "pcie_bandwidth",
+        "nvme_bandwidth",
+        mode="before",
+    )
+    @classmethod
+    def _size(cls, v: Any) -> int | None:
+        return None if v is None else parse_size(v)
+
+
+class InjectOomConfig(_Section):
+    step: int = Field(ge=0)
+    rank: int | None = Field(None, ge=0)
+    times: int = Field(1, ge=0)
+    where: Literal["setup", "forward", "backward", "optimizer", "eval"] = "backward"
+    strategies: list[str] | None = None
+
+    @field_validator("strategies")
+    @classmethod
+    def _known(cls, v: list[str] | None) -> list[str] | None:
+        for name in v or []:
+            if name not in strategies.names():
+                raise ValueError(
+                    f"unknown strategy '{name}'; use one of {', '.join(strategies.names())}"
+                )
+        return v
+
+
+class SlowRank0Config(_Section):
+    """Seconds added to rank 0's serial work (tests of the waiting ranks)."""
+
+    tokenize_s: float = Field(0.0, ge=0)
+    checkpoint_s: float = Field(0.0, ge=0)
+    final_save_s: float = Field(0.0, ge=0)
+
+
+class ProfileConfig(_Section):
+    start: int = Field(ge=1)  # the first profiled optimizer step, counted from 1
+    steps: int = Field(2, ge=1)
+
+
+class DebugConfig(_Section):
+    inject_oom: InjectOomConfig | None = None
+    slow_rank0: SlowRank0Config | None = None
+    # torch.profiler over optimizer steps start .. start + steps - 1 -> run.dir/profile/
+    profile: ProfileConfig | None = None
+    crash_in_save: int | None = Field(None, ge=1)  # SIGKILL at the N-th point inside saves
+    # cap the CUDA allocator at this fraction of each device (emulates a smaller card, so an
+    # out-of-memory and the escalation after it are real; bench/gpu_validate.sh); inert on CPU
+    device_memory_fraction: float | None = Field(None, gt=0, le=1)
+
+
+class RunConfig(_Section):
+    dir: str = "runs/default"
+    checkpoint_every: int = Field(100, ge=0)
+    keep_checkpoints: int = Field(2, ge=1)
+    async_checkpoint: bool = False
+    resume: str = "auto"  # auto | never | a checkpoint directory
+    save_final: bool = True
+    # experiment trackers rank 0 sends metrics.jsonl's records to (trainer/observe/trackers.py)
+    trackers: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=list
+    )
+    name: str | None = None  # the run's name in the trackers (default: run.dir's name)
+
+    @field_validator("resume")
+    @classmethod
+    def _resume(cls, v: str) -> str:
+        if v not in ("auto", "never") and not is_dir(Path(v).expanduser()):
+            raise ValueError(f"'{v}' is neither auto, never nor an existing checkpoint directory")
+        return v
+
+
+class FsdpConfig(_Section):
+    reshard_after_forward: bool = True
+    hybrid: bool = False
+    # Gradient accumulation: false keeps unsharded fp32 gradients on every rank until the last
+    # micro-batch and reduce-scatters once (least communication, 4 bytes per parameter more);
+    # true reduce-scatters after every micro-batch. auto: the planner picks false if it fits.
+    reduce_every_micro_batch: bool | Literal["auto"] = "auto"
+
+
+class DeepSpeedConfig(_Section):
+    nvme_path: str | None = None
+    overrides: dict[str, Any] = Field(default_factory=dict)
+
+
+class DistConfig(_Section):
+    timeout_s: int = Field(600, ge=1)
+    max_restarts: int = Field(0, ge=0)
+
+
+class EscalationConfig(_Section):
+    enabled: bool = True
+    max_attempts: int = Field(3, ge=0)
+
+
+class SlurmConfig(_Section):
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str = "24:00:00"
+    constraint: str | None = None
+    grace_s: int = Field(120, ge=10)
+    extra: list[str] = Field(default_factory=list)
+    setup: list[str] = Field(default_factory=list)
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _time(cls, v: object) -> str:
+        if isinstance(v, int) and not isinstance(v, bool):
+            v = str(v)  # `slurm.time=30` on the command line or `time: 30` in YAML: minutes
+        if not isinstance(v, str) or not _SLURM_TIME_RE.match(v):
+            raise ValueError(f"'{v}' is not a Slurm time; write MINUTES, HH:MM:SS or D-HH:MM:SS")
+        return v
+
+
+class JobConfig(_Section):
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
+    # bf16_pure: opt-in, lossy: bf16 weights, gradients and AdamW state, no fp32 master
+    precision: Annotated[Literal["bf16", "fp16", "fp32", "bf16_pure"], LEARNED] = "bf16"
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    strategy: str = "auto"  # auto or a row of trainer/core/strategies.py
+    # ranks that split each sequence (Ulysses, trainer/memory/sequence_parallel.py); auto: the
+    # planner (1 in the engine until it chooses). Changes where tokens live, never what is learned.
+    sequence_parallel: Literal["auto"] | int = "auto"
+    hardware: HardwareConfig = Field(default_factory=HardwareConfig)
+    debug: DebugConfig = Field(default_factory=DebugConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+    fsdp: FsdpConfig = Field(default_factory=FsdpConfig)
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
+    dist: DistConfig = Field(default_factory=DistConfig)
+    escalation: EscalationConfig = Field(default_factory=EscalationConfig)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+
+    @field_validator("sequence_parallel")
+    @classmethod
+    def _positive_sequence_parallel(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1 or auto")
+        return v
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, v: str) -> str:
+        allowed = ("auto", *strategies.names())
+        if v not in allowed:
+            close = difflib.get_close_matches(v, allowed, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ValueError(f"'{v}' is not a strategy; {hint}use one of {', '.join(allowed)}")
+        return v
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")

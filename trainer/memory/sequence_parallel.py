@@ -1,0 +1,268 @@
+"""Ulysses sequence parallelism: the ranks of a sequence group each hold seq_len / sp tokens of
+every sequence; around attention an all-to-all swaps that sequence split for a head split.
+
+The device mesh is data x sequence: rank r is sequence rank r % sp of data rank r // sp. Every
+rank of a sequence group reads the same sequences (`SequenceMesh.data_rank`) and keeps its slice
+of each (`split_sequence`). The weights are replicated (ddp) or sharded (fsdp, ZeRO) over ALL
+ranks, as in DeepSpeed's ALST: a sequence group is also data-parallel for the weights, since each
+of its ranks computes the gradient of its own tokens. The sum of every rank's gradient is the
+gradient of the whole batch, which is the backends' convention already (trainer/backends), so no
+backend knows about sequence parallelism.
+
+Attention: every model whose attention goes through transformers' AttentionInterface (Llama,
+Qwen2/3, Mistral, Gemma, ...) runs under the name `oomless_ulysses` (registered here), whose
+function wraps the model's own implementation (sdpa, eager, flash, flex): q, k, v arrive as
+[batch, heads, seq/sp, head_dim]; an all-to-all gives [batch, heads/sp, seq, head_dim]; the
+model's implementation runs on that with the mask transformers builds for the WHOLE sequence
+(from the whole sequence's position ids, gathered once per forward: packed documents stay apart,
+sliding windows stay right); a second all-to-all turns the output back. Key/value heads fewer
+than sp are repeated to sp first (grouped-query attention), so each rank gets one.
+
+Why not DeepSpeed's UlyssesSPAttentionHF (deepspeed.runtime.sequence_parallel.ulysses_sp):
+its wrapper drops the attention mask for sdpa and eager and relies on is_causal, so packed
+documents (every window here) would attend across their boundaries; it replaces the global
+`sdpa` entry of transformers for every model of the process, and needs deepspeed.comm and
+DeepSpeed's own process-group state on the ddp and fsdp rungs. Its all-to-all layout is the
+same as this one (docs/long-context.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.core.config import ConfigError, JobConfig
+from trainer.memory.chunked_loss import shifted_targets
+
+ATTENTION_NAME = "oomless_ulysses"
+SHARDED_KEYS = ("input_ids", "position_ids", "doc_ids", "targets")
+
+
+def concrete_sequence_parallel(cfg: JobConfig) -> int:
+    """The config's `sequence_parallel`; `auto` is 1 until the planner writes its choice into
+    the resolved config (run_dir/config.yaml) that every rank reads."""
+    sp = cfg.sequence_parallel
+    return 1 if sp == "auto" else sp
+
+
+def check_sequence_parallel(sp: int, world_size: int, hf_config: Any, seq_len: int) -> None:
+    """ConfigError (one line, exit 2) when the sequence cannot be split `sp` ways here."""
+    if sp == 1:
+        return  # nothing is split (and a model without attention heads, Mamba, trains as ever)
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = getattr(text, "num_attention_heads", None)
+    if heads is None:
+        raise ConfigError("sequence_parallel", f"{sp}: this model has no attention heads to "
+                          "split the sequence around", "set sequence_parallel=1")  # fmt: skip
+    heads = int(heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    problem = None
+    if world_size % sp:
+        problem = f"{sp} does not divide the {world_size} ranks"
+    elif heads % sp:
+        problem = f"{sp} does not divide the model's {heads} attention heads"
+    elif kv_heads % sp and sp % kv_heads:
+        problem = (
+            f"{sp} and the model's {kv_heads} key/value heads do not divide one another "
+            "(each rank needs whole key/value heads, repeated where there are fewer than sp)"
+        )
+    elif seq_len % sp:
+        problem = f"{sp} does not divide data.seq_len={seq_len} (every rank holds seq_len / sp)"
+    if problem is not None:
+        raise ConfigError(
+            "sequence_parallel", problem, "use a common divisor of those, e.g. 1 or 2"
+        )
+
+
+@dataclass(frozen=True)
+class SequenceMesh:
+    """Where this rank sits in the data x sequence mesh."""
+
+    size: int  # sp: ranks per sequence group
+    rank: int  # this rank's slice of every sequence
+    data_rank: int  # which share of the global batch the group reads
+    num_data_ranks: int
+    group: Any = field(default=None, compare=False)  # the sequence group (None at sp=1)
+
+
+def build_sequence_mesh(sp: int, rank: int, world_size: int) -> SequenceMesh:
+    """The mesh for `sp`; creates the process group of every sequence group (a collective:
+    every rank calls it, in the same order)."""
+    group = None
+    if sp > 1:
+        for first in range(0, world_size, sp):
+            ranks = list(range(first, first + sp))
+            created = dist.new_group(ranks)
+            if rank in ranks:
+                group = created
+    return SequenceMesh(sp, rank % sp, rank // sp, world_size // sp, group)
+
+
+def split_sequence(batch: dict[str, torch.Tensor], mesh: SequenceMesh) -> dict[str, torch.Tensor]:
+    """This rank's slice of every sequence of a batch.
+
+    The targets are taken from the labels BEFORE the split (`targets`: what each position
+    predicts), so the last token of one slice predicts the first token of the next; position
+    ids and document ids are the whole sequence's. At sp=1 the slice is the whole sequence.
+    """
+    full = {**batch, "targets": shifted_targets(batch["labels"])}
+    return {key: _slice(full[key], mesh) for key in SHARDED_KEYS}
+
+
+def _slice(t: torch.Tensor, mesh: SequenceMesh) -> torch.Tensor:
+    length = t.size(1) // mesh.size
+    return t[:, mesh.rank * length : (mesh.rank + 1) * length].contiguous()
+
+
+def apply_sequence_parallel(hf_config: Any, mesh: SequenceMesh) -> None:
+    """Make the models built from `hf_config` attend through the Ulysses all-to-all of `mesh`'s
+    sequence group, in place (before building them); nothing at sp=1."""
+    if mesh.size == 1:
+        return
+    from transformers import AttentionInterface
+
+    text = hf_config.get_text_config()
+    inner = text._attn_implementation or "eager"
+    if inner == ATTENTION_NAME:  # applied before (a second backend setup, a rebuilt factory)
+        inner = _UlyssesAttention.current.inner_name
+    ulysses = _UlyssesAttention(mesh, text, inner)
+    _UlyssesAttention.current = ulysses
+    AttentionInterface.register(ATTENTION_NAME, ulysses)
+    text._attn_implementation = ATTENTION_NAME
+
+
+class _UlyssesAttention:
+    """The function registered as `oomless_ulysses` (see the module docstring)."""
+
+    current: _UlyssesAttention
+
+    def __init__(self, mesh: SequenceMesh, text_config: Any, inner_name: str):
+        from transformers import AttentionInterface
+
+        self.mesh = mesh
+        self.inner_name = inner_name
+        self.inner = None if inner_name == "eager" else AttentionInterface()[inner_name]
+        self.mask_config = copy.copy(text_config)  # the masks of the inner implementation
+        self.mask_config._attn_implementation = inner_name
+        self.heads = int(text_config.num_attention_heads)
+        self.kv_heads = int(getattr(text_config, "num_key_value_heads", None) or self.heads)
+        self._seen: torch.Tensor | None = None  # this forward's local position ids
+        self._positions: torch.Tensor | None = None  # ... and the whole sequence's
+        self._masks: dict[Any, Any] = {}
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        sp = self.mesh.size
+        positions = self._whole_positions(kwargs.get("position_ids"))
+        if self.kv_heads < sp:  # grouped-query attention: one (repeated) k/v head per rank
+            key = key.repeat_interleave(sp // self.kv_heads, dim=1)
+            value = value.repeat_interleave(sp // self.kv_heads, dim=1)
+        query, key, value = (self._heads_to_sequence(t) for t in (query, key, value))
+        mask = self._mask(query, positions, kwargs.get("sliding_window"))
+        inner = self.inner or _eager_of(module)
+        groups = getattr(module, "num_key_value_groups", None)
+        if groups is not None:  # query heads per k/v head on this rank (repeated k/v: fewer)
+            module.num_key_value_groups = query.size(1) // key.size(1)
+        try:
+            out, weights = inner(
+                module, query, key, value, mask, **{**kwargs, "position_ids": positions}
+            )
+        finally:
+            if groups is not None:
+                module.num_key_value_groups = groups
+        return self._sequence_to_heads(out), weights
+
+    def _heads_to_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """[b, h, s/sp, d] -> [b, h/sp, s, d]: head chunk j goes to rank j."""
+        sp, (b, h, s, d) = self.mesh.size, t.shape
+        chunks = t.reshape(b, sp, h // sp, s, d).transpose(0, 1).contiguous()
+        gathered = all_to_all(chunks, self.mesh.group)  # [sp (sequence slice), b, h/sp, s, d]
+        return gathered.permute(1, 2, 0, 3, 4).reshape(b, h // sp, sp * s, d)
+
+    def _sequence_to_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """The attention output [b, s, h/sp, d] -> [b, s/sp, h, d]."""
+        sp, (b, s, h, d) = self.mesh.size, t.shape
+        chunks = t.reshape(b, sp, s // sp, h, d).transpose(0, 1).contiguous()
+        gathered = all_to_all(chunks, self.mesh.group)  # [sp (head chunk), b, s/sp, h/sp, d]
+        return gathered.permute(1, 2, 0, 3, 4).reshape(b, s // sp, sp * h, d)
+
+    def _whole_positions(self, local: torch.Tensor | None) -> torch.Tensor:
+        """The whole sequence's position ids, gathered once per forward (every layer of one
+        forward, and its recomputation, gets the same local tensor object)."""
+        if local is None:
+            raise ValueError(
+                "sequence parallelism needs the model to pass position_ids to its attention"
+            )
+        if local is not self._seen:
+            parts = [torch.empty_like(local) for _ in range(self.mesh.size)]
+            dist.all_gather(parts, local.contiguous(), group=self.mesh.group)
+            self._seen, self._positions, self._masks = local, torch.cat(parts, dim=1), {}
+        assert self._positions is not None
+        return self._positions
+
+    def _mask(self, query: torch.Tensor, positions: torch.Tensor, sliding_window: Any) -> Any:
+        """The mask transformers builds for the whole sequence and the inner implementation
+        (None where it needs none: causal sdpa, flash); one per forward and kind."""
+        from transformers.masking_utils import (
+            create_causal_mask,
+            create_sliding_window_causal_mask,
+        )
+
+        kind = (bool(sliding_window), query.dtype)
+        if kind not in self._masks:
+            build = create_sliding_window_causal_mask if sliding_window else create_causal_mask
+            shape_only = query.new_empty((query.size(0), positions.size(1), 0))
+            self._masks[kind] = build(
+                config=self.mask_config,
+                inputs_embeds=shape_only,
+                attention_mask=None,
+                cache=None,
+                position_ids=positions,
+            )
+        return self._masks[kind]
+
+
+def _eager_of(module: Any) -> Any:
+    """The model's own eager attention (its modeling file's `eager_attention_forward`, which
+    the model passes as the default of the interface)."""
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single over dim 0 in equal chunks; its gradient is the same exchange back."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        t = t.contiguous()
+        out = torch.empty_like(t)
+        dist.all_to_all_single(out, t, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()  # its strides may be a permutation's; empty_like keeps them
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def all_to_all(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Chunk i of dim 0 goes to rank i of `group`; chunk j of the result came from rank j."""
+    return _AllToAll.apply(t, group)
+
+
+__all__ = [
+    "ATTENTION_NAME",
+    "SequenceMesh",
+    "all_to_all",
+    "apply_sequence_parallel",
+    "build_sequence_mesh",
+    "check_sequence_parallel",
+    "concrete_sequence_parallel",
+    "split_sequence",
+]

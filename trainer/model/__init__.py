@@ -1,0 +1,1 @@
+"""What trains: the HF model built or loaded per rank, and the fine-tune methods on it."""
