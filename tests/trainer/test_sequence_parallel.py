@@ -3,7 +3,8 @@ per-step losses and eval losses of sequence_parallel=2 and 4 equal one process's
 fsdp, with activation checkpointing none and full, with LoRA, with the memory levers and the
 OOM back-off, on grouped-query attention with fewer key/value heads than ranks, on a second and a
 third architecture (Qwen2, Mistral with a sliding window shorter than the window of packed
-documents); a checkpoint written at sp=2 resumes at sp=1; bad splits exit 2 in one line.
+documents), on two whose masks ignore position ids (OPT, BioGPT); a checkpoint written at sp=2
+resumes at sp=1; bad splits exit 2 in one line.
 
 One torchrun launch serves the two-rank runs and one the four-rank runs (tests/trainer/
 sp_worker.py); the one-process references run in one process.
@@ -23,7 +24,12 @@ import torch
 from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env, run_bounded, write_demo_job
 from trainer.core.config import ConfigError
 from trainer.loss import IGNORE_INDEX
-from trainer.memory.sequence_parallel import SequenceMesh, check_sequence_parallel, split_sequence
+from trainer.memory.sequence_parallel import (
+    SequenceMesh,
+    check_sequence_parallel,
+    mask_follows_position_ids,
+    split_sequence,
+)
 
 WORKER = str(REPO / "tests" / "trainer" / "sp_worker.py")
 STEPS = 6
@@ -35,6 +41,18 @@ QWEN2_KV1 = (  # one key/value head for two ranks: repeated, one per rank
 MISTRAL_WINDOW = (  # a sliding window of 4 tokens, shorter than most documents: its mask matters
     "model.config={model_type: mistral, " + _SMALL + "num_attention_heads: 4, "
     "num_key_value_heads: 2, head_dim: 8, sliding_window: 4, max_position_embeddings: 256}"
+)
+# masks built without position ids (packed documents attend to each other on one process): the
+# split attends through the same plain causal mask (trainer/memory/sequence_parallel.py)
+OPT = (
+    "model.config={model_type: opt, vocab_size: 45, hidden_size: 32, ffn_dim: 64, "
+    "word_embed_proj_dim: 32, num_hidden_layers: 2, num_attention_heads: 4, dropout: 0.0, "
+    "attention_dropout: 0.0, max_position_embeddings: 256}"
+)
+BIOGPT = (
+    "model.config={model_type: biogpt, " + _SMALL + "num_attention_heads: 4, "
+    "hidden_dropout_prob: 0.0, attention_probs_dropout_prob: 0.0, layerdrop: 0.0, "
+    "max_position_embeddings: 256}"
 )
 LORA = ("finetune.method=lora", "finetune.lora.r=4", "finetune.lora.alpha=8")
 FULL_AC = "memory.activation_checkpointing=full"
@@ -52,6 +70,8 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "single_lora": ((*SINGLE, *LORA), 1, None),
     "single_qwen2": ((*SINGLE, QWEN2_KV1), 1, None),
     "single_mistral": ((*SINGLE, MISTRAL_WINDOW), 1, None),
+    "single_opt": ((*SINGLE, OPT), 1, None),
+    "single_biogpt": ((*SINGLE, BIOGPT), 1, None),
     "ddp_sp2": (("strategy=ddp", "sequence_parallel=2", "run.save_final=true"), 2, "single"),
     "ddp_sp2_full": (("strategy=ddp", "sequence_parallel=2", FULL_AC), 2, "single"),
     "fsdp_sp2": (("strategy=fsdp", "sequence_parallel=2"), 2, "single"),
@@ -68,6 +88,8 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
         2,
         "single_mistral",
     ),
+    "ddp_sp2_opt": (("strategy=ddp", "sequence_parallel=2", OPT), 2, "single_opt"),
+    "fsdp_sp2_biogpt": (("strategy=fsdp", "sequence_parallel=2", BIOGPT), 2, "single_biogpt"),
     # two sequence groups of two: FSDP2 shards over all four ranks
     "fsdp_sp2_w4": (
         ("strategy=fsdp", "sequence_parallel=2", "train.micro_batch_size=2"),
@@ -343,3 +365,14 @@ def test_exact_match_scores_documents_across_slices(tmp_path) -> None:
         split = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert split["eval_exact_match"] == 0.5, split
         assert split["eval_loss"] == pytest.approx(whole["eval_loss"], abs=1e-6)
+
+
+def test_which_models_build_their_masks_from_position_ids() -> None:
+    import importlib
+
+    def follows(model_type: str) -> bool:
+        module = f"transformers.models.{model_type}.modeling_{model_type}"
+        return mask_follows_position_ids(importlib.import_module(module))
+
+    assert all(map(follows, ("llama", "mistral", "qwen2", "gemma2")))
+    assert not any(map(follows, ("opt", "biogpt")))

@@ -15,8 +15,11 @@ function wraps the model's own implementation (sdpa, eager, flash, flex): q, k, 
 [batch, heads, seq/sp, head_dim]; an all-to-all gives [batch, heads/sp, seq, head_dim]; the
 model's implementation runs on that with the mask transformers builds for the WHOLE sequence
 (from the whole sequence's position ids, gathered once per forward: packed documents stay apart,
-sliding windows stay right); a second all-to-all turns the output back. Key/value heads fewer
-than sp are repeated to sp first (grouped-query attention), so each rank gets one.
+sliding windows stay right); a second all-to-all turns the output back. A model whose own mask
+ignores position ids (OPT, BioGPT: packed documents attend to each other on one process) gets
+the mask it builds itself, plain causal over the whole window, so the split is exact there too.
+Key/value heads fewer than sp are repeated to sp first (grouped-query attention), so each rank
+gets one.
 
 Why not DeepSpeed's UlyssesSPAttentionHF (deepspeed.runtime.sequence_parallel.ulysses_sp):
 its wrapper drops the attention mask for sdpa and eager and relies on is_causal, so packed
@@ -28,7 +31,9 @@ same as this one (docs/long-context.md).
 
 from __future__ import annotations
 
+import ast
 import copy
+import inspect
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,9 +159,12 @@ class _UlyssesAttention:
         self._seen: torch.Tensor | None = None  # this forward's local position ids
         self._positions: torch.Tensor | None = None  # ... and the whole sequence's
         self._masks: dict[Any, Any] = {}
+        self._mask_positions: bool | None = None  # the model's own mask follows position ids
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         sp = self.mesh.size
+        if self._mask_positions is None:
+            self._mask_positions = mask_follows_position_ids(sys.modules[type(module).__module__])
         positions = self._whole_positions(kwargs.get("position_ids"))
         if self.kv_heads < sp:  # grouped-query attention: one (repeated) k/v head per rank
             key = key.repeat_interleave(sp // self.kv_heads, dim=1)
@@ -221,9 +229,35 @@ class _UlyssesAttention:
                 inputs_embeds=shape_only,
                 attention_mask=None,
                 cache=None,
-                position_ids=positions,
+                position_ids=positions if self._mask_positions else None,
             )
         return self._masks[kind]
+
+
+MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")
+
+
+def mask_follows_position_ids(modeling: Any) -> bool:
+    """Whether a modeling module builds its attention masks from position ids (packed documents
+    kept apart): every call of transformers' mask builders in its source (by name, or through a
+    name bound to one: `mask_function = create_causal_mask if ...`) passes them. Llama, Qwen,
+    Mistral, Gemma do; OPT and BioGPT build plain causal masks."""
+    tree = ast.parse(inspect.getsource(modeling))
+    builders = set(MASK_BUILDERS)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(n, ast.Name) and n.id in MASK_BUILDERS for n in ast.walk(node.value)
+        ):
+            builders |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", getattr(node.func, "attr", None)) in builders
+    ]
+    return bool(calls) and all(
+        any(k.arg in ("position_ids", None) for k in call.keywords) for call in calls
+    )
 
 
 def _eager_of(module: Any) -> Any:
@@ -264,5 +298,6 @@ __all__ = [
     "build_sequence_mesh",
     "check_sequence_parallel",
     "concrete_sequence_parallel",
+    "mask_follows_position_ids",
     "split_sequence",
 ]
