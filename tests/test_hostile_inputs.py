@@ -198,6 +198,18 @@ CASES = [
     Case("memory-400-digits", plan(f"hardware.device_memory={'9' * 400}.0GiB"), BAD, "memory"),
     Case("deepspeed-inf", config("deepspeed.overrides.x=-.inf"), BAD, "overrides.x: is -inf"),
     Case("huge-global-batch", plan(f"train.global_batch_size={10**30}"), BAD, "global_batch"),
+    # ---- values of the wrong type: the valid choices, and a boolean is not a number
+    Case("sp=2.5", config("sequence_parallel=2.5"), BAD, "use one of 'auto' or a whole number"),
+    Case("sp=mapping", plan("sequence_parallel={a: 1}"), BAD, '{"a": 1} is not allowed; use'),
+    Case("tiled-mlp=maybe", config("memory.tiled_mlp=maybe"), BAD, "use one of 'auto', true or"),
+    Case(
+        "target-modules=5",
+        config("finetune.lora.target_modules=5"),
+        BAD,
+        "use one of 'all-linear' or a list of names",
+    ),
+    Case("lora-alpha=true", config("finetune.lora.alpha=true"), BAD, "alpha: is the boolean true"),
+    Case("lr=false", plan("train.lr=false"), BAD, "train.lr: is the boolean false, not a number"),
     Case("override-alias-bomb", config(f"model.config.x={_flow_bomb()}"), BAD, "expands to"),
     Case("override-deep", config("model.config.x=" + "[" * 1500 + "]" * 1500), BAD, "too deep"),
     Case("override-5000-parts", config("a." * 5000 + "b=1"), BAD, "more than 32 dotted parts"),
@@ -406,3 +418,29 @@ def test_hostile_input(space: Space, case: Case) -> None:
 
 def test_the_battery_is_big_enough() -> None:
     assert len(CASES) >= 40 and len({c.id for c in CASES}) == len(CASES)
+
+
+def test_plan_and_estimate_need_no_run_time_extras_and_train_names_them(space, monkeypatch):
+    """Planning a cluster job from a laptop needs none of what only the run imports (torchao,
+    bitsandbytes, peft); `train` checks them on the machine that runs it, in one line."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    missing = ("torchao", "bitsandbytes", "peft")
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in missing else find_spec(name, *a),
+    )
+    opt_ins = ["precision=bf16_pure", "train.optimizer=adamw_8bit", "finetune.method=lora"]
+    for command in ("plan", "estimate"):
+        code, stderr = in_process([command, str(space.job), *opt_ins])
+        assert code == OK, stderr[-3000:]
+    before = _snapshot(space.run)
+    code, stderr = in_process(["train", str(space.job), *opt_ins])
+    assert code == BAD and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip() == (
+        "config error: finetune.method: lora needs peft, which is not installed on this "
+        "machine; pip install 'oomless[lora]'"
+    )
+    assert _snapshot(space.run) == before

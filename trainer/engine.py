@@ -34,7 +34,7 @@ from trainer.checkpoint.checkpointer import (
     restore_rng,
 )
 from trainer.checkpoint.export import save_final_model
-from trainer.core.config import JobConfig
+from trainer.core.config import JobConfig, check_run_time_extras
 from trainer.core.contract import EXIT_OOM, EXIT_SIGNAL, FINAL_DIR
 from trainer.core.gpus import peak_flops_for
 from trainer.core.logs import setup_logging
@@ -77,6 +77,7 @@ log = logging.getLogger(__name__)
 
 def run_training(cfg: JobConfig) -> int:
     """Train as the resolved config says, on this rank. Returns the process exit code."""
+    check_run_time_extras(cfg)  # every node: the libraries of the job's opt-ins
     run = _setup(cfg)
     if isinstance(run, int):  # out of memory while setting up
         return run

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
@@ -51,17 +52,76 @@ def build_optimizer(params: list[nn.Parameter], spec: OptimizerSpec, grad_accum:
 def _build_adamw(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.optim.Optimizer:
     kwargs = dict(lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
     if spec.name == "adamw_8bit" and any(hasattr(p, "placements") for p in params):
-        return ShardedAdamW8bit(params, kwargs)
+        return ShardedAdamW8bit(params, kwargs, spec.bf16_pure)
     if spec.name == "adamw_8bit":
         bnb = require("bitsandbytes", "train.optimizer", "adamw_8bit")
         optimizer = bnb.optim.AdamW8bit(params, **kwargs)
-        for gindex, group in enumerate(optimizer.param_groups):
-            for pindex, p in enumerate(group["params"]):
-                optimizer.init_state(group, p, gindex, pindex)
+        _prepare_8bit(optimizer, spec.bf16_pure)
         return optimizer
     if spec.bf16_pure:
         return import_torchao_optim()._AdamW(params, bf16_stochastic_round=True, **kwargs)
     return torch.optim.AdamW(params, fused=True, **kwargs)
+
+
+def _prepare_8bit(optimizer: Any, bf16_pure: bool) -> None:
+    """Create a bitsandbytes optimizer's state now (so a checkpoint can be loaded into it);
+    under bf16_pure, step its bf16 weights with stochastic rounding (`stochastic_update_step`)."""
+    for gindex, group in enumerate(optimizer.param_groups):
+        for pindex, p in enumerate(group["params"]):
+            optimizer.init_state(group, p, gindex, pindex)
+    if bf16_pure:
+        optimizer.update_step = functools.partial(stochastic_update_step, optimizer)
+
+
+# values of one tensor stepped at a time in fp32 under bf16_pure: a whole number of 8-bit blocks,
+# 12 MiB of temporaries (weight, gradient, random bits)
+SR_CHUNK = 1 << 20
+
+
+@torch.no_grad()
+def stochastic_update_step(optimizer: Any, group: dict, p: torch.Tensor, gindex: int,
+                           pindex: int) -> None:  # fmt: skip
+    """bitsandbytes' AdamW step of one bf16 weight (precision: bf16_pure), in place of its own
+    `update_step`: the same kernel on an fp32 copy of a chunk of the weight and its gradient, the
+    result rounded into bf16 stochastically (up with the probability of the dropped low bits),
+    as torchao's AdamW does under bf16_pure. bitsandbytes would round to nearest, so an update
+    under half a bf16 step of the weight would be lost every time."""
+    F = require("bitsandbytes", "train.optimizer", "adamw_8bit").functional
+    state = optimizer.state[p]
+    config = optimizer.get_config(gindex, pindex, group)
+    state["step"] += 1
+    beta1, beta2 = config["betas"][0], config["betas"][1]
+    weights, grads = p.data.view(-1), p.grad.reshape(-1)
+    moment1, moment2 = state["state1"].view(-1), state["state2"].view(-1)
+    eight = state["state1"].dtype == torch.uint8
+    for start in range(0, weights.numel(), SR_CHUNK):
+        end = min(start + SR_CHUNK, weights.numel())
+        p32, g32 = weights[start:end].float(), grads[start:end].float()
+        if eight:
+            blocks = slice(start // BLOCK, -(-end // BLOCK))
+            F.optimizer_update_8bit_blockwise(
+                optimizer.optimizer_name, g32, p32, moment1[start:end], moment2[start:end],
+                beta1, beta2, 0.0, 0.0, config["eps"], state["step"], config["lr"],
+                state["qmap1"], state["qmap2"], state["absmax1"][blocks],
+                state["absmax2"][blocks], config["weight_decay"],
+            )  # fmt: skip
+        else:
+            F.optimizer_update_32bit(
+                optimizer.optimizer_name, g32, p32, moment1[start:end], beta1, config["eps"],
+                state["step"], config["lr"], moment2[start:end], beta2,
+                weight_decay=config["weight_decay"],
+            )  # fmt: skip
+        weights[start:end].copy_(stochastic_round_bf16(p32))
+
+
+def stochastic_round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16, rounded away from zero with the probability of the 16 dropped bits."""
+    bits = x.view(torch.int32)
+    toward_zero = bits & -65536  # 0xFFFF0000: the bf16 bits of the fp32 pattern
+    dropped = bits & 0xFFFF
+    draw = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device)
+    rounded = torch.where(draw < dropped, toward_zero + 0x10000, toward_zero)
+    return rounded.view(torch.float32).to(torch.bfloat16)
 
 
 def import_torchao_optim() -> Any:
@@ -261,7 +321,7 @@ class ShardedAdamW8bit:
     part and reshards it for another rung or world size.
     """
 
-    def __init__(self, params: list[nn.Parameter], kwargs: dict[str, Any]):
+    def __init__(self, params: list[nn.Parameter], kwargs: dict[str, Any], bf16_pure: bool):
         bnb = require("bitsandbytes", "train.optimizer", "adamw_8bit")
         self.proxies = {}
         for p in params:
@@ -276,9 +336,7 @@ class ShardedAdamW8bit:
             bnb.optim.AdamW(rest or [_empty()], optim_bits=32, **kwargs),
         ]
         for optimizer in self.optimizers:
-            for gindex, group in enumerate(optimizer.param_groups):
-                for pindex, proxy in enumerate(group["params"]):
-                    optimizer.init_state(group, proxy, gindex, pindex)
+            _prepare_8bit(optimizer, bf16_pure)
         self.param_groups = [g for o in self.optimizers for g in o.param_groups]
         self.state = _ShardedState(self)
 

@@ -31,7 +31,7 @@ from launcher.run.preflight import (
 )
 from launcher.run.torchrun_output import TorchrunOutput
 from trainer.core import strategies
-from trainer.core.config import ConfigError, JobConfig, write_config
+from trainer.core.config import ConfigError, JobConfig, check_run_time_extras, write_config
 from trainer.core.contract import (
     CONFIG_ERROR_FILE,
     CONFIG_FILE,
@@ -65,6 +65,7 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
         check_run_dir(run_dir)
         check_run_lock(run_dir)  # a live run's files stay as they are; it is taken after checks
         check_rows(cfg)  # torch-free: a broken data file answers before anything imports torch
+        check_run_time_extras(cfg)  # what only the run needs, on this machine (not for plan)
     failed: list[str] = []
     memory_scale = 1.0
     attempt = 0

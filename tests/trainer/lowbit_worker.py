@@ -75,6 +75,7 @@ RUNS = {
         "run.resume={work}/single_8bit_odd/checkpoints/step_2",
     ),
     "fsdp_lora_8bit": ("strategy=fsdp", *LORA_8BIT),
+    "fsdp_bf16_pure_8bit": ("strategy=fsdp", *ODD_8BIT, "precision=bf16_pure"),
     "ddp_lora_8bit_from_fsdp": (
         "strategy=ddp",
         *LORA_8BIT,

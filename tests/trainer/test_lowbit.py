@@ -92,6 +92,7 @@ def runs(tmp_path_factory) -> Path:
     _single(base, work / "single_8bit", *ADAMW_8BIT)
     _single(base, work / "single_8bit_odd", *ODD_8BIT)
     _single(base, work / "single_lora_8bit", *LORA_8BIT)
+    _single(base, work / "single_bf16_pure_8bit", *ODD_8BIT, "precision=bf16_pure")
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     r = run_bounded(
         [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -125,6 +126,14 @@ def test_bf16_pure_trains_with_falling_loss_close_to_fp32(runs, name):
     losses = _losses(runs / name)
     assert losses[-1] < losses[0] - 0.5, losses
     _close(losses, _losses(runs / "single_fp32"), 2e-2)
+
+
+@pytest.mark.parametrize("name", ["single_bf16_pure_8bit", "fsdp_bf16_pure_8bit"])
+def test_bf16_pure_with_8bit_moments_learns_what_fp32_weights_with_8bit_moments_learn(runs, name):
+    """bitsandbytes' 8-bit step on bf16 weights, rounded stochastically (trainer/optim.py)."""
+    losses = _losses(runs / name)
+    assert losses[-1] < losses[0] - 0.5, losses
+    _close(losses, _losses(runs / "single_8bit_odd"), 2e-2)
 
 
 @pytest.mark.parametrize("name", ["single_bf16_pure", "fsdp_bf16_pure"])

@@ -95,3 +95,27 @@ def test_a_legacy_checkpoints_codes_with_flat_block_scales_become_fp32_moments()
     )
     small = {"state1": torch.ones(4, 4), "state2": torch.full((4, 4), 2.0)}  # fp32 under 4096
     assert torch.equal(from_legacy_8bit(torch.Size([4, 4]), small)["exp_avg_sq"], small["state2"])
+
+
+@pytest.mark.parametrize("shape", [(256, 256), (40, 40)])  # 8-bit moments; fp32 (under 4096)
+def test_bf16_pure_with_8bit_moments_rounds_its_updates_stochastically(shape):
+    """Updates of 1e-5 to weights near 1.0 are 1/400 of a bf16 step there: rounded to nearest
+    (bitsandbytes' own step) the weights never move; rounded stochastically they move by the
+    update on average, as torchao's AdamW moves them under bf16_pure."""
+    steps, lr = 100, 1e-5
+
+    def mean_move(bf16_pure: bool) -> float:
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.ones(shape, dtype=torch.bfloat16))
+        spec = OptimizerSpec(
+            lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, grad_clip=0.0,
+            name="adamw_8bit", bf16_pure=bf16_pure,
+        )  # fmt: skip
+        optimizer = build_optimizer([p], spec)
+        for _ in range(steps):
+            p.grad = torch.full(shape, 0.5, dtype=torch.bfloat16)
+            optimizer.step()
+        return float((1.0 - p.detach().float()).mean())
+
+    assert abs(mean_move(bf16_pure=True) - steps * lr) <= 0.25 * steps * lr
+    assert mean_move(bf16_pure=False) <= 0.1 * steps * lr

@@ -5,7 +5,7 @@ secrets.py, resume.py (what a resume may change, marked on the fields); this fac
 rest of oomless imports.
 """
 
-from trainer.core.config.checks import build_config
+from trainer.core.config.checks import build_config, check_run_time_extras
 from trainer.core.config.loader import (
     MAX_CONFIG_BYTES,
     MAX_YAML_VALUES,
@@ -44,6 +44,7 @@ from trainer.core.errors import ConfigError
 from trainer.core.units import parse_size
 
 __all__ = [
+    "check_run_time_extras",
     "LEARNED",
     "MATH_KEYS",
     "MAX_CONFIG_BYTES",

@@ -57,7 +57,17 @@ def _explain(err: ValidationError) -> ConfigError:
         got = first.get("input")
         close = difflib.get_close_matches(str(got), re.findall(r"'([^']+)'", expected), n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
-        return ConfigError(key, f"'{got}' is not allowed", f"{hint}use one of {expected}")
+        # a union (`auto` or a number): the other branches' kinds of value too
+        field = first["loc"][:-1]
+        items = [expected] + [
+            word
+            for e in err.errors(include_url=False)[1:]
+            if e["loc"][:-1] == field
+            for word in _BRANCH_WORDS.get(str(e["loc"][-1]), ())
+        ]
+        choices = " or ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
+        shown = json.dumps(got, default=str) if isinstance(got, (dict, list)) else f"'{got}'"
+        return ConfigError(key, f"{shown} is not allowed", f"{hint}use one of {choices}")
     if kind == "value_error":
         text = msg.removeprefix("Value error, ")
         return ConfigError(key, text, "fix the value in the config or with an override")
@@ -72,6 +82,16 @@ def _explain(err: ValidationError) -> ConfigError:
         return ConfigError(key, f"is {got} (not a finite number)", "give a finite number")
     shown = json.dumps(got, default=str) if not isinstance(got, dict) else "a mapping"
     return ConfigError(key, f"{msg.lower()} (got {shown})", f"set {key} to a valid value")
+
+
+# the branches of a union field, as pydantic names them in an error's location
+_BRANCH_WORDS = {
+    "int": ("a whole number",),
+    "float": ("a number",),
+    "bool": ("true", "false"),
+    "str": ("a text",),
+    "list[str]": ("a list of names",),
+}
 
 
 def _describe(value: Any) -> str:
@@ -184,23 +204,6 @@ def _check_finetune(cfg: JobConfig) -> None:
     """The fine-tune method and optimizer: their libraries installed, their precision, and a
     forced strategy that can run them (trainer/core/methods.py); never trained another way."""
     method, optimizer = cfg.finetune.method, cfg.train.optimizer
-    needs = []
-    if method != "full":
-        needs.append(("finetune.method", method, "peft", "lora"))
-    if method == "qlora" or optimizer == "adamw_8bit":
-        key, value = (
-            ("finetune.method", method) if method == "qlora" else ("train.optimizer", optimizer)
-        )
-        needs.append((key, value, "bitsandbytes", "lora"))
-    if cfg.precision == "bf16_pure":
-        needs.append(("precision", "bf16_pure", "torchao", "lowbit"))
-    for key, value, module, extra in needs:
-        if importlib.util.find_spec(module) is None:
-            raise ConfigError(
-                key,
-                f"{value} needs {module}, which is not installed",
-                f"pip install 'oomless[{extra}]'",
-            )
     if method == "qlora" and cfg.precision != "bf16":
         raise ConfigError(
             "precision",
@@ -217,6 +220,30 @@ def _check_finetune(cfg: JobConfig) -> None:
                 "strategy",
                 f"{cfg.strategy} cannot run {why}",
                 f"use one of {', '.join(rungs)}, or strategy=auto",
+            )
+
+
+def check_run_time_extras(cfg: JobConfig) -> None:
+    """The libraries the job's opt-ins run with, installed HERE: checked by `train` on the
+    machine that runs it (and by the engine on every node), not by `plan`, `estimate` or
+    `submit`, which may plan for another machine."""
+    method, optimizer = cfg.finetune.method, cfg.train.optimizer
+    needs = []
+    if method != "full":
+        needs.append(("finetune.method", method, "peft", "lora"))
+    if method == "qlora" or optimizer == "adamw_8bit":
+        key, value = (
+            ("finetune.method", method) if method == "qlora" else ("train.optimizer", optimizer)
+        )
+        needs.append((key, value, "bitsandbytes", "lora"))
+    if cfg.precision == "bf16_pure":
+        needs.append(("precision", "bf16_pure", "torchao", "lowbit"))
+    for key, value, module, extra in needs:
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                key,
+                f"{value} needs {module}, which is not installed on this machine",
+                f"pip install 'oomless[{extra}]'",
             )
 
 

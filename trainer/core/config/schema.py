@@ -14,9 +14,16 @@ import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from trainer.core import strategies
 from trainer.core.config.paths import is_dir
@@ -36,6 +43,29 @@ _SLURM_TIME_RE = re.compile(r"^(\d+|\d+:\d{2}(:\d{2})?|\d+-\d{1,2}(:\d{2}(:\d{2}
 class _Section(BaseModel):
     # allow_inf_nan=False: `lr: inf` or `"nan"` is refused (a non-finite value trains NaN weights)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _a_boolean_is_not_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML's `true` where a number belongs: pydantic's lax mode would read it as 1."""
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and _takes_a_number(annotation):
+            raise ValueError(f"is the boolean {str(value).lower()}, not a number")
+        return value
+
+
+def _takes_a_number(annotation: Any) -> bool:
+    """Whether a field takes a number and no boolean (`int`, `float | None`, `'auto' | int`)."""
+    kinds = set()
+    pending = [annotation]
+    while pending:
+        t = pending.pop()
+        args = get_args(t)
+        if args and get_origin(t) is not Literal:
+            pending.extend(args)
+        else:
+            kinds.add(t)
+    return bool(kinds & {int, float}) and bool not in kinds
 
 
 class ModelConfig(_Section):
