@@ -61,6 +61,27 @@ def plan(*overrides: str) -> Callable[[Space], list[str]]:
     return lambda s: ["plan", str(s.job), *overrides]
 
 
+def estimate(*overrides: str) -> Callable[[Space], list[str]]:
+    return lambda s: ["estimate", str(s.job), *overrides]
+
+
+CPU2 = ("hardware.device=cpu", "hardware.devices_per_node=2")
+SP3 = (
+    "hardware.device=cpu",
+    "hardware.devices_per_node=3",
+    "sequence_parallel=3",
+    "train.global_batch_size=6",
+)
+GPUS_64 = (
+    "hardware.device=cuda",
+    "hardware.nodes=8",
+    "hardware.devices_per_node=8",
+    "hardware.device_memory=80GiB",
+    "hardware.host_memory=1TiB",
+    "train.global_batch_size=64",
+)
+
+
 def job_file(content: bytes | str, command: str = "config") -> Callable[[Space], list[str]]:
     return lambda s: [command, str(s.write("hostile.yaml", content))]
 
@@ -210,6 +231,29 @@ CASES = [
     ),
     Case("lora-alpha=true", config("finetune.lora.alpha=true"), BAD, "alpha: is the boolean true"),
     Case("lr=false", plan("train.lr=false"), BAD, "train.lr: is the boolean false, not a number"),
+    # ---- what can be checked before launch is checked in plan, estimate, submit and train
+    Case("sp=3-of-4-heads", plan(*SP3), BAD, "3 does not divide the model's 4 attention heads"),
+    Case("sp=3-estimate", estimate(*SP3), BAD, "use sequence_parallel=1"),
+    Case("sp=3-submit", lambda s: ["submit", str(s.job), *SP3, "--dry-run"], BAD, "4 attention"),
+    Case(
+        "sp=3-train", lambda s: ["train", str(s.job), *SP3], BAD, "4 attention heads", process=True
+    ),
+    Case("sp-of-seq-63", plan(*CPU2, "sequence_parallel=2", "data.seq_len=63"), BAD, "seq_len=63"),
+    Case("sp=2-on-1-rank", estimate("sequence_parallel=2"), BAD, "2 does not divide the 1 ranks"),
+    Case("sp=64-on-64-gpus", plan(*GPUS_64, "sequence_parallel=64"), BAD, "64 does not divide"),
+    Case("flash-on-cpu", plan("model.attn_implementation=flash_attention_2"), BAD, "needs a CUDA"),
+    Case(
+        "flex-on-cpu",
+        train_with(lambda s: ["model.attn_implementation=flex_attention"]),
+        BAD,
+        "flex_attention needs a CUDA GPU for its backward",
+    ),  # fmt: skip
+    Case(
+        "two-nodes-outside-slurm",
+        train_with(lambda s: ["hardware.nodes=2", "strategy=fsdp"]),
+        BAD,
+        "hardware.nodes: 2 nodes: `oomless train` starts processes on this machine only",
+    ),  # fmt: skip
     Case("override-alias-bomb", config(f"model.config.x={_flow_bomb()}"), BAD, "expands to"),
     Case("override-deep", config("model.config.x=" + "[" * 1500 + "]" * 1500), BAD, "too deep"),
     Case("override-5000-parts", config("a." * 5000 + "b=1"), BAD, "more than 32 dotted parts"),
@@ -444,3 +488,18 @@ def test_plan_and_estimate_need_no_run_time_extras_and_train_names_them(space, m
         "machine; pip install 'oomless[lora]'"
     )
     assert _snapshot(space.run) == before
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [SP3, (*CPU2, "sequence_parallel=2", "data.seq_len=63"), (*GPUS_64, "sequence_parallel=64")],
+)
+def test_a_suggested_sequence_parallel_passes_the_same_checks(space, overrides):
+    """The fix an exit 2 names for a split that cannot run is one that plans."""
+    code, stderr = in_process(["plan", str(space.job), *overrides])
+    assert code == BAD, stderr
+    suggested = stderr.strip().rsplit("use sequence_parallel=", 1)[1].split(" or ")
+    assert suggested and all(size.isdigit() for size in suggested), stderr
+    for size in suggested:
+        code, err = in_process(["plan", str(space.job), *overrides, f"sequence_parallel={size}"])
+        assert code == OK, (size, err)

@@ -51,6 +51,7 @@ def plan_job(
 ) -> tuple[JobConfig, Plan, Hardware]:
     """(resolved config, Plan, Hardware) for this job on the detected hardware."""
     hw = detect_hardware(cfg.hardware)
+    check_device_features(cfg, hw)
     try:
         shape = _forced_shape(cfg)
         plan = make_plan(cfg, hw, shape, exclude=exclude or (), memory_scale=memory_scale)
@@ -59,6 +60,26 @@ def plan_job(
     except Exception as err:  # the model's shape or activations cannot be worked out
         plan = _without_estimate(cfg, hw, err)
     return apply_plan(cfg, plan, hw), plan, hw
+
+
+# what each attention implementation needs of the device the job runs on
+_ATTENTION_NEEDS = {
+    "flash_attention_2": "a CUDA GPU (and the flash-attn package on it)",
+    "flex_attention": "a CUDA GPU for its backward (torch has no flex_attention backward on CPU)",
+}
+
+
+def check_device_features(cfg: JobConfig, hw: Hardware) -> None:
+    """ConfigError (exit 2, before anything is written or launched) when the job asks the
+    device for what it cannot do. What only the machine that runs it can tell (an installed
+    kernel) is `train`'s check there (trainer/core/config/checks.py `check_run_time_extras`)."""
+    attention = cfg.model.attn_implementation
+    if attention in _ATTENTION_NEEDS and hw.device != "cuda":
+        raise ConfigError(
+            "model.attn_implementation",
+            f"{attention} needs {_ATTENTION_NEEDS[attention]}, and this job runs on {hw.device}",
+            "use model.attn_implementation=sdpa (or eager), or hardware.device=cuda",
+        )
 
 
 def _forced_shape(cfg: JobConfig) -> ModelShape | None:

@@ -17,6 +17,13 @@ from launcher.estimate.shape import ModelShape
 from launcher.plan.hardware import Hardware
 from launcher.plan.ladder import Climb, climb, scaled_estimate, shortfall
 from trainer.core.config import JobConfig
+from trainer.core.parallel_dims import (
+    AttentionShape,
+    Batch,
+    ParallelDims,
+    check_sequence_parallel,
+    sequence_sizes,
+)
 from trainer.core.step_spec import LongContext, StepSpec
 from trainer.core.strategies import Strategy
 from trainer.core.units import GIB
@@ -25,23 +32,20 @@ LONGEST_SEARCHED = 1 << 24  # tokens: the longest sequence the search for max_se
 
 
 def sequence_parallel_sizes(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[int]:
-    """The sequence group sizes the planner may use, smallest first: the config's own, or every
-    divisor of the world that splits the heads (key/value heads divide it or it them, as
-    trainer/memory/sequence_parallel.py checks), the sequence and the global batch's data groups."""
+    """The sequence group sizes the planner may use, smallest first: the config's own (checked:
+    exit 2 naming the sizes that would run), or every size that runs the job
+    (trainer/core/parallel_dims.py: the world, the heads, the sequence and the batch)."""
+    attention = AttentionShape(shape.num_heads, shape.num_kv_heads)
+    batch = Batch(cfg.train.global_batch_size, cfg.train.micro_batch_size)
+    if cfg.train.micro_batch_size == "auto":
+        batch = Batch(cfg.train.global_batch_size)
     if isinstance(cfg.sequence_parallel, int):
+        dims = ParallelDims(hw.world_size, cfg.sequence_parallel)
+        check_sequence_parallel(dims, attention, cfg.data.seq_len, batch)
         return [cfg.sequence_parallel]
-    world, seq = hw.world_size, cfg.data.seq_len
-    gbs, micro = cfg.train.global_batch_size, cfg.train.micro_batch_size
-    sizes = [1]
-    for sp in range(2, world + 1):
-        kv = shape.num_kv_heads
-        splits_heads = shape.num_heads % sp == 0 and (kv % sp == 0 or sp % kv == 0)
-        if world % sp or seq % sp or not splits_heads or gbs % (world // sp):
-            continue
-        if isinstance(micro, int) and (gbs // (world // sp)) % micro:
-            continue
-        sizes.append(sp)
-    return sizes
+    # not split first, always: where the batch does not split over the ranks the ladder says so
+    sizes = sequence_sizes(hw.world_size, attention, cfg.data.seq_len, batch)
+    return [1, *(sp for sp in sizes if sp > 1)]
 
 
 def long_context_choices(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[LongContext]:

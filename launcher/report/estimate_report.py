@@ -16,7 +16,9 @@ from launcher.estimate.methods import why_not_on
 from launcher.estimate.peak import Estimate, estimate
 from launcher.estimate.shape import ModelShape, model_shape
 from launcher.plan.hardware import Hardware, detect_hardware
+from launcher.plan.job import check_device_features
 from launcher.plan.ladder import best_for_rung, job_step, rung_world, shortfall
+from launcher.plan.long_context import sequence_parallel_sizes
 from launcher.plan.planner import model_reasons
 from trainer.core import strategies
 from trainer.core.config import JobConfig
@@ -27,7 +29,9 @@ from trainer.core.units import GIB, MIB
 
 def estimate_command(cfg: JobConfig, as_json: bool, trace: bool) -> int:
     hw = detect_hardware(cfg.hardware)
+    check_device_features(cfg, hw)
     shape = with_activations(model_shape(cfg.model), cfg)
+    sequence_parallel_sizes(cfg, hw, shape)  # a forced split that cannot run: exit 2 here
     rows = estimates_for(cfg, hw, shape)
     traced = traces_for(cfg, hw, rows) if trace else {}
     if as_json:

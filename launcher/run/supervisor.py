@@ -62,6 +62,14 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
     ends, fails otherwise, or no higher rung fits."""
     run_dir = Path(cfg.run.dir)
     if not dry_run:
+        if cfg.hardware.nodes > 1 and not under_launcher():
+            raise ConfigError(
+                "hardware.nodes",
+                f"{cfg.hardware.nodes} nodes: `oomless train` starts processes on this machine "
+                "only",
+                "use `oomless submit` (Slurm), or run the command of `oomless plan --emit "
+                "torchrun` on each node",
+            )
         check_run_dir(run_dir)
         check_run_lock(run_dir)  # a live run's files stay as they are; it is taken after checks
         check_rows(cfg)  # torch-free: a broken data file answers before anything imports torch

@@ -232,7 +232,7 @@ def _hf(heads: int, kv_heads: int):
 @pytest.mark.parametrize(
     "sp, world, heads, kv_heads, seq_len, words",
     [
-        (2, 3, 4, 4, 32, "does not divide the 3 ranks"),
+        (2, 3, 4, 4, 32, "does not divide the world of 3 ranks"),
         (8, 8, 4, 4, 32, "does not divide the model's 4 attention heads"),
         (4, 4, 12, 6, 32, "6 key/value heads"),
         (4, 4, 4, 4, 30, "data.seq_len=30"),

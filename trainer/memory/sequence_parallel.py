@@ -41,7 +41,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.core.config import ConfigError, JobConfig
+from trainer.core.config import JobConfig
+from trainer.core.parallel_dims import AttentionShape, Batch, ParallelDims
+from trainer.core.parallel_dims import check_sequence_parallel as check_parallel_dims
 from trainer.memory.chunked_loss import shifted_targets
 
 ATTENTION_NAME = "oomless_ulysses"
@@ -56,32 +58,14 @@ def concrete_sequence_parallel(cfg: JobConfig) -> int:
 
 
 def check_sequence_parallel(sp: int, world_size: int, hf_config: Any, seq_len: int) -> None:
-    """ConfigError (one line, exit 2) when the sequence cannot be split `sp` ways here."""
-    if sp == 1:
-        return  # nothing is split (and a model without attention heads, Mamba, trains as ever)
+    """ConfigError (one line, exit 2) when the sequence cannot be split `sp` ways here (the
+    planner and `train` checked the same before launch: trainer/core/parallel_dims.py)."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     heads = getattr(text, "num_attention_heads", None)
-    if heads is None:
-        raise ConfigError("sequence_parallel", f"{sp}: this model has no attention heads to "
-                          "split the sequence around", "set sequence_parallel=1")  # fmt: skip
-    heads = int(heads)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    problem = None
-    if world_size % sp:
-        problem = f"{sp} does not divide the {world_size} ranks"
-    elif heads % sp:
-        problem = f"{sp} does not divide the model's {heads} attention heads"
-    elif kv_heads % sp and sp % kv_heads:
-        problem = (
-            f"{sp} and the model's {kv_heads} key/value heads do not divide one another "
-            "(each rank needs whole key/value heads, repeated where there are fewer than sp)"
-        )
-    elif seq_len % sp:
-        problem = f"{sp} does not divide data.seq_len={seq_len} (every rank holds seq_len / sp)"
-    if problem is not None:
-        raise ConfigError(
-            "sequence_parallel", problem, "use a common divisor of those, e.g. 1 or 2"
-        )
+    kv_heads = getattr(text, "num_key_value_heads", None)
+    attention = AttentionShape(int(heads) if heads else None, int(kv_heads) if kv_heads else None)
+    dims = ParallelDims(world_size, sp)
+    check_parallel_dims(dims, attention, seq_len, Batch(global_size=dims.data))
 
 
 @dataclass(frozen=True)
@@ -98,6 +82,7 @@ class SequenceMesh:
 def build_sequence_mesh(sp: int, rank: int, world_size: int) -> SequenceMesh:
     """The mesh for `sp`; creates the process group of every sequence group (a collective:
     every rank calls it, in the same order)."""
+    dims = ParallelDims(world_size, sp)
     group = None
     if sp > 1:
         for first in range(0, world_size, sp):
@@ -105,7 +90,8 @@ def build_sequence_mesh(sp: int, rank: int, world_size: int) -> SequenceMesh:
             created = dist.new_group(ranks)
             if rank in ranks:
                 group = created
-    return SequenceMesh(sp, rank % sp, rank // sp, world_size // sp, group)
+    data_rank, sequence_rank = dims.coordinates(rank)
+    return SequenceMesh(sp, sequence_rank, data_rank, dims.data, group)
 
 
 def split_sequence(batch: dict[str, torch.Tensor], mesh: SequenceMesh) -> dict[str, torch.Tensor]:

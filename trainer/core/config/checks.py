@@ -230,20 +230,22 @@ def check_run_time_extras(cfg: JobConfig) -> None:
     method, optimizer = cfg.finetune.method, cfg.train.optimizer
     needs = []
     if method != "full":
-        needs.append(("finetune.method", method, "peft", "lora"))
+        needs.append(("finetune.method", method, "peft", "oomless[lora]"))
     if method == "qlora" or optimizer == "adamw_8bit":
         key, value = (
             ("finetune.method", method) if method == "qlora" else ("train.optimizer", optimizer)
         )
-        needs.append((key, value, "bitsandbytes", "lora"))
+        needs.append((key, value, "bitsandbytes", "oomless[lora]"))
     if cfg.precision == "bf16_pure":
-        needs.append(("precision", "bf16_pure", "torchao", "lowbit"))
-    for key, value, module, extra in needs:
+        needs.append(("precision", "bf16_pure", "torchao", "oomless[lowbit]"))
+    if cfg.model.attn_implementation == "flash_attention_2":
+        needs.append(("model.attn_implementation", "flash_attention_2", "flash_attn", "flash-attn"))
+    for key, value, module, package in needs:
         if importlib.util.find_spec(module) is None:
             raise ConfigError(
                 key,
                 f"{value} needs {module}, which is not installed on this machine",
-                f"pip install 'oomless[{extra}]'",
+                f"pip install '{package}'",
             )
 
 
