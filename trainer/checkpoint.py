@@ -11,6 +11,7 @@ Layout of `run.dir/checkpoints/step_N/`:
                             without it was cut off mid-write and is never loaded
   config.yaml, tokenizer/   what `oomless export` needs to write an HF model directory
 `checkpoints/latest` names the newest complete checkpoint and is updated after the rename.
+A resume from an earlier checkpoint of the same run moves the later ones to checkpoints/abandoned/.
 Resume verifies the manifest first: a damaged checkpoint is skipped with one line naming the file.
 
 Loading never unpickles arbitrary objects: tensors come back with `weights_only=True` and DCP's
@@ -489,7 +490,48 @@ def load_checkpoint(
     flat = {k: v for k, v in flat.items() if k in stored}
     dcp.load(flat, storage_reader=SafeFileSystemReader(str(path)), no_dist=not is_distributed())
     state["backend"] = unflatten_state(flat)
+    if not is_distributed() or dist.get_rank() == 0:
+        abandon_later(path, Path(cfg.run.dir))
     return state
+
+
+ABANDONED_DIR = "abandoned"
+
+
+def abandon_later(path: Path, run_dir: Path) -> list[Path]:
+    """A run that resumes from an earlier checkpoint of its own run dir abandons the later ones:
+    they move to checkpoints/abandoned/ (one warning) and `latest` names `path`, so that the next
+    `run.resume: auto` follows this branch, not the abandoned one. Returns where they went."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir() or path.resolve().parent != root.resolve():
+        return []  # another run's checkpoint: this run's own are not a branch of it
+    step = _step_of(path)
+    later = sorted(
+        (p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
+        key=_step_of,
+    )
+    later = [p for p in later if _step_of(p) > step]
+    if not later:
+        return []
+    aside = root / ABANDONED_DIR
+    aside.mkdir(exist_ok=True)
+    moved = []
+    for p in later:
+        target, n = aside / p.name, 1
+        while target.exists():  # abandoned twice: keep both
+            target, n = aside / f"{p.name}.{n}", n + 1
+        p.rename(target)
+        moved.append(target)
+    _fsync_dir(aside)
+    _write_latest(root, path.name, lambda what: None)
+    log.warning(
+        "resuming from %s: the later checkpoints of this run (%s) are an abandoned branch, "
+        "moved to %s; run.resume=auto now follows this one",
+        path.name,
+        ", ".join(p.name for p in later),
+        aside,
+    )
+    return moved
 
 
 def restore_rng(path: Path, rank: int) -> None:

@@ -204,3 +204,28 @@ def test_two_ranks_each_hash_their_own_shard_and_a_damaged_one_is_skipped(tmp_pa
     assert said and all(str(shard) in line for line in said), r.stderr[-3000:]
     got, want = _losses(run), _losses(clean)
     assert {s: got[s] for s in (3, 4, 5, 6)} == {s: want[s] for s in (3, 4, 5, 6)}
+
+
+def test_a_rollback_abandons_the_later_checkpoints_and_auto_resume_follows_it(trained, tmp_path):
+    """Resuming an earlier checkpoint of the run's own dir moves the later ones aside (one
+    warning); a plain resume then follows the new branch (`latest`) and metrics.jsonl stays
+    continuous (before: it resumed the abandoned step_4 and held steps 1, 2, 3, 5, 6)."""
+    job, run_dir, _ = trained
+    run = _copy(run_dir, tmp_path / "run")
+    r = _train(job, run, f"run.resume={run / 'checkpoints/step_2'}", "train.steps=3")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    said = [line for line in r.stderr.splitlines() if "abandoned" in line]
+    assert len(said) == 1 and "step_4, step_6" in said[0], r.stderr[-3000:]
+    assert _steps(run) == ["step_2", "step_3"]
+    assert sorted(p.name for p in (run / "checkpoints" / "abandoned").iterdir()) == [
+        "step_4",
+        "step_6",
+    ]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_3"
+    r = _train(job, run)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "step_3" in r.stderr and "abandoned" not in r.stderr, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+    # steps 1-2 are the first run's; from 3 on the schedule is over 3, then 6 steps again
+    assert {s: _losses(run)[s] for s in (1, 2)} == {s: _losses(run_dir)[s] for s in (1, 2)}
