@@ -56,7 +56,14 @@ from trainer.dist import (
     wait_for_future,
 )
 from trainer.finetune import base_pointer, check_same_base
-from trainer.manifest import STATE_FILE, HashingFileSystem, damage, digests_of, write_manifest
+from trainer.manifest import (
+    MANIFEST_FILE,
+    STATE_FILE,
+    HashingFileSystem,
+    damage,
+    digests_of,
+    write_manifest,
+)
 
 log = logging.getLogger(__name__)
 # A one-process run saves and loads without a process group (no_dist) on purpose; torch warns
@@ -190,7 +197,7 @@ def find_latest(run_dir: Path) -> Path | None:
     for path in candidates:
         if not is_complete(path):
             skipped.append(f"checkpoint {path} is incomplete (cut off mid-write): skipped")
-        elif (why := damage(path)) is None:
+        elif (why := checkpoint_damage(path)) is None:
             _report_once(skipped)
             return path
         else:
@@ -217,10 +224,33 @@ def _report_once(lines: list[str]) -> None:
             log.warning("%s", line)
 
 
-def check_intact(path: Path, key: str) -> None:
-    """A ConfigError naming the file when a complete checkpoint's files do not match its
-    manifest."""
+def checkpoint_damage(path: Path) -> str | None:
+    """What is wrong with a complete checkpoint (`damage`: its files against its manifest), in
+    words naming the file; without a manifest, DCP's .metadata is read and every shard must hold
+    the byte ranges it names (a truncated or missing shard is found, flipped bytes are not)."""
     why = damage(path)
+    if why is not None or (path / MANIFEST_FILE).is_file():
+        return why
+    try:
+        metadata = SafeFileSystemReader(str(path)).read_metadata()
+        ends: dict[str, int] = {}
+        for info in (metadata.storage_data or {}).values():
+            end = int(info.offset) + int(info.length)
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
+    except Exception as err:  # a garbled pickle raises anything: it is damage, said in a line
+        return f"{path / '.metadata'} is not readable ({type(err).__name__})"
+    for rel, end in sorted(ends.items()):
+        shard = path / rel
+        if not shard.is_file():
+            return f"{shard} is missing"
+        if shard.stat().st_size < end:
+            return f"{shard} is {shard.stat().st_size} bytes, .metadata needs {end} (truncated?)"
+    return None
+
+
+def check_intact(path: Path, key: str) -> None:
+    """A ConfigError naming the file when a complete checkpoint is damaged (`checkpoint_damage`)."""
+    why = checkpoint_damage(path)
     if why is not None:
         raise ConfigError(
             key, f"checkpoint {path} is damaged: {why}", "give another checkpoint (an older step_N)"

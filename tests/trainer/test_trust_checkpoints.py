@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,73 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_goo
     assert "Traceback" not in r.stderr
     said = [line for line in r.stderr.splitlines() if " is damaged" in line]
     assert said and all(str(shard) in line and "skipped" in line for line in said), r.stderr
+    assert "resumed from" in r.stderr and "step_4" in r.stderr
+    got = _losses(run)
+    assert {s: got[s] for s in (5, 6, 7, 8)} == {s: clean[s] for s in (5, 6, 7, 8)}
+
+
+def _edit_manifest(edit) -> Callable[[Path], str]:
+    def fault(checkpoint: Path) -> str:
+        path = checkpoint / "manifest.json"
+        path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+        return str(path)
+
+    return fault
+
+
+def _not_json(checkpoint: Path) -> str:
+    (checkpoint / "manifest.json").write_text('{"algorithm": "sha256", "files": {')
+    return str(checkpoint / "manifest.json")
+
+
+def _deleted_and_truncated(checkpoint: Path) -> str:
+    """No manifest to check against, and a shard cut in half."""
+    (checkpoint / "manifest.json").unlink()
+    shard = checkpoint / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return str(shard)
+
+
+SHARD = "__0_0.distcp"
+MANIFEST_FAULTS = {
+    "unknown-algorithm": _edit_manifest(lambda m: {**m, "algorithm": "xxh3_12("}),
+    "entry-is-a-number": _edit_manifest(lambda m: {**m, "files": {**m["files"], SHARD: 5}}),
+    "size-is-text": _edit_manifest(
+        lambda m: {**m, "files": {**m["files"], SHARD: ["12x", m["files"][SHARD][1]]}}
+    ),
+    "not-json": _not_json,
+    "deleted-shard-truncated": _deleted_and_truncated,
+}
+
+
+@pytest.mark.parametrize("fault", MANIFEST_FAULTS)
+def test_a_damaged_manifest_makes_export_of_its_checkpoint_one_line(trained, tmp_path, fault):
+    """`oomless export` of a checkpoint whose manifest cannot vouch for it: exit 2, one line
+    naming the file (before: a ValueError, TypeError or EOFError traceback, exit 1)."""
+    from tests.test_hostile_inputs import in_process
+
+    _, run_dir, _ = trained
+    checkpoint = tmp_path / "step_6"
+    shutil.copytree(run_dir / "checkpoints" / "step_6", checkpoint)
+    named = MANIFEST_FAULTS[fault](checkpoint)
+    code, stderr = in_process(["export", str(checkpoint), str(tmp_path / "out")])
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert "is damaged" in lines[0] and named in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fault", ["unknown-algorithm", "deleted-shard-truncated"])
+def test_a_damaged_manifest_is_skipped_and_the_run_resumes_from_the_good_one(
+    trained, tmp_path, fault
+):
+    job, run_dir, clean = trained
+    run = _copy(run_dir, tmp_path / "run")
+    named = MANIFEST_FAULTS[fault](run / "checkpoints" / "step_6")
+    r = _train(job, run, "train.steps=8")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    said = [line for line in r.stderr.splitlines() if " is damaged" in line]
+    assert len(said) == 1 and named in said[0] and "skipped" in said[0], r.stderr[-3000:]
     assert "resumed from" in r.stderr and "step_4" in r.stderr
     got = _losses(run)
     assert {s: got[s] for s in (5, 6, 7, 8)} == {s: clean[s] for s in (5, 6, 7, 8)}
