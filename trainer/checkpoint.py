@@ -20,7 +20,6 @@ pickled metadata is read with an unpickler that admits only DCP's metadata class
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import logging
@@ -37,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from trainer.core.config import (
     ConfigError,
@@ -47,10 +46,10 @@ from trainer.core.config import (
     semantic_hash,
     write_config,
 )
+from trainer.core.errors import disk_full, no_space
 from trainer.dist import (
     after_rank0,
     all_reduce_max,
-    barrier,
     is_distributed,
     slow_down,
     wait_for_future,
@@ -305,6 +304,7 @@ class Checkpointer:
         self._pending: tuple[Any, int, Path, dict[str, Any], HashingFileSystem] | None = None
         self.base: dict[str, Any] | None = None  # lora/qlora: the base pointer, once computed
         self._group: Any = None  # for background writes, made at the first
+        self._needed_bytes = 0  # the size of the state being saved, for a full disk's line
 
     def save(
         self,
@@ -315,15 +315,16 @@ class Checkpointer:
     ) -> Path:
         self.finish()
         tmp = self.root / f"step_{step}.tmp"
-        with _disk_full_is_one_line(self.root, step, tmp):
+        flat = flatten_state(backend_state)
+        self._needed_bytes = _state_bytes(flat)
+        with _disk_full_is_one_line(self.root, step, tmp, self._needed_bytes):
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-                (tmp / "rng").mkdir(parents=True)
-            barrier()
-            save_file(rng_state(), str(tmp / "rng" / f"rank_{self.rank}.safetensors"))
+            _agree_on_full_disk(_full_disk_in(lambda: _make_tmp(tmp, self.rank)))
+            rng = tmp / "rng" / f"rank_{self.rank}.safetensors"
+            _agree_on_full_disk(_full_disk_in(lambda: _write_bytes(rng, save(rng_state()))))
             writer = dcp.FileSystemWriter(str(tmp))
             writer.fs = fs = HashingFileSystem()  # checksums for the manifest, while writing
-            flat = flatten_state(backend_state)
             if asynchronous:
                 future = dcp.async_save(
                     flat,
@@ -351,7 +352,7 @@ class Checkpointer:
             return
         future, step, tmp, trainer_state, fs = self._pending
         self._pending = None
-        with _disk_full_is_one_line(self.root, step, tmp):
+        with _disk_full_is_one_line(self.root, step, tmp, self._needed_bytes):
             wait_for_future(
                 future, f"the background write of checkpoint step_{step}", self.cfg.dist.timeout_s
             )
@@ -392,9 +393,13 @@ class Checkpointer:
             _prune(self.root, cfg.run.keep_checkpoints)
             crash("pruned")
 
-        after_rank0(
-            f"writing checkpoint {final.name}", complete_on_rank0, clock_s=cfg.dist.timeout_s
+        # a full disk on rank 0 is every rank's: they leave the save together, with one line
+        full = after_rank0(
+            f"writing checkpoint {final.name}",
+            lambda: _full_disk_in(complete_on_rank0),
+            clock_s=cfg.dist.timeout_s,
         )
+        _agree_on_full_disk(full)
         return final
 
 
@@ -407,51 +412,87 @@ def _gather(part: dict[str, Any]) -> list[dict[str, Any]]:
     return parts
 
 
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+def _state_bytes(flat: dict[str, torch.Tensor]) -> int:
+    """The bytes of the whole state (a sharded tensor counts whole), what a checkpoint needs."""
+    return sum(t.numel() * t.element_size() for t in flat.values())
 
 
-def _os_errors(err: BaseException | None) -> list[OSError]:
-    """The OSErrors in an error's chain, including those DCP wraps per rank."""
-    found: list[OSError] = []
-    seen: set[int] = set()
-    todo = [err]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError):
-            found.append(e)
-        failures = getattr(e, "failures", None)  # CheckpointException: rank -> (error, traceback)
-        if isinstance(failures, dict):
-            todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
-        todo.extend([e.__cause__, e.__context__])
-    return found
+def _make_tmp(tmp: Path, rank: int) -> None:
+    if rank == 0:
+        (tmp / "rng").mkdir(parents=True)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    """A small file written with Python's I/O, so a full disk is an OSError (safetensors' own
+    writer raises its SafetensorError)."""
+    with path.open("wb") as f:
+        f.write(data)
+
+
+def _full_disk_in(work: Callable[[], Any]) -> OSError | None:
+    """Run `work`; the disk-full error it raised (`disk_full`), or None. Other errors propagate."""
+    try:
+        work()
+    except BaseException as err:
+        full = disk_full(err)
+        if full is None:
+            raise
+        return full
+    return None
+
+
+def _agree_on_full_disk(full: OSError | None) -> None:
+    """Every rank learns whether any found the disk full (a collective in place of a barrier)
+    and all raise it together, so none is left waiting in the next collective."""
+    if is_distributed():
+        mine = None if full is None else (full.errno, full.strerror)
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        first = next((p for p in parts if p is not None), None)
+        if full is None and first is not None:
+            full = OSError(*first)
+    if full is not None:
+        raise full
 
 
 @contextmanager
-def _disk_full_is_one_line(root: Path, step: int, tmp: Path) -> Iterator[None]:
+def _disk_full_is_one_line(root: Path, step: int, tmp: Path, needed_bytes: int) -> Iterator[None]:
     """A full disk (or quota, or file size limit) while saving: the half-written directory is
-    removed, the previous checkpoint stays, and the error is one line (a ConfigError, exit 2)."""
+    removed, the previous checkpoint stays, and the error is one line (a ConfigError, exit 2),
+    the same on every rank (all of them are here: the failure was agreed on)."""
     try:
         yield
     except BaseException as err:  # DCP's CheckpointException is a BaseException
-        full = next((e for e in _os_errors(err) if e.errno in _DISK_FULL), None)
+        full = disk_full(err)
         if full is None:
             raise
-        shutil.rmtree(tmp, ignore_errors=True)
-        previous = next(
-            (p.name for p in sorted(root.glob("step_*"), key=_step_of, reverse=True)
-             if p.is_dir() and is_complete(p)),
-            None,
-        )  # fmt: skip
-        kept = f"{previous} is kept" if previous else "there is no earlier checkpoint"
+        rank0 = not is_distributed() or dist.get_rank() == 0
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        complete = sorted(
+            (p for p in root.glob("step_*") if p.is_dir() and is_complete(p)),
+            key=_step_of,
+            reverse=True,
+        )
+        previous = complete[0].name if complete else None
+        if complete:  # the checkpoint before is about the size this one needs
+            on_disk = sum(f.stat().st_size for f in complete[0].rglob("*") if f.is_file())
+            needed_bytes = max(needed_bytes, on_disk)
+        kept = f"; {previous} is kept" if previous else "; there is no earlier checkpoint"
         again = f"resumes from {previous}" if previous else "starts over"
-        raise ConfigError(
+        error = no_space(
             "run.dir",
-            f"could not write checkpoint step_{step} to {root}: {full.strerror} ({kept})",
+            root,
+            f"checkpoint step_{step}",
+            needed_bytes,
+            full,
             f"free space there (or set run.dir elsewhere) and run again: it {again}",
-        ) from None
+            kept,
+        )
+        problem = [error.problem]
+        if is_distributed():  # rank 0's line (its free bytes after the removal) on every rank
+            dist.broadcast_object_list(problem, src=0)
+        raise ConfigError(error.key, problem[0], error.fix) from None
 
 
 def check_resumable(

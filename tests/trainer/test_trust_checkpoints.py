@@ -4,6 +4,7 @@ checkpoint, and the last step of every run is in a checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -297,3 +298,95 @@ def test_a_rollback_abandons_the_later_checkpoints_and_auto_resume_follows_it(tr
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
     # steps 1-2 are the first run's; from 3 on the schedule is over 3, then 6 steps again
     assert {s: _losses(run)[s] for s in (1, 2)} == {s: _losses(run_dir)[s] for s in (1, 2)}
+
+
+def test_a_full_disk_on_two_ranks_is_one_line_and_the_run_resumes(trained, small_disk):
+    """fsdp on two processes: step_2 fits, step_4 does not. Both ranks agree on the failure and
+    exit together; the user sees one line (before: exit 1, 187 lines, 7 tracebacks, step_4.tmp
+    left and the disk still full)."""
+    job, _, _ = trained
+    run = small_disk / "run"
+    two = ("strategy=fsdp", "hardware.devices_per_node=2", "train.steps=4")
+    r = _train(job, run, *two)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = r.stderr.splitlines()
+    said = [line for line in lines if not line.startswith(("[rank", "data ", "launching"))]
+    assert said == [lines[-1]], r.stderr[-3000:]
+    assert lines[-1].startswith("config error: run.dir: could not write checkpoint step_4 to ")
+    assert str(run / "checkpoints") in lines[-1] and "step_2 is kept" in lines[-1], lines[-1]
+    assert " bytes, " in lines[-1] and " free" in lines[-1], lines[-1]  # needed and free
+    assert _steps(run) == ["step_2"]
+    from trainer.checkpoint import checkpoint_damage
+
+    assert checkpoint_damage(run / "checkpoints" / "step_2") is None
+    before = _losses(run)
+    subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
+    r = _train(job, run, *two)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and "step_2" in r.stderr
+    assert _losses(run) == before and _steps(run) == ["step_2", "step_4"]
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(size) -> a tmpfs of that size under tmp_path (unmounted after the test)."""
+    mounted = []
+
+    def mount(size: str) -> Path:
+        where = tmp_path / f"disk{len(mounted)}"
+        where.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)])
+        if r.returncode != 0:
+            pytest.skip("mounting a tmpfs needs root: the full-disk test cannot make a full disk")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_disk_at_the_final_save_is_one_line_and_a_rerun_writes_it(trained, tmpfs):
+    """520 KiB: room for step_2 (~450 KiB) and the run's files, not for final/ (~120 KiB).
+    Before: a SafetensorError traceback."""
+    job, _, _ = trained
+    disk = tmpfs("520k")
+    run = disk / "run"
+    final = ("train.steps=2", "run.save_final=true", "run.keep_checkpoints=1")
+    r = _train(job, run, *final)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    last = r.stderr.splitlines()[-1]
+    said = [line for line in r.stderr.splitlines() if "config error" in line or "space" in line]
+    assert said == [last]
+    assert last.startswith(f"config error: run.dir: could not write the model to {run / 'final'}")
+    assert "needs about " in last and " free)" in last, last
+    assert sorted(p.name for p in run.iterdir()) == [
+        "checkpoints",
+        "config.yaml",
+        "metrics.jsonl",
+        "plan.json",
+    ]  # no half-written final/ nor its temporary sibling
+    subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)
+    r = _train(job, run, *final)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and "step 2" in r.stderr
+    assert (run / "final" / "model.safetensors").is_file()
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(trained, tmpfs):
+    """Before: a traceback."""
+    from tests.test_hostile_inputs import in_process
+
+    _, run_dir, _ = trained
+    disk = tmpfs("256k")
+    with contextlib.suppress(OSError), (disk / "filler").open("wb") as f:
+        while True:
+            f.write(b"\0" * 4096)
+            f.flush()
+    source = run_dir / "checkpoints" / "step_6"
+    code, stderr = in_process(["export", str(source), str(disk / "out")])
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert lines[0].startswith(f"config error: OUT_DIR: could not write the model to {disk}/out")
+    assert "No space left on device (needs about " in lines[0] and " free)" in lines[0], lines[0]
+    assert sorted(p.name for p in disk.iterdir()) == ["filler"]
