@@ -248,14 +248,52 @@ def _install(tmp: Path, out_dir: Path, replace: bool) -> None:
     fsync_dir(out_dir.parent)
 
 
+_EXPORT_TRIES = 5
+
+
 def export_command(
     checkpoint: str, out_dir: str, overwrite: bool = False, trust_remote_code: bool = False,
     merge: bool = False,
 ) -> int:  # fmt: skip
     """`oomless export CHECKPOINT OUT`: an HF model directory from any strategy's checkpoint or a
     run's final/; a PEFT adapter directory from a lora/qlora run's, or with `merge` the merged HF
-    model. The path written goes to stdout."""
+    model. The path written goes to stdout.
+
+    From a run directory that a live run prunes (`run.keep_checkpoints`), the newest checkpoint
+    can vanish while it is read: export then takes the newest again (a few times)."""
+    source: list[Path] = []
+    for _ in range(_EXPORT_TRIES):
+        try:
+            return _export(checkpoint, out_dir, overwrite, trust_remote_code, merge, source)
+        except (OSError, ConfigError) as err:
+            if not _pruned_meanwhile(checkpoint, source, err):
+                raise
+            log.warning("%s was removed while it was read (pruned by the run): taking the "
+                        "newest checkpoint again", source[-1])  # fmt: skip
+    raise ConfigError(
+        "CHECKPOINT",
+        f"the checkpoints of '{checkpoint}' were removed while they were read, "
+        f"{_EXPORT_TRIES} times (the run prunes them: run.keep_checkpoints)",
+        "export again, or export when the run has ended or with more run.keep_checkpoints",
+    )
+
+
+def _pruned_meanwhile(checkpoint: str, source: list[Path], err: Exception) -> bool:
+    """The checkpoint export chose from a run directory is gone (FileNotFoundError, or found
+    damaged half-way through its removal)."""
+    run = Path(checkpoint).expanduser()
+    if not (run / "checkpoints").is_dir() or not source or source[-1].parent.name != "checkpoints":
+        return False
+    gone = not is_complete(source[-1])
+    return gone and (isinstance(err, FileNotFoundError) or isinstance(err, ConfigError))
+
+
+def _export(
+    checkpoint: str, out_dir: str, overwrite: bool, trust_remote_code: bool, merge: bool,
+    source: list[Path],
+) -> int:  # fmt: skip
     path = _export_source(checkpoint)
+    source.append(path)
     saved = read_yaml(_config_file(path).read_text()) or {}
     out = check_out_dir(path, Path(out_dir), overwrite, saved)
     model_cfg = ModelConfig.model_validate(

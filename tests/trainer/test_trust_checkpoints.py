@@ -390,3 +390,44 @@ def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(trained, tmpf
     assert lines[0].startswith(f"config error: OUT_DIR: could not write the model to {disk}/out")
     assert "No space left on device (needs about " in lines[0] and " free)" in lines[0], lines[0]
     assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+
+
+def test_an_export_of_a_run_takes_the_newest_checkpoint_again_when_one_is_pruned(
+    trained, tmp_path, monkeypatch
+):
+    """The run prunes the checkpoint export is reading (keep_checkpoints=1 and checkpoint_every=1
+    gave a FileNotFoundError traceback in 3 of 5 tries): export takes the newest again, with one
+    warning. Made deterministic: step_6 is removed when export starts reading its weights."""
+    import trainer.export
+    from tests.test_hostile_inputs import in_process
+
+    _, run_dir, _ = trained
+    run = _copy(run_dir, tmp_path / "run")
+    read = trainer.export.read_full_weights
+
+    def pruned_while_read(path: Path):
+        if path.name == "step_6":
+            shutil.rmtree(path)
+        return read(path)
+
+    monkeypatch.setattr(trainer.export, "read_full_weights", pruned_while_read)
+    code, stderr = in_process(["export", str(run), str(tmp_path / "out")])
+    assert code == 0 and "Traceback" not in stderr, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if "removed while it was read" in line]
+    assert len(said) == 1 and "step_6" in said[0], stderr[-3000:]
+    assert "from " + str(run / "checkpoints" / "step_4") in stderr, stderr[-3000:]
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_report_on_a_read_only_run_dir_is_one_line(trained, tmpfs):
+    """Before: an OSError traceback."""
+    from tests.test_hostile_inputs import in_process
+
+    _, run_dir, _ = trained
+    disk = tmpfs("1m")
+    shutil.copy(run_dir / "metrics.jsonl", disk / "metrics.jsonl")
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    code, stderr = in_process(["report", str(disk)])
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert lines[0].startswith(f"config error: RUN_DIR: '{disk / 'loss.png'}' cannot be written")
