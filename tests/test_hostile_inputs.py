@@ -503,3 +503,44 @@ def test_a_suggested_sequence_parallel_passes_the_same_checks(space, overrides):
     for size in suggested:
         code, err = in_process(["plan", str(space.job), *overrides, f"sequence_parallel={size}"])
         assert code == OK, (size, err)
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path):
+    """A 1 MiB tmpfs filled to the last byte."""
+    import subprocess
+
+    mount = tmp_path / "full"
+    mount.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=False)
+    if r.returncode != 0:
+        pytest.skip("mounting a tmpfs needs root: the full-disk cases cannot make a full disk")
+    with contextlib.suppress(OSError), (mount / "filler").open("wb") as f:
+        while True:
+            f.write(b"\0" * 4096)
+            f.flush()
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("run.dir={disk}/run", "config error: run.dir: could not write the run lock to {disk}/run"),
+        ("data.cache_dir={disk}/cache", "config error: data.cache_dir: could not write the tok"),
+    ],
+    ids=["run-lock", "data-cache"],
+)
+def test_a_full_disk_is_one_line_with_the_bytes_and_leaves_nothing(
+    space: Space, full_disk: Path, override: str, says: str
+) -> None:
+    """Before: a traceback in run_lock; for the cache exit 2 with "(None)" and a partial
+    tokens.npy left."""
+    code, stderr = in_process(["train", str(space.job), override.format(disk=full_disk)])
+    # the tokenising progress line, then one line
+    lines = [line for line in stderr.splitlines() if not line.startswith("data tokenised in")]
+    assert code == BAD and len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert lines[0].startswith(says.format(disk=full_disk)), lines[0]
+    assert "No space left on device (needs about " in lines[0] and " free)" in lines[0], lines[0]
+    left = [p for p in full_disk.rglob("*") if p.is_file() and p.name != "filler"]
+    assert left == [] and "(None)" not in lines[0], left

@@ -24,9 +24,12 @@ backing off the micro-batch sees the same data.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +39,7 @@ import numpy as np
 import torch
 
 from trainer.core.config import ConfigError, DataConfig, JobConfig, ModelConfig
-from trainer.core.errors import not_writable
+from trainer.core.errors import disk_full, free_bytes, no_space, not_writable
 from trainer.core.rows import bad_row_error, data_files, field, messages, no_rows_error, read_rows
 from trainer.loss import IGNORE_INDEX
 from trainer.runtime.dist import after_rank0, slow_down
@@ -243,14 +246,36 @@ def _cache_key(path: str, data: DataConfig, tokenizer: Any) -> str:
 
 
 def _save_docs(cache: Path, docs: Documents) -> None:
-    """Into the cache (`done` last: a cut-off save is tokenised again); a cache dir that cannot
-    be written is the user's to fix (exit 2), found before anything is written into run.dir."""
+    """Into the cache: written into a temporary sibling renamed into place when whole (`done`
+    last: a cut-off save is tokenised again, and nothing partial is left). A cache dir that
+    cannot be written, or is full, is the user's to fix (exit 2), found before anything is
+    written into run.dir."""
+    arrays = {name: getattr(docs, name) for name in ("tokens", "targets", "offsets")}
+    tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
     try:
-        cache.mkdir(parents=True, exist_ok=True)
-        for name in ("tokens", "targets", "offsets"):
-            np.save(cache / f"{name}.npy", getattr(docs, name), allow_pickle=False)
-        (cache / "done").write_text("ok\n")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for name, array in arrays.items():
+            np.save(tmp / f"{name}.npy", array, allow_pickle=False)
+        (tmp / "done").write_text("ok\n")
+        if (cache / "done").is_file():  # another process saved it meanwhile
+            shutil.rmtree(tmp)
+            return
+        shutil.rmtree(cache, ignore_errors=True)  # a cut-off save from before (no `done`)
+        tmp.rename(cache)
     except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        needed = sum(a.nbytes for a in arrays.values())
+        # numpy's short write says "N requested and M written" with no errno
+        full = disk_full(err) or (
+            OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if err.errno is None and free_bytes(cache.parent) < needed
+            else None
+        )
+        if full is not None:
+            fix = "free space there, or set data.cache_dir to a disk with room"
+            raise no_space(
+                "data.cache_dir", cache.parent, "the tokenised data", needed, full, fix
+            ) from None
         raise not_writable(
             "data.cache_dir", cache.parent, err, "cannot hold the tokenised data"
         ) from None

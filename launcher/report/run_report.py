@@ -144,4 +144,11 @@ def save_figure(fig: Any, out: Path) -> Path:
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
-    return write_atomic(out, png.getvalue(), mode=umask_mode(0o666))
+    try:
+        return write_atomic(out, png.getvalue(), mode=umask_mode(0o666))
+    except OSError as err:  # a read-only or full run dir: the pictures are not written
+        raise ConfigError(
+            "RUN_DIR",
+            f"'{out}' cannot be written ({err.strerror or err})",
+            "make the run directory writable, or report a copy of it",
+        ) from None

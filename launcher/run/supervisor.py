@@ -192,6 +192,9 @@ def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> i
     output = TorchrunOutput(Path(cfg.run.dir) / TORCHRUN_LOG, sys.stderr)
     rc = run_command(argv, dict(env, **{LOCK_OWNER_ENV: str(os.getpid())}), output)
     run_dir = Path(cfg.run.dir)
+    if output.config_error and rc != 0 and not (run_dir / CONFIG_ERROR_FILE).exists():
+        print(output.config_error, file=sys.stderr)  # the ranks could not leave it (a full disk)
+        return EXIT_USAGE
     explained = (run_dir / OOM_REPORT_FILE).exists() or (run_dir / CONFIG_ERROR_FILE).exists()
     if output.num_diverted and rc not in (0, EXIT_SIGNAL) and not explained:
         # out of memory and bad input have their own lines (the rank's, then the supervisor's)

@@ -4,7 +4,9 @@ report it prints when a worker fails (a traceback of torchrun itself, then "trai
 lines, their own tracebacks included, pass through unchanged.
 
 An out-of-memory exit that the supervisor escalates is then one line from the rank that ran out
-and one from the supervisor saying what comes next, not a crash report.
+and one from the supervisor saying what comes next, not a crash report. The ranks' one line for
+bad input ("config error: ...", every rank says it) goes to the log too, and the supervisor says it
+once.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from trainer.core.logs import redact
 # torch.distributed.elastic logs glog-style: "E1123 18:58:27.360000 21970 .../api.py:1002] ..."
 _AGENT_LINE = re.compile(r"^[EWID]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/")
 _RULE = "=" * 20
+_CONFIG_ERROR = "config error: "  # a rank's one line before exit 2 (trainer/__main__.py)
 
 
 class TorchrunOutput:
@@ -29,6 +32,7 @@ class TorchrunOutput:
         self.log_path = log_path
         self.out = out
         self.num_diverted = 0
+        self.config_error: str | None = None  # the first rank's one line for bad input
         self._held: list[str] = []  # a traceback whose exception line has not come yet
         self._rules_left = 0  # inside the ChildFailedError report: closing rules still to come
 
@@ -51,6 +55,9 @@ class TorchrunOutput:
         elif line.startswith("Traceback (most recent call last):"):
             self._held = [line]
         elif _AGENT_LINE.match(line):
+            self._divert(line)
+        elif line.startswith(_CONFIG_ERROR):  # every rank says it: the supervisor says it once
+            self.config_error = self.config_error or line.strip()
             self._divert(line)
         else:
             self._write([line])
@@ -77,6 +84,9 @@ class TorchrunOutput:
         self.out.flush()
 
     def _divert(self, line: str) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        append_line(self.log_path, line.rstrip("\n"), durable=False)  # never through a link
         self.num_diverted += 1
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            append_line(self.log_path, line.rstrip("\n"), durable=False)  # never through a link
+        except OSError:  # a full or read-only run.dir: the line is lost, the workers go on
+            pass

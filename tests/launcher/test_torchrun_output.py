@@ -62,3 +62,18 @@ def test_a_traceback_cut_short_is_shown(tmp_path):
         filt.feed(line)
     filt.close()
     assert out.getvalue() == text and not (tmp_path / "torchrun.log").exists()
+
+
+def test_the_ranks_config_error_is_kept_once_and_a_full_log_does_not_stop_the_output(tmp_path):
+    """Every rank prints its one line for bad input: the supervisor says it once. A run.dir
+    with no room for torchrun.log (here: a directory in its place) loses the log lines only."""
+    out = io.StringIO()
+    log = tmp_path / "torchrun.log"
+    log.mkdir()
+    filt = TorchrunOutput(log, out)
+    line = "config error: run.dir: could not write checkpoint step_4 to X: No space left\n"
+    for text in io.StringIO(WORKER + line + line + AGENT):
+        filt.feed(text)
+    filt.close()
+    assert out.getvalue() == WORKER
+    assert filt.config_error == line.strip()

@@ -131,5 +131,6 @@ def test_incomplete_checkpoints_are_skipped(tmp_path, caplog):
         (d / ".metadata").write_bytes(b"x")
         if complete:
             (d / STATE_FILE).write_text("{}")
+            (d / "manifest.json").write_text('{"algorithm": "sha256", "files": {}}')
     assert find_latest(tmp_path) == root / "step_10"
     assert "step_20" in caplog.text and "incomplete" in caplog.text

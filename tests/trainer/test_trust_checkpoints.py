@@ -4,9 +4,11 @@ checkpoint, and the last step of every run is in a checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,73 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_goo
     assert "Traceback" not in r.stderr
     said = [line for line in r.stderr.splitlines() if " is damaged" in line]
     assert said and all(str(shard) in line and "skipped" in line for line in said), r.stderr
+    assert "resumed from" in r.stderr and "step_4" in r.stderr
+    got = _losses(run)
+    assert {s: got[s] for s in (5, 6, 7, 8)} == {s: clean[s] for s in (5, 6, 7, 8)}
+
+
+def _edit_manifest(edit) -> Callable[[Path], str]:
+    def fault(checkpoint: Path) -> str:
+        path = checkpoint / "manifest.json"
+        path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+        return str(path)
+
+    return fault
+
+
+def _not_json(checkpoint: Path) -> str:
+    (checkpoint / "manifest.json").write_text('{"algorithm": "sha256", "files": {')
+    return str(checkpoint / "manifest.json")
+
+
+def _deleted_and_truncated(checkpoint: Path) -> str:
+    """No manifest to check against, and a shard cut in half."""
+    (checkpoint / "manifest.json").unlink()
+    shard = checkpoint / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return str(shard)
+
+
+SHARD = "__0_0.distcp"
+MANIFEST_FAULTS = {
+    "unknown-algorithm": _edit_manifest(lambda m: {**m, "algorithm": "xxh3_12("}),
+    "entry-is-a-number": _edit_manifest(lambda m: {**m, "files": {**m["files"], SHARD: 5}}),
+    "size-is-text": _edit_manifest(
+        lambda m: {**m, "files": {**m["files"], SHARD: ["12x", m["files"][SHARD][1]]}}
+    ),
+    "not-json": _not_json,
+    "deleted-shard-truncated": _deleted_and_truncated,
+}
+
+
+@pytest.mark.parametrize("fault", MANIFEST_FAULTS)
+def test_a_damaged_manifest_makes_export_of_its_checkpoint_one_line(trained, tmp_path, fault):
+    """`oomless export` of a checkpoint whose manifest cannot vouch for it: exit 2, one line
+    naming the file (before: a ValueError, TypeError or EOFError traceback, exit 1)."""
+    from tests.test_hostile_inputs import in_process
+
+    _, run_dir, _ = trained
+    checkpoint = tmp_path / "step_6"
+    shutil.copytree(run_dir / "checkpoints" / "step_6", checkpoint)
+    named = MANIFEST_FAULTS[fault](checkpoint)
+    code, stderr = in_process(["export", str(checkpoint), str(tmp_path / "out")])
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert "is damaged" in lines[0] and named in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fault", ["unknown-algorithm", "deleted-shard-truncated"])
+def test_a_damaged_manifest_is_skipped_and_the_run_resumes_from_the_good_one(
+    trained, tmp_path, fault
+):
+    job, run_dir, clean = trained
+    run = _copy(run_dir, tmp_path / "run")
+    named = MANIFEST_FAULTS[fault](run / "checkpoints" / "step_6")
+    r = _train(job, run, "train.steps=8")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    said = [line for line in r.stderr.splitlines() if " is damaged" in line]
+    assert len(said) == 1 and named in said[0] and "skipped" in said[0], r.stderr[-3000:]
     assert "resumed from" in r.stderr and "step_4" in r.stderr
     got = _losses(run)
     assert {s: got[s] for s in (5, 6, 7, 8)} == {s: clean[s] for s in (5, 6, 7, 8)}
@@ -204,3 +273,162 @@ def test_two_ranks_each_hash_their_own_shard_and_a_damaged_one_is_skipped(tmp_pa
     assert said and all(str(shard) in line for line in said), r.stderr[-3000:]
     got, want = _losses(run), _losses(clean)
     assert {s: got[s] for s in (3, 4, 5, 6)} == {s: want[s] for s in (3, 4, 5, 6)}
+
+
+def test_a_rollback_abandons_the_later_checkpoints_and_auto_resume_follows_it(trained, tmp_path):
+    """Resuming an earlier checkpoint of the run's own dir moves the later ones aside (one
+    warning); a plain resume then follows the new branch (`latest`) and metrics.jsonl stays
+    continuous (before: it resumed the abandoned step_4 and held steps 1, 2, 3, 5, 6)."""
+    job, run_dir, _ = trained
+    run = _copy(run_dir, tmp_path / "run")
+    r = _train(job, run, f"run.resume={run / 'checkpoints/step_2'}", "train.steps=3")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    said = [line for line in r.stderr.splitlines() if "abandoned" in line]
+    assert len(said) == 1 and "step_4, step_6" in said[0], r.stderr[-3000:]
+    assert _steps(run) == ["step_2", "step_3"]
+    assert sorted(p.name for p in (run / "checkpoints" / "abandoned").iterdir()) == [
+        "step_4",
+        "step_6",
+    ]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_3"
+    r = _train(job, run)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "step_3" in r.stderr and "abandoned" not in r.stderr, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+    # steps 1-2 are the first run's; from 3 on the schedule is over 3, then 6 steps again
+    assert {s: _losses(run)[s] for s in (1, 2)} == {s: _losses(run_dir)[s] for s in (1, 2)}
+
+
+def test_a_full_disk_on_two_ranks_is_one_line_and_the_run_resumes(trained, small_disk):
+    """fsdp on two processes: step_2 fits, step_4 does not. Both ranks agree on the failure and
+    exit together; the user sees one line (before: exit 1, 187 lines, 7 tracebacks, step_4.tmp
+    left and the disk still full)."""
+    job, _, _ = trained
+    run = small_disk / "run"
+    two = ("strategy=fsdp", "hardware.devices_per_node=2", "train.steps=4")
+    r = _train(job, run, *two)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = r.stderr.splitlines()
+    said = [line for line in lines if not line.startswith(("[rank", "data ", "launching"))]
+    assert said == [lines[-1]], r.stderr[-3000:]
+    assert lines[-1].startswith("config error: run.dir: could not write checkpoint step_4 to ")
+    assert str(run / "checkpoints") in lines[-1] and "step_2 is kept" in lines[-1], lines[-1]
+    assert " bytes, " in lines[-1] and " free" in lines[-1], lines[-1]  # needed and free
+    assert _steps(run) == ["step_2"]
+    from trainer.checkpoint.checkpointer import checkpoint_damage
+
+    assert checkpoint_damage(run / "checkpoints" / "step_2") is None
+    before = _losses(run)
+    subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
+    r = _train(job, run, *two)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and "step_2" in r.stderr
+    assert _losses(run) == before and _steps(run) == ["step_2", "step_4"]
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(size) -> a tmpfs of that size under tmp_path (unmounted after the test)."""
+    mounted = []
+
+    def mount(size: str) -> Path:
+        where = tmp_path / f"disk{len(mounted)}"
+        where.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)])
+        if r.returncode != 0:
+            pytest.skip("mounting a tmpfs needs root: the full-disk test cannot make a full disk")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_disk_at_the_final_save_is_one_line_and_a_rerun_writes_it(trained, tmpfs):
+    """520 KiB: room for step_2 (~450 KiB) and the run's files, not for final/ (~120 KiB).
+    Before: a SafetensorError traceback."""
+    job, _, _ = trained
+    disk = tmpfs("520k")
+    run = disk / "run"
+    final = ("train.steps=2", "run.save_final=true", "run.keep_checkpoints=1")
+    r = _train(job, run, *final)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    last = r.stderr.splitlines()[-1]
+    said = [line for line in r.stderr.splitlines() if "config error" in line or "space" in line]
+    assert said == [last]
+    assert last.startswith(f"config error: run.dir: could not write the model to {run / 'final'}")
+    assert "needs about " in last and " free)" in last, last
+    assert sorted(p.name for p in run.iterdir()) == [
+        "checkpoints",
+        "config.yaml",
+        "metrics.jsonl",
+        "plan.json",
+    ]  # no half-written final/ nor its temporary sibling
+    subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)
+    r = _train(job, run, *final)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and "step 2" in r.stderr
+    assert (run / "final" / "model.safetensors").is_file()
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(trained, tmpfs):
+    """Before: a traceback."""
+    from tests.test_hostile_inputs import in_process
+
+    _, run_dir, _ = trained
+    disk = tmpfs("256k")
+    with contextlib.suppress(OSError), (disk / "filler").open("wb") as f:
+        while True:
+            f.write(b"\0" * 4096)
+            f.flush()
+    source = run_dir / "checkpoints" / "step_6"
+    code, stderr = in_process(["export", str(source), str(disk / "out")])
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert lines[0].startswith(f"config error: OUT_DIR: could not write the model to {disk}/out")
+    assert "No space left on device (needs about " in lines[0] and " free)" in lines[0], lines[0]
+    assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+
+
+def test_an_export_of_a_run_takes_the_newest_checkpoint_again_when_one_is_pruned(
+    trained, tmp_path, monkeypatch
+):
+    """The run prunes the checkpoint export is reading (keep_checkpoints=1 and checkpoint_every=1
+    gave a FileNotFoundError traceback in 3 of 5 tries): export takes the newest again, with one
+    warning. Made deterministic: step_6 is removed when export starts reading its weights."""
+    import trainer.export
+
+    from tests.test_hostile_inputs import in_process
+
+    _, run_dir, _ = trained
+    run = _copy(run_dir, tmp_path / "run")
+    read = trainer.export.read_full_weights
+
+    def pruned_while_read(path: Path):
+        if path.name == "step_6":
+            shutil.rmtree(path)
+        return read(path)
+
+    monkeypatch.setattr(trainer.export, "read_full_weights", pruned_while_read)
+    code, stderr = in_process(["export", str(run), str(tmp_path / "out")])
+    assert code == 0 and "Traceback" not in stderr, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if "removed while it was read" in line]
+    assert len(said) == 1 and "step_6" in said[0], stderr[-3000:]
+    assert "from " + str(run / "checkpoints" / "step_4") in stderr, stderr[-3000:]
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_report_on_a_read_only_run_dir_is_one_line(trained, tmpfs):
+    """Before: an OSError traceback."""
+    from tests.test_hostile_inputs import in_process
+
+    _, run_dir, _ = trained
+    disk = tmpfs("1m")
+    shutil.copy(run_dir / "metrics.jsonl", disk / "metrics.jsonl")
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    code, stderr = in_process(["report", str(disk)])
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert lines[0].startswith(f"config error: RUN_DIR: '{disk / 'loss.png'}' cannot be written")

@@ -12,6 +12,7 @@ Layout of `run.dir/checkpoints/step_N/`:
                             without it was cut off mid-write and is never loaded
   config.yaml, tokenizer/   what `oomless export` needs to write an HF model directory
 `checkpoints/latest` names the newest complete checkpoint and is updated after the rename.
+A resume from an earlier checkpoint of the same run moves the later ones to checkpoints/abandoned/.
 Resume verifies the manifest first: a damaged checkpoint is skipped with one line naming the file.
 
 Loading never unpickles arbitrary objects: tensors come back with `weights_only=True` and DCP's
@@ -20,7 +21,6 @@ pickled metadata is read with an unpickler that admits only DCP's metadata class
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import logging
@@ -37,9 +37,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from trainer.checkpoint.manifest import (
+    MANIFEST_FILE,
     STATE_FILE,
     HashingFileSystem,
     damage,
@@ -54,12 +55,12 @@ from trainer.core.config import (
     semantic_hash,
     write_config,
 )
+from trainer.core.errors import disk_full, no_space
 from trainer.model.finetune import base_pointer, check_same_base
 from trainer.optim import from_legacy_8bit
 from trainer.runtime.dist import (
     after_rank0,
     all_reduce_max,
-    barrier,
     is_distributed,
     slow_down,
     wait_for_future,
@@ -197,7 +198,7 @@ def find_latest(run_dir: Path) -> Path | None:
     for path in candidates:
         if not is_complete(path):
             skipped.append(f"checkpoint {path} is incomplete (cut off mid-write): skipped")
-        elif (why := damage(path)) is None:
+        elif (why := checkpoint_damage(path)) is None:
             _report_once(skipped)
             return path
         else:
@@ -224,10 +225,33 @@ def _report_once(lines: list[str]) -> None:
             log.warning("%s", line)
 
 
-def check_intact(path: Path, key: str) -> None:
-    """A ConfigError naming the file when a complete checkpoint's files do not match its
-    manifest."""
+def checkpoint_damage(path: Path) -> str | None:
+    """What is wrong with a complete checkpoint (`damage`: its files against its manifest), in
+    words naming the file; without a manifest, DCP's .metadata is read and every shard must hold
+    the byte ranges it names (a truncated or missing shard is found, flipped bytes are not)."""
     why = damage(path)
+    if why is not None or (path / MANIFEST_FILE).is_file():
+        return why
+    try:
+        metadata = SafeFileSystemReader(str(path)).read_metadata()
+        ends: dict[str, int] = {}
+        for info in (metadata.storage_data or {}).values():
+            end = int(info.offset) + int(info.length)
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
+    except Exception as err:  # a garbled pickle raises anything: it is damage, said in a line
+        return f"{path / '.metadata'} is not readable ({type(err).__name__})"
+    for rel, end in sorted(ends.items()):
+        shard = path / rel
+        if not shard.is_file():
+            return f"{shard} is missing"
+        if shard.stat().st_size < end:
+            return f"{shard} is {shard.stat().st_size} bytes, .metadata needs {end} (truncated?)"
+    return None
+
+
+def check_intact(path: Path, key: str) -> None:
+    """A ConfigError naming the file when a complete checkpoint is damaged (`checkpoint_damage`)."""
+    why = checkpoint_damage(path)
     if why is not None:
         raise ConfigError(
             key, f"checkpoint {path} is damaged: {why}", "give another checkpoint (an older step_N)"
@@ -282,6 +306,7 @@ class Checkpointer:
         self._pending: tuple[Any, int, Path, dict[str, Any], HashingFileSystem] | None = None
         self.base: dict[str, Any] | None = None  # lora/qlora: the base pointer, once computed
         self._group: Any = None  # for background writes, made at the first
+        self._needed_bytes = 0  # the size of the state being saved, for a full disk's line
 
     def save(
         self,
@@ -292,15 +317,16 @@ class Checkpointer:
     ) -> Path:
         self.finish()
         tmp = self.root / f"step_{step}.tmp"
-        with _disk_full_is_one_line(self.root, step, tmp):
+        flat = flatten_state(backend_state)
+        self._needed_bytes = _state_bytes(flat)
+        with _disk_full_is_one_line(self.root, step, tmp, self._needed_bytes):
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-                (tmp / "rng").mkdir(parents=True)
-            barrier()
-            save_file(rng_state(), str(tmp / "rng" / f"rank_{self.rank}.safetensors"))
+            _agree_on_full_disk(_full_disk_in(lambda: _make_tmp(tmp, self.rank)))
+            rng = tmp / "rng" / f"rank_{self.rank}.safetensors"
+            _agree_on_full_disk(_full_disk_in(lambda: _write_bytes(rng, save(rng_state()))))
             writer = dcp.FileSystemWriter(str(tmp))
             writer.fs = fs = HashingFileSystem()  # checksums for the manifest, while writing
-            flat = flatten_state(backend_state)
             if asynchronous:
                 future = dcp.async_save(
                     flat,
@@ -328,7 +354,7 @@ class Checkpointer:
             return
         future, step, tmp, trainer_state, fs = self._pending
         self._pending = None
-        with _disk_full_is_one_line(self.root, step, tmp):
+        with _disk_full_is_one_line(self.root, step, tmp, self._needed_bytes):
             wait_for_future(
                 future, f"the background write of checkpoint step_{step}", self.cfg.dist.timeout_s
             )
@@ -369,9 +395,13 @@ class Checkpointer:
             _prune(self.root, cfg.run.keep_checkpoints)
             crash("pruned")
 
-        after_rank0(
-            f"writing checkpoint {final.name}", complete_on_rank0, clock_s=cfg.dist.timeout_s
+        # a full disk on rank 0 is every rank's: they leave the save together, with one line
+        full = after_rank0(
+            f"writing checkpoint {final.name}",
+            lambda: _full_disk_in(complete_on_rank0),
+            clock_s=cfg.dist.timeout_s,
         )
+        _agree_on_full_disk(full)
         return final
 
 
@@ -384,51 +414,87 @@ def _gather(part: dict[str, Any]) -> list[dict[str, Any]]:
     return parts
 
 
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+def _state_bytes(flat: dict[str, torch.Tensor]) -> int:
+    """The bytes of the whole state (a sharded tensor counts whole), what a checkpoint needs."""
+    return sum(t.numel() * t.element_size() for t in flat.values())
 
 
-def _os_errors(err: BaseException | None) -> list[OSError]:
-    """The OSErrors in an error's chain, including those DCP wraps per rank."""
-    found: list[OSError] = []
-    seen: set[int] = set()
-    todo = [err]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError):
-            found.append(e)
-        failures = getattr(e, "failures", None)  # CheckpointException: rank -> (error, traceback)
-        if isinstance(failures, dict):
-            todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
-        todo.extend([e.__cause__, e.__context__])
-    return found
+def _make_tmp(tmp: Path, rank: int) -> None:
+    if rank == 0:
+        (tmp / "rng").mkdir(parents=True)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    """A small file written with Python's I/O, so a full disk is an OSError (safetensors' own
+    writer raises its SafetensorError)."""
+    with path.open("wb") as f:
+        f.write(data)
+
+
+def _full_disk_in(work: Callable[[], Any]) -> OSError | None:
+    """Run `work`; the disk-full error it raised (`disk_full`), or None. Other errors propagate."""
+    try:
+        work()
+    except BaseException as err:
+        full = disk_full(err)
+        if full is None:
+            raise
+        return full
+    return None
+
+
+def _agree_on_full_disk(full: OSError | None) -> None:
+    """Every rank learns whether any found the disk full (a collective in place of a barrier)
+    and all raise it together, so none is left waiting in the next collective."""
+    if is_distributed():
+        mine = None if full is None else (full.errno, full.strerror)
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        first = next((p for p in parts if p is not None), None)
+        if full is None and first is not None:
+            full = OSError(*first)
+    if full is not None:
+        raise full
 
 
 @contextmanager
-def _disk_full_is_one_line(root: Path, step: int, tmp: Path) -> Iterator[None]:
+def _disk_full_is_one_line(root: Path, step: int, tmp: Path, needed_bytes: int) -> Iterator[None]:
     """A full disk (or quota, or file size limit) while saving: the half-written directory is
-    removed, the previous checkpoint stays, and the error is one line (a ConfigError, exit 2)."""
+    removed, the previous checkpoint stays, and the error is one line (a ConfigError, exit 2),
+    the same on every rank (all of them are here: the failure was agreed on)."""
     try:
         yield
     except BaseException as err:  # DCP's CheckpointException is a BaseException
-        full = next((e for e in _os_errors(err) if e.errno in _DISK_FULL), None)
+        full = disk_full(err)
         if full is None:
             raise
-        shutil.rmtree(tmp, ignore_errors=True)
-        previous = next(
-            (p.name for p in sorted(root.glob("step_*"), key=_step_of, reverse=True)
-             if p.is_dir() and is_complete(p)),
-            None,
-        )  # fmt: skip
-        kept = f"{previous} is kept" if previous else "there is no earlier checkpoint"
+        rank0 = not is_distributed() or dist.get_rank() == 0
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        complete = sorted(
+            (p for p in root.glob("step_*") if p.is_dir() and is_complete(p)),
+            key=_step_of,
+            reverse=True,
+        )
+        previous = complete[0].name if complete else None
+        if complete:  # the checkpoint before is about the size this one needs
+            on_disk = sum(f.stat().st_size for f in complete[0].rglob("*") if f.is_file())
+            needed_bytes = max(needed_bytes, on_disk)
+        kept = f"; {previous} is kept" if previous else "; there is no earlier checkpoint"
         again = f"resumes from {previous}" if previous else "starts over"
-        raise ConfigError(
+        error = no_space(
             "run.dir",
-            f"could not write checkpoint step_{step} to {root}: {full.strerror} ({kept})",
+            root,
+            f"checkpoint step_{step}",
+            needed_bytes,
+            full,
             f"free space there (or set run.dir elsewhere) and run again: it {again}",
-        ) from None
+            kept,
+        )
+        problem = [error.problem]
+        if is_distributed():  # rank 0's line (its free bytes after the removal) on every rank
+            dist.broadcast_object_list(problem, src=0)
+        raise ConfigError(error.key, problem[0], error.fix) from None
 
 
 def check_resumable(
@@ -506,6 +572,8 @@ def load_checkpoint(
     for name, saved in unflatten_state(legacy)["optim"].items():
         shape = template["model"][name].shape
         state["backend"]["optim"][name].update(from_legacy_8bit(shape, saved))
+    if not is_distributed() or dist.get_rank() == 0:
+        abandon_later(path, Path(cfg.run.dir))
     return state
 
 
@@ -524,6 +592,45 @@ def _legacy_8bit_request(template: dict[str, Any], metadata: dict[str, Any]) -> 
                 meta = metadata[prefix + key]
                 request[prefix + key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     return request
+
+
+ABANDONED_DIR = "abandoned"
+
+
+def abandon_later(path: Path, run_dir: Path) -> list[Path]:
+    """A run that resumes from an earlier checkpoint of its own run dir abandons the later ones:
+    they move to checkpoints/abandoned/ (one warning) and `latest` names `path`, so that the next
+    `run.resume: auto` follows this branch, not the abandoned one. Returns where they went."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir() or path.resolve().parent != root.resolve():
+        return []  # another run's checkpoint: this run's own are not a branch of it
+    step = _step_of(path)
+    later = sorted(
+        (p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
+        key=_step_of,
+    )
+    later = [p for p in later if _step_of(p) > step]
+    if not later:
+        return []
+    aside = root / ABANDONED_DIR
+    aside.mkdir(exist_ok=True)
+    moved = []
+    for p in later:
+        target, n = aside / p.name, 1
+        while target.exists():  # abandoned twice: keep both
+            target, n = aside / f"{p.name}.{n}", n + 1
+        p.rename(target)
+        moved.append(target)
+    _fsync_dir(aside)
+    _write_latest(root, path.name, lambda what: None)
+    log.warning(
+        "resuming from %s: the later checkpoints of this run (%s) are an abandoned branch, "
+        "moved to %s; run.resume=auto now follows this one",
+        path.name,
+        ", ".join(p.name for p in later),
+        aside,
+    )
+    return moved
 
 
 def restore_rng(path: Path, rank: int) -> None:

@@ -45,6 +45,7 @@ from trainer.core.config import (
     read_yaml,
 )
 from trainer.core.contract import CONFIG_FILE
+from trainer.core.errors import disk_full, no_space
 from trainer.core.files import fsync_dir, umask_mode
 from trainer.model.build import HFModelFactory, load_hf_config
 from trainer.model.finetune import ADAPTER_NAME, apply_finetune, base_pointer, check_same_base
@@ -77,7 +78,7 @@ def save_hf_model(
     hf_logging.disable_progress_bar()  # "Writing model shards": the run prints its own lines
 
     out_dir = Path(out_dir)
-    with _staged(out_dir, replace, tokenizer, side_files) as tmp:
+    with _staged(out_dir, replace, tokenizer, side_files, state_dict) as tmp:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
                 hf_config, dtype=torch.float32, trust_remote_code=trust_remote_code
@@ -98,21 +99,42 @@ def save_hf_model(
 
 @contextlib.contextmanager
 def _staged(
-    out_dir: Path, replace: bool, tokenizer: Any | None, side_files: dict[str, str] | None
+    out_dir: Path,
+    replace: bool,
+    tokenizer: Any | None,
+    side_files: dict[str, str] | None,
+    weights: dict[str, torch.Tensor],
 ) -> Iterator[Path]:
     """A fresh temporary sibling of `out_dir` to save into; when the body succeeds the tokenizer
-    and the side files join it and it replaces `out_dir` in one rename. Removed either way."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    and the side files join it and it replaces `out_dir` in one rename. Removed either way; a
+    full disk is one line (OUT_DIR, the bytes of `weights` needed and those free)."""
+    tmp: Path | None = None
     try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
         os.chmod(tmp, umask_mode())
         yield tmp
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         _write_side_files(tmp, side_files)
         _install(tmp, out_dir, replace)
+    except BaseException as err:
+        full = disk_full(err)
+        if full is None:
+            raise
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise no_space(
+            "OUT_DIR",
+            out_dir,
+            "the model",
+            sum(t.numel() * t.element_size() for t in weights.values()),
+            full,
+            "free space there, or write it to another directory",
+        ) from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_final_model(
@@ -125,11 +147,25 @@ def save_final_model(
     if cfg.finetune.method != "full":
         state["base"] = base_pointer(cfg.model)
     side = {CONFIG_FILE: dump_config(cfg), STATE_FILE: json.dumps(state, indent=2) + "\n"}
-    if cfg.finetune.method == "full":
-        return save_hf_model(
-            hf_config, weights, out_dir, tokenizer, cfg.model.trust_remote_code, True, side
+    try:
+        if cfg.finetune.method == "full":
+            return save_hf_model(
+                hf_config, weights, out_dir, tokenizer, cfg.model.trust_remote_code, True, side
+            )
+        return save_adapter(
+            cfg.finetune, cfg.model, hf_config, weights, out_dir, tokenizer, True, side
         )
-    return save_adapter(cfg.finetune, cfg.model, hf_config, weights, out_dir, tokenizer, True, side)
+    except ConfigError as err:  # a full disk: the run's key and what running again does
+        if err.key != "OUT_DIR":
+            raise
+        again = (
+            "the last step is in a checkpoint, so it trains nothing and writes final/"
+            if cfg.run.checkpoint_every
+            else "it resumes from its newest checkpoint"
+        )
+        raise ConfigError(
+            "run.dir", err.problem, f"free space there and run again: {again}"
+        ) from None
 
 
 def _write_side_files(directory: Path, files: dict[str, str] | None) -> None:
@@ -178,7 +214,7 @@ def save_adapter(
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
-    with _staged(out_dir, replace, tokenizer, side_files) as tmp:
+    with _staged(out_dir, replace, tokenizer, side_files, weights) as tmp:
         with torch.device("meta"):
             base = AutoModelForCausalLM.from_config(
                 hf_config, dtype=torch.float32, trust_remote_code=model_cfg.trust_remote_code
@@ -217,14 +253,52 @@ def _install(tmp: Path, out_dir: Path, replace: bool) -> None:
     fsync_dir(out_dir.parent)
 
 
+_EXPORT_TRIES = 5
+
+
 def export_command(
     checkpoint: str, out_dir: str, overwrite: bool = False, trust_remote_code: bool = False,
     merge: bool = False,
 ) -> int:  # fmt: skip
     """`oomless export CHECKPOINT OUT`: an HF model directory from any strategy's checkpoint or a
     run's final/; a PEFT adapter directory from a lora/qlora run's, or with `merge` the merged HF
-    model. The path written goes to stdout."""
+    model. The path written goes to stdout.
+
+    From a run directory that a live run prunes (`run.keep_checkpoints`), the newest checkpoint
+    can vanish while it is read: export then takes the newest again (a few times)."""
+    source: list[Path] = []
+    for _ in range(_EXPORT_TRIES):
+        try:
+            return _export(checkpoint, out_dir, overwrite, trust_remote_code, merge, source)
+        except (OSError, ConfigError) as err:
+            if not _pruned_meanwhile(checkpoint, source, err):
+                raise
+            log.warning("%s was removed while it was read (pruned by the run): taking the "
+                        "newest checkpoint again", source[-1])  # fmt: skip
+    raise ConfigError(
+        "CHECKPOINT",
+        f"the checkpoints of '{checkpoint}' were removed while they were read, "
+        f"{_EXPORT_TRIES} times (the run prunes them: run.keep_checkpoints)",
+        "export again, or export when the run has ended or with more run.keep_checkpoints",
+    )
+
+
+def _pruned_meanwhile(checkpoint: str, source: list[Path], err: Exception) -> bool:
+    """The checkpoint export chose from a run directory is gone (FileNotFoundError, or found
+    damaged half-way through its removal)."""
+    run = Path(checkpoint).expanduser()
+    if not (run / "checkpoints").is_dir() or not source or source[-1].parent.name != "checkpoints":
+        return False
+    gone = not is_complete(source[-1])
+    return gone and (isinstance(err, FileNotFoundError) or isinstance(err, ConfigError))
+
+
+def _export(
+    checkpoint: str, out_dir: str, overwrite: bool, trust_remote_code: bool, merge: bool,
+    source: list[Path],
+) -> int:  # fmt: skip
     path = _export_source(checkpoint)
+    source.append(path)
     saved = read_yaml(_config_file(path).read_text()) or {}
     out = check_out_dir(path, Path(out_dir), overwrite, saved)
     model_cfg = ModelConfig.model_validate(

@@ -121,32 +121,65 @@ def write_manifest(root: Path, parts: list[dict[str, list[Any]]]) -> dict[str, A
 
 def damage(path: Path) -> str | None:
     """What is wrong with a complete checkpoint's files, in words naming the file; None when they
-    match the manifest (or there is no manifest: an older checkpoint)."""
+    match the manifest (or there is no manifest: an older checkpoint). A manifest that is not
+    one oomless writes (not JSON, an unknown algorithm, an entry that is not [size, digest])
+    is damage too: what it would vouch for cannot be checked."""
     try:
         json.loads((path / STATE_FILE).read_text())
     except (OSError, ValueError):
         return f"{path / STATE_FILE} is not readable JSON"
     if not (path / MANIFEST_FILE).is_file():
         return None
-    try:
-        manifest = json.loads((path / MANIFEST_FILE).read_text())
-        algorithm, files = manifest["algorithm"], dict(manifest["files"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{path / MANIFEST_FILE} is not a readable manifest"
-    entries = []
-    for rel, (size, digest) in sorted(files.items()):
-        name = Path(rel)
-        if name.is_absolute() or ".." in name.parts:
-            return f"{path / MANIFEST_FILE} names a file outside the checkpoint ({rel})"
-        entries.append((path / name, int(size), str(digest)))
-    for file, size, _ in entries:  # sizes first: a truncated file is found without reading
+    entries = _manifest_entries(path)
+    if isinstance(entries, str):
+        return entries
+    algorithm, files = entries
+    for file, size, _ in files:  # sizes first: a truncated file is found without reading
         if not file.is_file():
             return f"{file} is missing"
         if file.stat().st_size != size:
             return f"{file} is {file.stat().st_size} bytes, the manifest says {size} (truncated?)"
     if algorithm == "xxh3_128" and ALGORITHM != algorithm:
         return None  # written where xxhash was installed, read where it is not: sizes only
-    for file, _, digest in entries:
+    for file, _, digest in files:
         if file_digest(file, algorithm) != digest:
             return f"{file} does not match its checksum (its bytes changed since it was written)"
     return None
+
+
+KNOWN_ALGORITHMS = ("xxh3_128", "sha256")  # what write_manifest ever writes
+
+
+def _manifest_entries(path: Path) -> tuple[str, list[tuple[Path, int, str]]] | str:
+    """(algorithm, [(file, size, digest)]) of a checkpoint's manifest, or what is wrong with it."""
+    where = path / MANIFEST_FILE
+    try:
+        manifest = json.loads(where.read_text())
+    except (OSError, ValueError):
+        return f"{where} is not readable JSON"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return f"{where} is not a manifest (no 'files' mapping)"
+    algorithm = manifest.get("algorithm")
+    if algorithm not in KNOWN_ALGORITHMS:
+        return f"{where} names an unknown checksum algorithm ({_short(algorithm)})"
+    entries = []
+    for rel, entry in sorted(manifest["files"].items()):
+        name = Path(rel)
+        if name.is_absolute() or ".." in name.parts:
+            return f"{where} names a file outside the checkpoint ({_short(rel)})"
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 2
+            and type(entry[0]) is int
+            and entry[0] >= 0
+            and isinstance(entry[1], str)
+        ):
+            return f"{where} has {_short(entry)} for {_short(rel)}, not [size in bytes, digest]"
+        entries.append((path / name, entry[0], entry[1]))
+    return algorithm, entries
+
+
+def _short(value: Any) -> str:
+    """A value from a file, quoted for one line (at most 40 characters)."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -28,6 +28,7 @@ from typing import Any
 
 from trainer.core.config import ConfigError
 from trainer.core.contract import RUN_LOCK_FILE
+from trainer.core.errors import disk_full, no_space
 from trainer.core.files import make_private_dir
 
 log = logging.getLogger(__name__)
@@ -134,18 +135,41 @@ def _my_record() -> dict[str, Any]:
 
 
 def _create(path: Path, record: dict[str, Any]) -> bool:
-    fd, tmp = tempfile.mkstemp(prefix=f".{LOCK_FILE}.", dir=path.parent)
+    """Create the lock holding `record`; False when it exists. A full disk is one line."""
+    data = json.dumps(record)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{LOCK_FILE}.", dir=path.parent)
+    except OSError as err:
+        raise _no_room(path, len(data), err) from None
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.link(tmp, path)  # fails if the lock exists: creation and content in one step
         return True
     except FileExistsError:
         return False
+    except OSError as err:
+        failed = err
     finally:
-        os.unlink(tmp)
+        os.unlink(tmp)  # before the line is said: the free bytes it names count this file's
+    raise _no_room(path, len(data), failed) from None
+
+
+def _no_room(path: Path, needed_bytes: int, err: OSError) -> OSError | ConfigError:
+    """A full disk where the lock goes: one line (exit 2); another OSError as it was."""
+    full = disk_full(err)
+    if full is None:
+        return err
+    return no_space(
+        "run.dir",
+        path,
+        "the run lock",
+        needed_bytes,
+        full,
+        "free space there or set run.dir elsewhere",
+    )
 
 
 def _read(path: Path) -> dict[str, Any] | None:
