@@ -23,6 +23,7 @@ LAUNCHER_RUNS_ENGINE = {
     ("launcher.run.supervisor", "trainer.engine"),  # the in-process run
     # a resume's compatibility (the checkpoint's config and data fingerprint), before launch
     ("launcher.run.preflight", "trainer.checkpoint.checkpointer"),
+    ("launcher.run.preflight", "trainer.checkpoint.store"),
     ("launcher.run.preflight", "trainer.data"),  # ... and the data tokenised once, before launch
     # the traced step runs the engine's own model, backends, levers and step functions
     ("launcher.estimate.trace", "trainer.backends"),
@@ -256,7 +257,7 @@ def test_each_package_top_holds_at_most_8_modules():
 
 # A module above 500 lines asks to be split along a seam. Excepted while another change edits it
 # (split it once that lands): the checkpointer.
-OVER_500_LINES_FOR_NOW = {"trainer/checkpoint/checkpointer.py"}
+OVER_500_LINES_FOR_NOW: set[str] = set()
 
 
 def test_no_module_is_over_500_lines():

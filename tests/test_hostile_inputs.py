@@ -231,6 +231,8 @@ CASES = [
     ),
     Case("lora-alpha=true", config("finetune.lora.alpha=true"), BAD, "alpha: is the boolean true"),
     Case("lr=false", plan("train.lr=false"), BAD, "train.lr: is the boolean false, not a number"),
+    # datasets logged its own error twice before the one line
+    Case("not-parquet", train_on("d.parquet", b"not parquet"), BAD, "cannot read", process=True),
     # ---- what can be checked before launch is checked in plan, estimate, submit and train
     Case("sp=3-of-4-heads", plan(*SP3), BAD, "3 does not divide the model's 4 attention heads"),
     Case("sp=3-estimate", estimate(*SP3), BAD, "use sequence_parallel=1"),
@@ -544,3 +546,37 @@ def test_a_full_disk_is_one_line_with_the_bytes_and_leaves_nothing(
     assert "No space left on device (needs about " in lines[0] and " free)" in lines[0], lines[0]
     left = [p for p in full_disk.rglob("*") if p.is_file() and p.name != "filler"]
     assert left == [] and "(None)" not in lines[0], left
+
+
+IN_BACKWARD_2GIB = (
+    "train.optimizer_in_backward=true",
+    "train.grad_clip=0",
+    "hardware.device=cuda",
+    "hardware.device_memory=2GiB",
+    "train.global_batch_size=4096",
+    "hardware.host_memory=16GiB",
+)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4])
+def test_exit_3_names_the_key_that_forbids_a_fit_and_every_hint_plans(devices):
+    """The step in backward allows no accumulation: the exit-3 line says so, its device count
+    holds that constraint (it said 2, then 4, then 8), and every change it names plans."""
+    demo = str(REPO / "configs" / "demo.yaml")
+    job = [demo, *IN_BACKWARD_2GIB, f"hardware.devices_per_node={devices}"]
+    code, stderr = in_process(["plan", *job])
+    line = stderr.strip()
+    assert code == 3 and len(line.splitlines()) == 1, stderr
+    assert "train.optimizer_in_backward allows no accumulation, so each rank's" in line, line
+    hints = []
+    for offer in line.split("; "):
+        words = offer.removeprefix("or ").split()
+        if "such devices" in offer:  # "fsdp would fit on 8 such devices (8 nodes x 1)"
+            nodes, per_node = offer.rsplit("(", 1)[1].rstrip(")").split(" nodes x ")
+            hints.append([f"hardware.nodes={nodes}", f"hardware.devices_per_node={per_node}"])
+        elif "=" in words[0] and "would fit on" in offer:
+            hints.append(offer.removeprefix("or ").split(" would fit on")[0].split(" and "))
+    assert len(hints) >= 2, line
+    for hint in hints:
+        code, err = in_process(["plan", *job, *hint])
+        assert code == OK, (hint, err)

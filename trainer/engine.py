@@ -26,14 +26,10 @@ from trainer.backoff import (
     step_with_backoff,
     write_report,
 )
-from trainer.checkpoint.checkpointer import (
-    Checkpointer,
-    load_checkpoint,
-    load_template,
-    resolve_resume,
-    restore_rng,
-)
+from trainer.checkpoint.checkpointer import Checkpointer, load_checkpoint, restore_rng
 from trainer.checkpoint.export import save_final_model
+from trainer.checkpoint.layout import load_template
+from trainer.checkpoint.store import resolve_resume
 from trainer.core.config import JobConfig, check_run_time_extras
 from trainer.core.contract import EXIT_OOM, EXIT_SIGNAL, FINAL_DIR
 from trainer.core.gpus import peak_flops_for

@@ -25,6 +25,7 @@ from launcher.plan.ladder import (
     SIMPLER_RUNG_MARGIN,
     Alternative,
     Candidate,
+    climb,
     job_step,
     reduce_variants,
     scaled_estimate,
@@ -284,8 +285,13 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected, c
     offers = []
     finetune = Finetune.of(cfg)
     runs = [r for r in strategies.rows() if why_not_on(r, finetune, cfg.precision) is None]
+
+    def smallest_micro(world: int) -> int:  # the step in backward: one micro-batch per step
+        return max(1, cfg.train.global_batch_size // world) if finetune.in_backward else 1
+
     for rung in [r for r in runs if r.engine == "deepspeed" and r.offloads and not r.needs_nvme]:
-        est = scaled_estimate(shape, job_step(cfg, hw, rung, 1, "full"), 1.0)
+        micro = smallest_micro(hw.world_size)
+        est = scaled_estimate(shape, job_step(cfg, hw, rung, micro, "full"), 1.0)
         device_ok = est.device_total_bytes <= hw.device_memory_bytes * (1 - cfg.memory.headroom)
         need = est.host_total_bytes / (1 - cfg.memory.headroom)
         # more host memory than the node has: anything less is not what stands in the way
@@ -305,7 +311,8 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected, c
         )
         if cfg.train.global_batch_size % bigger.world_size:
             continue
-        spec = job_step(cfg, bigger, fsdp, 1, "full", reduce_every_micro=True)
+        micro = smallest_micro(bigger.world_size)
+        spec = job_step(cfg, bigger, fsdp, micro, "full", reduce_every_micro=True)
         est = scaled_estimate(shape, spec, 1.0)
         if shortfall(est, bigger, cfg.memory.headroom) is None:
             offers.append(
@@ -313,8 +320,32 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected, c
                 f"({bigger.nodes} nodes x {bigger.devices_per_node})"
             )
             break
+    if finetune.in_backward:
+        offers.append(_without_step_in_backward(cfg, hw, shape, per_rank))
     offers += [alt.words() for alt in changes]
     return base + ("; " + "; or ".join(offers) if offers else "")
+
+
+def _without_step_in_backward(
+    cfg: JobConfig, hw: Hardware, shape: ModelShape, per_rank: int
+) -> str:
+    """What `train.optimizer_in_backward` costs this job, and where it fits without it."""
+    why = (
+        "train.optimizer_in_backward allows no accumulation, so each rank's "
+        f"{per_rank} sequences are one micro-batch"
+    )
+    train = cfg.train.model_copy(update={"optimizer_in_backward": False})
+    without = cfg.model_copy(update={"train": train})
+    rungs = [r for r in strategies.rows() if cfg.strategy in ("auto", r.name)]
+    ranked = climb(without, hw, shape, rungs).ranked
+    if not ranked:
+        return why
+    best = ranked[0]
+    return (
+        f"train.optimizer_in_backward=false would fit on {best.rung.name} "
+        f"({best.estimate.device_total_bytes / GIB:.1f} GiB of "
+        f"{hw.device_memory_bytes / GIB:.0f} GiB): {why}"
+    )
 
 
 def apply_plan(cfg: JobConfig, plan: Plan, hw: Hardware) -> JobConfig:

@@ -134,10 +134,8 @@ def tokenize_data(cfg: JobConfig) -> None:
 def check_resume(cfg: JobConfig) -> None:
     """ConfigError (exit 2) when the checkpoint this run would resume was trained with other
     math or on other data; the changes that keep the math are logged."""
-    from trainer.checkpoint.checkpointer import (  # engine code: torch
-        check_resumable,
-        resolve_resume,
-    )
+    from trainer.checkpoint.checkpointer import check_resumable  # engine code: torch
+    from trainer.checkpoint.store import resolve_resume
     from trainer.data import train_data_fingerprint
 
     path = resolve_resume(cfg)

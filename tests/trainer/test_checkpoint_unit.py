@@ -10,16 +10,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.conftest import TINY_LLAMA
-from trainer.checkpoint.checkpointer import (
-    STATE_FILE,
-    Checkpointer,
+from trainer.checkpoint.checkpointer import STATE_FILE, Checkpointer, load_checkpoint
+from trainer.checkpoint.layout import (
     SafeFileSystemReader,
-    find_latest,
     flatten_state,
-    load_checkpoint,
     load_template,
     unflatten_state,
 )
+from trainer.checkpoint.store import find_latest
 from trainer.core.config import ConfigError, build_config
 
 

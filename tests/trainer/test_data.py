@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-import trainer.data as data_mod
+import trainer.data.documents as data_mod
 from tests.conftest import REPO, TINY_LLAMA
 from trainer.core.config import ConfigError, build_config
 from trainer.data import build_data, build_tokenizer, tokenize_source

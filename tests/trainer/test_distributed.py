@@ -200,7 +200,7 @@ def test_oom_on_rank_1_backs_off_both_ranks_and_learns_the_same(runs, run):
 
 def _canonical(checkpoint: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint (model/NAME, optim/NAME/{exp_avg,exp_avg_sq,step}), full."""
-    from trainer.checkpoint.checkpointer import SafeFileSystemReader
+    from trainer.checkpoint.layout import SafeFileSystemReader
 
     reader = SafeFileSystemReader(str(checkpoint))
     flat = {

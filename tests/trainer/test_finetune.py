@@ -88,7 +88,7 @@ def test_lora_resume_is_bit_exact(runs):
 
 
 def _optim_dtypes(ckpt: Path) -> dict[str, torch.dtype]:
-    from trainer.checkpoint.checkpointer import SafeFileSystemReader
+    from trainer.checkpoint.layout import SafeFileSystemReader
 
     meta = SafeFileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     return {k: m.properties.dtype for k, m in meta.items() if k.startswith("optim/")}
@@ -174,7 +174,7 @@ def test_a_resume_on_another_base_is_refused_in_one_line(tmp_path):
 
 def _engine_model(ckpt: Path) -> torch.nn.Module:
     """The model the engine trained, rebuilt from the checkpoint's config and adapter weights."""
-    from trainer.checkpoint.checkpointer import read_full_weights
+    from trainer.checkpoint.layout import read_full_weights
     from trainer.core.config import load_config
     from trainer.model.build import HFModelFactory
     from trainer.model.finetune import FinetuneFactory

@@ -66,7 +66,7 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def _dtypes(ckpt: Path) -> dict[str, torch.dtype]:
-    from trainer.checkpoint.checkpointer import SafeFileSystemReader
+    from trainer.checkpoint.layout import SafeFileSystemReader
 
     meta = SafeFileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     return {k: m.properties.dtype for k, m in meta.items() if hasattr(m, "properties")}
@@ -220,7 +220,7 @@ def test_adamw_8bit_on_fsdp_shards_learns_what_one_process_learns(runs, name):
 
 
 def test_an_8bit_fsdp_checkpoint_holds_8bit_codes_and_block_scales_per_row(runs):
-    from trainer.checkpoint.checkpointer import SafeFileSystemReader
+    from trainer.checkpoint.layout import SafeFileSystemReader
 
     meta = SafeFileSystemReader(str(runs / "fsdp_8bit/checkpoints/step_2")).read_metadata()
     sizes = {k: tuple(m.size) for k, m in meta.state_dict_metadata.items()}
@@ -323,7 +323,7 @@ def test_rank0_quantising_its_shard_grows_by_less_than_the_shard_plus_one_tensor
 
 def _engine_qlora(ckpt: Path) -> torch.nn.Module:
     """The model the engine trained: its quantised base, the checkpoint's adapters."""
-    from trainer.checkpoint.checkpointer import read_full_weights
+    from trainer.checkpoint.layout import read_full_weights
     from trainer.model.build import HFModelFactory
     from trainer.model.finetune import FinetuneFactory
 

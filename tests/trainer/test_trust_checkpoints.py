@@ -316,7 +316,7 @@ def test_a_full_disk_on_two_ranks_is_one_line_and_the_run_resumes(trained, small
     assert str(run / "checkpoints") in lines[-1] and "step_2 is kept" in lines[-1], lines[-1]
     assert " bytes, " in lines[-1] and " free" in lines[-1], lines[-1]  # needed and free
     assert _steps(run) == ["step_2"]
-    from trainer.checkpoint.checkpointer import checkpoint_damage
+    from trainer.checkpoint.store import checkpoint_damage
 
     assert checkpoint_damage(run / "checkpoints" / "step_2") is None
     before = _losses(run)
@@ -398,20 +398,20 @@ def test_an_export_of_a_run_takes_the_newest_checkpoint_again_when_one_is_pruned
     """The run prunes the checkpoint export is reading (keep_checkpoints=1 and checkpoint_every=1
     gave a FileNotFoundError traceback in 3 of 5 tries): export takes the newest again, with one
     warning. Made deterministic: step_6 is removed when export starts reading its weights."""
-    import trainer.export
+    import trainer.checkpoint.export
 
     from tests.test_hostile_inputs import in_process
 
     _, run_dir, _ = trained
     run = _copy(run_dir, tmp_path / "run")
-    read = trainer.export.read_full_weights
+    read = trainer.checkpoint.export.read_full_weights
 
     def pruned_while_read(path: Path):
         if path.name == "step_6":
             shutil.rmtree(path)
         return read(path)
 
-    monkeypatch.setattr(trainer.export, "read_full_weights", pruned_while_read)
+    monkeypatch.setattr(trainer.checkpoint.export, "read_full_weights", pruned_while_read)
     code, stderr = in_process(["export", str(run), str(tmp_path / "out")])
     assert code == 0 and "Traceback" not in stderr, stderr[-3000:]
     said = [line for line in stderr.splitlines() if "removed while it was read" in line]

@@ -21,11 +21,9 @@ pickled metadata is read with an unpickler that admits only DCP's metadata class
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
-import pickle
 import shutil
 import signal
 import warnings
@@ -39,13 +37,23 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save
 
+from trainer.checkpoint.layout import SafeFileSystemReader, flatten_state, unflatten_state
 from trainer.checkpoint.manifest import (
-    MANIFEST_FILE,
     STATE_FILE,
     HashingFileSystem,
-    damage,
     digests_of,
     write_manifest,
+)
+from trainer.checkpoint.store import (
+    abandon_later,
+    checkpoints_dir,
+    fsync_dir,
+    fsync_tree,
+    is_complete,
+    prune,
+    step_of,
+    write_json_durably,
+    write_latest,
 )
 from trainer.core.config import (
     ConfigError,
@@ -74,209 +82,6 @@ warnings.filterwarnings(
     message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent is",
     category=UserWarning,
 )
-
-# ---------------------------------------------------------------------------------------------
-# Canonical state <-> flat DCP dict
-
-
-def flatten_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    flat: dict[str, torch.Tensor] = {}
-    for name, tensor in state["model"].items():
-        flat[f"model/{name}"] = tensor
-    for name, moments in state["optim"].items():
-        for key, tensor in moments.items():
-            flat[f"optim/{name}/{key}"] = torch.as_tensor(tensor)
-    return flat
-
-
-def unflatten_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
-    state: dict[str, Any] = {"model": {}, "optim": {}}
-    for key, tensor in flat.items():
-        kind, rest = key.split("/", 1)
-        if kind == "model":
-            state["model"][rest] = tensor
-        else:
-            name, moment = rest.rsplit("/", 1)
-            state["optim"].setdefault(name, {})[moment] = tensor
-    return state
-
-
-def load_template(state: dict[str, Any]) -> dict[str, Any]:
-    """The backend's own state with optimizer entries for every parameter, for DCP to fill.
-
-    Before the first optimizer step AdamW has no state; zeros of the parameter's own layout
-    (sharded or not) give DCP the shapes to load into.
-    """
-    optim = dict(state["optim"])
-    for name, param in state["model"].items():
-        if name not in optim:
-            optim[name] = {
-                "exp_avg": torch.zeros_like(param),
-                "exp_avg_sq": torch.zeros_like(param),
-                "step": torch.zeros((), dtype=torch.float32),
-            }
-    return {"model": state["model"], "optim": optim}
-
-
-# ---------------------------------------------------------------------------------------------
-# Safe metadata reading
-
-
-# What DCP's .metadata pickle may name: its own metadata classes plus a few plain value types.
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata",)
-_ALLOWED_GLOBALS = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("collections", "OrderedDict"),
-    *(
-        ("torch", str(dtype).removeprefix("torch."))
-        for dtype in (
-            torch.float32,
-            torch.float16,
-            torch.bfloat16,
-            torch.float64,
-            torch.int64,
-            torch.int32,
-            torch.int16,
-            torch.int8,
-            torch.uint8,
-            torch.bool,
-        )
-    ),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}: refused")
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's reader with a restricted unpickler for `.metadata` (the tensors use weights_only)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        path = Path(self.path) / ".metadata"
-        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-# ---------------------------------------------------------------------------------------------
-# Finding checkpoints
-
-
-def checkpoints_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
-
-
-def is_complete(path: Path) -> bool:
-    return (path / STATE_FILE).is_file() and (path / ".metadata").is_file()
-
-
-def find_latest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint whose files match its manifest; incomplete and damaged ones
-    are reported (one line each) and skipped. A ConfigError when every complete one is damaged:
-    resuming none of them silently would start the run over."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return None
-    candidates = sorted(
-        (p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")),
-        key=lambda p: _step_of(p),
-        reverse=True,
-    )
-    skipped, damaged = [], []
-    for path in candidates:
-        if not is_complete(path):
-            skipped.append(f"checkpoint {path} is incomplete (cut off mid-write): skipped")
-        elif (why := checkpoint_damage(path)) is None:
-            _report_once(skipped)
-            return path
-        else:
-            damaged.append(why)
-            skipped.append(f"checkpoint {path.name} is damaged: {why}; skipped")
-    if damaged:  # the one line is this error, not the skipped ones
-        raise ConfigError(
-            "run.resume",
-            f"every checkpoint in {root} is damaged ({len(damaged)}; newest: {damaged[0]})",
-            "restore them from a copy, or set run.resume=never (or a new run.dir) to start over",
-        )
-    _report_once(skipped)
-    return None
-
-
-_reported: set[str] = set()
-
-
-def _report_once(lines: list[str]) -> None:
-    """A skipped checkpoint is said once per process (the launcher and the engine both look)."""
-    for line in lines:
-        if line not in _reported:
-            _reported.add(line)
-            log.warning("%s", line)
-
-
-def checkpoint_damage(path: Path) -> str | None:
-    """What is wrong with a complete checkpoint (`damage`: its files against its manifest), in
-    words naming the file; without a manifest, DCP's .metadata is read and every shard must hold
-    the byte ranges it names (a truncated or missing shard is found, flipped bytes are not)."""
-    why = damage(path)
-    if why is not None or (path / MANIFEST_FILE).is_file():
-        return why
-    try:
-        metadata = SafeFileSystemReader(str(path)).read_metadata()
-        ends: dict[str, int] = {}
-        for info in (metadata.storage_data or {}).values():
-            end = int(info.offset) + int(info.length)
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
-    except Exception as err:  # a garbled pickle raises anything: it is damage, said in a line
-        return f"{path / '.metadata'} is not readable ({type(err).__name__})"
-    for rel, end in sorted(ends.items()):
-        shard = path / rel
-        if not shard.is_file():
-            return f"{shard} is missing"
-        if shard.stat().st_size < end:
-            return f"{shard} is {shard.stat().st_size} bytes, .metadata needs {end} (truncated?)"
-    return None
-
-
-def check_intact(path: Path, key: str) -> None:
-    """A ConfigError naming the file when a complete checkpoint is damaged (`checkpoint_damage`)."""
-    why = checkpoint_damage(path)
-    if why is not None:
-        raise ConfigError(
-            key, f"checkpoint {path} is damaged: {why}", "give another checkpoint (an older step_N)"
-        )
-
-
-def _step_of(path: Path) -> int:
-    digits = path.name.removeprefix("step_").split(".")[0]
-    return int(digits) if digits.isdigit() else -1
-
-
-def resolve_resume(cfg: JobConfig) -> Path | None:
-    """The checkpoint to resume from, per `run.resume` (auto | never | PATH)."""
-    if cfg.run.resume == "never":
-        return None
-    if cfg.run.resume == "auto":
-        return find_latest(Path(cfg.run.dir))
-    path = Path(cfg.run.resume).expanduser()
-    if not is_complete(path):
-        raise ConfigError(
-            "run.resume", f"'{path}' is not a complete checkpoint", "give a checkpoints/step_N dir"
-        )
-    check_intact(path, "run.resume")
-    return path
-
 
 # ---------------------------------------------------------------------------------------------
 # Save and load
@@ -377,22 +182,22 @@ class Checkpointer:
                 self.tokenizer.save_pretrained(tmp / "tokenizer")
                 crash("tokenizer written")
             write_manifest(tmp, parts)
-            _fsync_tree(tmp, lambda name: crash(f"fsync {name}"))
+            fsync_tree(tmp, lambda name: crash(f"fsync {name}"))
             state = dict(trainer_state, step=step, config_hash=semantic_hash(cfg))
             if self.data_fingerprint is not None:
                 state["data_fingerprint"] = self.data_fingerprint
             if cfg.finetune.method != "full":  # adapters only: say which base they belong to
                 state["base"] = self.base or base_pointer(cfg.model)
                 self.base = state["base"]
-            _write_json_durably(tmp / STATE_FILE, state)
+            write_json_durably(tmp / STATE_FILE, state)
             crash("trainer state written")
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
             crash("renamed")
-            _fsync_dir(self.root)
-            _write_latest(self.root, final.name, crash)
-            _prune(self.root, cfg.run.keep_checkpoints)
+            fsync_dir(self.root)
+            write_latest(self.root, final.name, crash)
+            prune(self.root, cfg.run.keep_checkpoints)
             crash("pruned")
 
         # a full disk on rank 0 is every rank's: they leave the save together, with one line
@@ -473,7 +278,7 @@ def _disk_full_is_one_line(root: Path, step: int, tmp: Path, needed_bytes: int) 
             shutil.rmtree(tmp, ignore_errors=True)
         complete = sorted(
             (p for p in root.glob("step_*") if p.is_dir() and is_complete(p)),
-            key=_step_of,
+            key=step_of,
             reverse=True,
         )
         previous = complete[0].name if complete else None
@@ -594,45 +399,6 @@ def _legacy_8bit_request(template: dict[str, Any], metadata: dict[str, Any]) -> 
     return request
 
 
-ABANDONED_DIR = "abandoned"
-
-
-def abandon_later(path: Path, run_dir: Path) -> list[Path]:
-    """A run that resumes from an earlier checkpoint of its own run dir abandons the later ones:
-    they move to checkpoints/abandoned/ (one warning) and `latest` names `path`, so that the next
-    `run.resume: auto` follows this branch, not the abandoned one. Returns where they went."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir() or path.resolve().parent != root.resolve():
-        return []  # another run's checkpoint: this run's own are not a branch of it
-    step = _step_of(path)
-    later = sorted(
-        (p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
-        key=_step_of,
-    )
-    later = [p for p in later if _step_of(p) > step]
-    if not later:
-        return []
-    aside = root / ABANDONED_DIR
-    aside.mkdir(exist_ok=True)
-    moved = []
-    for p in later:
-        target, n = aside / p.name, 1
-        while target.exists():  # abandoned twice: keep both
-            target, n = aside / f"{p.name}.{n}", n + 1
-        p.rename(target)
-        moved.append(target)
-    _fsync_dir(aside)
-    _write_latest(root, path.name, lambda what: None)
-    log.warning(
-        "resuming from %s: the later checkpoints of this run (%s) are an abandoned branch, "
-        "moved to %s; run.resume=auto now follows this one",
-        path.name,
-        ", ".join(p.name for p in later),
-        aside,
-    )
-    return moved
-
-
 def restore_rng(path: Path, rank: int) -> None:
     """Restore this rank's RNG (a rank with no saved state, after a world-size change, reseeds)."""
     f = path / "rng" / f"rank_{rank}.safetensors"
@@ -670,68 +436,3 @@ class _CrashPoints:
 
 
 _crash = _CrashPoints()
-
-
-def _write_json_durably(path: Path, obj: dict[str, Any]) -> None:
-    with path.open("w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_tree(root: Path, after_each: Callable[[str], None]) -> None:
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            with p.open("rb") as f:
-                os.fsync(f.fileno())
-            after_each(str(p.relative_to(root)))
-    for d in sorted(p for p in root.rglob("*") if p.is_dir()):
-        _fsync_dir(d)
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_latest(root: Path, name: str, after_each: Callable[[str], None]) -> None:
-    tmp = root / "latest.tmp"
-    tmp.write_text(name + "\n")
-    after_each("latest.tmp written")
-    with tmp.open("rb") as f:
-        os.fsync(f.fileno())
-    tmp.replace(root / "latest")
-    _fsync_dir(root)
-    after_each("latest replaced")
-
-
-def _prune(root: Path, keep: int) -> None:
-    complete = sorted(
-        (p for p in root.iterdir() if p.is_dir() and is_complete(p)), key=_step_of, reverse=True
-    )
-    for old in complete[keep:]:
-        (old / STATE_FILE).unlink()  # incomplete first, so a cut-off prune is never loaded
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob("step_*.tmp"):
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Export
-
-
-def read_full_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Full fp32 model weights from a checkpoint, in one process (no process group)."""
-    reader = SafeFileSystemReader(str(path))
-    metadata = reader.read_metadata()
-    flat = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith("model/")
-    }
-    dcp.load(flat, storage_reader=SafeFileSystemReader(str(path)), no_dist=not is_distributed())
-    return {key.removeprefix("model/"): t for key, t in flat.items()}

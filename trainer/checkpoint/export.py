@@ -29,13 +29,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from trainer.checkpoint.checkpointer import (
-    check_intact,
-    find_latest,
-    is_complete,
-    read_full_weights,
-)
+from trainer.checkpoint.layout import read_full_weights
 from trainer.checkpoint.manifest import STATE_FILE
+from trainer.checkpoint.store import check_intact, find_latest, is_complete
 from trainer.core.config import (
     ConfigError,
     FinetuneConfig,

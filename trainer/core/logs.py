@@ -58,6 +58,10 @@ class _RankFilter(logging.Filter):
 _IMPORT_CHATTER = ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree")
 for _name in _IMPORT_CHATTER:
     logging.getLogger(_name).setLevel(logging.ERROR)
+# Errors that our own one line says again, with the key to fix: datasets' unreadable parquet file.
+_SAID_AGAIN = ("datasets.packaged_modules.parquet.parquet",)
+for _name in _SAID_AGAIN:
+    logging.getLogger(_name).setLevel(logging.CRITICAL)
 
 
 def setup_logging(rank: int = 0, world_size: int = 1) -> None:

@@ -3,7 +3,7 @@
 This is the part of the data pipeline that needs neither torch nor a tokenizer, so the launcher
 runs it before anything is written or launched (`check_rows`): an empty file, a broken JSON line
 or a row without its field stops `oomless train` with exit 2 in the time it takes to read the
-file. `trainer/data.py` tokenises the same rows.
+file. `trainer/data/` tokenises the same rows.
 
 Plain-text files (`.txt`) are split by `data.text_unit`: `document` (the default: a file is one
 document, as a book or a source file is), `paragraph` (blocks separated by blank lines) or `line`

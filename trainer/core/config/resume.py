@@ -1,7 +1,7 @@
 """What a resume may change. The keys marked LEARNED in the schema decide what is learned: a
 checkpoint refuses to resume when one of them differs (the message names each key and its two
 values), and so does a change of the training data's content (the tokenised data's fingerprint,
-trainer/data.py). Every other key may change and the change is logged: train.steps (extending a
+trainer/data/). Every other key may change and the change is logged: train.steps (extending a
 finished run; the schedule is then computed over the new total), strategy, world size,
 micro-batch, checkpointing, data.cache_dir, data.on_bad_row (a skipped row changes the data's
 fingerprint), model.attn_implementation, model.tokenizer's path (its tokens are in the
