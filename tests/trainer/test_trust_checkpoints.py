@@ -399,7 +399,6 @@ def test_an_export_of_a_run_takes_the_newest_checkpoint_again_when_one_is_pruned
     gave a FileNotFoundError traceback in 3 of 5 tries): export takes the newest again, with one
     warning. Made deterministic: step_6 is removed when export starts reading its weights."""
     import trainer.checkpoint.export
-
     from tests.test_hostile_inputs import in_process
 
     _, run_dir, _ = trained
