@@ -366,3 +366,38 @@ def test_bad_input_found_by_the_workers_exits_2_with_its_line_last(tmp_path):
         f"config error: data.path: {data} row 2 has no 'completion' field; fix the row, "
         "or set data.on_bad_row=skip to skip such rows"
     )
+
+
+@pytest.mark.slow
+def test_a_stop_at_launch_exits_143_saying_no_checkpoint_was_written(tmp_path):
+    """SIGTERM right after torchrun starts, before any rank can checkpoint: exit 143 with a line
+    saying so (it said nothing), and none of torchrun's traceback (it goes to torchrun.log)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            PYTHON, "-m", "launcher.cli", "train", str(DEMO), "train.steps=200",
+            "train.eval_every=0", f"run.dir={run_dir}", "hardware.device=cpu",
+            "hardware.devices_per_node=2",
+        ],
+        env=python_env(), cwd=REPO, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not any(x.startswith("launching:") for x in lines):
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        reader.join(timeout=10)
+    finally:
+        kill_tree(proc.pid)
+    stderr = "".join(lines)
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        "stopped by a signal before this launch wrote a checkpoint; run it again to start from "
+        "the beginning"
+    )
+    assert not (run_dir / "checkpoints").exists()

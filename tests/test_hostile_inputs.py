@@ -580,3 +580,40 @@ def test_exit_3_names_the_key_that_forbids_a_fit_and_every_hint_plans(devices):
     for hint in hints:
         code, err = in_process(["plan", *job, *hint])
         assert code == OK, (hint, err)
+
+
+LLAMA_8B_128K = (
+    "hardware.device=cuda",
+    "hardware.devices_per_node=1",
+    "hardware.host_memory=1TiB",
+    "data.seq_len=131072",
+)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "hint"),
+    [
+        # sdpa's dense mask of the packed documents is what does not fit (was: no hint at all)
+        (("hardware.device_memory=80GiB",), "model.attn_implementation=flash_attention_2"),
+        # nothing else fits: the longest sequence that does, as a last resort
+        (
+            (
+                "hardware.device_memory=16GiB",
+                "model.attn_implementation=flash_attention_2",
+                "finetune.method=lora",
+            ),
+            "data.seq_len=",
+        ),  # fmt: skip
+    ],
+    ids=["flash-attention", "longest-sequence"],
+)
+def test_exit_3_at_128k_tokens_says_what_would_fit_and_it_plans(overrides, hint):
+    job = [str(REPO / "configs" / "models" / "llama-3.1-8b.yaml"), *LLAMA_8B_128K, *overrides]
+    code, stderr = in_process(["plan", *job])
+    line = stderr.strip()
+    assert code == 3 and len(line.splitlines()) == 1, stderr
+    offers = [o.removeprefix("or ") for o in line.split("; ")[1:]]
+    named = [o.split(" would fit on")[0] for o in offers if o.startswith(hint)]
+    assert named, line
+    code, err = in_process(["plan", *job, named[0]])
+    assert code == OK, (named[0], err)

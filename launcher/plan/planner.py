@@ -11,7 +11,7 @@ recomputation, sharding and offload move.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from launcher.estimate.activations import with_activations
@@ -41,8 +41,10 @@ from trainer.core.step_spec import (
     Levers,
     LongContext,
     StepSpec,
+    lever_variants,
     smallest_levers,
 )
+from trainer.core.strategies import Strategy
 from trainer.core.units import GIB
 
 
@@ -322,8 +324,64 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected, c
             break
     if finetune.in_backward:
         offers.append(_without_step_in_backward(cfg, hw, shape, per_rank))
+    offers += _with_varlen_attention(cfg, hw, shape)
     offers += [alt.words() for alt in changes]
+    if not offers:  # a shorter sequence is a change of what is learned: only when nothing else
+        rungs = [r for r in runs if not r.needs_nvme]
+        offers += _longest_sequence(cfg, hw, shape, rungs, smallest_micro(hw.world_size))
     return base + ("; " + "; or ".join(offers) if offers else "")
+
+
+def _fits_words(climbed: Any, hw: Hardware) -> str:
+    best = climbed.ranked[0]
+    return (
+        f"{best.rung.name} ({best.estimate.device_total_bytes / GIB:.1f} GiB of "
+        f"{hw.device_memory_bytes / GIB:.0f} GiB)"
+    )
+
+
+def _with_varlen_attention(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[str]:
+    """Packed documents under sdpa or eager attend through a dense [seq, seq] mask per
+    sequence; flash attention's variable-length kernel needs none (the same math: an exact
+    change, but a kernel the GPU machine must have)."""
+    attention = cfg.model.attn_implementation
+    if hw.device != "cuda" or not cfg.data.pack or attention not in ("sdpa", "eager"):
+        return []
+    model = cfg.model.model_copy(update={"attn_implementation": "flash_attention_2"})
+    flash = cfg.model_copy(update={"model": model})
+    rungs = [r for r in strategies.rows() if cfg.strategy in ("auto", r.name)]
+    climbed, _ = climb_long(flash, hw, shape, rungs)
+    if not climbed.ranked:
+        return []
+    return [
+        f"model.attn_implementation=flash_attention_2 would fit on {_fits_words(climbed, hw)}: "
+        f"{attention} attends through a dense mask of the packed documents"
+    ]
+
+
+def _longest_sequence(
+    cfg: JobConfig, hw: Hardware, shape: ModelShape, rungs: list[Strategy], micro: int
+) -> list[str]:
+    """The longest data.seq_len (a multiple of 1024 from 2048 on) that some rung fits here with
+    full checkpointing and every lever the config allows."""
+    levers = lever_variants(cfg.memory.chunked_loss, cfg.memory.offload_activations, hw.device)[-1]
+    specs = [(r, job_step(cfg, hw, r, micro, "full", levers=levers)) for r in rungs]
+
+    def fits(tokens: int) -> Strategy | None:
+        for rung, spec in specs:
+            est = scaled_estimate(shape, replace(spec, seq_len=tokens), 1.0)
+            if shortfall(est, hw, cfg.memory.headroom) is None:
+                return rung
+        return None
+
+    lo, hi = 0, cfg.data.seq_len  # fits(lo) (or lo == 0), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    longest = lo - lo % 1024 if lo >= 2048 else lo
+    if not longest or (where := fits(longest)) is None:
+        return []
+    return [f"data.seq_len={longest} would fit on {where.name} (the longest that fits here)"]
 
 
 def _without_step_in_backward(

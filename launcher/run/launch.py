@@ -6,6 +6,7 @@ runs the same command with its own `--node_rank` (from the environment, evaluate
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from trainer.core.contract import EXIT_SIGNAL
 if TYPE_CHECKING:
     from launcher.run.torchrun_output import TorchrunOutput
 
+log = logging.getLogger(__name__)
 RDZV_PORT = 29500
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -81,27 +83,33 @@ def run_command(argv: list[str], env: dict[str, str], output: TorchrunOutput | N
     from trainer.core.run_lock import die_with_parent
 
     child_env = dict(os.environ, **env)
-    # Its own session (a Ctrl-C reaches it once, through us), but it dies with us: a supervisor
-    # killed with SIGKILL sends torchrun SIGTERM, and torchrun stops the workers.
-    stderr = subprocess.PIPE if output is not None else None
-    proc = subprocess.Popen(
-        argv,
-        env=child_env,
-        start_new_session=True,
-        preexec_fn=die_with_parent,
-        stderr=stderr,
-        text=True,
-        bufsize=1,
-    )
-    pump = output.pump(proc.stderr) if output is not None and proc.stderr else None
-    stopped = []
+    stopped: list[int] = []
+    started: list[subprocess.Popen] = []
 
     def forward(signum: int, frame: object) -> None:
         stopped.append(signum)
-        proc.send_signal(signal.SIGTERM if signum == signal.SIGUSR1 else signum)
+        for proc in started:
+            proc.send_signal(signal.SIGTERM if signum == signal.SIGUSR1 else signum)
 
+    # forwarding first: a signal from here on stops the child, even one that comes as it starts
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     try:
+        log.info("launching: %s", " ".join(argv))
+        # Its own session (a Ctrl-C reaches it once, through us), but it dies with us: a
+        # supervisor killed with SIGKILL sends torchrun SIGTERM, and torchrun stops the workers.
+        proc = subprocess.Popen(
+            argv,
+            env=child_env,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+            stderr=subprocess.PIPE if output is not None else None,
+            text=True,
+            bufsize=1,
+        )
+        started.append(proc)
+        if stopped:  # it came while the child started: it has not seen it
+            proc.send_signal(signal.SIGTERM)
+        pump = output.pump(proc.stderr) if output is not None and proc.stderr else None
         rc = proc.wait()
         if pump is not None:
             pump.join()

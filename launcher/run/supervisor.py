@@ -39,6 +39,7 @@ from trainer.core.contract import (
     EXIT_OOM,
     EXIT_SIGNAL,
     EXIT_USAGE,
+    LATEST_LINK,
     OOM_REPORT_FILE,
     PLAN_FILE,
     TORCHRUN_LOG,
@@ -188,10 +189,16 @@ def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> i
             return run_training(cfg)
         finally:
             _release_device_memory()
-    log.info("launching: %s", " ".join(argv))
-    output = TorchrunOutput(Path(cfg.run.dir) / TORCHRUN_LOG, sys.stderr)
-    rc = run_command(argv, dict(env, **{LOCK_OWNER_ENV: str(os.getpid())}), output)
     run_dir = Path(cfg.run.dir)
+    newest_before = _newest_checkpoint(run_dir)
+    output = TorchrunOutput(run_dir / TORCHRUN_LOG, sys.stderr)
+    rc = run_command(argv, dict(env, **{LOCK_OWNER_ENV: str(os.getpid())}), output)
+    if rc == EXIT_SIGNAL and _newest_checkpoint(run_dir) == newest_before:
+        log.warning(
+            "stopped by a signal before this launch wrote a checkpoint; run it again to start "
+            "from %s",
+            newest_before or "the beginning",
+        )
     if output.config_error and rc != 0 and not (run_dir / CONFIG_ERROR_FILE).exists():
         print(output.config_error, file=sys.stderr)  # the ranks could not leave it (a full disk)
         return EXIT_USAGE
@@ -200,6 +207,15 @@ def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> i
         # out of memory and bad input have their own lines (the rank's, then the supervisor's)
         log.error("torchrun: the workers failed (exit %d); its report: %s", rc, output.log_path)
     return rc
+
+
+def _newest_checkpoint(run_dir: Path) -> str | None:
+    """What `checkpoints/latest` names now (None: no checkpoint yet)."""
+    latest = run_dir / "checkpoints" / LATEST_LINK
+    try:
+        return latest.read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _release_device_memory() -> None:

@@ -1,7 +1,8 @@
 """torchrun's own output, kept out of the run's: its agent's log lines and the ChildFailedError
 report it prints when a worker fails (a traceback of torchrun itself, then "trainer FAILED",
-"Root Cause", each rank's exit code: about 25 lines) go to run.dir/torchrun.log. The workers'
-lines, their own tracebacks included, pass through unchanged.
+"Root Cause", each rank's exit code: about 25 lines) and its SignalException traceback when a
+stop signal reaches it go to run.dir/torchrun.log. The workers' lines, their own tracebacks
+included, pass through unchanged.
 
 An out-of-memory exit that the supervisor escalates is then one line from the rank that ran out
 and one from the supervisor saying what comes next, not a crash report. The ranks' one line for
@@ -50,6 +51,9 @@ class TorchrunOutput:
                     for h in held:
                         self._divert(h)
                     self._rules_left = 2
+                elif "SignalException" in line:  # torchrun itself stopped by SIGTERM/SIGINT
+                    for h in held:
+                        self._divert(h)
                 else:  # a worker's own traceback: the user's to see
                     self._write(held)
         elif line.startswith("Traceback (most recent call last):"):

@@ -77,3 +77,25 @@ def test_the_ranks_config_error_is_kept_once_and_a_full_log_does_not_stop_the_ou
     filt.close()
     assert out.getvalue() == WORKER
     assert filt.config_error == line.strip()
+
+
+STOPPED = """\
+Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 936, in main
+    run(args)
+  File "/venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py", line 84, in _terminate_process_handler
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 4242 got signal: 15
+"""  # noqa: E501
+
+
+def test_torchruns_own_traceback_on_a_stop_signal_goes_to_the_log(tmp_path):
+    """A SIGTERM of a multi-rank run: the ranks checkpoint and say so; torchrun's traceback of
+    the signal that reached it is not the user's to read."""
+    out = io.StringIO()
+    filt = TorchrunOutput(tmp_path / "torchrun.log", out)
+    for line in io.StringIO(WORKER + STOPPED):
+        filt.feed(line)
+    filt.close()
+    assert out.getvalue() == WORKER
+    assert (tmp_path / "torchrun.log").read_text() == STOPPED
