@@ -617,3 +617,26 @@ def test_exit_3_at_128k_tokens_says_what_would_fit_and_it_plans(overrides, hint)
     assert named, line
     code, err = in_process(["plan", *job, named[0]])
     assert code == OK, (named[0], err)
+
+
+def test_a_read_only_checkpoints_dir_is_one_line_before_training(space):
+    """It trained 2 steps, then a traceback."""
+    import subprocess
+
+    checkpoints = space.run / "checkpoints"
+    checkpoints.mkdir()
+    read_only = ["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(checkpoints)]
+    mounted = subprocess.run(read_only, check=False)
+    if mounted.returncode != 0:
+        pytest.skip("mounting a tmpfs needs root: no read-only checkpoints dir to make")
+    try:
+        code, stderr = in_process(["train", str(space.job), "run.checkpoint_every=1"])
+    finally:
+        subprocess.run(["umount", "-l", str(checkpoints)], check=False)
+    assert code == BAD and "Traceback" not in stderr, stderr[-3000:]
+    lines = [x for x in stderr.splitlines() if not x.startswith("data tokenised in")]
+    assert lines == [
+        f"config error: run.dir: '{checkpoints}' cannot be written (Read-only file system); "
+        "point run.dir at a writable directory"
+    ], stderr
+    assert not (space.run / "checkpoints" / "step_1").exists()

@@ -49,11 +49,18 @@ def ensure_run_dir(path: str | Path) -> None:
     p = Path(path)
     try:
         p.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".oomless-write-test.", dir=p)  # never an existing name
-        os.close(fd)
-        os.unlink(probe)
     except OSError as err:
         raise not_writable("run.dir", p, err) from None
+    # run.dir, and its checkpoints/ where an earlier run left one (a mount of its own may be
+    # read-only): found here, not after the first steps
+    for where in (p, p / "checkpoints"):
+        if where.is_dir():
+            try:
+                fd, probe = tempfile.mkstemp(prefix=".oomless-write-test.", dir=where)
+                os.close(fd)
+                os.unlink(probe)
+            except OSError as err:
+                raise not_writable("run.dir", where, err) from None
 
 
 def check_rows(cfg: JobConfig) -> None:
