@@ -401,3 +401,37 @@ def test_a_stop_at_launch_exits_143_saying_no_checkpoint_was_written(tmp_path):
         "the beginning"
     )
     assert not (run_dir / "checkpoints").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_stop_during_a_checkpoint_write_exits_after_that_write(tmp_path, asynchronous):
+    """The checkpoint being written is the stop's: exit 143 right after it (it took one more
+    step and a second checkpoint, doubling what a grace period must cover)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            PYTHON, "-m", "launcher.cli", "train", str(DEMO), "train.steps=50",
+            "train.eval_every=0", "run.checkpoint_every=2", "run.save_final=false",
+            f"run.dir={run_dir}", "hardware.device=cpu", "debug.slow_rank0={checkpoint_s: 3}",
+            f"run.async_checkpoint={str(asynchronous).lower()}",
+        ],
+        env=python_env(), cwd=REPO, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 240
+        path = run_dir / "metrics.jsonl"
+        while time.time() < deadline and proc.poll() is None:
+            if path.exists() and path.read_text().count("\n") >= 2:
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)  # inside step_2's write (3 s)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 143, stderr[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_2", stderr[-3000:]
+    assert "stopped by SIGTERM after step 2; checkpoint written" in stderr
+    if not asynchronous:  # (step 3 ran while step_2 was written; a resume starts after step 2)
+        assert [m["step"] for m in metrics(run_dir)] == [1, 2]

@@ -238,17 +238,27 @@ def _train(run: _Run) -> int:
 
         # the last step is always in a checkpoint (or, with checkpoint_every 0, in final/)
         last = step + 1 == cfg.train.steps and (cfg.run.checkpoint_every or not cfg.run.save_final)
+        in_flight = checkpointer.step_in_flight
+        if stopping and in_flight is not None and not last:
+            # a background write was under way when the signal came: it is the stop's
+            return _ended(_stopped(run, checkpointer, stop, in_flight), trackers, window)
         if stopping or last or _due(step + 1, cfg.run.checkpoint_every, cfg.train.steps):
             asynchronous = cfg.run.async_checkpoint and not stopping
             _checkpoint(checkpointer, step + 1, backend, ctx, split, asynchronous)
+            # a signal that came during the write: this checkpoint is the stop's, no step more
+            stopping = stopping or (not last and stop.agreed(ctx.device))
         if stopping:
-            checkpointer.finish()
-            log.warning("stopped by %s after step %d; checkpoint written", stop.name, step + 1)
-            # preempted under Slurm (SIGUSR1): back in the queue, resumes there
-            code = after_stop(stop.signum, ctx.rank, step + 1, run.run_dir, EXIT_SIGNAL)
-            return _ended(code, trackers, window)
+            return _ended(_stopped(run, checkpointer, stop, step + 1), trackers, window)
     checkpointer.finish()
     return _ended(0, trackers, window)
+
+
+def _stopped(run: _Run, checkpointer: Checkpointer, stop: StopSignals, step: int) -> int:
+    """A stop signal: the checkpoint of `step` completed; the exit code (back in the Slurm
+    queue when preempted with SIGUSR1)."""
+    checkpointer.finish()
+    log.warning("stopped by %s after step %d; checkpoint written", stop.name, step)
+    return after_stop(stop.signum, run.ctx.rank, step, run.run_dir, EXIT_SIGNAL)
 
 
 def _ended(code: int, trackers: Trackers, window: ProfileWindow) -> int:

@@ -239,14 +239,17 @@ def shards_in_8bit(p: torch.Tensor) -> bool:
     return p.numel() >= MIN_8BIT_NUMEL and p.dim() == 2 and p.shape[1] % BLOCK == 0
 
 
-# The checkpoint's form of bitsandbytes' AdamW state, the same on every rung and world size:
-# - a matrix whose rows hold whole blocks (`shards_in_8bit`): its 8-bit codes `state1`/`state2`
-#   with their fp32 block scales by rows `absmax1`/`absmax2` ([rows, cols / 256]); a replica and
-#   every FSDP shard hold these very blocks, so they move bit for bit;
-# - any other tensor: its fp32 moments `exp_avg`/`exp_avg_sq`, as torch's AdamW names them. A
-#   replica quantises tensors of 4096+ values in blocks that run across rows, which an FSDP shard
-#   cannot hold (it keeps fp32 moments there): the replica's codes are saved dequantised and
-#   re-quantised on load into whatever blocks the loading rung keeps.
+# How a checkpoint holds bitsandbytes' AdamW state: what each moment means, in one of two forms,
+# and any rung and world size loads either (trainer/checkpoint/checkpointer.py converts):
+# - 8-bit codes `state1`/`state2` with their fp32 block scales `absmax1`/`absmax2`, blocks of 256
+#   over the flattened tensor ([blocks]); for a matrix whose rows hold whole blocks those are its
+#   rows' blocks, kept by rows ([rows, cols / 256]) so FSDP2 shards them. A replica writes codes;
+#   so does an FSDP shard of such a matrix. A loader that keeps the same blocks copies them, bit
+#   for bit;
+# - fp32 moments `exp_avg`/`exp_avg_sq`, as torch's AdamW names them: tensors under 4096 values,
+#   and what an FSDP shard keeps of a matrix whose rows do not hold whole blocks. A loader that
+#   keeps codes quantises them into its blocks; a shard that keeps fp32 moments is given a
+#   replica's codes dequantised.
 FP32_MOMENTS = ("exp_avg", "exp_avg_sq")
 CODES = ("state1", "state2")
 SCALES = ("absmax1", "absmax2")
@@ -260,22 +263,16 @@ def canonical_8bit_moments(p: torch.Tensor, state: dict[str, Any]) -> dict[str, 
     checkpoint's form (above)."""
     if state["state1"].dtype != torch.uint8:  # under 4096 values: bitsandbytes' fp32 moments
         return {moment: state[code] for moment, code, _, _ in MOMENTS}
-    if shards_in_8bit(p):
-        out = {key: state[key] for key in CODES}
+    out = {key: state[key] for key in CODES}
+    if shards_in_8bit(p):  # block scales by rows, where the rows hold whole blocks
         return out | {key: state[key].view(p.shape[0], -1) for key in SCALES}
-    F = require("bitsandbytes", "train.optimizer", "adamw_8bit").functional
-    return {
-        moment: F.dequantize_blockwise(
-            state[code], absmax=state[scale], code=state[qmap], blocksize=BLOCK
-        ).view(p.shape)
-        for moment, code, scale, qmap in MOMENTS
-    }
+    return out | {key: state[key] for key in SCALES}
 
 
-def from_legacy_8bit(shape: torch.Size, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A checkpoint written before the canonical form kept bitsandbytes' state as it was:
-    `state1`/`state2` fp32 for small tensors, or codes with flat block scales whatever the
-    shape. Returns the fp32 moments of a tensor of `shape` from the whole saved tensors."""
+def fp32_moments(shape: torch.Size, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fp32 moments of a tensor of `shape` from whole saved codes and block scales (also
+    from a checkpoint written before the form above, whose small tensors kept fp32 moments as
+    `state1`/`state2`)."""
     if saved["state1"].dtype != torch.uint8:
         return {moment: saved[code].view(shape) for moment, code, _, _ in MOMENTS}
     F = require("bitsandbytes", "train.optimizer", "adamw_8bit").functional

@@ -203,6 +203,16 @@ def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> i
         print(output.config_error, file=sys.stderr)  # the ranks could not leave it (a full disk)
         return EXIT_USAGE
     explained = (run_dir / OOM_REPORT_FILE).exists() or (run_dir / CONFIG_ERROR_FILE).exists()
+    if output.killed and rc not in (0, EXIT_SIGNAL) and not explained:
+        rank, signame = min(output.killed.items())
+        newest = _newest_checkpoint(run_dir)
+        print(
+            f"oomless: rank {rank} was killed ({signame}; the kernel's out-of-memory killer or a "
+            f"user); the run stopped; run it again to resume from {newest or 'the beginning'} "
+            f"(details: {output.log_path})",
+            file=sys.stderr,
+        )
+        return rc
     if output.num_diverted and rc not in (0, EXIT_SIGNAL) and not explained:
         # out of memory and bad input have their own lines (the rank's, then the supervisor's)
         log.error("torchrun: the workers failed (exit %d); its report: %s", rc, output.log_path)

@@ -1,8 +1,9 @@
 """torchrun's own output, kept out of the run's: its agent's log lines and the ChildFailedError
 report it prints when a worker fails (a traceback of torchrun itself, then "trainer FAILED",
-"Root Cause", each rank's exit code: about 25 lines) and its SignalException traceback when a
-stop signal reaches it go to run.dir/torchrun.log. The workers' lines, their own tracebacks
-included, pass through unchanged.
+"Root Cause", each rank's exit code: about 25 lines), its SignalException traceback when a
+stop signal reaches it, and the tracebacks of ranks that lost a peer mid-collective (a rank that
+was killed: the supervisor names it in one line) go to run.dir/torchrun.log. The workers' other
+lines, their own tracebacks included, pass through unchanged.
 
 An out-of-memory exit that the supervisor escalates is then one line from the rank that ran out
 and one from the supervisor saying what comes next, not a crash report. The ranks' one line for
@@ -24,6 +25,9 @@ from trainer.core.logs import redact
 _AGENT_LINE = re.compile(r"^[EWID]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/")
 _RULE = "=" * 20
 _CONFIG_ERROR = "config error: "  # a rank's one line before exit 2 (trainer/__main__.py)
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")
+# gloo's words for a peer that went away mid-collective
+_PEER_LOST = re.compile(r"Connection (reset|closed) by peer")
 
 
 class TorchrunOutput:
@@ -36,27 +40,33 @@ class TorchrunOutput:
         self.config_error: str | None = None  # the first rank's one line for bad input
         self._held: list[str] = []  # a traceback whose exception line has not come yet
         self._rules_left = 0  # inside the ChildFailedError report: closing rules still to come
+        self._report_rank: int | None = None
+        self.killed: dict[int, str] = {}  # rank -> the signal that ended it (SIGKILL, ...)
 
     def feed(self, line: str) -> None:
         line = redact(line)  # a worker's traceback can quote a URI with its password
+        body = _RANK_PREFIX.sub("", line)  # a worker's uncaught error comes as "[rankN]: ..."
         if self._rules_left:
             self._divert(line)
+            self._read_report(line)
             if line.startswith(_RULE):
                 self._rules_left -= 1
         elif self._held:
             self._held.append(line)
-            if not line.startswith((" ", "\t")):  # the exception line ends a traceback
+            if not body.startswith((" ", "\t")):  # the exception line ends a traceback
                 held, self._held = self._held, []
                 if "ChildFailedError" in line:  # torchrun's report follows between two rules
                     for h in held:
                         self._divert(h)
                     self._rules_left = 2
-                elif "SignalException" in line:  # torchrun itself stopped by SIGTERM/SIGINT
+                elif "SignalException" in line or _PEER_LOST.search(line):
+                    # torchrun itself stopped by a signal; or a rank that lost a peer (the
+                    # peer's end is the news: the supervisor names it)
                     for h in held:
                         self._divert(h)
                 else:  # a worker's own traceback: the user's to see
                     self._write(held)
-        elif line.startswith("Traceback (most recent call last):"):
+        elif body.startswith("Traceback (most recent call last):"):
             self._held = [line]
         elif _AGENT_LINE.match(line):
             self._divert(line)
@@ -65,6 +75,16 @@ class TorchrunOutput:
             self._divert(line)
         else:
             self._write([line])
+
+    def _read_report(self, line: str) -> None:
+        """The ranks that a signal ended, from torchrun's report ("rank : 1 ...", then
+        "exitcode : -9 (pid: N)  (SIGKILL)")."""
+        if m := re.match(r"\s*rank\s*: (\d+)", line):
+            self._report_rank = int(m.group(1))
+        elif (m := re.match(r"\s*exitcode\s*: -\d+ .*\((SIG\w+)\)", line)) and (
+            self._report_rank is not None and m.group(1) not in ("SIGTERM", "SIGINT")
+        ):  # a stop's SIGTERM of the others is torchrun's doing, not news
+            self.killed[self._report_rank] = m.group(1)
 
     def close(self) -> None:
         if self._held:

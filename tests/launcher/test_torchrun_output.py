@@ -99,3 +99,49 @@ def test_torchruns_own_traceback_on_a_stop_signal_goes_to_the_log(tmp_path):
     filt.close()
     assert out.getvalue() == WORKER
     assert (tmp_path / "torchrun.log").read_text() == STOPPED
+
+
+PEER_LOST = """\
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "/work/trainer/runtime/dist.py", line 192, in all_reduce_max_many
+[rank0]:     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+[rank0]: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:54939: Connection reset by peer. This is typically caused by a remote worker hanging
+"""  # noqa: E501
+KILLED = """\
+Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+============================================================
+trainer FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-26_13:42:31
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 27535)  (SIGTERM)
+  traceback : Signal 15 (SIGTERM) received by PID 27535
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-26_13:42:31
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 27536)  (SIGKILL)
+  traceback : Signal 9 (SIGKILL) received by PID 27536
+============================================================
+"""  # noqa: E501, W291
+
+
+def test_a_killed_rank_is_named_and_the_others_lost_peer_tracebacks_go_to_the_log(tmp_path):
+    """kill -9 of rank 1: rank 0's gloo traceback (it lost its peer) and torchrun's report go to
+    the log; the filter names the killed rank for the supervisor's one line."""
+    out = io.StringIO()
+    filt = TorchrunOutput(tmp_path / "torchrun.log", out)
+    for line in io.StringIO(WORKER + PEER_LOST + KILLED):
+        filt.feed(line)
+    filt.close()
+    assert out.getvalue() == WORKER
+    assert filt.killed == {1: "SIGKILL"}
+    assert (tmp_path / "torchrun.log").read_text() == PEER_LOST + KILLED

@@ -100,7 +100,8 @@ def test_adamw_8bit_trains_with_8bit_moments(runs, name):
     assert losses[-1] < losses[0] - 0.05, losses
     dtypes = _optim_dtypes(runs / name / "checkpoints" / "step_2")
     assert any(k.endswith("/state1") and d == torch.uint8 for k, d in dtypes.items()), dtypes
-    assert not any(k.endswith("/exp_avg") for k in dtypes)
+    # tensors under 4096 values keep fp32 moments
+    assert all(d == torch.float32 for k, d in dtypes.items() if k.endswith("/exp_avg")), dtypes
 
 
 def test_adamw_8bit_resume_is_bit_exact(runs):

@@ -11,7 +11,7 @@ from trainer.backends import OptimizerSpec
 from trainer.optim import (
     build_optimizer,
     canonical_8bit_moments,
-    from_legacy_8bit,
+    fp32_moments,
     load_8bit_moments,
 )
 
@@ -49,16 +49,21 @@ def _fp32_moments(p: nn.Parameter, state: dict) -> tuple[torch.Tensor, torch.Ten
     )
 
 
-def test_a_matrix_whose_rows_do_not_hold_whole_blocks_is_saved_as_fp32_moments():
+def test_a_replica_saves_its_codes_and_an_fsdp_shard_is_given_them_as_fp32_moments():
+    """A matrix whose rows do not hold whole blocks: a replica's codes run across rows. They are
+    saved as they are (a replica resumes them bit for bit); a loader that keeps fp32 moments gets
+    them dequantised."""
     p, optimizer = _stepped((64, 96))  # 6144 values: 8-bit here, blocks across rows
     state = optimizer.state[p]
     assert state["state1"].dtype == torch.uint8
     saved = canonical_8bit_moments(p, state)
-    assert set(saved) == {"exp_avg", "exp_avg_sq"}
-    assert saved["exp_avg"].dtype == torch.float32 and saved["exp_avg"].shape == p.shape
+    assert set(saved) == {"state1", "state2", "absmax1", "absmax2"}
+    assert saved["absmax1"].shape == (24,)  # 6144 / 256 blocks over the flattened matrix
+    moments = fp32_moments(p.shape, saved)
     exp_avg, exp_avg_sq = _fp32_moments(p, state)
-    assert torch.equal(saved["exp_avg"], exp_avg) and torch.equal(saved["exp_avg_sq"], exp_avg_sq)
-    assert saved["exp_avg"].abs().max() > 0
+    assert torch.equal(moments["exp_avg"], exp_avg)
+    assert torch.equal(moments["exp_avg_sq"], exp_avg_sq)
+    assert moments["exp_avg"].abs().max() > 0
 
 
 def test_fp32_moments_are_quantised_back_into_the_blocks_the_loading_state_keeps():
@@ -84,17 +89,10 @@ def test_a_block_aligned_matrix_keeps_its_codes_and_block_scales_by_rows():
     assert torch.equal(fresh.state[q]["absmax2"], optimizer.state[p]["absmax2"])
 
 
-def test_a_legacy_checkpoints_codes_with_flat_block_scales_become_fp32_moments():
-    p, optimizer = _stepped((64, 96))
-    state = optimizer.state[p]
-    legacy = {k: state[k].clone() for k in ("state1", "state2", "absmax1", "absmax2")}
-    moments = from_legacy_8bit(p.shape, legacy)
-    exp_avg, exp_avg_sq = _fp32_moments(p, state)
-    assert torch.equal(moments["exp_avg"], exp_avg) and torch.equal(
-        moments["exp_avg_sq"], exp_avg_sq
-    )
-    small = {"state1": torch.ones(4, 4), "state2": torch.full((4, 4), 2.0)}  # fp32 under 4096
-    assert torch.equal(from_legacy_8bit(torch.Size([4, 4]), small)["exp_avg_sq"], small["state2"])
+def test_fp32_moments_of_a_checkpoint_from_before_the_two_forms():
+    """Its small tensors kept bitsandbytes' fp32 moments as state1/state2."""
+    small = {"state1": torch.ones(4, 4), "state2": torch.full((4, 4), 2.0)}
+    assert torch.equal(fp32_moments(torch.Size([4, 4]), small)["exp_avg_sq"], small["state2"])
 
 
 @pytest.mark.parametrize("shape", [(256, 256), (40, 40)])  # 8-bit moments; fp32 (under 4096)

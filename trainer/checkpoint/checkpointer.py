@@ -65,7 +65,7 @@ from trainer.core.config import (
 )
 from trainer.core.errors import disk_full, no_space
 from trainer.model.finetune import base_pointer, check_same_base
-from trainer.optim import from_legacy_8bit
+from trainer.optim import fp32_moments
 from trainer.runtime.dist import (
     after_rank0,
     all_reduce_max,
@@ -152,6 +152,11 @@ class Checkpointer:
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
         return self._group
+
+    @property
+    def step_in_flight(self) -> int | None:
+        """The step of a checkpoint still being written in the background, if any."""
+        return self._pending[1] if self._pending is not None else None
 
     def finish(self) -> None:
         """Complete a checkpoint still being written in the background (a collective)."""
@@ -367,35 +372,36 @@ def load_checkpoint(
         )
     # Parameters that had no optimizer state when saved (never stepped) keep a fresh one.
     flat = {k: v for k, v in flat.items() if k in stored}
-    legacy = _legacy_8bit_request(template, metadata)
+    other = _other_form_request(template, metadata)
     dcp.load(
-        {**flat, **legacy},
+        {**flat, **other},
         storage_reader=SafeFileSystemReader(str(path)),
         no_dist=not is_distributed(),
     )
     state["backend"] = unflatten_state(flat)
-    for name, saved in unflatten_state(legacy)["optim"].items():
-        shape = template["model"][name].shape
-        state["backend"]["optim"][name].update(from_legacy_8bit(shape, saved))
+    for name, saved in unflatten_state(other)["optim"].items():
+        if "exp_avg" not in saved:  # codes, for a loader that keeps fp32 moments
+            saved = fp32_moments(template["model"][name].shape, saved)
+        state["backend"]["optim"][name].update(saved)
     if not is_distributed() or dist.get_rank() == 0:
         abandon_later(path, Path(cfg.run.dir))
     return state
 
 
-def _legacy_8bit_request(template: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
-    """Whole tensors to read for the moments a checkpoint from before the 8-bit canonical form
-    (trainer/optim.py) holds as bitsandbytes kept them, where the template asks for fp32 ones."""
+def _other_form_request(template: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
+    """Whole tensors to read for the moments of adamw_8bit that the checkpoint holds in the other
+    form than the loading rung keeps (trainer/optim.py): codes where it keeps fp32 moments (also
+    a checkpoint written before that form), fp32 moments where it keeps codes."""
     request = {}
     for name, moments in template["optim"].items():
         prefix = f"optim/{name}/"
-        if "exp_avg" not in moments or prefix + "exp_avg" in metadata:
+        wants, other = ("exp_avg", "state1") if "exp_avg" in moments else ("state1", "exp_avg")
+        if wants not in moments or prefix + wants in metadata or prefix + other not in metadata:
             continue
-        if prefix + "state1" not in metadata:
-            continue
-        for key in ("state1", "state2", "absmax1", "absmax2"):
-            if prefix + key in metadata:
-                meta = metadata[prefix + key]
-                request[prefix + key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        keys = ("state1", "state2", "absmax1", "absmax2", "exp_avg", "exp_avg_sq")
+        for key in (k for k in keys if prefix + k in metadata):
+            meta = metadata[prefix + key]
+            request[prefix + key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     return request
 
 
