@@ -4,6 +4,7 @@ subprocesses; and the session's last check: no process a test started is still a
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 import subprocess
 import sys
@@ -18,10 +19,18 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# DeepSpeed JIT-builds its CPU ops (CPU Adam, shared-memory collectives) into torch's extensions
-# dir: one dir per checkout's environment, so that two checkouts on one machine do not rebuild
-# each other's ops over and over. (A lock left by a killed build is removed by the backend.)
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+# What the suite compiles outlives the checkout, in a per-user cache that later runs reuse.
+# DeepSpeed JIT-builds its CPU ops (CPU Adam, shared-memory collectives) with the venv's include
+# path in their flags: one dir per environment, so that two checkouts on one machine do not
+# rebuild each other's ops over and over (a lock left by a killed build is removed by the
+# backend); a new venv rebuilds them once (pip writes the sources with the install time, and
+# ninja rebuilds what is older than its sources). Inductor's compiled kernels (`train.compile`,
+# torchao's low-bit optimizers) are keyed by content and flags and share one dir: a fresh clone
+# at the same path reuses them. Set here, so the subprocesses the tests start inherit them.
+TEST_CACHE = Path(os.environ.get("OOMLESS_TEST_CACHE") or Path.home() / ".cache" / "oomless-tests")
+VENV_KEY = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(TEST_CACHE / "torch_extensions" / VENV_KEY))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(TEST_CACHE / "inductor"))
 
 TINY_LLAMA = {
     "model_type": "llama",
