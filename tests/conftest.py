@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
+
+from tests.cli_worker import DONE
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -107,6 +111,37 @@ def oomless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return run_bounded(
         [PYTHON, "-m", "launcher.cli", *args], timeout=timeout, env=python_env(), cwd=REPO
     )
+
+
+def train_in_one_process(
+    jobs: list[tuple[list[str], Path]], timeout_per_run_s: float = 300
+) -> None:
+    """`oomless train ARGS` for each (ARGS, LOG) in turn, all in ONE process (tests/cli_worker.py)
+    with each run's stderr written to its LOG: for runs a test reads, where the CLI's own process
+    is not what is under test. Fails at the first run that exits non-zero, with its log's end."""
+    for _, log in jobs:
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([{"args": args, "log": str(log)} for args, log in jobs], f)
+    spec = Path(f.name)
+    try:
+        r = run_bounded(
+            [PYTHON, str(REPO / "tests" / "cli_worker.py"), str(spec)],
+            timeout=timeout_per_run_s * len(jobs), env=python_env(), cwd=REPO,
+        )  # fmt: skip
+    finally:
+        spec.unlink()
+    done = [
+        json.loads(line.removeprefix(DONE))
+        for line in r.stdout.splitlines()
+        if line.startswith(DONE)
+    ]
+    if r.returncode == 0 and len(done) == len(jobs):
+        return
+    at = len(done) - 1 if done and done[-1]["exit"] else min(len(done), len(jobs) - 1)
+    failed = Path(jobs[at][1])
+    log = failed.read_text()[-3000:] if failed.is_file() else ""
+    raise AssertionError(f"exit {r.returncode} at {failed}:\n{log}\n{r.stderr[-3000:]}")
 
 
 def kill_tree(pid: int) -> None:
