@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test test-fast lint bench
 $(BIN)/oomless: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -17,6 +17,11 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q --durations=15 tests
+
+# the inner loop: units, in-process engine steps, planner, estimate, docs, architecture, the
+# in-process hostile cases and one 2-rank smoke; `make test` (CI) runs these and the slow tier
+test-fast: setup
+	$(BIN)/python -m pytest -q --durations=15 -m "not slow" tests
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

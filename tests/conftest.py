@@ -4,9 +4,12 @@ subprocesses; and the session's last check: no process a test started is still a
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,14 +17,24 @@ import psutil
 import pytest
 import yaml
 
+from tests.cli_worker import DONE
+
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# DeepSpeed JIT-builds its CPU ops (CPU Adam, shared-memory collectives) into torch's extensions
-# dir: one dir per checkout's environment, so that two checkouts on one machine do not rebuild
-# each other's ops over and over. (A lock left by a killed build is removed by the backend.)
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+# What the suite compiles outlives the checkout, in a per-user cache that later runs reuse.
+# DeepSpeed JIT-builds its CPU ops (CPU Adam, shared-memory collectives) with the venv's include
+# path in their flags: one dir per environment, so that two checkouts on one machine do not
+# rebuild each other's ops over and over (a lock left by a killed build is removed by the
+# backend); a new venv rebuilds them once (pip writes the sources with the install time, and
+# ninja rebuilds what is older than its sources). Inductor's compiled kernels (`train.compile`,
+# torchao's low-bit optimizers) are keyed by content and flags and share one dir: a fresh clone
+# at the same path reuses them. Set here, so the subprocesses the tests start inherit them.
+TEST_CACHE = Path(os.environ.get("OOMLESS_TEST_CACHE") or Path.home() / ".cache" / "oomless-tests")
+VENV_KEY = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(TEST_CACHE / "torch_extensions" / VENV_KEY))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(TEST_CACHE / "inductor"))
 
 TINY_LLAMA = {
     "model_type": "llama",
@@ -98,6 +111,37 @@ def oomless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return run_bounded(
         [PYTHON, "-m", "launcher.cli", *args], timeout=timeout, env=python_env(), cwd=REPO
     )
+
+
+def train_in_one_process(
+    jobs: list[tuple[list[str], Path]], timeout_per_run_s: float = 300
+) -> None:
+    """`oomless train ARGS` for each (ARGS, LOG) in turn, all in ONE process (tests/cli_worker.py)
+    with each run's stderr written to its LOG: for runs a test reads, where the CLI's own process
+    is not what is under test. Fails at the first run that exits non-zero, with its log's end."""
+    for _, log in jobs:
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([{"args": args, "log": str(log)} for args, log in jobs], f)
+    spec = Path(f.name)
+    try:
+        r = run_bounded(
+            [PYTHON, str(REPO / "tests" / "cli_worker.py"), str(spec)],
+            timeout=timeout_per_run_s * len(jobs), env=python_env(), cwd=REPO,
+        )  # fmt: skip
+    finally:
+        spec.unlink()
+    done = [
+        json.loads(line.removeprefix(DONE))
+        for line in r.stdout.splitlines()
+        if line.startswith(DONE)
+    ]
+    if r.returncode == 0 and len(done) == len(jobs):
+        return
+    at = len(done) - 1 if done and done[-1]["exit"] else min(len(done), len(jobs) - 1)
+    failed = Path(jobs[at][1])
+    log = failed.read_text()[-3000:] if failed.is_file() else ""
+    raise AssertionError(f"exit {r.returncode} at {failed}:\n{log}\n{r.stderr[-3000:]}")
 
 
 def kill_tree(pid: int) -> None:

@@ -76,6 +76,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert not run_dir.exists()
 
 
+@pytest.mark.slow  # `oomless train` processes, out of memory and after: `make test` only
 def test_injected_oom_backs_off_and_learns_the_same(tmp_path):
     """Half the micro-batch after an OOM at step 3: same losses as micro 4 from the start."""
     common = [
@@ -105,6 +106,7 @@ def test_injected_oom_backs_off_and_learns_the_same(tmp_path):
         assert abs(x["loss"] - y["loss"]) <= 1e-5 * y["loss"], (x, y)
 
 
+@pytest.mark.slow  # `oomless train` processes, out of memory and after: `make test` only
 def test_at_micro_batch_1_the_back_off_pulls_the_exact_levers_and_learns_the_same(tmp_path):
     """OOMs at step 3 five times: micro-batch 2 -> 1, then chunked loss, activation offload,
     and checkpointing none -> selective -> full, on the running model; the losses equal a run at
@@ -145,6 +147,7 @@ def test_at_micro_batch_1_the_back_off_pulls_the_exact_levers_and_learns_the_sam
         assert abs(x["loss"] - y["loss"]) <= 1e-6 * y["loss"], (x, y)
 
 
+@pytest.mark.slow  # `oomless train` processes, out of memory and after: `make test` only
 def test_an_oom_while_setting_up_climbs_a_rung(tmp_path):
     """Out of memory before the first step (sharding, optimizer state, loading a checkpoint):
     reported and escalated like one in a step; the next rung trains."""
@@ -167,6 +170,7 @@ def test_an_oom_while_setting_up_climbs_a_rung(tmp_path):
     assert [m["strategy"] for m in metrics(run_dir)] == [escalation["to"]] * 3
 
 
+@pytest.mark.slow  # `oomless train` processes, out of memory and after: `make test` only
 def test_a_forced_strategy_is_where_escalation_starts(tmp_path):
     """`strategy: single` that runs out of memory for good climbs to a higher rung (same math)
     and says that it left the forced rung; the run ends where it would have ended."""
@@ -193,6 +197,7 @@ def test_a_forced_strategy_is_where_escalation_starts(tmp_path):
     assert [m["strategy"] for m in metrics(run_dir)] == ["single"] + [escalation["to"]] * 2
 
 
+@pytest.mark.slow  # `oomless train` processes, out of memory and after: `make test` only
 def test_persistent_oom_without_escalation_exits_75_with_a_report(tmp_path):
     """escalation.enabled=false: a forced rung that runs out of memory stops there."""
     run_dir = tmp_path / "run"
@@ -218,6 +223,7 @@ def test_persistent_oom_without_escalation_exits_75_with_a_report(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # `oomless train` processes, out of memory and after: `make test` only
 def test_an_oom_in_evaluation_at_eval_batch_1_exits_75_with_a_report(tmp_path):
     """Evaluation backs off like a step (eval batch 2 -> 1) and then gives up like one."""
     run_dir = tmp_path / "run"
@@ -315,8 +321,14 @@ def test_sigterm_checkpoints_exits_143_and_resume_continues(tmp_path):
     assert [m["step"] for m in metrics(run_dir)] == list(range(1, 61))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "zero3_offload", "auto"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        pytest.param("fsdp", marks=pytest.mark.slow),
+        pytest.param("zero3_offload", marks=pytest.mark.slow),
+        "auto",  # `make test-fast`'s 2-rank smoke
+    ],
+)
 def test_train_spawns_torchrun_for_two_cpu_processes(tmp_path, strategy):
     """A forced rung runs as forced; `auto` runs the rung the planner picked (ddp: the demo model
     fits twice over, and a replica per process needs the least communication)."""

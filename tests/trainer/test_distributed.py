@@ -6,8 +6,9 @@ zero3@2 -> single@1, single@1 -> fsdp@2, fsdp@2 -> fsdp@1, with the
 losses after the resume and the optimizer moments four steps later equal to the straight run's.
 
 One torchrun launch runs all the two-process trainings (tests/trainer/dist_worker.py); the
-single-process references run through `oomless train`. Module-scoped: the assertions below share
-those runs.
+single-process references run through `oomless train`, all in one process (tests/cli_worker.py)
+before that launch and those resumed from its checkpoints in one after it. Module-scoped: the
+assertions below share those runs.
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ import psutil
 import pytest
 import torch
 
-from tests.conftest import PYTHON, REPO, python_env, run_bounded, write_demo_job
+from tests.conftest import (
+    PYTHON,
+    REPO,
+    python_env,
+    run_bounded,
+    train_in_one_process,
+    write_demo_job,
+)
 from tests.trainer.dist_runs import RESUME_AT, RUNS, STEPS, checked
 from tests.trainer.saved_model import PRETRAINED_PARAMS, save_pretrained_model
 
@@ -55,15 +63,15 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _single(base: Path, run_dir: Path, *overrides: str) -> str:
-    r = run_bounded(
-        [PYTHON, "-m", "launcher.cli", "train", str(base), "strategy=single",
-         "hardware.devices_per_node=1", "train.micro_batch_size=8", f"run.dir={run_dir}",
-         *overrides],
-        env=python_env(), cwd=REPO, timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stderr
+def _single_runs(base: Path, work: Path, runs: list) -> None:
+    """`oomless train` of each one-process row, in one process; its stderr in stderr.txt."""
+    jobs = []
+    for run in runs:
+        overrides = [o.replace("{work}", str(work)) for o in run.overrides]
+        args = [str(base), "strategy=single", "hardware.devices_per_node=1",
+                "train.micro_batch_size=8", f"run.dir={work / run.name}", *overrides]  # fmt: skip
+        jobs.append((args, work / run.name / "stderr.txt"))
+    train_in_one_process(jobs)
 
 
 NVME_RUNS = [run.name for run in RUNS if run.needs_nvme]
@@ -88,9 +96,7 @@ def runs(tmp_path_factory) -> Path:
     base = _base_config(work)
     save_pretrained_model(work / "pretrained")
     one_process = [run for run in RUNS if run.world_size == 1]
-    for run in one_process:
-        if run.copy_from is None:
-            _single_run(base, work, run)
+    _single_runs(base, work, [run for run in one_process if run.copy_from is None])
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     skip = [] if async_io_builds() else NVME_RUNS
     r = run_bounded(
@@ -102,19 +108,13 @@ def runs(tmp_path_factory) -> Path:
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     left = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert not left, f"processes left behind: {left}"
-    for run in one_process:  # checkpoints of two-process runs resumed on one process
-        if run.copy_from is not None:
-            step = f"checkpoints/step_{RESUME_AT}"
-            (work / run.name / "checkpoints").mkdir(parents=True)
-            shutil.copytree(work / run.copy_from / step, work / run.name / step)
-            _single_run(base, work, run)
+    resumed = [run for run in one_process if run.copy_from is not None]
+    for run in resumed:  # checkpoints of two-process runs resumed on one process
+        step = f"checkpoints/step_{RESUME_AT}"
+        (work / run.name / "checkpoints").mkdir(parents=True)
+        shutil.copytree(work / run.copy_from / step, work / run.name / step)
+    _single_runs(base, work, resumed)
     return work
-
-
-def _single_run(base: Path, work: Path, run) -> None:
-    overrides = [o.replace("{work}", str(work)) for o in run.overrides]
-    log = _single(base, work / run.name, *overrides)
-    (work / run.name / "stderr.txt").write_text(log)
 
 
 @pytest.mark.parametrize("run", checked("fp32"), ids=lambda run: run.name)

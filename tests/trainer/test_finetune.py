@@ -1,6 +1,7 @@
 """LoRA, QLoRA and 8-bit AdamW (trainer/model/finetune.py) on one process: training, what a
-checkpoint holds, bit-exact resume, export to a PEFT adapter dir and --merge. The 2-process rungs
-are rows of tests/trainer/dist_runs.py (one shared torchrun launch)."""
+checkpoint holds, bit-exact resume, export to a PEFT adapter dir and --merge. The module's runs
+are `oomless train` in one process (tests/cli_worker.py); the 2-process rungs are rows of
+tests/trainer/dist_runs.py (one shared torchrun launch)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import TINY_LLAMA, oomless, write_demo_job
+from tests.conftest import TINY_LLAMA, oomless, train_in_one_process, write_demo_job
 from trainer.core import methods, strategies
 
 pytestmark = pytest.mark.slow
@@ -34,10 +35,9 @@ def _job(tmp: Path, name: str, **sections) -> Path:
     )
 
 
-def _train(job: Path, run_dir: Path, *overrides: str) -> None:
-    r = oomless("train", str(job), "strategy=single", f"run.dir={run_dir}", *overrides)
-    assert r.returncode == 0, r.stderr[-3000:]
-    (run_dir / "stderr.txt").write_text(r.stderr)
+def _train(job: Path, run_dir: Path, *overrides: str) -> tuple[list[str], Path]:
+    """A one-process run for train_in_one_process: its arguments and its log."""
+    return [str(job), "strategy=single", f"run.dir={run_dir}", *overrides], run_dir / "stderr.txt"
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -51,23 +51,34 @@ def _bytes(path: Path) -> int:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("finetune")
-    _train(_job(work, "full"), work / "full", "train.steps=2", "run.checkpoint_every=1")
     lora = _job(work, "lora", finetune=LORA)
-    _train(lora, work / "lora", "run.save_final=true")
-    _train(lora, work / "lora_resumed", f"run.resume={work / 'lora/checkpoints/step_4'}")
     # 8-bit AdamW: LoRA at rank 16 (adapters of 4096+ elements get 8-bit moments) and full
     lora_8bit = _job(work, "lora_8bit", finetune={**LORA, "lora": {"r": 16, "alpha": 32}})
-    _train(lora_8bit, work / "lora_8bit", "train.optimizer=adamw_8bit", "train.steps=4")
     resume = f"run.resume={work / 'lora_8bit/checkpoints/step_2'}"
-    _train(
-        lora_8bit, work / "lora_8bit_resumed", "train.optimizer=adamw_8bit", "train.steps=4", resume
-    )
-    _train(
-        _job(work, "full_8bit"), work / "full_8bit", "train.optimizer=adamw_8bit", "train.steps=3"
-    )
     # QLoRA: the 4-bit NF4 base, bf16 compute
     qlora = _job(work, "qlora", finetune={**LORA, "method": "qlora"}, precision="bf16")
-    _train(qlora, work / "qlora", "train.steps=3")
+    train_in_one_process(  # one after another, in one process (tests/cli_worker.py)
+        [
+            _train(_job(work, "full"), work / "full", "train.steps=2", "run.checkpoint_every=1"),
+            _train(lora, work / "lora", "run.save_final=true"),
+            _train(lora, work / "lora_resumed", f"run.resume={work / 'lora/checkpoints/step_4'}"),
+            _train(lora_8bit, work / "lora_8bit", "train.optimizer=adamw_8bit", "train.steps=4"),
+            _train(
+                lora_8bit,
+                work / "lora_8bit_resumed",
+                "train.optimizer=adamw_8bit",
+                "train.steps=4",
+                resume,
+            ),
+            _train(
+                _job(work, "full_8bit"),
+                work / "full_8bit",
+                "train.optimizer=adamw_8bit",
+                "train.steps=3",
+            ),
+            _train(qlora, work / "qlora", "train.steps=3"),
+        ]
+    )
     return work
 
 
@@ -163,7 +174,7 @@ def test_a_resume_on_another_base_is_refused_in_one_line(tmp_path):
     tree = yaml.safe_load(job.read_text())
     tree["model"] = {"name_or_path": str(base), "tokenizer": tree["model"]["tokenizer"]}
     job.write_text(yaml.safe_dump(tree))
-    _train(job, tmp_path / "run", "train.steps=2", "run.checkpoint_every=1")
+    train_in_one_process([_train(job, tmp_path / "run", "train.steps=2", "run.checkpoint_every=1")])
     torch.manual_seed(1)
     AutoModelForCausalLM.from_config(config).save_pretrained(base)  # same path, other weights
     r = oomless(

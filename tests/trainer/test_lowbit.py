@@ -1,7 +1,8 @@
 """The opt-in low-bit levers (docs/finetune.md): `precision: bf16_pure` (bf16 weights, gradients
 and AdamW state, no fp32 master) and `train.optimizer_in_backward` (each parameter stepped as its
-gradient is ready). One-process runs go through `oomless train`; the two-process ones share one
-torchrun launch (tests/trainer/lowbit_worker.py)."""
+gradient is ready). One-process runs go through `oomless train`, all in one process
+(tests/cli_worker.py); the two-process ones share one torchrun launch
+(tests/trainer/lowbit_worker.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ import psutil
 import pytest
 import torch
 
-from tests.conftest import PYTHON, REPO, oomless, python_env, run_bounded, write_demo_job
+from tests.conftest import (
+    PYTHON,
+    REPO,
+    oomless,
+    python_env,
+    run_bounded,
+    train_in_one_process,
+    write_demo_job,
+)
 from tests.trainer.saved_model import PRETRAINED_LINEAR_PARAMS, save_pretrained_model
 from trainer.core import methods
 from trainer.core.config import ConfigError, load_config
@@ -49,12 +58,11 @@ def _base(tmp: Path) -> Path:
     )
 
 
-def _single(base: Path, run_dir: Path, *overrides: str) -> None:
-    r = oomless(
-        "train", str(base), "strategy=single", "hardware.devices_per_node=1",
-        "train.micro_batch_size=8", f"run.dir={run_dir}", *overrides,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
+def _single(base: Path, run_dir: Path, *overrides: str) -> tuple[list[str], Path]:
+    """A one-process run for train_in_one_process: its arguments and its log."""
+    args = [str(base), "strategy=single", "hardware.devices_per_node=1",
+            "train.micro_batch_size=8", f"run.dir={run_dir}", *overrides]  # fmt: skip
+    return args, run_dir / "stderr.txt"
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -79,20 +87,27 @@ def runs(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("lowbit")
     base = _base(work)
     save_pretrained_model(work / "pretrained")
-    _single(base, work / "single_fp32")
-    _single(base, work / "single_in_backward", "train.optimizer_in_backward=true")
-    _single(base, work / "single_bf16_pure", "precision=bf16_pure", "run.checkpoint_every=2")
-    _single(
-        base,
-        work / "single_bf16_pure_resumed",
-        "precision=bf16_pure",
-        "run.checkpoint_every=2",
-        f"run.resume={work / 'single_bf16_pure/checkpoints/step_2'}",
+    # the one-process references, in one process (tests/cli_worker.py)
+    train_in_one_process(
+        [
+            _single(base, work / "single_fp32"),
+            _single(base, work / "single_in_backward", "train.optimizer_in_backward=true"),
+            _single(
+                base, work / "single_bf16_pure", "precision=bf16_pure", "run.checkpoint_every=2"
+            ),
+            _single(
+                base,
+                work / "single_bf16_pure_resumed",
+                "precision=bf16_pure",
+                "run.checkpoint_every=2",
+                f"run.resume={work / 'single_bf16_pure/checkpoints/step_2'}",
+            ),
+            _single(base, work / "single_8bit", *ADAMW_8BIT),
+            _single(base, work / "single_8bit_odd", *ODD_8BIT),
+            _single(base, work / "single_lora_8bit", *LORA_8BIT),
+            _single(base, work / "single_bf16_pure_8bit", *ODD_8BIT, "precision=bf16_pure"),
+        ]
     )
-    _single(base, work / "single_8bit", *ADAMW_8BIT)
-    _single(base, work / "single_8bit_odd", *ODD_8BIT)
-    _single(base, work / "single_lora_8bit", *LORA_8BIT)
-    _single(base, work / "single_bf16_pure_8bit", *ODD_8BIT, "precision=bf16_pure")
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     r = run_bounded(
         [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -103,10 +118,16 @@ def runs(tmp_path_factory) -> Path:
     assert not {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert all((work / name / "metrics.jsonl").is_file() for name in RUNS)
     # the two ranks' 8-bit shards gathered onto one process
-    resume = f"run.resume={work / 'fsdp_8bit/checkpoints/step_2'}"
-    _single(base, work / "single_8bit_from_fsdp", *ADAMW_8BIT, resume)
-    resume = f"run.resume={work / 'fsdp_8bit_odd/checkpoints/step_2'}"
-    _single(base, work / "single_8bit_odd_from_fsdp", *ODD_8BIT, resume)
+    resume, resume_odd = (
+        f"run.resume={work / name / 'checkpoints/step_2'}"
+        for name in ("fsdp_8bit", "fsdp_8bit_odd")
+    )
+    train_in_one_process(
+        [
+            _single(base, work / "single_8bit_from_fsdp", *ADAMW_8BIT, resume),
+            _single(base, work / "single_8bit_odd_from_fsdp", *ODD_8BIT, resume_odd),
+        ]
+    )
     return work
 
 

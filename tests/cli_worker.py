@@ -1,0 +1,49 @@
+"""`oomless train` several times in ONE process: `python tests/cli_worker.py JOBS.json`.
+
+JOBS.json is a list of {"args": [...], "log": PATH}; each job is `launcher.cli.main(["train",
+*args])` with the process's stderr (fd 2) going to PATH, one after another, stopping at the
+first that exits non-zero (the worker exits with its code). The single-process references of the
+engine-run fixtures train here: the imports (5-8 s) are paid once, not once per run. The CLI as
+its own process is under test in tests/test_cli_train.py and the escalation tests.
+
+After each job a line `cli_worker done: {"log": PATH, "exit": CODE}` goes to stdout.
+
+A sharded rung on one process (fsdp at world 1) creates a process group of one that stays for
+the rest of the worker's life, as it does in one `oomless train`: `single` runs after it reduce
+over that group of one, which changes no value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+DONE = "cli_worker done: "  # the line per job on stdout (the CLI prints its last metrics there)
+
+
+def main() -> int:
+    from launcher.cli import main as oomless
+
+    jobs = json.loads(Path(sys.argv[1]).read_text())
+    saved_stderr = os.dup(2)
+    for job in jobs:
+        sys.stderr.flush()
+        with open(job["log"], "w") as log:
+            os.dup2(log.fileno(), 2)
+            try:
+                code = oomless(["train", *job["args"]])
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved_stderr, 2)
+        print(f"{DONE}{json.dumps({'log': job['log'], 'exit': code})}", flush=True)
+        if code != 0:
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    from trainer.runtime.dist import exit_without_teardown
+
+    exit_without_teardown(main())
