@@ -12,15 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.layout import SafeFileSystemReader
-from trainer.checkpoint.manifest import (
-    MANIFEST_FILE,
-    STATE_FILE,
-    damage,
-)
-from trainer.core.config import (
-    ConfigError,
-    JobConfig,
-)
+from trainer.checkpoint.manifest import MANIFEST_FILE, STATE_FILE, damage
+from trainer.core.config import ConfigError, JobConfig
 
 log = logging.getLogger(__name__)
 
