@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,25 @@ FIELDS = {
     "micro_batch_size",
     "grad_accum",
 }
+
+
+@contextlib.contextmanager
+def _training(*overrides: str) -> Iterator[tuple[subprocess.Popen, list[str]]]:
+    """`oomless train` of the demo running, its stderr collected line by line as it comes; on
+    the way out it is waited for, then killed with its children if still there."""
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "launcher.cli", "train", str(DEMO), *overrides],
+        env=python_env(), cwd=REPO, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        yield proc, lines
+        proc.wait(timeout=120)
+        reader.join(timeout=10)
+    finally:
+        kill_tree(proc.pid)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -245,18 +266,11 @@ def test_a_second_signal_during_the_stop_still_writes_the_checkpoint(tmp_path):
     """Exit 143 promises a checkpoint: a second SIGTERM, sent once the first was received (the
     step and the checkpoint still to finish), is logged, and the checkpoint is finished."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            PYTHON, "-m", "launcher.cli", "train", str(DEMO), "train.steps=200",
-            "train.eval_every=0", "run.checkpoint_every=0", "run.save_final=false",
-            f"run.dir={run_dir}", "hardware.device=cpu", "train.global_batch_size=256",
-        ],
-        env=python_env(), cwd=REPO, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
-    reader.start()
-    try:
+    with _training(
+        "train.steps=200", "train.eval_every=0", "run.checkpoint_every=0",
+        "run.save_final=false", f"run.dir={run_dir}", "hardware.device=cpu",
+        "train.global_batch_size=256",
+    ) as (proc, lines):  # fmt: skip
         deadline = time.time() + 240
         path = run_dir / "metrics.jsonl"
         while time.time() < deadline and proc.poll() is None:
@@ -267,10 +281,6 @@ def test_a_second_signal_during_the_stop_still_writes_the_checkpoint(tmp_path):
         while time.time() < deadline and not any("received SIGTERM" in x for x in lines):
             time.sleep(0.005)
         proc.send_signal(signal.SIGTERM)  # the step (and the checkpoint) is still to come
-        proc.wait(timeout=120)
-        reader.join(timeout=10)
-    finally:
-        kill_tree(proc.pid)
     stderr = "".join(lines)
     assert proc.returncode == 143, stderr[-3000:]
     assert "received SIGTERM again: still finishing this step and its checkpoint" in stderr
@@ -385,26 +395,14 @@ def test_a_stop_at_launch_exits_143_saying_no_checkpoint_was_written(tmp_path):
     """SIGTERM right after torchrun starts, before any rank can checkpoint: exit 143 with a line
     saying so (it said nothing), and none of torchrun's traceback (it goes to torchrun.log)."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            PYTHON, "-m", "launcher.cli", "train", str(DEMO), "train.steps=200",
-            "train.eval_every=0", f"run.dir={run_dir}", "hardware.device=cpu",
-            "hardware.devices_per_node=2",
-        ],
-        env=python_env(), cwd=REPO, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
-    reader.start()
-    try:
+    with _training(
+        "train.steps=200", "train.eval_every=0", f"run.dir={run_dir}", "hardware.device=cpu",
+        "hardware.devices_per_node=2",
+    ) as (proc, lines):  # fmt: skip
         deadline = time.time() + 120
         while time.time() < deadline and not any(x.startswith("launching:") for x in lines):
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
-        reader.join(timeout=10)
-    finally:
-        kill_tree(proc.pid)
     stderr = "".join(lines)
     assert proc.returncode == 143, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
