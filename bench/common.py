@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from trainer.core.flops import training_flops_per_token
+
 # Llama shapes built from an inline HF config (random init; nothing is downloaded).
 MODELS: dict[str, dict[str, Any]] = {
     "llama-20m": {  # 20.0M parameters: the CPU benchmarks
@@ -361,9 +363,10 @@ def ratio_interval(
 
 
 def flops_per_token(model: str, num_params: int, seq: int) -> float:
-    """Training FLOPs per token: 6N + attention's 12 x layers x hidden x seq (the engine's MFU)."""
+    """Training FLOPs per token, as the engine's MFU counts them (trainer/core/flops.py)."""
     shape = MODELS[model]
-    return 6 * num_params + 12 * shape["num_hidden_layers"] * shape["hidden_size"] * seq
+    return training_flops_per_token(num_params, shape["num_hidden_layers"], shape["hidden_size"],
+                                    seq)  # fmt: skip
 
 
 def mfu(

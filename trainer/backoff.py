@@ -20,10 +20,11 @@ import torch
 
 from trainer.backends import Backend, BackendContext
 from trainer.core.contract import EXIT_OOM, PLAN_FILE
+from trainer.core.parallel_dims import ParallelDims
 from trainer.core.strategies import AC_LEVELS
 from trainer.evaluate import evaluate
 from trainer.memory.levers import LEVER_NAMES, MemoryLevers
-from trainer.memory.sequence_parallel import SequenceMesh, split_sequence
+from trainer.memory.sequence_parallel import split_sequence
 from trainer.model.build import set_activation_checkpointing
 from trainer.runtime.dist import all_reduce_max, all_reduce_sum
 from trainer.runtime.oom import (
@@ -41,16 +42,19 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class BatchSplit:
-    """How this rank's share of the global batch is cut: the share of its sequence group
-    (`mesh`: the slice of every sequence it holds), micro-batch x accumulation, and which layers
+    """How this rank's share of the global batch is cut: the share of its data rank (`dims` and
+    `rank`: which sequences, and the slice of every sequence it holds; `sequence_group`: the
+    process group its attention exchanges over), micro-batch x accumulation, and which layers
     recompute their activations.
 
     The OOM back-off changes the cut and the recomputation, never the share: what is learned
     stays the same.
     """
 
-    mesh: SequenceMesh
-    per_rank: int  # sequences of the group's share
+    dims: ParallelDims
+    rank: int
+    sequence_group: Any  # None at sequence parallel 1
+    per_rank: int  # sequences of the data rank's share
     micro_batch_size: int
     activation_checkpointing: str = "none"
     eval_batch_size: int = 0
@@ -62,6 +66,14 @@ class BatchSplit:
     @property
     def grad_accum(self) -> int:
         return self.per_rank // self.micro_batch_size
+
+    @property
+    def data_rank(self) -> int:
+        return self.dims.coordinates(self.rank)[0]
+
+    def sliced(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's slice of every sequence of `batch` (the whole of each at sp=1)."""
+        return split_sequence(batch, self.dims, self.rank)
 
 
 class OutOfMemoryGaveUp(Exception):
@@ -93,13 +105,12 @@ def step_with_backoff(
     activation checkpointing level, up to `full` (each keeps the math)."""
     num_backoffs = 0
     while True:
-        mesh = split.mesh
         batches = [
-            split_sequence(batch, mesh)
+            split.sliced(batch)
             for batch in data.train.micro_batches(
                 step,
-                mesh.data_rank,
-                mesh.num_data_ranks,
+                split.data_rank,
+                split.dims.data,
                 split.micro_batch_size,
                 ctx.cfg.train.global_batch_size,
             )
@@ -166,19 +177,15 @@ def evaluate_with_backoff(
     it gives up like a training step (OutOfMemoryGaveUp: report, exit 75, climb)."""
     num_backoffs = 0
     while True:
-        mesh = split.mesh
-        batches = eval_set.batches(split.eval_batch_size, mesh.data_rank, mesh.num_data_ranks)
+        batches = eval_set.batches(split.eval_batch_size, split.data_rank, split.dims.data)
         try:
             return evaluate(
                 model,
-                (
-                    split_sequence(b, mesh)
-                    for b in itertools.islice(batches, ctx.cfg.train.eval_batches)
-                ),
+                (split.sliced(b) for b in itertools.islice(batches, ctx.cfg.train.eval_batches)),
                 backend.compute_context,
                 ctx.device,
                 faults,
-                mesh.group,
+                split.sequence_group,
             )
         except StepAborted as err:
             free_memory(ctx.device)

@@ -32,15 +32,17 @@ from trainer.checkpoint.layout import load_template
 from trainer.checkpoint.store import resolve_resume
 from trainer.core.config import JobConfig, check_run_time_extras
 from trainer.core.contract import EXIT_OOM, EXIT_SIGNAL, FINAL_DIR
+from trainer.core.flops import training_flops_per_token
 from trainer.core.gpus import peak_flops_for
 from trainer.core.logs import setup_logging
+from trainer.core.parallel_dims import ParallelDims
 from trainer.data import build_data, build_tokenizer
 from trainer.memory.levers import MemoryLevers, concrete_lever
 from trainer.memory.sequence_parallel import (
     apply_sequence_parallel,
-    build_sequence_mesh,
     check_sequence_parallel,
     concrete_sequence_parallel,
+    sequence_group,
 )
 from trainer.memory.tiled_mlp import apply_tiled_mlp, tiled_mlp_chunk_tokens
 from trainer.model.build import (
@@ -111,8 +113,9 @@ def _setup(cfg: JobConfig) -> _Run | int:
     device = resolve_device(cfg, local_rank)
     init_distributed(cfg, device)
     _seed_everything(cfg)
-    mesh = build_sequence_mesh(sp, rank, world_size)
-    apply_sequence_parallel(model_factory.hf_config, mesh)  # its models attend over the group
+    dims = ParallelDims(world_size, sp)
+    group = sequence_group(dims, rank)
+    apply_sequence_parallel(model_factory.hf_config, sp, group)  # its models attend over it
     run_dir = Path(cfg.run.dir)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +130,7 @@ def _setup(cfg: JobConfig) -> _Run | int:
         precision=cfg.precision,
         activation_checkpointing=_concrete_ac(cfg),
         micro_batch_size=micro,
-        grad_accum=cfg.train.global_batch_size // (micro * mesh.num_data_ranks),
+        grad_accum=cfg.train.global_batch_size // (micro * dims.data),
     )
     tokenizer = build_tokenizer(cfg.model)
     data = build_data(cfg, tokenizer)
@@ -135,8 +138,10 @@ def _setup(cfg: JobConfig) -> _Run | int:
     backend = build_backend(cfg.strategy, ctx)
     faults = FaultInjector(cfg.debug.inject_oom, cfg.strategy, rank)
     split = BatchSplit(
-        mesh,
-        cfg.train.global_batch_size // mesh.num_data_ranks,
+        dims,
+        rank,
+        group,
+        cfg.train.global_batch_size // dims.data,
         micro,
         ctx.activation_checkpointing,
     )
@@ -269,10 +274,10 @@ def _ended(code: int, trackers: Trackers, window: ProfileWindow) -> int:
 
 
 def _log_start(run: _Run, num_params: int) -> None:
-    cfg, ctx, mesh = run.cfg, run.ctx, run.split.mesh
+    cfg, ctx, dims = run.cfg, run.ctx, run.split.dims
     sp = (
-        f", sequence parallel {mesh.size} (a sequence over {mesh.size} ranks)"
-        if mesh.size > 1
+        f", sequence parallel {dims.sequence} (a sequence over {dims.sequence} ranks)"
+        if dims.sequence > 1
         else ""
     )
     log.info(
@@ -284,7 +289,7 @@ def _log_start(run: _Run, num_params: int) -> None:
         ctx.world_size,
         ctx.micro_batch_size,
         ctx.grad_accum,
-        mesh.num_data_ranks,
+        dims.data,
         cfg.train.global_batch_size,
         cfg.precision,
         sp,
@@ -414,11 +419,10 @@ def _device_peak_flops(device: torch.device) -> float | None:
 
 
 def _flops_per_token(hf_config: Any, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls plus attention's 12 x layers x hidden x seq
-    (PaLM's MFU accounting; recomputation is not counted as useful work)."""
+    """Training FLOPs per token of the model (trainer/core/flops.py), for MFU."""
     layers = getattr(hf_config, "num_hidden_layers", 0)
     hidden = getattr(hf_config, "hidden_size", 0)
-    return 6 * num_params + 12 * layers * hidden * seq_len
+    return training_flops_per_token(num_params, layers, hidden, seq_len)
 
 
 def _seed_everything(cfg: JobConfig) -> None:

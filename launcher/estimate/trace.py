@@ -37,12 +37,12 @@ from trainer.backends import BackendContext, OptimizerSpec, build_backend
 from trainer.backends.common import COMPUTE_DTYPES, attach, clip_and_step
 from trainer.backends.fsdp import apply_fsdp
 from trainer.core.config import JobConfig, ModelConfig
+from trainer.core.parallel_dims import ParallelDims
 from trainer.core.step_spec import FULL, Finetune, StepSpec
 from trainer.memory.levers import MemoryLevers
 from trainer.memory.sequence_parallel import (
-    SequenceMesh,
     apply_sequence_parallel,
-    build_sequence_mesh,
+    sequence_group,
     split_sequence,
 )
 from trainer.memory.tiled_mlp import apply_tiled_mlp
@@ -104,12 +104,12 @@ def trace_step(
         raise ValueError(f"--trace covers {', '.join(TRACEABLE)} ({spec.finetune.words()} on "
                          f"single only), not {spec.strategy}")  # fmt: skip
     with contextlib.ExitStack() as stack:
-        model, backend, mesh = _traced_model(hf_config, spec, attn_implementation,
+        model, backend, dims = _traced_model(hf_config, spec, attn_implementation,
                                              reshard_after_forward, stack)  # fmt: skip
         batch = packed_batch(hf_config["vocab_size"], spec.micro_batch_size, spec.seq_len)
-        if mesh.size > 1:  # this rank's slice of every sequence, as the engine splits it
+        if dims.sequence > 1:  # rank 0's slice of every sequence, as the engine splits it
             doc_ids = (batch["position_ids"] == 0).cumsum(dim=1) - 1
-            batch = split_sequence({**batch, "doc_ids": doc_ids}, mesh)
+            batch = split_sequence({**batch, "doc_ids": doc_ids}, dims, 0)
         _init_optimizer_state(model, backend.optimizer)  # the traced step is a steady-state one
         tracker = _tracker(spec.strategy, model, backend.optimizer, batch)
         marks = _PhaseMarks(tracker, phase_local_peaks, until)
@@ -126,7 +126,7 @@ def trace_step(
 def _traced_model(
     hf_config: dict[str, Any], spec: StepSpec, attn_implementation: str,
     reshard_after_forward: bool, stack: contextlib.ExitStack,
-) -> tuple[nn.Module, Any, SequenceMesh]:  # fmt: skip
+) -> tuple[nn.Module, Any, ParallelDims]:  # fmt: skip
     """The engine's model for `spec` on fake tensors (QLoRA, 8-bit AdamW: real CPU tensors),
     sharded over a fake process group for fsdp, split over a sequence group as `spec` says, and
     its backend attached to it."""
@@ -136,7 +136,7 @@ def _traced_model(
     model_cfg = ModelConfig(config=dict(hf_config), attn_implementation=attn_implementation)
     factory = HFModelFactory(model_cfg, seed=0)
     sharded = spec.row.engine == "fsdp"
-    mesh = _sequence_mesh(spec, factory.hf_config, sharded, stack)
+    dims = _sequence_split(spec, factory.hf_config, sharded, stack)
     model = apply_finetune(factory.build("cpu" if real else "meta"), spec.finetune, spec.precision)
     if spec.precision == "bf16_pure" and not spec.finetune.adapters:
         from trainer.model.finetune import params_to_bf16
@@ -160,21 +160,21 @@ def _traced_model(
     if spec.tiled_mlp:  # after the backend's wrapping, as the engine does
         apply_tiled_mlp(model, spec.mlp_chunk_tokens)
     backend = build_backend(spec.strategy, _backend_context(spec, device))
-    return model, attach(backend, model, _optimizer(model, spec), _SPEC.grad_clip), mesh
+    return model, attach(backend, model, _optimizer(model, spec), _SPEC.grad_clip), dims
 
 
-def _sequence_mesh(
+def _sequence_split(
     spec: StepSpec, hf_config: Any, sharded: bool, stack: contextlib.ExitStack
-) -> SequenceMesh:
-    """Rank 0's place in the data x sequence mesh over a fake process group (of the world for
-    fsdp, of one sequence group for single), its model attending through the engine's Ulysses
-    all-to-alls (which the fake group completes without moving data)."""
+) -> ParallelDims:
+    """The data x sequence world whose rank 0 is traced, over a fake process group (of the
+    world for fsdp, of one sequence group for single), its model attending through the engine's
+    Ulysses all-to-alls (which the fake group completes without moving data)."""
     sp = spec.sequence_parallel
     if sharded or sp > 1:
         stack.enter_context(_fake_process_group(spec.world_size if sharded else sp))
-    mesh = build_sequence_mesh(sp, 0, spec.world_size if sharded else sp)
-    apply_sequence_parallel(hf_config, mesh)
-    return mesh
+    dims = ParallelDims(spec.world_size if sharded else sp, sp)
+    apply_sequence_parallel(hf_config, sp, sequence_group(dims, 0))
+    return dims
 
 
 def _backend_context(spec: StepSpec, device: torch.device) -> BackendContext:

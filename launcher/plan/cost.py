@@ -15,6 +15,7 @@ from typing import Any
 from launcher.estimate.methods import method_cost
 from launcher.estimate.shape import ModelShape
 from launcher.plan.hardware import Hardware
+from trainer.core.flops import attention_flops_per_token
 from trainer.core.step_spec import StepSpec
 
 # Cost-model constants (docs/planner.md): effective bandwidths and rates, not peaks. The
@@ -73,7 +74,7 @@ def _compute_s(shape: ModelShape, spec: StepSpec, hw: Hardware) -> float:
     seq, world, micro = spec.seq_len, max(1, spec.world_size), spec.micro_batch_size
     tokens = spec.data_ranks * micro * spec.grad_accum * seq  # a sequence group shares its own
     cost = method_cost(shape, spec.finetune, spec.compute_bytes)  # full, LoRA or QLoRA; MoE
-    attention = 12 * shape.num_layers * shape.hidden_size * seq  # per token, fwd + bwd
+    attention = attention_flops_per_token(shape.num_layers, shape.hidden_size, seq)
     recomputed = {"none": 0.0, "selective": 0.5, "full": 1.0}[spec.activation_checkpointing]
     recompute = recomputed * (cost.recompute_flops_per_token + attention / 3)
     if spec.chunked_loss:

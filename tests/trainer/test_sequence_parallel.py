@@ -23,9 +23,9 @@ import torch
 
 from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env, run_bounded, write_demo_job
 from trainer.core.config import ConfigError
+from trainer.core.parallel_dims import ParallelDims
 from trainer.loss import IGNORE_INDEX
 from trainer.memory.sequence_parallel import (
-    SequenceMesh,
     check_sequence_parallel,
     mask_follows_position_ids,
     split_sequence,
@@ -215,7 +215,7 @@ def test_targets_are_shifted_before_the_split() -> None:
     labels[0, 0] = IGNORE_INDEX
     batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(8)[None],
              "doc_ids": torch.zeros_like(ids)}  # fmt: skip
-    first, second = (split_sequence(batch, SequenceMesh(2, r, 0, 1)) for r in (0, 1))
+    first, second = (split_sequence(batch, ParallelDims(2, 2), r) for r in (0, 1))
     assert first["input_ids"].tolist() == [[10, 11, 12, 13]]
     assert first["targets"].tolist() == [[11, 12, 13, 14]]
     assert second["targets"].tolist() == [[15, 16, 17, IGNORE_INDEX]]
@@ -332,14 +332,14 @@ def _evaluate_half(rank: int, store_dir: str) -> None:
     import torch.distributed as dist
 
     from trainer.evaluate import evaluate
-    from trainer.memory.sequence_parallel import build_sequence_mesh
+    from trainer.memory.sequence_parallel import sequence_group
 
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank,
                             world_size=2)  # fmt: skip
-    mesh = build_sequence_mesh(2, rank, 2)
-    batches = [split_sequence(_row(), mesh)]
+    dims = ParallelDims(2, 2)
+    batches = [split_sequence(_row(), dims, rank)]
     result = evaluate(_NextInteger(), batches, contextlib.nullcontext, torch.device("cpu"),
-                      sequence_group=mesh.group)  # fmt: skip
+                      sequence_group=sequence_group(dims, rank))  # fmt: skip
     Path(store_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -53,6 +53,11 @@ class ParallelDims:
         """(data rank, sequence rank) of a global rank."""
         return divmod(rank, self.sequence)
 
+    def sequence_groups(self) -> list[list[int]]:
+        """The global ranks of each sequence group, data rank by data rank."""
+        sp = self.sequence
+        return [list(range(first, first + sp)) for first in range(0, self.world_size, sp)]
+
     def problem(self, attention: AttentionShape, seq_len: int, batch: Batch) -> str | None:
         """Why this split cannot run the job, in words; None when it can."""
         sp = self.sequence

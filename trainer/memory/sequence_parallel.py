@@ -1,13 +1,13 @@
 """Ulysses sequence parallelism: the ranks of a sequence group each hold seq_len / sp tokens of
 every sequence; around attention an all-to-all swaps that sequence split for a head split.
 
-The device mesh is data x sequence: rank r is sequence rank r % sp of data rank r // sp. Every
-rank of a sequence group reads the same sequences (`SequenceMesh.data_rank`) and keeps its slice
-of each (`split_sequence`). The weights are replicated (ddp) or sharded (fsdp, ZeRO) over ALL
-ranks, as in DeepSpeed's ALST: a sequence group is also data-parallel for the weights, since each
-of its ranks computes the gradient of its own tokens. The sum of every rank's gradient is the
-gradient of the whole batch, which is the backends' convention already (trainer/backends), so no
-backend knows about sequence parallelism.
+The world is data x sequence (`ParallelDims`, trainer/core/parallel_dims.py): rank r is sequence
+rank r % sp of data rank r // sp. Every rank of a sequence group reads the same sequences (those
+of its data rank) and keeps its slice of each (`split_sequence`). The weights are replicated
+(ddp) or sharded (fsdp, ZeRO) over ALL ranks, as in DeepSpeed's ALST: a sequence group is also
+data-parallel for the weights, since each of its ranks computes the gradient of its own tokens.
+The sum of every rank's gradient is the gradient of the whole batch, which is the backends'
+convention already (trainer/backends), so no backend knows about sequence parallelism.
 
 Attention: every model whose attention goes through transformers' AttentionInterface (Llama,
 Qwen2/3, Mistral, Gemma, ...) runs under the name `oomless_ulysses` (registered here), whose
@@ -35,7 +35,6 @@ import ast
 import copy
 import inspect
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,52 +67,41 @@ def check_sequence_parallel(sp: int, world_size: int, hf_config: Any, seq_len: i
     check_parallel_dims(dims, attention, seq_len, Batch(global_size=dims.data))
 
 
-@dataclass(frozen=True)
-class SequenceMesh:
-    """Where this rank sits in the data x sequence mesh."""
-
-    size: int  # sp: ranks per sequence group
-    rank: int  # this rank's slice of every sequence
-    data_rank: int  # which share of the global batch the group reads
-    num_data_ranks: int
-    group: Any = field(default=None, compare=False)  # the sequence group (None at sp=1)
-
-
-def build_sequence_mesh(sp: int, rank: int, world_size: int) -> SequenceMesh:
-    """The mesh for `sp`; creates the process group of every sequence group (a collective:
-    every rank calls it, in the same order)."""
-    dims = ParallelDims(world_size, sp)
+def sequence_group(dims: ParallelDims, rank: int) -> Any:
+    """This rank's sequence group as a process group (None at sp=1). Creates the group of every
+    sequence group: a collective, every rank calls it, in the same order."""
     group = None
-    if sp > 1:
-        for first in range(0, world_size, sp):
-            ranks = list(range(first, first + sp))
+    if dims.sequence > 1:
+        for ranks in dims.sequence_groups():
             created = dist.new_group(ranks)
             if rank in ranks:
                 group = created
-    data_rank, sequence_rank = dims.coordinates(rank)
-    return SequenceMesh(sp, sequence_rank, data_rank, dims.data, group)
+    return group
 
 
-def split_sequence(batch: dict[str, torch.Tensor], mesh: SequenceMesh) -> dict[str, torch.Tensor]:
-    """This rank's slice of every sequence of a batch.
+def split_sequence(
+    batch: dict[str, torch.Tensor], dims: ParallelDims, rank: int
+) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s slice of every sequence of a batch.
 
     The targets are taken from the labels BEFORE the split (`targets`: what each position
     predicts), so the last token of one slice predicts the first token of the next; position
     ids and document ids are the whole sequence's. At sp=1 the slice is the whole sequence.
     """
     full = {**batch, "targets": shifted_targets(batch["labels"])}
-    return {key: _slice(full[key], mesh) for key in SHARDED_KEYS}
+    _, sequence_rank = dims.coordinates(rank)
+    return {key: _slice(full[key], sequence_rank, dims.sequence) for key in SHARDED_KEYS}
 
 
-def _slice(t: torch.Tensor, mesh: SequenceMesh) -> torch.Tensor:
-    length = t.size(1) // mesh.size
-    return t[:, mesh.rank * length : (mesh.rank + 1) * length].contiguous()
+def _slice(t: torch.Tensor, index: int, parts: int) -> torch.Tensor:
+    length = t.size(1) // parts
+    return t[:, index * length : (index + 1) * length].contiguous()
 
 
-def apply_sequence_parallel(hf_config: Any, mesh: SequenceMesh) -> None:
-    """Make the models built from `hf_config` attend through the Ulysses all-to-all of `mesh`'s
-    sequence group, in place (before building them); nothing at sp=1."""
-    if mesh.size == 1:
+def apply_sequence_parallel(hf_config: Any, sp: int, group: Any) -> None:
+    """Make the models built from `hf_config` attend through the Ulysses all-to-all over the
+    sequence group `group` of `sp` ranks, in place (before building them); nothing at sp=1."""
+    if sp == 1:
         return
     from transformers import AttentionInterface
 
@@ -121,7 +109,7 @@ def apply_sequence_parallel(hf_config: Any, mesh: SequenceMesh) -> None:
     inner = text._attn_implementation or "eager"
     if inner == ATTENTION_NAME:  # applied before (a second backend setup, a rebuilt factory)
         inner = _UlyssesAttention.current.inner_name
-    ulysses = _UlyssesAttention(mesh, text, inner)
+    ulysses = _UlyssesAttention(sp, group, text, inner)
     _UlyssesAttention.current = ulysses
     AttentionInterface.register(ATTENTION_NAME, ulysses)
     text._attn_implementation = ATTENTION_NAME
@@ -132,10 +120,10 @@ class _UlyssesAttention:
 
     current: _UlyssesAttention
 
-    def __init__(self, mesh: SequenceMesh, text_config: Any, inner_name: str):
+    def __init__(self, sp: int, group: Any, text_config: Any, inner_name: str):
         from transformers import AttentionInterface
 
-        self.mesh = mesh
+        self.sp, self.group = sp, group
         self.inner_name = inner_name
         self.inner = None if inner_name == "eager" else AttentionInterface()[inner_name]
         self.mask_config = copy.copy(text_config)  # the masks of the inner implementation
@@ -148,7 +136,7 @@ class _UlyssesAttention:
         self._mask_positions: bool | None = None  # the model's own mask follows position ids
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        sp = self.mesh.size
+        sp = self.sp
         if self._mask_positions is None:
             self._mask_positions = mask_follows_position_ids(sys.modules[type(module).__module__])
         positions = self._whole_positions(kwargs.get("position_ids"))
@@ -172,16 +160,16 @@ class _UlyssesAttention:
 
     def _heads_to_sequence(self, t: torch.Tensor) -> torch.Tensor:
         """[b, h, s/sp, d] -> [b, h/sp, s, d]: head chunk j goes to rank j."""
-        sp, (b, h, s, d) = self.mesh.size, t.shape
+        sp, (b, h, s, d) = self.sp, t.shape
         chunks = t.reshape(b, sp, h // sp, s, d).transpose(0, 1).contiguous()
-        gathered = all_to_all(chunks, self.mesh.group)  # [sp (sequence slice), b, h/sp, s, d]
+        gathered = all_to_all(chunks, self.group)  # [sp (sequence slice), b, h/sp, s, d]
         return gathered.permute(1, 2, 0, 3, 4).reshape(b, h // sp, sp * s, d)
 
     def _sequence_to_heads(self, t: torch.Tensor) -> torch.Tensor:
         """The attention output [b, s, h/sp, d] -> [b, s/sp, h, d]."""
-        sp, (b, s, h, d) = self.mesh.size, t.shape
+        sp, (b, s, h, d) = self.sp, t.shape
         chunks = t.reshape(b, sp, s // sp, h, d).transpose(0, 1).contiguous()
-        gathered = all_to_all(chunks, self.mesh.group)  # [sp (head chunk), b, s/sp, h/sp, d]
+        gathered = all_to_all(chunks, self.group)  # [sp (head chunk), b, s/sp, h/sp, d]
         return gathered.permute(1, 2, 0, 3, 4).reshape(b, s // sp, sp * h, d)
 
     def _whole_positions(self, local: torch.Tensor | None) -> torch.Tensor:
@@ -192,8 +180,8 @@ class _UlyssesAttention:
                 "sequence parallelism needs the model to pass position_ids to its attention"
             )
         if local is not self._seen:
-            parts = [torch.empty_like(local) for _ in range(self.mesh.size)]
-            dist.all_gather(parts, local.contiguous(), group=self.mesh.group)
+            parts = [torch.empty_like(local) for _ in range(self.sp)]
+            dist.all_gather(parts, local.contiguous(), group=self.group)
             self._seen, self._positions, self._masks = local, torch.cat(parts, dim=1), {}
         assert self._positions is not None
         return self._positions
@@ -278,12 +266,11 @@ def all_to_all(t: torch.Tensor, group: Any) -> torch.Tensor:
 
 __all__ = [
     "ATTENTION_NAME",
-    "SequenceMesh",
     "all_to_all",
     "apply_sequence_parallel",
-    "build_sequence_mesh",
     "check_sequence_parallel",
     "concrete_sequence_parallel",
     "mask_follows_position_ids",
+    "sequence_group",
     "split_sequence",
 ]
