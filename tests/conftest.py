@@ -160,9 +160,12 @@ def kill_tree(pid: int) -> None:
 
 
 def live_children() -> list[psutil.Process]:
-    """Descendants of this pytest process that are still running (zombies do not count)."""
+    """Descendants of this pytest process that are still running (zombies do not count), less
+    the DeepSpeed op build started in the background (which finishes on its own)."""
     live = []
     for proc in psutil.Process().children(recursive=True):
+        if proc.pid in _prebuild_pids():
+            continue
         try:
             if proc.status() != psutil.STATUS_ZOMBIE:
                 live.append(proc)
@@ -178,6 +181,66 @@ def _describe(proc: psutil.Process) -> str:
         return str(proc.pid)
 
 
+# DeepSpeed's CPU ops built in the background while the fast modules run (tests/prebuild_ops.py)
+_PREBUILD: dict[str, object] = {}
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config, items: list) -> None:
+    """Modules without slow tests first, in their order, then the modules with slow tests (a
+    module stays whole: its module fixtures are built once). When slow tests are in the
+    session, DeepSpeed's ops start building in the background at the lowest priority, on the
+    core the single-process tests leave idle; the first slow test waits for them."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path in slow)  # stable
+    if not slow or os.environ.get("OOMLESS_TEST_PREBUILD", "1") == "0":
+        return
+    stage = Path(tempfile.mkstemp(prefix="oomless-prebuild-", suffix=".stage")[1])
+    log = TEST_CACHE / f"prebuild-{VENV_KEY}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        _PREBUILD["proc"] = subprocess.Popen(
+            [PYTHON, str(REPO / "tests" / "prebuild_ops.py"), str(stage)],
+            stdout=out, stderr=subprocess.STDOUT, env=python_env(), cwd=REPO,
+            start_new_session=True,
+        )  # fmt: skip
+    _PREBUILD.update(stage=stage, log=log, start=time.monotonic())
+
+
+def _prebuild_pids() -> set[int]:
+    proc = _PREBUILD.get("proc")
+    if proc is None or proc.poll() is not None:
+        return set()
+    try:
+        return {proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Before the first slow test (outside its timeout): wait until the background build has
+    every op but async_io, or has ended (a failed build leaves the tests to build inline)."""
+    proc = _PREBUILD.get("proc")
+    if proc is not None and item.get_closest_marker("slow") and not _PREBUILD.get("waited"):
+        _PREBUILD["waited"] = True
+        stage = _PREBUILD["stage"]
+        reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+        said = False
+        while proc.poll() is None and "common" not in stage.read_text().split():
+            if not said and reporter is not None:
+                reporter.write_line(
+                    f"\nwaiting for DeepSpeed's ops, building in the background since "
+                    f"{time.monotonic() - _PREBUILD['start']:.0f} s (log: {_PREBUILD['log']})"
+                )
+                said = True
+            time.sleep(1)
+        if said and reporter is not None:
+            reporter.write_line(
+                f"DeepSpeed's ops ready after {time.monotonic() - _PREBUILD['start']:.0f} s"
+            )
+    yield
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if any process a test started outlived the tests (a hang left behind).
 
@@ -190,6 +253,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     while left and time.monotonic() < deadline:
         time.sleep(0.5)
         left = live_children()
+    stage = _PREBUILD.get("stage")
+    if stage is not None:
+        stage.unlink(missing_ok=True)
     if not left:
         return
     lines = "\n".join(f"  {_describe(p)}" for p in left)
