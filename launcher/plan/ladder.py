@@ -111,12 +111,7 @@ def per_rank_batch(cfg: JobConfig, hw: Hardware, sequence_parallel: int = 1) -> 
     world = hw.world_size // sequence_parallel
     gbs = cfg.train.global_batch_size
     if gbs % world:
-        fits = [m * world for m in range(max(1, gbs // world), gbs // world + 3)]
-        raise ConfigError(
-            "train.global_batch_size",
-            f"{gbs} sequences cannot be split evenly over {world} ranks",
-            f"use a multiple of {world} (e.g. {', '.join(map(str, fits))})",
-        )
+        raise uneven_batch(gbs, world)
     per_rank = gbs // world
     if isinstance(cfg.train.micro_batch_size, int) and per_rank % cfg.train.micro_batch_size:
         raise ConfigError(
@@ -126,6 +121,22 @@ def per_rank_batch(cfg: JobConfig, hw: Hardware, sequence_parallel: int = 1) -> 
             f"use one of {', '.join(map(str, sorted(_divisors_desc(per_rank))))} or auto",
         )
     return per_rank
+
+
+def uneven_batch(gbs: int, world: int, split: int | None = None) -> ConfigError:
+    """The global batch does not split over `world` data-parallel ranks: its multiples that do,
+    and `split`, a sequence group size whose data groups share it (long context: the fix may
+    be the user's to choose, since splitting a short sequence costs all-to-alls)."""
+    fits = [m * world for m in range(max(1, gbs // world), gbs // world + 3)]
+    fix = f"use a multiple of {world} (e.g. {', '.join(map(str, fits))})"
+    if split:
+        fix += (
+            f", or split each sequence over ranks: sequence_parallel={split} "
+            f"({world // split} data groups of {split})"
+        )
+    return ConfigError(
+        "train.global_batch_size", f"{gbs} sequences cannot be split evenly over {world} ranks", fix
+    )
 
 
 def _divisors_desc(n: int) -> list[int]:

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from launcher.estimate.shape import ModelShape
 from launcher.plan.hardware import Hardware
-from launcher.plan.ladder import Climb, climb, scaled_estimate, shortfall
+from launcher.plan.ladder import Climb, climb, scaled_estimate, shortfall, uneven_batch
 from trainer.core.config import JobConfig
 from trainer.core.parallel_dims import (
     AttentionShape,
@@ -43,9 +43,11 @@ def sequence_parallel_sizes(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> 
         dims = ParallelDims(hw.world_size, cfg.sequence_parallel)
         check_sequence_parallel(dims, attention, cfg.data.seq_len, batch)
         return [cfg.sequence_parallel]
-    # not split first, always: where the batch does not split over the ranks the ladder says so
     sizes = sequence_sizes(hw.world_size, attention, cfg.data.seq_len, batch)
-    return [1, *(sp for sp in sizes if sp > 1)]
+    if sizes and sizes[0] > 1:  # only a sequence split shares the batch: the user's choice
+        raise uneven_batch(cfg.train.global_batch_size, hw.world_size, split=sizes[0])
+    # not split first, always: where nothing shares the batch over the ranks the ladder says so
+    return sizes or [1]
 
 
 def long_context_choices(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[LongContext]:

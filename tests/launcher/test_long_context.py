@@ -20,7 +20,7 @@ from launcher.plan.ladder import shortfall
 from launcher.plan.long_context import max_seq_len
 from launcher.plan.planner import make_plan
 from tests.launcher.test_estimate_trace import hf_config
-from trainer.core.config import build_config, load_config
+from trainer.core.config import ConfigError, build_config, load_config
 from trainer.core.step_spec import StepSpec
 from trainer.core.units import GIB
 
@@ -86,6 +86,22 @@ def test_a_short_job_is_planned_without_a_split():
     plan = make_plan(_job(4096), _hw(8))
     assert (plan.long.sequence_parallel, plan.long.tiled_mlp) == (1, False)
     assert plan.max_seq_len > 4096
+
+
+def test_a_batch_only_a_sequence_split_shares_is_refused_naming_the_split_that_plans():
+    """1,000 sequences on 8,000 GPUs: the fix names sequence_parallel=8 beside the multiples of
+    8,000 (it named only those), and the job with that split plans."""
+    job = _job(65536, train={"global_batch_size": 1000})
+    hw = _hw(8, host_gib=2048, nodes=1000)
+    with pytest.raises(ConfigError) as err:
+        make_plan(job, hw)
+    assert str(err.value).endswith(
+        "use a multiple of 8000 (e.g. 8000, 16000), or split each sequence over ranks: "
+        "sequence_parallel=8 (1000 data groups of 8)"
+    ), err.value
+    plan = make_plan(job.model_copy(update={"sequence_parallel": 8}), hw)
+    assert plan.long.sequence_parallel == 8
+    assert plan.micro_batch_size * plan.grad_accum * 1000 == 1000
 
 
 def test_the_resolved_config_runs_what_was_planned_and_a_forced_split_is_kept(tmp_path):
