@@ -327,6 +327,22 @@ def test_a_full_disk_on_two_ranks_is_one_line_and_the_run_resumes(trained, small
     assert _losses(run) == before and _steps(run) == ["step_2", "step_4"]
 
 
+def test_a_full_disk_at_the_final_save_on_two_ranks_is_one_line(trained, tmpfs):
+    """fsdp on two processes, step_2's checkpoint fits, final/ does not: rank 0's line alone
+    (rank 1 added "rank 0 failed while saving the final model")."""
+    job, _, _ = trained
+    run = tmpfs("640k") / "run"
+    r = _train(job, run, "strategy=fsdp", "hardware.devices_per_node=2", "train.steps=2",
+               "run.save_final=true")  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = r.stderr.splitlines()
+    said = [line for line in lines if not line.startswith(("[rank0]", "data ", "launching"))]
+    assert said == [lines[-1]], r.stderr[-3000:]
+    assert lines[-1].startswith(f"config error: run.dir: could not write the model to {run}/final")
+    assert "the last step is in a checkpoint" in lines[-1], lines[-1]
+    assert _steps(run) == ["step_2"] and not (run / "final").exists()
+
+
 @pytest.fixture
 def tmpfs(tmp_path):
     """mount(size) -> a tmpfs of that size under tmp_path (unmounted after the test)."""

@@ -123,7 +123,7 @@ class Checkpointer:
         self.finish()
         tmp = self.root / f"step_{step}.tmp"
         flat = flatten_state(backend_state)
-        self._needed_bytes = _state_bytes(flat)
+        self._needed_bytes = _state_bytes(flat, dist.get_world_size() if is_distributed() else 1)
         with _disk_full_is_one_line(self.root, step, tmp, self._needed_bytes):
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -224,9 +224,16 @@ def _gather(part: dict[str, Any]) -> list[dict[str, Any]]:
     return parts
 
 
-def _state_bytes(flat: dict[str, torch.Tensor]) -> int:
-    """The bytes of the whole state (a sharded tensor counts whole), what a checkpoint needs."""
-    return sum(t.numel() * t.element_size() for t in flat.values())
+# what DCP writes per tensor and rank beside its data: the record's headers and its metadata
+# entry (measured: 1.6-1.9 KiB; 40% of a checkpoint of the 21k-parameter demo model)
+DCP_BYTES_PER_ITEM = 2048
+
+
+def _state_bytes(flat: dict[str, torch.Tensor], world_size: int) -> int:
+    """About what a checkpoint of the whole state needs: its tensors' bytes (a sharded tensor
+    counts whole) and DCP's records of every rank's tensors."""
+    data = sum(t.numel() * t.element_size() for t in flat.values())
+    return data + len(flat) * world_size * DCP_BYTES_PER_ITEM
 
 
 def _make_tmp(tmp: Path, rank: int) -> None:
