@@ -123,17 +123,15 @@ def per_rank_batch(cfg: JobConfig, hw: Hardware, sequence_parallel: int = 1) -> 
     return per_rank
 
 
-def uneven_batch(gbs: int, world: int, split: int | None = None) -> ConfigError:
+def uneven_batch(gbs: int, world: int, splits: list[int] | None = None) -> ConfigError:
     """The global batch does not split over `world` data-parallel ranks: its multiples that do,
-    and `split`, a sequence group size whose data groups share it (long context: the fix may
-    be the user's to choose, since splitting a short sequence costs all-to-alls)."""
+    and `splits`, the sequence group sizes whose data groups share it (long context: the fix is
+    the user's to choose, since splitting a short sequence costs all-to-alls)."""
     fits = [m * world for m in range(max(1, gbs // world), gbs // world + 3)]
     fix = f"use a multiple of {world} (e.g. {', '.join(map(str, fits))})"
-    if split:
-        fix += (
-            f", or split each sequence over ranks: sequence_parallel={split} "
-            f"({world // split} data groups of {split})"
-        )
+    if splits:
+        sizes = " or ".join(map(str, splits))
+        fix += f", or split each sequence over ranks: sequence_parallel={sizes}"
     return ConfigError(
         "train.global_batch_size", f"{gbs} sequences cannot be split evenly over {world} ranks", fix
     )

@@ -45,7 +45,7 @@ def sequence_parallel_sizes(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> 
         return [cfg.sequence_parallel]
     sizes = sequence_sizes(hw.world_size, attention, cfg.data.seq_len, batch)
     if sizes and sizes[0] > 1:  # only a sequence split shares the batch: the user's choice
-        raise uneven_batch(cfg.train.global_batch_size, hw.world_size, split=sizes[0])
+        raise uneven_batch(cfg.train.global_batch_size, hw.world_size, splits=sizes)
     # not split first, always: where nothing shares the batch over the ranks the ladder says so
     return sizes or [1]
 

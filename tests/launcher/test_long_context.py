@@ -89,15 +89,15 @@ def test_a_short_job_is_planned_without_a_split():
 
 
 def test_a_batch_only_a_sequence_split_shares_is_refused_naming_the_split_that_plans():
-    """1,000 sequences on 8,000 GPUs: the fix names sequence_parallel=8 beside the multiples of
-    8,000 (it named only those), and the job with that split plans."""
+    """1,000 sequences on 8,000 GPUs: the fix names the splits whose data groups share them
+    beside the multiples of 8,000 (it named only those), and the job with the first plans."""
     job = _job(65536, train={"global_batch_size": 1000})
     hw = _hw(8, host_gib=2048, nodes=1000)
     with pytest.raises(ConfigError) as err:
         make_plan(job, hw)
     assert str(err.value).endswith(
         "use a multiple of 8000 (e.g. 8000, 16000), or split each sequence over ranks: "
-        "sequence_parallel=8 (1000 data groups of 8)"
+        "sequence_parallel=8 or 16 or 32"
     ), err.value
     plan = make_plan(job.model_copy(update={"sequence_parallel": 8}), hw)
     assert plan.long.sequence_parallel == 8
