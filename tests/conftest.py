@@ -192,7 +192,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config, items: list) 
     core the single-process tests leave idle; the first slow test waits for them."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path in slow)  # stable
-    if not slow or os.environ.get("OOMLESS_TEST_PREBUILD", "1") == "0":
+    if not slow or config.option.collectonly or os.environ.get("OOMLESS_TEST_PREBUILD") == "0":
         return
     stage = Path(tempfile.mkstemp(prefix="oomless-prebuild-", suffix=".stage")[1])
     log = TEST_CACHE / f"prebuild-{VENV_KEY}.log"
