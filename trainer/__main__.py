@@ -28,14 +28,12 @@ def main(argv: list[str]) -> int:
         # under `oomless train` the supervisor's lock is recognised and kept by the supervisor.
         lock = acquire_run_lock(cfg.run.dir) if os.environ.get("RANK", "0") == "0" else None
         from trainer.engine import run_training
-        from trainer.runtime.dist import exit_without_teardown
 
         try:
-            code = run_training(cfg)
+            return run_training(cfg)
         finally:
             if lock is not None:
                 lock.release()
-        exit_without_teardown(code)
     except ConfigError as err:  # bad data rows, an unreachable model: one line, exit 2
         line = redact(str(err))  # a data or model URL can carry a password
         print(line, file=sys.stderr)
@@ -53,5 +51,22 @@ def _leave_for_launcher(run_dir: Path, line: str) -> None:
         pass  # the run dir is gone or read-only: the line on stderr is all there is
 
 
+def _exit(code: int | str | None) -> None:
+    """Every way out of a rank skips the interpreter's teardown once torch is loaded (a config
+    error or a peer's failure after the process group exists too): trainer/runtime/dist.py."""
+    if "torch" not in sys.modules:
+        sys.exit(code)
+    from trainer.runtime.dist import exit_without_teardown
+
+    if not isinstance(code, int):  # SystemExit("message") or SystemExit(None)
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    exit_without_teardown(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        _exit(main(sys.argv[1:]))
+    except SystemExit as stop:  # a rank told to stop by its peers (trainer/runtime/dist.py)
+        _exit(stop.code)
