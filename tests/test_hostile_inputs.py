@@ -404,6 +404,12 @@ CASES = [
     Case("k8s-image-null", submit_k8s("k8s.image="), BAD, "k8s.image: is not set"),
     Case("k8s-image-empty", submit_k8s('k8s.image=""'), BAD, "k8s.image: '' is not an"),
     Case("k8s-unknown-key", submit_k8s(*K8S_OK, "k8s.pv=x"), BAD, "k8s.pv: unknown key"),
+    Case(
+        "k8s-token-in-config",
+        submit_k8s(*K8S_OK, "run.name=hf_abcdefghijklmnopqrstuvwx"),
+        BAD,
+        "run.name: holds what looks like a Hugging Face token",
+    ),
     # ---- run-dir states
     Case("run-dir-is-a-file", train_with(_run_dir_is_a_file), BAD, "is a file"),
     Case("resume-from-non-checkpoint", train_with(_resume_from_empty_dir), BAD, "run.resume: "),

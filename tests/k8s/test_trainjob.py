@@ -286,3 +286,15 @@ def test_the_manifest_in_the_docs_is_what_the_code_writes(capsys, tmp_path, monk
     page = (REPO / "docs" / "kubernetes.md").read_text()
     shown = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", page, re.S)]
     assert trainjob in shown
+
+
+def test_memory_is_capped_at_the_node_s_host_memory_and_floored_at_16_gib():
+    """A plan whose estimate and headroom pass a node's memory asks for the node, not more: a
+    request no node can hold would pend for ever."""
+    from launcher.k8s.trainjob import resources_per_node
+
+    cfg = load_config(DEMO, [*TWO_NODES_OF_8, "hardware.host_memory=100GiB", *K8S])
+    needs = {"estimate": {"host": {"total_bytes": 95 * GIB}}}  # x 1.1 headroom: 104.5 GiB
+    assert resources_per_node(cfg, needs)["limits"] == {"memory": "100Gi", "nvidia.com/gpu": 8}
+    small = {"estimate": {"host": {"total_bytes": GIB}}}
+    assert resources_per_node(cfg, small)["requests"]["memory"] == "16Gi"
