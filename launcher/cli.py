@@ -42,11 +42,16 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--trace", action="store_true", help="also trace one real step (FakeTensor)")
     sp = with_config("plan", "the plan oomless would run, and why")
     sp.add_argument("--json", action="store_true")
-    sp.add_argument("--emit", choices=["torchrun", "deepspeed", "accelerate", "sbatch"])
+    sp.add_argument("--emit", choices=["torchrun", "deepspeed", "accelerate", "sbatch", "trainjob"])
     sp = with_config("train", "plan, launch, escalate on OOM")
     sp.add_argument("--dry-run", action="store_true")
     sp = with_config("submit", "write run_dir/submit.sbatch and sbatch it")
     sp.add_argument("--dry-run", action="store_true")
+    sp.add_argument(
+        "--k8s",
+        action="store_true",
+        help="a Kubeflow TrainJob instead: write run_dir/trainjob.yaml and kubectl apply it",
+    )
     with_config("config", "print the resolved config")
     sp = sub.add_parser("export", help="checkpoint -> HF model dir (PEFT adapter dir for LoRA)")
     sp.add_argument("checkpoint")
@@ -97,6 +102,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         if code == EXIT_OK and not args.dry_run:
             _print_last_metrics(Path(cfg.run.dir).expanduser())
         return code
+    if args.command == "submit" and args.k8s:
+        from launcher.k8s.submit import submit_k8s_command
+
+        return submit_k8s_command(cfg, dry_run=args.dry_run)
     if args.command == "submit":
         from launcher.slurm.submit import submit_command
 

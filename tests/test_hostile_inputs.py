@@ -82,6 +82,13 @@ GPUS_64 = (
 )
 
 
+def submit_k8s(*overrides: str) -> Callable[[Space], list[str]]:
+    return lambda s: ["submit", str(s.job), *overrides, "--k8s"]
+
+
+K8S_OK = ("k8s.image=ghcr.io/acme/oomless:0.1", "k8s.pvc=runs")
+
+
 def job_file(content: bytes | str, command: str = "config") -> Callable[[Space], list[str]]:
     return lambda s: [command, str(s.write("hostile.yaml", content))]
 
@@ -385,6 +392,24 @@ CASES = [
     Case("model-dir-broken-json", _model_dir('{"model_type": "llama",'), BAD, "is not valid JSON"),
     Case("model-dir-json-list", _model_dir("[1, 2]"), BAD, "holds a list, not a JSON object"),
     Case("model-dir-not-utf8", _model_dir(b"\xff\xfe{}"), BAD, "config.json is not valid JSON"),
+    # ---- Kubernetes (a TrainJob): refused before a plan, a file or kubectl
+    Case("trainjob-no-image", plan("--emit", "trainjob"), BAD, "k8s.image: is not set"),
+    Case("submit-k8s-no-image", submit_k8s(), BAD, "k8s.image: is not set", process=True),
+    Case("submit-k8s-no-pvc", submit_k8s("k8s.image=r/i:1"), BAD, "k8s.pvc: is not set"),
+    Case("k8s-pvc-upper", submit_k8s(*K8S_OK, "k8s.pvc=My_Runs"), BAD, "k8s.pvc: 'My_Runs' is not"),
+    Case("k8s-pvc-dash", submit_k8s(*K8S_OK, "k8s.pvc=-runs"), BAD, "is not a Kubernetes name"),
+    Case("k8s-ns-dot", submit_k8s(*K8S_OK, "k8s.namespace=a.b"), BAD, "k8s.namespace: 'a.b' is"),
+    Case("k8s-queue-long", submit_k8s(*K8S_OK, f"k8s.queue={'q' * 64}"), BAD, "at most 63"),
+    Case("k8s-image-blank", submit_k8s("k8s.image=a b"), BAD, "k8s.image: 'a b' is not an image"),
+    Case("k8s-image-null", submit_k8s("k8s.image="), BAD, "k8s.image: is not set"),
+    Case("k8s-image-empty", submit_k8s('k8s.image=""'), BAD, "k8s.image: '' is not an"),
+    Case("k8s-unknown-key", submit_k8s(*K8S_OK, "k8s.pv=x"), BAD, "k8s.pv: unknown key"),
+    Case(
+        "k8s-token-in-config",
+        submit_k8s(*K8S_OK, "run.name=hf_abcdefghijklmnopqrstuvwx"),
+        BAD,
+        "run.name: holds what looks like a Hugging Face token",
+    ),
     # ---- run-dir states
     Case("run-dir-is-a-file", train_with(_run_dir_is_a_file), BAD, "is a file"),
     Case("resume-from-non-checkpoint", train_with(_resume_from_empty_dir), BAD, "run.resume: "),

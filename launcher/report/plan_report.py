@@ -42,6 +42,11 @@ def plan_command(cfg: JobConfig, as_json: bool, emit: str | None) -> int:
             render_sbatch(resolved, plan_json, Path(cfg.run.dir).absolute(), sys.executable)
         )
         return 0
+    if emit == "trainjob":
+        from launcher.k8s.trainjob import render_trainjob
+
+        sys.stdout.write(render_trainjob(resolved, plan.to_json(hw, cfg.memory.headroom, argv)))
+        return 0
     if as_json:
         print(json.dumps(plan.to_json(hw, cfg.memory.headroom, argv), indent=2))
         return 0

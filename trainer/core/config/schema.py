@@ -38,6 +38,9 @@ class Learned:
 LEARNED = Learned()
 
 _SLURM_TIME_RE = re.compile(r"^(\d+|\d+:\d{2}(:\d{2})?|\d+-\d{1,2}(:\d{2}(:\d{2})?)?)$")
+# Kubernetes names (RFC 1123): a label is at most 63 of these; a subdomain joins labels with dots
+_K8S_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_K8S_SUBDOMAIN_RE = re.compile(rf"^{_K8S_LABEL}(\.{_K8S_LABEL})*$")
 
 
 class _Section(BaseModel):
@@ -323,6 +326,47 @@ class SlurmConfig(_Section):
         return v
 
 
+class K8sConfig(_Section):
+    """`oomless submit --k8s` / `plan --emit trainjob`: a Kubeflow Trainer v2 TrainJob
+    (launcher/k8s/trainjob.py). `image` and `pvc` are required there, checked where used."""
+
+    image: str | None = None  # an image with oomless installed; what every node's pod runs
+    pvc: str | None = None  # the PersistentVolumeClaim that holds run.dir (mounted at /runs)
+    namespace: str | None = None  # else kubectl's current namespace
+    queue: str | None = None  # Kueue LocalQueue: label kueue.x-k8s.io/queue-name
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str | None) -> str | None:
+        if v is not None and (not v or len(v) > 500 or any(c.isspace() for c in v)):
+            raise ValueError(
+                f"{v!r} is not an image reference; write REGISTRY/IMAGE:TAG (no blanks, at most "
+                "500 characters)"
+            )
+        return v
+
+    @field_validator("pvc", "namespace", "queue")
+    @classmethod
+    def _kubernetes_name(cls, v: str | None, info: ValidationInfo) -> str | None:
+        """A PVC's name is a DNS subdomain (dots allowed, 253); a namespace's a label (63); a
+        Kueue queue's is both a LocalQueue name and a label value, so a label too."""
+        dots = info.field_name == "pvc"
+        longest = 253 if dots else 63
+        if v is not None and not (
+            len(v) <= longest and _K8S_SUBDOMAIN_RE.match(v) and (dots or "." not in v)
+        ):
+            chars = (
+                "lowercase letters, digits, '-' and '.'"
+                if dots
+                else "lowercase letters, digits and '-'"
+            )
+            raise ValueError(
+                f"{v!r} is not a Kubernetes name; use at most {longest} {chars}, starting and "
+                "ending with a letter or digit"
+            )
+        return v
+
+
 class JobConfig(_Section):
     model: ModelConfig
     data: DataConfig
@@ -343,6 +387,7 @@ class JobConfig(_Section):
     dist: DistConfig = Field(default_factory=DistConfig)
     escalation: EscalationConfig = Field(default_factory=EscalationConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    k8s: K8sConfig = Field(default_factory=K8sConfig)
 
     @field_validator("sequence_parallel")
     @classmethod
