@@ -265,8 +265,19 @@ def exit_without_teardown(code: int) -> NoReturn:
     after the last step, which torchrun reports as a failed run and srun --kill-on-bad-exit as a
     failed job. Only the streams need a flush: the run's
     files are closed by now, and the peers need no goodbye (they exit the same way).
+
+    On several nodes, the ranks of node 0 leave last (`LAST_NODE_DELAY_S`): node 0's torchrun
+    hosts the store of the agents' exit barrier and shuts it as soon as its own wait returns; an
+    agent that reached the barrier last then waits on a closed store and logs torch's
+    "Error waiting on exit barrier" traceback into the job's log (seen on the local Slurm
+    cluster). With node 0 last, its agent completes the barrier and nobody waits after it.
     """
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    if os.environ.get("GROUP_RANK") == "0" and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+        time.sleep(LAST_NODE_DELAY_S)
     os._exit(code)
+
+
+LAST_NODE_DELAY_S = 2.0  # the other nodes' ranks end their collectives with node 0's: ms apart
