@@ -7,6 +7,17 @@ holds no traceback; an exit 2 is ONE line that names the key or the file and say
 Most cases stop at validation (`oomless config` / `plan`, or `train`'s checks before anything is
 written) and run `main` in this process, so the battery runs in well under two minutes; a case of
 each kind also runs as a process of its own, as a user runs it.
+
+The cases that need a training on several ranks, a mounted disk or a signal live beside what
+they exercise, in the shared runs of those modules (CI's budget: no launch of their own here):
+- 8-bit AdamW moments across every move: tests/trainer/test_lowbit.py (by resume: ddp<->fsdp,
+  single->fsdp_offload, fsdp->single, LoRA) and tests/test_escalation.py (single->fsdp_offload);
+- bf16_pure with 8-bit moments: test_lowbit.py; sequence parallelism on OPT and BioGPT:
+  tests/trainer/test_sequence_parallel.py;
+- full disk on two ranks, at the final save, export onto a full disk, damaged manifests, a
+  read-only report, export racing the pruning, rollback: tests/trainer/test_trust_checkpoints.py;
+- signals (during a checkpoint write, at launch, torchrun's traceback) and kill -9 of a rank:
+  tests/test_cli_train.py, tests/test_rank_killed.py, tests/launcher/test_torchrun_output.py.
 """
 
 from __future__ import annotations
