@@ -51,6 +51,15 @@ def _training(*overrides: str) -> Iterator[tuple[subprocess.Popen, list[str]]]:
         kill_tree(proc.pid)
 
 
+def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, deadline: float) -> None:
+    """Until metrics.jsonl holds `steps` lines, the run has ended, or the deadline passed."""
+    path = run_dir / "metrics.jsonl"
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and path.read_text().count("\n") >= steps:
+            return
+        time.sleep(0.05)
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -272,11 +281,7 @@ def test_a_second_signal_during_the_stop_still_writes_the_checkpoint(tmp_path):
         "train.global_batch_size=256",
     ) as (proc, lines):  # fmt: skip
         deadline = time.time() + 240
-        path = run_dir / "metrics.jsonl"
-        while time.time() < deadline and proc.poll() is None:
-            if path.exists() and path.read_text().count("\n") >= 1:
-                break
-            time.sleep(0.05)
+        _wait_for_steps(proc, run_dir, 1, deadline)
         proc.send_signal(signal.SIGTERM)
         while time.time() < deadline and not any("received SIGTERM" in x for x in lines):
             time.sleep(0.005)
@@ -309,12 +314,7 @@ def test_sigterm_checkpoints_exits_143_and_resume_continues(tmp_path):
         text=True,
     )
     try:
-        deadline = time.time() + 240
-        path = run_dir / "metrics.jsonl"
-        while time.time() < deadline and proc.poll() is None:
-            if path.exists() and len(path.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.2)
+        _wait_for_steps(proc, run_dir, 3, time.time() + 240)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=120)
     finally:
@@ -429,12 +429,7 @@ def test_a_stop_during_a_checkpoint_write_exits_after_that_write(tmp_path, async
         env=python_env(), cwd=REPO, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        deadline = time.time() + 240
-        path = run_dir / "metrics.jsonl"
-        while time.time() < deadline and proc.poll() is None:
-            if path.exists() and path.read_text().count("\n") >= 2:
-                break
-            time.sleep(0.05)
+        _wait_for_steps(proc, run_dir, 2, time.time() + 240)
         time.sleep(0.5)  # inside step_2's write (3 s)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=120)
