@@ -316,6 +316,11 @@ def test_a_full_disk_on_two_ranks_is_one_line_and_the_run_resumes(trained, small
     assert str(run / "checkpoints") in lines[-1] and "step_2 is kept" in lines[-1], lines[-1]
     assert " bytes, " in lines[-1] and " free" in lines[-1], lines[-1]  # needed and free
     assert _steps(run) == ["step_2"]
+    # "needs about" is what a checkpoint takes, DCP's records of every rank's tensors included
+    # (it said 257,748 bytes, the tensors alone, for a step_2 of 544,352)
+    needed = int(lines[-1].split("needs about ")[1].split(" bytes")[0].replace(",", ""))
+    written = sum(p.stat().st_size for p in (run / "checkpoints/step_2").rglob("*") if p.is_file())
+    assert 0.9 * written <= needed <= 1.5 * written, (needed, written)
     from trainer.checkpoint.store import checkpoint_damage
 
     assert checkpoint_damage(run / "checkpoints" / "step_2") is None
