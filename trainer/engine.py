@@ -61,6 +61,7 @@ from trainer.runtime.dist import (
     resolve_device,
     slow_down,
 )
+from trainer.runtime.hang import HangWatchdog, inject_hang
 from trainer.runtime.oom import (
     FaultInjector,
     OutOfMemoryInStep,
@@ -79,7 +80,10 @@ def run_training(cfg: JobConfig) -> int:
     run = _setup(cfg)
     if isinstance(run, int):  # out of memory while setting up
         return run
-    code = _train(run)
+    try:
+        code = _train(run)
+    finally:
+        run.watchdog.close()
     if code == 0 and cfg.run.save_final:
         _save_final(run)
     return code
@@ -99,6 +103,7 @@ class _Run:
     data: Any
     split: BatchSplit
     faults: FaultInjector
+    watchdog: HangWatchdog
     start_step: int
 
 
@@ -165,8 +170,20 @@ def _setup(cfg: JobConfig) -> _Run | int:
     split.levers = _memory_levers(cfg, model, device)
     if concrete_lever(cfg.memory.tiled_mlp):  # auto: off until the planner chooses
         apply_tiled_mlp(model, cfg.memory.mlp_chunk_tokens)
+    watchdog = HangWatchdog(cfg, run_dir, rank, world_size)
     return _Run(
-        cfg, ctx, run_dir, backend, model, factory, tokenizer, data, split, faults, start_step
+        cfg,
+        ctx,
+        run_dir,
+        backend,
+        model,
+        factory,
+        tokenizer,
+        data,
+        split,
+        faults,
+        watchdog,
+        start_step,
     )
 
 
@@ -210,6 +227,8 @@ def _train(run: _Run) -> int:
         lr = lr_at(cfg.train, step)
         backend.set_lr(lr)
         run.faults.step = step
+        run.watchdog.started(step)
+        inject_hang(cfg, step, ctx.rank, run.run_dir)
         try:
             window.begin(step)
             result = step_with_backoff(run.model, backend, run.data, split, step, ctx, run.faults)
@@ -240,6 +259,7 @@ def _train(run: _Run) -> int:
                 return _ended(EXIT_OOM, trackers, window)
         metrics.write(record)
         trackers.log(record)
+        run.watchdog.finished()
 
         # the last step is always in a checkpoint (or, with checkpoint_every 0, in final/)
         last = step + 1 == cfg.train.steps and (cfg.run.checkpoint_every or not cfg.run.save_final)

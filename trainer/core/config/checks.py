@@ -198,6 +198,27 @@ def _check_across_sections(cfg: JobConfig) -> None:
             "use precision=bf16 or fp32 on CPU",
         )
     _check_finetune(cfg)
+    _check_resilience(cfg)
+
+
+def _check_resilience(cfg: JobConfig) -> None:
+    """elastic.min_nodes within the job's nodes; a hang timeout torch's own timeout leaves room
+    for (trainer/runtime/hang.py)."""
+    min_nodes, nodes = cfg.elastic.min_nodes, cfg.hardware.nodes
+    if min_nodes is not None and min_nodes > nodes:
+        raise ConfigError(
+            "elastic.min_nodes",
+            f"{min_nodes} is above hardware.nodes={nodes}",
+            f"use a number from 1 to {nodes}, or leave it unset (a lost node ends the run)",
+        )
+    timeout = cfg.run.hang_timeout_s
+    if isinstance(timeout, int) and timeout >= cfg.dist.timeout_s:
+        raise ConfigError(
+            "run.hang_timeout_s",
+            f"{timeout} is not below dist.timeout_s={cfg.dist.timeout_s}: torch's collective "
+            "timeout would end the run before a hang is diagnosed",
+            f"use less than {cfg.dist.timeout_s}, or raise dist.timeout_s",
+        )
 
 
 def _check_finetune(cfg: JobConfig) -> None:

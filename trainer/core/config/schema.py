@@ -237,6 +237,14 @@ class InjectOomConfig(_Section):
         return v
 
 
+class InjectHangConfig(_Section):
+    """`debug.inject_hang`: that rank stops answering collectives at that step (tests only;
+    once per run.dir: a restart does not hang again)."""
+
+    step: int = Field(ge=1)  # the optimizer step, counted from 1
+    rank: int = Field(0, ge=0)
+
+
 class SlowRank0Config(_Section):
     """Seconds added to rank 0's serial work (tests of the waiting ranks)."""
 
@@ -252,6 +260,7 @@ class ProfileConfig(_Section):
 
 class DebugConfig(_Section):
     inject_oom: InjectOomConfig | None = None
+    inject_hang: InjectHangConfig | None = None
     slow_rank0: SlowRank0Config | None = None
     # torch.profiler over optimizer steps start .. start + steps - 1 -> run.dir/profile/
     profile: ProfileConfig | None = None
@@ -273,6 +282,20 @@ class RunConfig(_Section):
         default_factory=list
     )
     name: str | None = None  # the run's name in the trackers (default: run.dir's name)
+    # A step that runs longer than this is a hang: every rank's stack to run.dir/hang/, exit 124
+    # (trainer/runtime/hang.py). auto: 10 x the slowest step so far, at least 5 minutes.
+    hang_timeout_s: int | Literal["auto"] = "auto"
+    # `oomless train` restarts from the last checkpoint after a hang or a lost node this many
+    # times (auto: 3); an out-of-memory climbs the ladder instead (escalation.max_attempts)
+    max_restarts: int | Literal["auto"] = "auto"
+
+    @field_validator("hang_timeout_s", "max_restarts")
+    @classmethod
+    def _whole_or_auto(cls, v: int | str, info: ValidationInfo) -> int | str:
+        least = 1 if info.field_name == "hang_timeout_s" else 0
+        if isinstance(v, int) and v < least:
+            raise ValueError(f"must be >= {least} or auto")
+        return v
 
     @field_validator("resume")
     @classmethod
@@ -299,6 +322,14 @@ class DeepSpeedConfig(_Section):
 class DistConfig(_Section):
     timeout_s: int = Field(600, ge=1)
     max_restarts: int = Field(0, ge=0)
+
+
+class ElasticConfig(_Section):
+    """With `min_nodes`, a run that loses nodes goes on with those left (at least min_nodes):
+    re-planned for them, same global batch, resumed from the last checkpoint
+    (docs/resilience.md)."""
+
+    min_nodes: int | None = Field(None, ge=1)
 
 
 class EscalationConfig(_Section):
@@ -386,6 +417,7 @@ class JobConfig(_Section):
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
     dist: DistConfig = Field(default_factory=DistConfig)
     escalation: EscalationConfig = Field(default_factory=EscalationConfig)
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     k8s: K8sConfig = Field(default_factory=K8sConfig)
 
