@@ -30,7 +30,7 @@ from trainer.checkpoint.checkpointer import Checkpointer, load_checkpoint, resto
 from trainer.checkpoint.export import save_final_model
 from trainer.checkpoint.layout import load_template
 from trainer.checkpoint.store import resolve_resume
-from trainer.core.config import JobConfig, check_run_time_extras
+from trainer.core.config import ConfigError, JobConfig, check_run_time_extras
 from trainer.core.contract import EXIT_OOM, EXIT_SIGNAL, FINAL_DIR
 from trainer.core.flops import training_flops_per_token
 from trainer.core.gpus import peak_flops_for
@@ -125,18 +125,8 @@ def _setup(cfg: JobConfig) -> _Run | int:
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
 
-    micro = _concrete_micro_batch(cfg)
-    ctx = BackendContext(
-        cfg=cfg,
-        device=device,
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        precision=cfg.precision,
-        activation_checkpointing=_concrete_ac(cfg),
-        micro_batch_size=micro,
-        grad_accum=cfg.train.global_batch_size // (micro * dims.data),
-    )
+    ctx = _backend_context(cfg, device, rank, local_rank, dims)
+    micro = ctx.micro_batch_size
     tokenizer = build_tokenizer(cfg.model)
     data = build_data(cfg, tokenizer)
     factory = build_factory(model_factory, cfg)
@@ -184,6 +174,33 @@ def _setup(cfg: JobConfig) -> _Run | int:
         faults,
         watchdog,
         start_step,
+    )
+
+
+def _backend_context(
+    cfg: JobConfig, device: torch.device, rank: int, local_rank: int, dims: ParallelDims
+) -> BackendContext:
+    """What every backend is told: the rank, the device, and the micro-batch x accumulation that
+    makes up the global batch on the data ranks running (checked: after an elastic restart on
+    fewer ranks the resolved micro-batch may not divide it)."""
+    micro = _concrete_micro_batch(cfg)
+    if cfg.train.global_batch_size % (micro * dims.data):  # an elastic restart on fewer ranks
+        raise ConfigError(
+            "train.micro_batch_size",
+            f"{micro} x {dims.data} data ranks running does not divide train.global_batch_size="
+            f"{cfg.train.global_batch_size}",
+            "use a micro-batch that divides it on every world size the job may run on",
+        )
+    return BackendContext(
+        cfg=cfg,
+        device=device,
+        rank=rank,
+        local_rank=local_rank,
+        world_size=dims.world_size,
+        precision=cfg.precision,
+        activation_checkpointing=_concrete_ac(cfg),
+        micro_batch_size=micro,
+        grad_accum=cfg.train.global_batch_size // (micro * dims.data),
     )
 
 

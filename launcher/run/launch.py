@@ -42,9 +42,12 @@ def build_torchrun_command(
     if hw.nodes == 1:
         argv += ["--standalone", "--nnodes", "1"]
     else:
+        # elastic.min_nodes: an elastic rendezvous (MIN:MAX nodes); after a lost node torchrun
+        # restarts the workers on those left, which resume from the newest checkpoint
+        nnodes = f"{cfg.elastic.min_nodes}:{hw.nodes}" if cfg.elastic.min_nodes else str(hw.nodes)
         argv += [
             "--nnodes",
-            str(hw.nodes),
+            nnodes,
             "--node_rank",
             node_rank,
             "--rdzv_backend",
@@ -58,7 +61,7 @@ def build_torchrun_command(
         "--nproc_per_node",
         str(per_node),
         "--max_restarts",
-        str(cfg.dist.max_restarts),
+        str(_max_restarts(cfg)),
         "-m",
         "trainer",
         str(config_path),
@@ -69,6 +72,14 @@ def build_torchrun_command(
         cores = os.cpu_count() or 1
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(max(1, cores // per_node)))
     return argv, env
+
+
+def _max_restarts(cfg: JobConfig) -> int:
+    """torchrun's worker-group restarts: dist.max_restarts, or with elastic.min_nodes on
+    several nodes at least run.max_restarts (a lost node is a restart of the group)."""
+    if cfg.elastic.min_nodes and cfg.hardware.nodes > 1:
+        return max(cfg.dist.max_restarts, cfg.run.num_restarts_allowed)
+    return cfg.dist.max_restarts
 
 
 def run_command(argv: list[str], env: dict[str, str], output: TorchrunOutput | None = None) -> int:

@@ -54,7 +54,6 @@ from trainer.core.files import absolute_path, append_line, read_json_object, wri
 from trainer.core.run_lock import LOCK_OWNER_ENV, acquire_run_lock, check_run_lock
 
 log = logging.getLogger(__name__)
-AUTO_RESTARTS = 3  # run.max_restarts: auto
 
 
 def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
@@ -102,7 +101,7 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
             # one run per run.dir, for the life of this one
             held.enter_context(acquire_run_lock(run_dir))
         rc = _launch(resolved, plan_json, argv, env, spawn)
-        if rc == EXIT_HANG and num_restarts < max_restarts(cfg):
+        if rc == EXIT_HANG and num_restarts < cfg.run.num_restarts_allowed:
             num_restarts += 1
             cfg = _restart_after_hang(cfg, resolved, num_restarts)
             attempt += 1
@@ -117,12 +116,6 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
         if climbed is None:
             return rc
         cfg, failed, memory_scale = climbed
-
-
-def max_restarts(cfg: JobConfig) -> int:
-    """run.max_restarts: restarts after a hang or a lost node (auto: AUTO_RESTARTS)."""
-    n = cfg.run.max_restarts
-    return AUTO_RESTARTS if n == "auto" else n
 
 
 def _restart_after_hang(cfg: JobConfig, resolved: JobConfig, num_restarts: int) -> JobConfig:
@@ -143,7 +136,7 @@ def _restart_after_hang(cfg: JobConfig, resolved: JobConfig, num_restarts: int) 
     log.warning(
         "restarting after the hang (%d of run.max_restarts=%d) from %s; the stacks are in %s",
         num_restarts,
-        max_restarts(cfg),
+        cfg.run.num_restarts_allowed,
         newest or "the beginning",
         run_dir / HANG_DIR,
     )

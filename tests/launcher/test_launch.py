@@ -46,6 +46,14 @@ def test_several_nodes_rendezvous_on_the_head_node_with_the_rank_left_to_each_no
     assert env == {}  # GPU ranks: no thread pinning
 
 
+def test_elastic_min_nodes_is_an_elastic_rendezvous_that_restarts_on_the_nodes_left():
+    cfg = _cfg(device="cuda", nodes=4, devices_per_node=8, device_memory="80GiB")
+    cfg = cfg.model_copy(update={"elastic": cfg.elastic.model_copy(update={"min_nodes": 2})})
+    joined = " ".join(build_torchrun_command(cfg, Path("c.yaml"))[0])
+    # run.max_restarts auto (3) is above dist.max_restarts (2): a lost node restarts the group
+    assert "--nnodes 2:4 --node_rank $NODE_RANK" in joined and "--max_restarts 3 " in joined
+
+
 def _child(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 

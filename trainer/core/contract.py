@@ -16,6 +16,9 @@ EXIT_CUT_OFF = 130  # interrupted (Ctrl-C, repeated signals) before a checkpoint
 
 # Files under run.dir
 CONFIG_FILE = "config.yaml"  # the resolved config every rank runs
+# `oomless submit` with elastic.min_nodes: the config as submitted, before the plan resolved it;
+# what a re-plan for the nodes left starts from (launcher/slurm/elastic.py)
+JOB_FILE = "job.yaml"
 PLAN_FILE = "plan.json"
 METRICS_FILE = "metrics.jsonl"
 OOM_REPORT_FILE = "oom-report.json"

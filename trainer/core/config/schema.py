@@ -289,6 +289,11 @@ class RunConfig(_Section):
     # times (auto: 3); an out-of-memory climbs the ladder instead (escalation.max_attempts)
     max_restarts: int | Literal["auto"] = "auto"
 
+    @property
+    def num_restarts_allowed(self) -> int:
+        """max_restarts with `auto` made concrete (3)."""
+        return 3 if self.max_restarts == "auto" else self.max_restarts
+
     @field_validator("hang_timeout_s", "max_restarts")
     @classmethod
     def _whole_or_auto(cls, v: int | str, info: ValidationInfo) -> int | str:
