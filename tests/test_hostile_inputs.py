@@ -431,6 +431,17 @@ CASES = [
         BAD,
         "run.hang_timeout_s: 900 is not below dist.timeout_s=600",
     ),
+    Case(
+        "hang-timeout-below-a-step",
+        lambda s: [
+            "plan",
+            str(REPO / "configs/models/llama-3.1-8b.yaml"),
+            *GPUS_64,
+            "run.hang_timeout_s=5",
+        ],  # fmt: skip
+        BAD,
+        "run.hang_timeout_s: 5 s is shorter than a step (",
+    ),
     Case("max-restarts-neg", config("run.max_restarts=-1"), BAD, "run.max_restarts: must be >= 0"),
     Case("inject-hang-step-0", config("debug.inject_hang={step: 0}"), BAD, "inject_hang.step"),
     # ---- run-dir states
