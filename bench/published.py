@@ -5,8 +5,11 @@ Answer.AI's fsdp_qlora, the PEFT docs): the source and its commit, the model, th
 overrides, what the figure measures and the figure. The job is estimated as `oomless estimate
 --json` would with those overrides (in process: `launcher.report.estimate_report.estimates_for`),
 and the figure of the same kind is compared: `peak_tensor_bytes` with an allocated or active
-figure, `total_bytes` (what the allocator reserves) with a reserved or nvidia-smi one. A row
-whose job oomless cannot express says why instead. Pure arithmetic, no GPU.
+figure; with a reserved one, that peak plus what the caching allocator reserves beyond it in the
+mode the source ran (`launcher.estimate.peak.allocator_slack_bytes`: expandable segments or the
+default); with an nvidia-smi one, that plus the CUDA context (`total_bytes` when the mode is
+oomless's own, expandable segments). A row whose job oomless cannot express says why instead.
+Pure arithmetic, no GPU.
 
     python -m bench.published [--json out.json]
 """
@@ -23,7 +26,7 @@ from typing import Any
 import yaml
 
 from launcher.estimate.activations import with_activations
-from launcher.estimate.peak import Estimate
+from launcher.estimate.peak import CUDA_CONTEXT_BYTES, Estimate, allocator_slack_bytes
 from launcher.estimate.shape import model_shape
 from launcher.plan.hardware import detect_hardware
 from launcher.report.estimate_report import estimates_for
@@ -88,9 +91,14 @@ class Result:
     def oomless_bytes(self) -> int | None:
         if self.estimate is None:
             return None
+        est = self.estimate
         if self.row.kind in TENSOR_KINDS:
-            return self.estimate.peak_tensor_bytes
-        return self.estimate.device_total_bytes
+            return est.peak_tensor_bytes
+        b = est.device_breakdown
+        transient = b["activations"] + b["temporary"]  # the peak less the persistent states
+        expandable = self.row.source["allocator"].startswith("expandable")
+        reserved = est.peak_tensor_bytes + allocator_slack_bytes(transient, expandable)
+        return reserved + (CUDA_CONTEXT_BYTES if self.row.kind == "nvidia-smi" else 0)
 
     @property
     def ratio(self) -> float | None:
@@ -168,6 +176,7 @@ def summary(results: list[Result]) -> dict[str, Any]:
     return {
         "rows": len(results),
         "sources": len({r.row.source_ref for r in results}),
+        "repositories": len({r.row.source["repo"] for r in results}),
         "expressible": len(expressible),
         "within_band": sum(bool(r.within) for r in expressible),
         "cannot": len(results) - len(expressible),
@@ -220,7 +229,8 @@ def render(results: list[Result]) -> str:
     lines.append("")
     lines.append(
         f"{s['within_band']} of {s['expressible']} expressible rows within band "
-        f"({s['rows']} rows from {s['sources']} sources; {s['cannot']} oomless cannot express)"
+        f"({s['rows']} rows from {s['sources']} sources in {s['repositories']} repositories; "
+        f"{s['cannot']} oomless cannot express)"
     )
     return "\n".join(lines)
 
