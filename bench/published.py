@@ -126,7 +126,7 @@ def load_rows(path: Path = ROWS_FILE) -> list[Row]:
         rows.append(
             Row(
                 id=r["id"],
-                source=sources[r["source"]],
+                source={"name": r["source"], **sources[r["source"]]},
                 model=models[r["model"]],
                 kind=r["kind"],
                 figure=float(r["figure"]),
@@ -222,7 +222,7 @@ def render(results: list[Result]) -> str:
             got = f"{r.oomless_bytes / GIB:.2f} GiB"
             ratio, within = f"{r.ratio:.2f}", "yes" if r.within else "no"
         lines.append(
-            f"| {row.id} | {row.source_ref} | {model} | {_job_words(row)} | {row.kind} | "
+            f"| {row.id} | {row.source['name']} | {model} | {_job_words(row)} | {row.kind} | "
             f"{published} | {got} | {ratio} | {within} |"
         )
     s = summary(results)

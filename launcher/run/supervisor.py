@@ -223,10 +223,22 @@ def climb_from_forced(cfg: JobConfig, failed: list[str]) -> tuple[JobConfig, lis
     )
 
 
+def _set_allocator_env(env: dict[str, str]) -> None:
+    """The launch environment (the allocator's configuration) for an engine run in this process:
+    the caching allocator reads it when CUDA starts, and takes it at run time once started (the
+    hardware probe may have started it)."""
+    os.environ.update(env)
+    conf = env.get("PYTORCH_CUDA_ALLOC_CONF")
+    torch = sys.modules.get("torch")
+    if conf and torch is not None and torch.cuda.is_initialized():
+        torch.cuda.memory._set_allocator_settings(conf)
+
+
 def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> int:
     if not spawn:
         from trainer.engine import run_training
 
+        _set_allocator_env(env)
         try:
             return run_training(cfg)
         finally:

@@ -30,6 +30,7 @@ from string import Template
 
 from launcher.plan.job import resolve_plan
 from launcher.plan.planner import NoFitError
+from launcher.run.launch import allocator_env
 from launcher.run.preflight import (
     check_resume,
     check_rows,
@@ -124,6 +125,21 @@ def render_sbatch(
         CONFIG=_in_single_quotes(shlex.quote(str(run_dir / CONFIG_FILE))),
         NO_KILL="#SBATCH --no-kill\n" if cfg.elastic.min_nodes else "",
         ELASTIC=_elastic_block(cfg, run_dir, python),
+        ALLOC_CONF=_alloc_conf(cfg),
+    )
+
+
+def _alloc_conf(cfg: JobConfig) -> str:
+    """CUDA ranks: the caching allocator with expandable segments (launcher/run/launch.py
+    `allocator_env`), unless the job's environment configures it already."""
+    env = allocator_env(cfg, environ={})
+    if not env:
+        return ""
+    ((name, value),) = env.items()
+    unset = '[ -n "${PYTORCH_CUDA_ALLOC_CONF:-}${PYTORCH_ALLOC_CONF:-}" ]'
+    return (
+        "# CUDA ranks: expandable segments, unless the job's environment configures the allocator\n"
+        f"{unset} || export {name}={value}\n"
     )
 
 

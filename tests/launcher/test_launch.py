@@ -8,7 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
-from launcher.run.launch import build_torchrun_command, run_command
+from launcher.run.launch import allocator_env, build_torchrun_command, run_command
 from tests.conftest import TINY_LLAMA
 from trainer.core.config import build_config
 
@@ -43,7 +43,8 @@ def test_several_nodes_rendezvous_on_the_head_node_with_the_rank_left_to_each_no
     assert "--nnodes 4 --node_rank $NODE_RANK --rdzv_backend c10d" in joined
     assert "--rdzv_endpoint $HEAD_NODE:29500 --rdzv_id oomless-exp7" in joined
     assert "--nproc_per_node 8" in joined
-    assert env == {}  # GPU ranks: no thread pinning
+    # GPU ranks: no thread pinning; the caching allocator with expandable segments
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
 def test_elastic_min_nodes_is_an_elastic_rendezvous_that_restarts_on_the_nodes_left():
@@ -52,6 +53,17 @@ def test_elastic_min_nodes_is_an_elastic_rendezvous_that_restarts_on_the_nodes_l
     joined = " ".join(build_torchrun_command(cfg, Path("c.yaml"))[0])
     # run.max_restarts auto (3) is above dist.max_restarts (2): a lost node restarts the group
     assert "--nnodes 2:4 --node_rank $NODE_RANK" in joined and "--max_restarts 3 " in joined
+
+
+def test_cuda_ranks_get_expandable_segments_unless_the_user_configured_the_allocator():
+    cuda = _cfg(device="cuda", devices_per_node=8, device_memory="80GiB")
+    assert allocator_env(cuda, environ={}) == {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"
+    }
+    # the user's own setting (either name PyTorch reads) goes to the ranks as it is
+    assert allocator_env(cuda, environ={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == {}
+    assert allocator_env(cuda, environ={"PYTORCH_ALLOC_CONF": "expandable_segments:False"}) == {}
+    assert allocator_env(_cfg(device="cpu", devices_per_node=2), environ={}) == {}
 
 
 def _child(code: str) -> list[str]:
