@@ -47,8 +47,10 @@ BANDS = {
     "nvidia-smi": (0.95, 1.15),
 }
 TENSOR_KINDS = ("allocated", "active")
-# What every row's job starts from: a one-node CUDA job on packed text with every lever off.
+# What every row's job starts from: one CUDA device, `single`, unpacked text (no block-causal
+# mask: the peers pad, or mask packed documents with flash or flex attention), every lever off.
 BASE_JOB: dict[str, Any] = {
+    "strategy": "single",
     "data": {"path": "HuggingFaceH4/no_robots", "format": "text", "pack": False},
     "hardware": {"device": "cuda", "nodes": 1, "devices_per_node": 1, "host_memory": "2TiB"},
     "memory": {"chunked_loss": False, "offload_activations": False, "tiled_mlp": False},
