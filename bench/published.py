@@ -1,15 +1,15 @@
 """oomless's estimate against peak memory that others measured and published for the same jobs.
 
 Each row of `bench/published_rows.yaml` is one published measurement (torchtune, torchtitan,
-Answer.AI's fsdp_qlora, the PEFT docs): the source and its commit, the model, the job as oomless
-overrides, what the figure measures and the figure. The job is estimated as `oomless estimate
---json` would with those overrides (in process: `launcher.report.estimate_report.estimates_for`),
-and the figure of the same kind is compared: `peak_tensor_bytes` with an allocated or active
-figure; with a reserved one, that peak plus what the caching allocator reserves beyond it in the
-mode the source ran (`launcher.estimate.peak.allocator_slack_bytes`: expandable segments or the
-default); with an nvidia-smi one, that plus the CUDA context (`total_bytes` when the mode is
-oomless's own, expandable segments). A row whose job oomless cannot express says why instead.
-Pure arithmetic, no GPU.
+Answer.AI's fsdp_qlora, LitGPT, the PEFT docs): the source and its commit, the model, the job as
+oomless overrides, what the figure measures and the figure. The job is estimated as `oomless
+estimate --json` would with those overrides (in process, `estimates_for` of
+launcher/report/estimate_report.py), and the figure of the same kind is compared:
+`peak_tensor_bytes` with an allocated or active figure; with a reserved one, that peak plus what
+the caching allocator reserves beyond it in the mode the source ran (`allocator_slack_bytes` of
+launcher/estimate/peak.py: expandable segments or the default); with an nvidia-smi one, that plus
+the CUDA context (`total_bytes` when the mode is oomless's own, expandable segments). A row whose
+job oomless cannot express says why instead. Pure arithmetic, no GPU.
 
     python -m bench.published [--json out.json]
 """
