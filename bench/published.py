@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,10 +84,10 @@ class Row:
 
 @dataclass
 class Result:
+    """A row beside oomless's estimate of its job (None where oomless cannot express it)."""
+
     row: Row
     estimate: Estimate | None = None
-    error: str | None = None  # the job did not build or estimate (a defect of the row)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def oomless_bytes(self) -> int | None:
@@ -170,6 +170,7 @@ def estimate_row(row: Row) -> Result:
 
 
 def run(rows: list[Row]) -> list[Result]:
+    """Every row's estimate, in the file's order."""
     return [estimate_row(r) for r in rows]
 
 
