@@ -328,7 +328,7 @@ def _log_start(run: _Run, num_params: int) -> None:
         ctx.grad_accum,
         dims.data,
         cfg.train.global_batch_size,
-        cfg.precision,
+        _precision_and_optimizer(cfg, ctx.device),
         sp,
         ctx.activation_checkpointing,
         "on" if run.split.levers.chunked_loss else "off",
@@ -336,6 +336,16 @@ def _log_start(run: _Run, num_params: int) -> None:
         f", {n} layers compiled" if (n := num_compiled_layers(run.model)) else "",
         f", MLP tiled in chunks of {n} tokens" if (n := tiled_mlp_chunk_tokens(run.model)) else "",
     )
+
+
+def _precision_and_optimizer(cfg: JobConfig, device: torch.device) -> str:
+    """'bf16', or 'bf16_pure, paged_adamw_8bit' (on CPU processes: run as adamw_8bit)."""
+    name = cfg.train.optimizer
+    if name == "adamw":
+        return cfg.precision
+    if name == "paged_adamw_8bit" and device.type != "cuda":
+        name += " (run as adamw_8bit: no CUDA memory to page here)"
+    return f"{cfg.precision}, {name}"
 
 
 def _step_record(

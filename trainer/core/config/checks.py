@@ -252,7 +252,7 @@ def check_run_time_extras(cfg: JobConfig) -> None:
     needs = []
     if method != "full":
         needs.append(("finetune.method", method, "peft", "oomless[lora]"))
-    if method == "qlora" or optimizer == "adamw_8bit":
+    if method == "qlora" or optimizer in methods.EIGHT_BIT_OPTIMIZERS:
         key, value = (
             ("finetune.method", method) if method == "qlora" else ("train.optimizer", optimizer)
         )

@@ -135,7 +135,7 @@ class TrainConfig(_Section):
     deterministic: bool = False
     compile: bool = False  # torch.compile each decoder layer (single, ddp, fsdp rungs)
     # adamw: fp32 moments; adamw_8bit: 8-bit moments with block scales (bitsandbytes)
-    optimizer: Annotated[Literal["adamw", "adamw_8bit"], LEARNED] = "adamw"
+    optimizer: Annotated[Literal["adamw", "adamw_8bit", "paged_adamw_8bit"], LEARNED] = "adamw"
     # opt-in: step each parameter as soon as its gradient is ready and free that gradient
     # (needs accumulation 1 and train.grad_clip=0; trainer/optim.py)
     optimizer_in_backward: bool = False
