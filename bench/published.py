@@ -94,13 +94,19 @@ class Result:
         if self.estimate is None:
             return None
         est = self.estimate
-        if self.row.kind in TENSOR_KINDS:
-            return est.peak_tensor_bytes
         b = est.device_breakdown
+        # paged 8-bit states live in CUDA managed memory, which the caching allocator's counts
+        # (allocated, active, reserved) never include; nvidia-smi sees them
+        paged = self.row.job.get("train.optimizer") == "paged_adamw_8bit"
+        managed = b["optimizer"] if paged else 0
+        if self.row.kind in TENSOR_KINDS:
+            return est.peak_tensor_bytes - managed
         transient = b["activations"] + b["temporary"]  # the peak less the persistent states
         expandable = self.row.source["allocator"].startswith("expandable")
         reserved = est.peak_tensor_bytes + allocator_slack_bytes(transient, expandable)
-        return reserved + (CUDA_CONTEXT_BYTES if self.row.kind == "nvidia-smi" else 0)
+        if self.row.kind == "nvidia-smi":
+            return reserved + CUDA_CONTEXT_BYTES
+        return reserved - managed
 
     @property
     def ratio(self) -> float | None:
@@ -198,6 +204,8 @@ def _job_words(row: Row) -> str:
         j.get("precision", "bf16"),
     ]
     parts += [name for key, name in _FLAGS if j.get(key)]
+    if j.get("train.optimizer", "adamw") != "adamw":
+        parts.append(j["train.optimizer"])
     return ", ".join(parts)
 
 
