@@ -8,7 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
-from launcher.run.launch import allocator_env, build_torchrun_command, run_command
+from launcher.run.launch import allocator_env, build_torchrun_command, launch_spec, run_command
 from tests.conftest import TINY_LLAMA
 from trainer.core.config import build_config
 
@@ -64,6 +64,15 @@ def test_cuda_ranks_get_expandable_segments_unless_the_user_configured_the_alloc
     assert allocator_env(cuda, environ={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == {}
     assert allocator_env(cuda, environ={"PYTORCH_ALLOC_CONF": "expandable_segments:False"}) == {}
     assert allocator_env(_cfg(device="cpu", devices_per_node=2), environ={}) == {}
+
+
+def test_a_single_cuda_device_runs_here_with_the_allocator_setting(monkeypatch):
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    one = _cfg(device="cuda", devices_per_node=1, device_memory="80GiB")
+    argv, env, spawn = launch_spec(one, Path("c.yaml"))
+    assert not spawn and argv[-2:] == ["trainer", "c.yaml"]
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # set before CUDA starts
 
 
 def _child(code: str) -> list[str]:
