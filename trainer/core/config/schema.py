@@ -76,6 +76,8 @@ class ModelConfig(_Section):
     config: Annotated[dict[str, Any] | None, LEARNED] = None
     tokenizer: str | None = None
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
+    # opt-in context extension: the mapping transformers' config takes (trainer/core/hf_config.py)
+    rope_scaling: Annotated[dict[str, Any] | None, LEARNED] = None
     trust_remote_code: bool = False
     revision: Annotated[str | None, LEARNED] = None
 
