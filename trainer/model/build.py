@@ -52,10 +52,13 @@ def apply_rope_scaling(config: Any, rope_scaling: dict[str, Any]) -> None:
 
 
 def _attention_for(config: Any, requested: str) -> str:
-    """`requested`, except that a model without SDPA support (GPT-OSS, Mamba, ...) runs the
-    default `sdpa` as `eager`, transformers' own implementation of it."""
+    """`requested` (`auto`, which no plan resolved: sdpa), except that a model without SDPA
+    support (GPT-OSS, Mamba, ...) runs `sdpa` as `eager`, transformers' own implementation of
+    it."""
     from transformers import AutoModelForCausalLM
 
+    if requested == "auto":  # the planner's choice, left unresolved: sdpa
+        requested = "sdpa"
     if requested != "sdpa":
         return requested
     cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
