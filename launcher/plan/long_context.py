@@ -27,7 +27,6 @@ from launcher.plan.ladder import (
     shortfall,
     uneven_batch,
 )
-from trainer.core import strategies
 from trainer.core.config import JobConfig
 from trainer.core.parallel_dims import (
     AttentionShape,
@@ -109,19 +108,21 @@ def with_attention(cfg: JobConfig, name: str) -> JobConfig:
 def climb_long(
     cfg: JobConfig, hw: Hardware, shape: ModelShape, rungs: list[Strategy],
     exclude: tuple[str, ...] | list[str] = (), memory_scale: float = 1.0,
-) -> tuple[Climb, LongContext, str]:  # fmt: skip
+) -> tuple[Climb, LongContext, str, dict[str, Climb]]:  # fmt: skip
     """`climb_splits` with each of `attention_choices`: the first (sdpa) unless another fits
     where it does not, or is predicted faster by more than SIMPLER_RUNG_MARGIN. (climb, split,
-    attention implementation)."""
+    attention implementation, the climbs of each implementation tried)."""
     best: tuple[Climb, LongContext, str] | None = None
+    climbs = {}
     for attention in attention_choices(cfg, hw):
         found, long = climb_splits(
             with_attention(cfg, attention), hw, shape, rungs, exclude, memory_scale
         )
+        climbs[attention] = found
         if best is None or _faster(found, best[0]):
             best = (found, long, attention)
     assert best is not None
-    return best
+    return (*best, climbs)
 
 
 def _faster(found: Climb, than: Climb) -> bool:
@@ -165,36 +166,59 @@ def longest_fitting(
     fits `hw` (0: not even its own): doubling from its own, then a binary search."""
     unit = max(1, spec.sequence_parallel)
 
-    def fits(tokens: int) -> bool:
-        est = scaled_estimate(shape, replace(spec, seq_len=tokens * unit), memory_scale)
-        return shortfall(est, hw, headroom) is None
+    def fits_at(tokens: int) -> bool:
+        return fits(shape, replace(spec, seq_len=tokens * unit), hw, headroom, memory_scale)
 
     lo, top = max(1, min(spec.seq_len, limit) // unit), limit // unit
-    if not fits(lo):
+    if not fits_at(lo):
         return 0
     hi = lo
-    while hi < top and fits(hi):
+    while hi < top and fits_at(hi):
         lo, hi = hi, min(hi * 2, top)
-    if fits(hi):
+    if fits_at(hi):
         return hi * unit
-    while hi - lo > 1:  # fits(lo), not fits(hi)
+    while hi - lo > 1:  # fits_at(lo), not fits_at(hi)
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
     return lo * unit
+
+
+def fits(
+    shape: ModelShape, spec: StepSpec, hw: Hardware, headroom: float, memory_scale: float
+) -> bool:
+    """Whether `spec`'s estimate fits `hw` less the headroom."""
+    return shortfall(scaled_estimate(shape, spec, memory_scale), hw, headroom) is None
 
 
 def max_seq_len_memory(
     cfg: JobConfig, hw: Hardware, shape: ModelShape, chosen: StepSpec, memory_scale: float,
-    rungs: tuple[Strategy, ...],
+    rungs: tuple[Strategy, ...], within_positions: int,
 ) -> int:  # fmt: skip
     """The longest `data.seq_len` memory alone allows on `hw`, beyond the model's positions:
-    the chosen step, or any of `rungs` (those the plan may use) at one sequence per
-    micro-batch with the most frugal split and levers the config leaves to the planner (the
-    largest sequence group, tiled MLP, full checkpointing, chunked loss, activation offload)."""
+    the chosen step, or any of `rungs` (those the plan may use) at one sequence per micro-batch
+    with the most frugal split and levers the config leaves to the planner (the largest
+    sequence group, tiled MLP, full checkpointing, chunked loss, activation offload). Each rung
+    doubles its sequence from `within_positions` (the chosen step's `max_seq_len`) while it
+    fits; only those that got furthest are searched to the token."""
     headroom = cfg.memory.headroom
-    longest = longest_fitting(shape, chosen, hw, headroom, memory_scale)
+    longest = within_positions
+    if within_positions and within_positions >= shape.max_positions:  # memory allows more
+        start = replace(chosen, seq_len=within_positions)
+        longest = longest_fitting(shape, start, hw, headroom, memory_scale)
+    reach: dict[StepSpec, int] = {}
     for spec in frugal_steps(cfg, hw, shape, chosen, rungs):
-        longest = max(longest, longest_fitting(shape, spec, hw, headroom, memory_scale))
+        unit = spec.sequence_parallel
+        tokens = max(spec.seq_len, longest // unit * unit)
+        while tokens < LONGEST_SEARCHED and fits(
+            shape, replace(spec, seq_len=tokens), hw, headroom, memory_scale
+        ):
+            reach[spec] = tokens
+            tokens *= 2
+    furthest = max(reach.values(), default=0)
+    for spec, tokens in reach.items():
+        if tokens == furthest:
+            start = replace(spec, seq_len=tokens)
+            longest = max(longest, longest_fitting(shape, start, hw, headroom, memory_scale))
     return longest
 
 
@@ -214,7 +238,7 @@ def frugal_steps(
     lever = lever_variants(mem.chunked_loss, mem.offload_activations, hw.device)[-1]
     data_ranks = max(1, hw.world_size // sp)
     base = replace(
-        chosen, micro_batch_size=1, seq_len=sp,
+        chosen, micro_batch_size=1, seq_len=max(sp, chosen.seq_len // sp * sp),
         grad_accum=max(1, cfg.train.global_batch_size // data_ranks),
         activation_checkpointing=ac, chunked_loss=lever.chunked_loss,
         offload_activations=lever.offload_activations, sequence_parallel=sp,
@@ -267,10 +291,7 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes / GIB:.1f} GiB" if num_bytes >= GIB / 10 else f"{num_bytes / 2**20:.1f} MiB"
 
 
-def attention_reason(
-    cfg: JobConfig, hw: Hardware, shape: ModelShape, chosen: Candidate, attention: str,
-    memory_scale: float,
-) -> str:  # fmt: skip
+def attention_reason(cfg: JobConfig, chosen: Candidate, attention: str, sdpa: Climb) -> str:
     """Why `auto` attention is `attention` and not sdpa: the masks of each, and sdpa's own
     climb (what it would fit, or that it does not)."""
     seq, micro = chosen.spec.seq_len, chosen.spec.micro_batch_size
@@ -278,8 +299,6 @@ def attention_reason(
     kept = "no mask (the documents from the position ids)"
     if attention == "flex_attention":
         kept = f"a block mask of {_size(block_mask_bytes(micro, seq))}"
-    rungs = [r for r in strategies.rows() if cfg.strategy in ("auto", r.name)]
-    sdpa, _ = climb_splits(with_attention(cfg, "sdpa"), hw, shape, rungs, (), memory_scale)
     if sdpa.ranked:
         best = sdpa.ranked[0]
         verdict = (f"sdpa fits on {best.rung.name} but is predicted {best.time_s:.3g} s per "

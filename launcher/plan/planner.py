@@ -146,7 +146,7 @@ def make_plan(
     shape = with_activations(shape or model_shape(cfg.model), cfg)
     forced = cfg.strategy if cfg.strategy != "auto" else None
     rungs = [r for r in strategies.rows() if not forced or r.name == forced]
-    found, _, attention = climb_long(cfg, hw, shape, rungs, exclude, memory_scale)
+    found, _, attention, climbs = climb_long(cfg, hw, shape, rungs, exclude, memory_scale)
     per_rank, ranked, rejected = found.per_rank, found.ranked, found.rejected
     if forced and not ranked:
         if rejected and " rank" in (rejected[0].why_not or ""):
@@ -171,11 +171,12 @@ def make_plan(
         for cand in ranked
     ] + rejected
     longest = max_seq_len(shape, chosen.spec, hw, cfg.memory.headroom, memory_scale)
-    memory_longest = max_seq_len_memory(cfg, hw, shape, chosen.spec, memory_scale, found.usable)
+    memory_longest = max_seq_len_memory(cfg, hw, shape, chosen.spec, memory_scale, found.usable,
+                                        longest)  # fmt: skip
     reasons = _reasons(cfg, hw, ranked, memory_scale) + model_reasons(shape)
     reasons += long_context_reasons(shape, chosen.spec, memory_scale, longest, memory_longest)
-    if attention != cfg.model.attn_implementation != "sdpa":
-        reasons.append(attention_reason(cfg, hw, shape, chosen, attention, memory_scale))
+    if attention != "sdpa" and "sdpa" in climbs:  # `auto` chose another
+        reasons.append(attention_reason(cfg, chosen, attention, climbs["sdpa"]))
     return Plan.of(chosen.spec, hw, chosen.estimate, chosen.time_s, reasons, alternatives,
                    chosen.reduce_every_micro, longest, memory_longest, attention)  # fmt: skip
 
@@ -369,7 +370,7 @@ def _with_varlen_attention(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> l
     if flash is None:
         return []
     rungs = [r for r in strategies.rows() if cfg.strategy in ("auto", r.name)]
-    climbed, _, _ = climb_long(flash, hw, shape, rungs)
+    climbed, _, _, _ = climb_long(flash, hw, shape, rungs)
     if not climbed.ranked:
         return []
     return [
