@@ -89,7 +89,8 @@ def layer_backward_bytes(shape: ModelShape, m: Micro) -> int:
         return shape.activations.backward_bytes(mode_of(m), m.b, m.s)
     if m.mlp_chunk is not None:  # the MLP's gradients one chunk at a time; a recomputed
         # norm's fp32 input (and 16-bit normalised one) again while its backward runs
-        again = NORM_RECOMPUTED + (m.c if m.r == m.c < 4 else 0)
+        # (LoRA's frozen norms: counted as before, neither the savings nor this)
+        again = NORM_RECOMPUTED + (m.c if m.r == m.c < 4 else 0) if not m.adapter else 0
         return mlp_chunk_bytes(shape, m) + (4 + again) * m.tokens * shape.hidden_size
     return 2 * m.c * m.tokens * shape.intermediate_size + 4 * m.tokens * shape.hidden_size
 
