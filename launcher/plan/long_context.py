@@ -18,6 +18,7 @@ from launcher.estimate.analytic_activations import block_mask_bytes
 from launcher.estimate.shape import ModelShape
 from launcher.plan.hardware import Hardware
 from launcher.plan.ladder import (
+    DENSE_MASK,
     SIMPLER_RUNG_MARGIN,
     Candidate,
     Climb,
@@ -361,11 +362,19 @@ def longest_sequence(
 
 def with_flash_attention(cfg: JobConfig, hw: Hardware) -> JobConfig | None:
     """The job under flash attention where it would attend differently only in memory: packed
-    documents under sdpa or eager attend through a dense [seq, seq] mask per sequence, flash
-    attention's variable-length kernel needs none (the same math, but a kernel the GPU machine
-    must have); None where that does not apply."""
+    documents under sdpa or eager attend through a dense [seq, seq] mask per sequence, under
+    flex_attention through a block mask of the whole sequence, flash attention's
+    variable-length kernel needs none (the same math, but a kernel the GPU machine must have);
+    None where that does not apply."""
     if hw.device != "cuda" or not cfg.data.pack:
         return None
-    if cfg.model.attn_implementation not in ("sdpa", "eager"):
+    if cfg.model.attn_implementation not in (*DENSE_MASK, "flex_attention"):
         return None
     return with_attention(cfg, "flash_attention_2")
+
+
+def mask_words(attention: str) -> str:
+    """What the packed documents' mask costs under `attention`, in words (the hints)."""
+    if attention == "flex_attention":
+        return "flex_attention's block mask is the whole sequence's on every rank"
+    return f"{attention} attends through a dense mask of the packed documents"

@@ -38,6 +38,7 @@ from launcher.plan.long_context import (
     climb_long,
     long_context_reasons,
     longest_sequences,
+    mask_words,
     max_seq_len,
     max_seq_len_memory,
     with_attention,
@@ -375,7 +376,7 @@ def _with_varlen_attention(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> l
         return []
     return [
         f"model.attn_implementation=flash_attention_2 would fit on {_fits_words(climbed, hw)}: "
-        f"{cfg.model.attn_implementation} attends through a dense mask of the packed documents"
+        + mask_words(cfg.model.attn_implementation)
     ]
 
 
