@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import replace
 
-from launcher.estimate.analytic_activations import block_mask_bytes
+from launcher.estimate.analytic_activations import MODELLED_TYPES, block_mask_bytes
 from launcher.estimate.shape import ModelShape
 from launcher.plan.hardware import Hardware
 from launcher.plan.ladder import (
@@ -72,14 +72,15 @@ def long_context_choices(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> lis
     return [LongContext(sp, t) for sp in sequence_parallel_sizes(cfg, hw, shape) for t in tiles]
 
 
-def attention_choices(cfg: JobConfig, hw: Hardware) -> list[str]:
+def attention_choices(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[str]:
     """The attention implementations to climb with: the config's own, or for `auto` sdpa and,
     on GPUs where the dense mask of packed windows takes MASK_SHARE of a device or more, an
-    implementation that keeps the documents apart without it (`maskless_attention`)."""
+    implementation that keeps the documents apart without it (`maskless_attention`), for the
+    blocks the analytic model knows (whose transformers classes run flash and flex attention)."""
     chosen = cfg.model.attn_implementation
     if chosen != "auto":
         return [chosen]
-    if hw.device != "cuda" or not cfg.data.pack:
+    if hw.device != "cuda" or not cfg.data.pack or shape.model_type not in MODELLED_TYPES:
         return ["sdpa"]
     if dense_mask_bytes(cfg.data.seq_len, cfg.precision) < MASK_SHARE * hw.device_memory_bytes:
         return ["sdpa"]
@@ -115,7 +116,7 @@ def climb_long(
     attention implementation, the climbs of each implementation tried)."""
     best: tuple[Climb, LongContext, str] | None = None
     climbs = {}
-    for attention in attention_choices(cfg, hw):
+    for attention in attention_choices(cfg, hw, shape):
         found, long = climb_splits(
             with_attention(cfg, attention), hw, shape, rungs, exclude, memory_scale
         )
@@ -245,7 +246,8 @@ def frugal_steps(
         offload_activations=lever.offload_activations, sequence_parallel=sp,
         tiled_mlp=mem.tiled_mlp is not False, fsdp_reduce_every_micro_batch=True,
     )  # fmt: skip
-    if cfg.model.attn_implementation == "auto" and hw.device == "cuda" and cfg.data.pack:
+    auto = cfg.model.attn_implementation == "auto" and hw.device == "cuda" and cfg.data.pack
+    if auto and shape.model_type in MODELLED_TYPES:  # at long context auto drops the dense mask
         flex = maskless_attention() == "flex_attention"
         base = replace(base, packed=False, block_mask=flex)
     return [replace(base, strategy=rung.name) for rung in rungs]

@@ -302,7 +302,7 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
 def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected, changes) -> str:
     """One line: the host RAM, or the number of devices, with which the job would fit; then
     the opt-in method/optimizer `changes` that would fit here."""
-    cfg = with_attention(cfg, attention_choices(cfg, hw)[-1])  # `auto`: the one it would use
+    cfg = with_attention(cfg, attention_choices(cfg, hw, shape)[-1])  # `auto`: the one it would use
     per_rank = cfg.train.global_batch_size // hw.world_size
     base = (
         f"does not fit on {hw.world_size} x {hw.device_memory_bytes / GIB:.0f} GiB "
