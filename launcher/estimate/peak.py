@@ -270,8 +270,9 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
         peak = max(peak, phases["loading"])
     host = _host_bytes(row, states, shape, ranks_here, peak + overhead, spec.device, load_bytes)
     offloaded = acts.offloaded
-    if spec.offload_activations:
-        host["offloaded_activations"] = offloaded * ranks_here
+    if spec.offload_activations:  # pinned blocks on a GPU, plain copies on CPU processes
+        held = acts.pinned if spec.device == "cuda" else offloaded
+        host["offloaded_activations"] = held * ranks_here
     return Estimate(
         strategy=spec.strategy,
         world_size=max(1, spec.world_size),
