@@ -27,6 +27,9 @@ from trainer.core.units import GIB
 PRESET_8B = "configs/models/llama-3.1-8b.yaml"
 LONG = ["data.seq_len=131072", "train.global_batch_size=8", "hardware.device=cuda"]
 EIGHT_80 = ["hardware.devices_per_node=8", "hardware.device_memory=80GiB"]
+# where one 131,072-token sequence under sdpa no longer fits one device (on 80 GiB it does, with
+# the tiled MLP, since FSDP2 frees the embedding and the head outside their own passes)
+EIGHT_76 = ["hardware.devices_per_node=8", "hardware.device_memory=76GiB"]
 SDPA = "model.attn_implementation=sdpa"  # the dense mask of packed windows, as configured
 
 
@@ -58,17 +61,17 @@ def _job(seq: int, **extra):
     return build_config(tree | extra)
 
 
-def test_8b_at_131072_tokens_on_eight_80gib_gpus_splits_each_sequence(capsys):
-    plan = _plan_json(capsys, PRESET_8B, *LONG, *EIGHT_80, "hardware.host_memory=1TiB", SDPA)
+def test_8b_at_131072_tokens_on_eight_76gib_gpus_splits_each_sequence(capsys):
+    plan = _plan_json(capsys, PRESET_8B, *LONG, *EIGHT_76, "hardware.host_memory=1TiB", SDPA)
     sp = plan["sequence_parallel"]
     assert sp > 1 and 8 % sp == 0
-    assert plan["estimate"]["device"]["total_bytes"] <= 0.9 * 80 * GIB
+    assert plan["estimate"]["device"]["total_bytes"] <= 0.9 * 76 * GIB
     # the global batch splits over 8 / sp data-parallel groups
     assert plan["micro_batch_size"] * plan["grad_accum"] * (8 // sp) == 8
     assert plan["max_seq_len"] >= 131072 and plan["max_seq_len"] % sp == 0
     assert any(r.startswith(f"sequence parallel {sp}: activations of one 131,072-token")
                for r in plan["reasons"])  # fmt: skip
-    main(["plan", PRESET_8B, *LONG, *EIGHT_80, "hardware.host_memory=1TiB", SDPA])
+    main(["plan", PRESET_8B, *LONG, *EIGHT_76, "hardware.host_memory=1TiB", SDPA])
     out = capsys.readouterr().out
     assert f"longest sequence that fits this plan: {plan['max_seq_len']:,} tokens" in out
 
@@ -106,7 +109,7 @@ def test_a_batch_only_a_sequence_split_shares_is_refused_naming_the_split_that_p
 
 
 def test_the_resolved_config_runs_what_was_planned_and_a_forced_split_is_kept(tmp_path):
-    cfg = load_config(PRESET_8B, [*LONG, *EIGHT_80, "hardware.host_memory=1TiB", SDPA,
+    cfg = load_config(PRESET_8B, [*LONG, *EIGHT_76, "hardware.host_memory=1TiB", SDPA,
                                   f"run.dir={tmp_path}"])  # fmt: skip
     resolved, plan = resolve_plan(cfg)
     assert resolved.sequence_parallel == plan["sequence_parallel"] > 1
