@@ -51,6 +51,8 @@ from trainer.model.build import (
     num_compiled_layers,
 )
 from trainer.model.finetune import build_factory, describe_method
+from trainer.objectives import Objective, build_objective
+from trainer.objectives.reference import build_reference
 from trainer.observe.metrics import MetricsLog
 from trainer.observe.profile import ProfileWindow
 from trainer.observe.trackers import Trackers
@@ -100,6 +102,7 @@ class _Run:
     split: BatchSplit
     faults: FaultInjector
     start_step: int
+    objective: Objective
 
 
 def _setup(cfg: JobConfig) -> _Run | int:
@@ -151,6 +154,8 @@ def _setup(cfg: JobConfig) -> _Run | int:
     try:  # sharding, optimizer state, loading a checkpoint: an OOM here climbs a rung too
         faults.at("setup")
         model = backend.setup(factory, _optimizer_spec(cfg))
+        phase = "reference"  # before a resume: the model holds the initial weights
+        objective = _objective(cfg, model, backend, data, split, device)
         if resume_from is not None:
             phase = "resume"
             start_step = _resume(resume_from, backend, cfg, rank, data.fingerprint)
@@ -166,8 +171,24 @@ def _setup(cfg: JobConfig) -> _Run | int:
     if concrete_lever(cfg.memory.tiled_mlp):  # auto: off until the planner chooses
         apply_tiled_mlp(model, cfg.memory.mlp_chunk_tokens)
     return _Run(
-        cfg, ctx, run_dir, backend, model, factory, tokenizer, data, split, faults, start_step
-    )
+        cfg, ctx, run_dir, backend, model, factory, tokenizer, data, split, faults, start_step,
+        objective,
+    )  # fmt: skip
+
+
+def _objective(
+    cfg: JobConfig,
+    model: torch.nn.Module,
+    backend: Backend,
+    data: Any,
+    split: BatchSplit,
+    device: torch.device,
+) -> Objective:
+    """What the loss rewards; DPO's reference (its precomputed pass runs here, while the model
+    holds the initial weights)."""
+    share = (split.data_rank, split.dims.data, split.micro_batch_size)
+    reference = build_reference(cfg, model, backend.compute_context, data, share, device)
+    return build_objective(cfg, reference)
 
 
 def _memory_levers(cfg: JobConfig, model: torch.nn.Module, device: torch.device) -> MemoryLevers:
@@ -212,7 +233,9 @@ def _train(run: _Run) -> int:
         run.faults.step = step
         try:
             window.begin(step)
-            result = step_with_backoff(run.model, backend, run.data, split, step, ctx, run.faults)
+            result = step_with_backoff(
+                run.model, backend, run.data, split, step, ctx, run.faults, run.objective
+            )
         except OutOfMemoryGaveUp as err:
             report_oom(run.run_dir, err, step, split, backend, ctx)
             return _ended(EXIT_OOM, trackers, window)
@@ -233,7 +256,9 @@ def _train(run: _Run) -> int:
             eval_set = run.data.eval
             try:
                 record.update(
-                    evaluate_with_backoff(run.model, backend, eval_set, split, ctx, run.faults)
+                    evaluate_with_backoff(
+                        run.model, backend, eval_set, split, ctx, run.faults, run.objective
+                    )
                 )
             except OutOfMemoryGaveUp as err:  # at eval batch 1: climb a rung, like a step
                 report_oom(run.run_dir, err, step, split, backend, ctx)
@@ -320,6 +345,7 @@ def _step_record(
         "grad_accum": split.grad_accum,
         "activation_checkpointing": split.activation_checkpointing,
         **split.levers.record(),
+        **result.stats,
     }
 
 

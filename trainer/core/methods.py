@@ -87,3 +87,17 @@ def supported_rungs(
         for s in strategies.names()
         if method_support(s, method, optimizer, precision, in_backward) is None
     )
+
+
+# Where DPO's reference log-probs come from (trainer/objectives/reference.py): LoRA and QLoRA
+# use their own base with the adapters off (no copy, computed in each step's no-grad forward); a
+# full fine-tune reads the log-probs of one no-grad pass over the data before step 1 (the
+# initial weights are the reference), cached beside the tokenised data.
+REFERENCES = {"adapters_off": "the base with the adapters off", "precomputed": "precomputed"}
+
+
+def reference_source(objective: str, method: str) -> str | None:
+    """`adapters_off`, `precomputed`, or None for an objective without a reference."""
+    if objective != "dpo":
+        return None
+    return "adapters_off" if method in ("lora", "qlora") else "precomputed"
