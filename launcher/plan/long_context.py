@@ -39,6 +39,8 @@ def sequence_parallel_sizes(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> 
     batch = Batch(cfg.train.global_batch_size, cfg.train.micro_batch_size)
     if cfg.train.micro_batch_size == "auto":
         batch = Batch(cfg.train.global_batch_size)
+    if cfg.objective.preference:  # a pair's log-probs are sums over whole sequences
+        return [1]
     if isinstance(cfg.sequence_parallel, int):
         dims = ParallelDims(hw.world_size, cfg.sequence_parallel)
         check_sequence_parallel(dims, attention, cfg.data.seq_len, batch)

@@ -65,6 +65,7 @@ class Plan:
     levers: Levers = NO_LEVERS
     long: LongContext = SHORT  # sequence parallel and tiled MLP
     max_seq_len: int | None = None  # the longest data.seq_len this plan still fits
+    reference: str | None = None  # preference objectives: where DPO's reference comes from
 
     @classmethod
     def of(
@@ -97,6 +98,7 @@ class Plan:
             "sequence_parallel": self.long.sequence_parallel,
             "tiled_mlp": self.long.tiled_mlp,
             "max_seq_len": self.max_seq_len,
+            **({"reference": self.reference} if self.reference is not None else {}),
             "predicted_step_time_s": self.step_time_s,
             **(
                 {"fsdp_reduce_every_micro_batch": self.fsdp_reduce_every_micro_batch}

@@ -94,10 +94,14 @@ def supported_rungs(
 # full fine-tune reads the log-probs of one no-grad pass over the data before step 1 (the
 # initial weights are the reference), cached beside the tokenised data.
 REFERENCES = {"adapters_off": "the base with the adapters off", "precomputed": "precomputed"}
+# (objective.type, finetune.method) -> the reference; an objective not here needs none
+REFERENCE_SOURCES = {
+    ("dpo", "full"): "precomputed",
+    ("dpo", "lora"): "adapters_off",
+    ("dpo", "qlora"): "adapters_off",
+}
 
 
 def reference_source(objective: str, method: str) -> str | None:
     """`adapters_off`, `precomputed`, or None for an objective without a reference."""
-    if objective != "dpo":
-        return None
-    return "adapters_off" if method in ("lora", "qlora") else "precomputed"
+    return REFERENCE_SOURCES.get((objective, method))
