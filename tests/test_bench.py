@@ -5,6 +5,7 @@ printed last with a row per part, and the details written under $OUT."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -228,3 +229,21 @@ def test_the_interval_resamples_sessions_when_rounds_share_a_process():
     sessions = [s for s in range(5) for _ in range(8)]
     assert ratio_interval(ours, [1.0] * 40) == (0.95, 1.05)
     assert ratio_interval(ours, [1.0] * 40, groups=sessions) == (0.9, 1.1)
+
+
+def test_dpo_step_one_loss_and_log_probs_equal_trl_s_on_the_same_batch(tmp_path):
+    """bench.dpo_vs_trl --first-step: oomless's DPO and TRL's DPOTrainer from the same saved
+    weights on the same 4 pairs: step 1's loss (ln 2) and mean chosen/rejected log-probs."""
+    pytest.importorskip("trl")
+    from argparse import Namespace
+
+    from bench.dpo_vs_trl import first_step
+
+    args = Namespace(model="llama-20m", micro=4, accum=1, prompt=15, answer=16, precision="fp32",
+                     rounds=0, steps=1)  # fmt: skip
+    got = first_step(args, tmp_path)
+    ours, trl = got["oomless"], got["trl"]
+    assert abs(ours["loss"] - math.log(2)) < 1e-6 and abs(trl["loss"] - ours["loss"]) < 1e-6, got
+    for key in ("logps/chosen", "logps/rejected"):
+        assert abs(ours[key] - trl[key]) <= 1e-5 * abs(trl[key]), got
+    assert ours["logps/chosen"] != ours["logps/rejected"]  # a real comparison, not two zeros
