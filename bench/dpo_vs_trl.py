@@ -149,7 +149,9 @@ def build_trl(args: argparse.Namespace, device: torch.device, precompute: bool) 
     tmp = tempfile.TemporaryDirectory()
     pairs = write_pairs(Path(tmp.name) / "pairs.jsonl", args.micro * args.accum, args.prompt,
                         args.answer)  # fmt: skip
-    build = trl_trainer(args, pairs, lambda: _hf_model(args), precompute)
+    base = Path(tmp.name) / "base"  # TRL builds its frozen copy from the model's path
+    _hf_model(args).save_pretrained(base)
+    build = trl_trainer(args, pairs, lambda: _load(base), precompute)
     stepper = HFTrainerStepper(args, device, Path(tmp.name), build_trainer=build)
 
     def close() -> None:
