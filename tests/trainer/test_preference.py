@@ -72,12 +72,17 @@ def runs(tmp_path_factory) -> Path:
     base = work / "sft" / "final"
     dpo = _preference_job(work, "dpo", base, pairs)
     dpo_lora = _preference_job(work, "dpo_lora", base, pairs, finetune=LORA)
+    resume = f"run.resume={work / 'dpo/checkpoints/step_6'}"
     train_in_one_process(
         [
             _args(sft, work / "sft"),
             _args(dpo, work / "dpo"),
-            _args(dpo, work / "dpo_resumed", f"run.resume={work / 'dpo/checkpoints/step_6'}"),
+            _args(dpo, work / "dpo_resumed", resume),
+            # no cached reference: the pass runs again from the initial weights, then resumes
+            _args(dpo, work / "dpo_resumed_cold", resume, f"data.cache_dir={work / 'cold'}"),
             _args(dpo, work / "dpo_chunked", "memory.chunked_loss=true", "train.steps=2"),
+            # an out-of-memory at step 3: the micro-batch halves (16 -> 8 pairs), same math
+            _args(dpo, work / "dpo_oom", "train.steps=4", "debug.inject_oom={step: 3}"),
             _args(dpo_lora, work / "dpo_lora", "train.lr=5e-3"),
             _args(dpo, work / "orpo", "objective.type=orpo", "train.lr=3e-3"),
             _args(dpo, work / "simpo", "objective.type=simpo", "objective.beta=2.0"),
@@ -114,8 +119,18 @@ def test_the_full_fine_tune_reads_a_precomputed_reference_and_lora_needs_none(ru
     assert "reference:" not in (runs / "dpo_lora" / "log.txt").read_text()
 
 
-def test_dpo_resume_is_exact(runs):
+def test_dpo_resume_is_exact_with_the_reference_cached_or_computed_again(runs):
     assert _losses(runs / "dpo_resumed") == _losses(runs / "dpo")[STEPS // 2 :]
+    cold = runs / "dpo_resumed_cold"
+    assert "reference: one no-grad pass over 132 pairs" in (cold / "log.txt").read_text()
+    assert _losses(cold) == _losses(runs / "dpo")[STEPS // 2 :]
+
+
+def test_an_out_of_memory_halves_the_pairs_per_micro_batch_and_keeps_the_losses(runs):
+    records = _records(runs / "dpo_oom")
+    assert [r["micro_batch_size"] for r in records] == [16, 16, 8, 8], records
+    got, want = [r["loss"] for r in records], _losses(runs / "dpo")[:4]
+    assert all(abs(a - b) < 1e-5 for a, b in zip(got, want, strict=True)), (got, want)
 
 
 def test_chunked_loss_gives_dpo_the_same_losses(runs):
