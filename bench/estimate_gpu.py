@@ -10,8 +10,10 @@ optimizer step (the planner's accumulation case) and two steps; the second step 
 `torch.cuda.reset_peak_memory_stats` to its end, so AdamW's state already exists, as in the
 estimate. Compared: the estimate's `peak_tensor_bytes` with `torch.cuda.max_memory_allocated`
 and its `total_bytes` with `max_memory_reserved` plus the CUDA context (measured once per run as
-the device's used memory before the model, `torch.cuda.mem_get_info`). The table prints last;
-with `$OUT` set, `$OUT/estimate_gpu.json` holds every run's details. Target: the
+the device's used memory before the model, `torch.cuda.mem_get_info`), with the caching allocator
+as the launcher gives CUDA ranks (expandable segments, unless PYTORCH_CUDA_ALLOC_CONF or
+PYTORCH_ALLOC_CONF is set: the estimate then counts the default allocator's reserve). The table
+prints last; with `$OUT` set, `$OUT/estimate_gpu.json` holds every run's details. Target: the
 estimate within +-10% of the measured peak and never more than 5% under it.
 """
 
@@ -31,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import MODELS, machine
+from launcher.estimate.peak import ALLOC_CONF_VARS
+from launcher.run.launch import EXPANDABLE_SEGMENTS
 from trainer.core.step_spec import StepSpec
 from trainer.core.units import GIB
 
@@ -161,6 +165,7 @@ def measure(run: Run, device_type: str) -> dict[str, Any]:
     if device.type == "cuda":
         out["max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         out["max_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        out["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     dist.destroy_process_group()
     return out
 
@@ -257,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one run, in-process
     args = parser.parse_args(argv)
+    if not any(k in os.environ for k in ALLOC_CONF_VARS):  # as the launcher gives CUDA ranks;
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS  # the estimate reads it too
     if args.run:
         print(json.dumps(measure(Run(**json.loads(args.run)), args.device or "cuda")))
         return 0

@@ -231,6 +231,38 @@ def test_the_interval_resamples_sessions_when_rounds_share_a_process():
     assert ratio_interval(ours, [1.0] * 40, groups=sessions) == (0.9, 1.1)
 
 
+# bench.published: the estimate against the published record (docs/memory.md "The published
+# record"); pure arithmetic, about 2 s.
+PUBLISHED_WITHIN_BAND = 29  # the count docs/memory.md shows; a regression of the estimate fails it
+
+
+def test_published_bench_prints_its_table_and_holds_the_documented_count(capsys, tmp_path):
+    from bench.published import BANDS, main
+
+    assert main(["--json", str(tmp_path / "published.json")]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    out = json.loads((tmp_path / "published.json").read_text())
+    rows, summary = out["rows"], out["summary"]
+
+    assert len(rows) >= 20 and summary["repositories"] >= 4
+    assert len(printed) == 2 + len(rows) + 2  # header, rule, a line per row, blank, summary
+    for row in rows:
+        source = row["source"]
+        assert source["repo"].count("/") == 1 and source["path"], row["id"]
+        assert len(source["commit"]) == 40 and source["measures"], row["id"]
+        assert row["kind"] in BANDS and row["published_bytes"] > 0, row["id"]
+        if row["cannot"] is not None:
+            assert len(row["cannot"]) > 20 and "ratio" not in row, row["id"]
+            assert f"cannot: {row['cannot']}" in next(p for p in printed if row["id"] in p)
+        else:
+            assert row["oomless_bytes"] > 0 and row["ratio"] > 0, row["id"]
+    within = [r["id"] for r in rows if r.get("within_band")]
+    assert summary["within_band"] == len(within) >= PUBLISHED_WITHIN_BAND
+    assert printed[-1].startswith(f"{len(within)} of {summary['expressible']} expressible rows")
+    memory_md = (REPO / "docs" / "memory.md").read_text()
+    assert f"{PUBLISHED_WITHIN_BAND} of {summary['expressible']} expressible rows" in memory_md
+
+
 def test_dpo_step_one_loss_and_log_probs_equal_trl_s_on_the_same_batch(tmp_path):
     """bench.dpo_vs_trl --first-step: oomless's DPO and TRL's DPOTrainer from the same saved
     weights on the same 4 pairs: step 1's loss (ln 2) and mean chosen/rejected log-probs."""

@@ -421,6 +421,29 @@ CASES = [
         BAD,
         "run.name: holds what looks like a Hugging Face token",
     ),
+    # ---- runs that survive the cluster: refused before anything runs
+    Case("min-nodes-above", plan("elastic.min_nodes=2"), BAD, "elastic.min_nodes: 2 is above"),
+    Case("min-nodes-0", config("elastic.min_nodes=0"), BAD, "elastic.min_nodes: "),
+    Case("hang-timeout-0", config("run.hang_timeout_s=0"), BAD, "run.hang_timeout_s: must be >= 1"),
+    Case(
+        "hang-timeout-over-dist",
+        plan("run.hang_timeout_s=900"),
+        BAD,
+        "run.hang_timeout_s: 900 is not below dist.timeout_s=600",
+    ),
+    Case(
+        "hang-timeout-below-a-step",
+        lambda s: [
+            "plan",
+            str(REPO / "configs/models/llama-3.1-8b.yaml"),
+            *GPUS_64,
+            "run.hang_timeout_s=5",
+        ],  # fmt: skip
+        BAD,
+        "run.hang_timeout_s: 5 s is shorter than a step (",
+    ),
+    Case("max-restarts-neg", config("run.max_restarts=-1"), BAD, "run.max_restarts: must be >= 0"),
+    Case("inject-hang-step-0", config("debug.inject_hang={step: 0}"), BAD, "inject_hang.step"),
     # ---- run-dir states
     Case("run-dir-is-a-file", train_with(_run_dir_is_a_file), BAD, "is a file"),
     Case("resume-from-non-checkpoint", train_with(_resume_from_empty_dir), BAD, "run.resume: "),

@@ -1,11 +1,14 @@
-"""A rank SIGKILLed mid-run under torchrun with --max-restarts 1: the job restarts, resumes from
-the newest checkpoint, and ends with the loss of an uninterrupted run.
+"""A rank lost mid-run restarts from the newest checkpoint and ends with the loss of an
+uninterrupted run (one reference run, shared): a rank SIGKILLed under torchrun with
+--max-restarts 1, and a rank that hangs (debug.inject_hang) found by the hang watchdog
+(run.hang_timeout_s), its stacks in run.dir/hang/, restarted by `oomless train`.
 
 (The restarted ranks meet in a store namespace of their own: tests/trainer/test_restart_store.py
 makes the race that used to fail here deterministic.)"""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
@@ -55,7 +58,16 @@ def _kill_rank_1_after(
     return None
 
 
-def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    """The same run, uninterrupted."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    r = oomless("train", str(DEMO), *COMMON, f"run.dir={run_dir}", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return metrics(run_dir)
+
+
+def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(tmp_path, reference):
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen(
         [PYTHON, "-m", "launcher.cli", "train", str(DEMO), *COMMON, "dist.max_restarts=1",
@@ -73,7 +85,28 @@ def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(tmp_path):
     lines = metrics(run_dir)
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
 
-    r = oomless("train", str(DEMO), *COMMON, f"run.dir={tmp_path / 'reference'}", timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    reference = metrics(tmp_path / "reference")
     assert abs(lines[-1]["loss"] - reference[-1]["loss"]) <= 1e-5 * reference[-1]["loss"]
+
+
+def test_a_hung_rank_is_named_its_stacks_kept_and_the_run_restarts_once(tmp_path, reference):
+    run_dir = tmp_path / "hung"
+    hang = ["run.hang_timeout_s=30", "run.max_restarts=1", "debug.inject_hang={step: 6, rank: 1}"]
+    r = oomless("train", str(DEMO), *COMMON, *hang, f"run.dir={run_dir}", timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    said = [line for line in r.stderr.splitlines() if "hang at step" in line]
+    assert len(said) == 1, r.stderr[-4000:]
+    assert said[0].startswith("oomless: hang at step 6: rank 1 did not arrive at ")
+    assert "where rank 0 waits" in said[0] and "rank 1 is at inject_hang" in said[0]
+    assert "restarting after the hang (1 of run.max_restarts=1) from step_4" in r.stderr
+    stacks = {n: (run_dir / "hang" / f"rank{n}.txt").read_text() for n in (0, 1)}
+    assert "in inject_hang" in stacks[1] and "in all_reduce" in stacks[0], stacks
+    report = json.loads((run_dir / "hang" / "report.json").read_text())
+    assert report["ranks"] == [1] and report["step"] == 6
+    (escalation,) = [
+        json.loads(x) for x in (run_dir / "escalations.jsonl").read_text().splitlines()
+    ]
+    assert escalation["step"] == 6 and escalation["reason"].startswith("hang: hang at step 6")
+    lines = metrics(run_dir)
+    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
+    for got, want in zip(lines, reference, strict=True):  # resumed exactly: the same losses
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * want["loss"], (got, want)

@@ -30,7 +30,7 @@ from trainer.checkpoint.checkpointer import Checkpointer, load_checkpoint, resto
 from trainer.checkpoint.export import save_final_model
 from trainer.checkpoint.layout import load_template
 from trainer.checkpoint.store import resolve_resume
-from trainer.core.config import JobConfig, check_run_time_extras
+from trainer.core.config import ConfigError, JobConfig, check_run_time_extras
 from trainer.core.contract import EXIT_OOM, EXIT_SIGNAL, FINAL_DIR
 from trainer.core.flops import training_flops_per_token
 from trainer.core.gpus import peak_flops_for
@@ -63,6 +63,7 @@ from trainer.runtime.dist import (
     resolve_device,
     slow_down,
 )
+from trainer.runtime.hang import HangWatchdog, inject_hang
 from trainer.runtime.oom import (
     FaultInjector,
     OutOfMemoryInStep,
@@ -81,7 +82,10 @@ def run_training(cfg: JobConfig) -> int:
     run = _setup(cfg)
     if isinstance(run, int):  # out of memory while setting up
         return run
-    code = _train(run)
+    try:
+        code = _train(run)
+    finally:
+        run.watchdog.close()
     if code == 0 and cfg.run.save_final:
         _save_final(run)
     return code
@@ -101,6 +105,7 @@ class _Run:
     data: Any
     split: BatchSplit
     faults: FaultInjector
+    watchdog: HangWatchdog
     start_step: int
     objective: Objective
 
@@ -123,18 +128,8 @@ def _setup(cfg: JobConfig) -> _Run | int:
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
 
-    micro = _concrete_micro_batch(cfg)
-    ctx = BackendContext(
-        cfg=cfg,
-        device=device,
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        precision=cfg.precision,
-        activation_checkpointing=_concrete_ac(cfg),
-        micro_batch_size=micro,
-        grad_accum=cfg.train.global_batch_size // (micro * dims.data),
-    )
+    ctx = _backend_context(cfg, device, rank, local_rank, dims)
+    micro = ctx.micro_batch_size
     tokenizer = build_tokenizer(cfg.model)
     data = build_data(cfg, tokenizer)
     factory = build_factory(model_factory, cfg)
@@ -170,10 +165,38 @@ def _setup(cfg: JobConfig) -> _Run | int:
     split.levers = _memory_levers(cfg, model, device)
     if concrete_lever(cfg.memory.tiled_mlp):  # auto: off until the planner chooses
         apply_tiled_mlp(model, cfg.memory.mlp_chunk_tokens)
+    watchdog = HangWatchdog(cfg, run_dir, rank, world_size)
     return _Run(
-        cfg, ctx, run_dir, backend, model, factory, tokenizer, data, split, faults, start_step,
-        objective,
+        cfg, ctx, run_dir, backend, model, factory, tokenizer, data, split, faults, watchdog,
+        start_step, objective,
     )  # fmt: skip
+
+
+def _backend_context(
+    cfg: JobConfig, device: torch.device, rank: int, local_rank: int, dims: ParallelDims
+) -> BackendContext:
+    """What every backend is told: the rank, the device, and the micro-batch x accumulation that
+    makes up the global batch on the data ranks running (checked: after an elastic restart on
+    fewer ranks the resolved micro-batch may not divide it)."""
+    micro = _concrete_micro_batch(cfg)
+    if cfg.train.global_batch_size % (micro * dims.data):  # an elastic restart on fewer ranks
+        raise ConfigError(
+            "train.micro_batch_size",
+            f"{micro} x {dims.data} data ranks running does not divide train.global_batch_size="
+            f"{cfg.train.global_batch_size}",
+            "use a micro-batch that divides it on every world size the job may run on",
+        )
+    return BackendContext(
+        cfg=cfg,
+        device=device,
+        rank=rank,
+        local_rank=local_rank,
+        world_size=dims.world_size,
+        precision=cfg.precision,
+        activation_checkpointing=_concrete_ac(cfg),
+        micro_batch_size=micro,
+        grad_accum=cfg.train.global_batch_size // (micro * dims.data),
+    )
 
 
 def _objective(
@@ -231,6 +254,8 @@ def _train(run: _Run) -> int:
         lr = lr_at(cfg.train, step)
         backend.set_lr(lr)
         run.faults.step = step
+        run.watchdog.started(step)
+        inject_hang(cfg, step, ctx.rank, run.run_dir)
         try:
             window.begin(step)
             result = step_with_backoff(
@@ -253,18 +278,14 @@ def _train(run: _Run) -> int:
             mfu = flops_per_token * result.num_tokens / result.step_time_s
             record["mfu"] = mfu / (peak_flops * ctx.world_size)
         if _due(step + 1, cfg.train.eval_every, cfg.train.steps) and run.data.eval is not None:
-            eval_set = run.data.eval
             try:
-                record.update(
-                    evaluate_with_backoff(
-                        run.model, backend, eval_set, split, ctx, run.faults, run.objective
-                    )
-                )
+                record.update(_evaluate(run))
             except OutOfMemoryGaveUp as err:  # at eval batch 1: climb a rung, like a step
                 report_oom(run.run_dir, err, step, split, backend, ctx)
                 return _ended(EXIT_OOM, trackers, window)
         metrics.write(record)
         trackers.log(record)
+        run.watchdog.finished()
 
         # the last step is always in a checkpoint (or, with checkpoint_every 0, in final/)
         last = step + 1 == cfg.train.steps and (cfg.run.checkpoint_every or not cfg.run.save_final)
@@ -281,6 +302,13 @@ def _train(run: _Run) -> int:
             return _ended(_stopped(run, checkpointer, stop, step + 1), trackers, window)
     checkpointer.finish()
     return _ended(0, trackers, window)
+
+
+def _evaluate(run: _Run) -> dict[str, float]:
+    """The held-out metrics; OutOfMemoryGaveUp at eval batch 1 (the caller climbs a rung)."""
+    return evaluate_with_backoff(
+        run.model, run.backend, run.data.eval, run.split, run.ctx, run.faults, run.objective
+    )
 
 
 def _stopped(run: _Run, checkpointer: Checkpointer, stop: StopSignals, step: int) -> int:
@@ -316,7 +344,7 @@ def _log_start(run: _Run, num_params: int) -> None:
         ctx.grad_accum,
         dims.data,
         cfg.train.global_batch_size,
-        cfg.precision,
+        _precision_and_optimizer(cfg, ctx.device),
         sp,
         ctx.activation_checkpointing,
         "on" if run.split.levers.chunked_loss else "off",
@@ -324,6 +352,16 @@ def _log_start(run: _Run, num_params: int) -> None:
         f", {n} layers compiled" if (n := num_compiled_layers(run.model)) else "",
         f", MLP tiled in chunks of {n} tokens" if (n := tiled_mlp_chunk_tokens(run.model)) else "",
     )
+
+
+def _precision_and_optimizer(cfg: JobConfig, device: torch.device) -> str:
+    """'bf16', or 'bf16_pure, paged_adamw_8bit' (on CPU processes: run as adamw_8bit)."""
+    name = cfg.train.optimizer
+    if name == "adamw":
+        return cfg.precision
+    if name == "paged_adamw_8bit" and device.type != "cuda":
+        name += " (run as adamw_8bit: no CUDA memory to page here)"
+    return f"{cfg.precision}, {name}"
 
 
 def _step_record(

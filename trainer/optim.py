@@ -3,6 +3,8 @@
 - `train.optimizer: adamw`: torch's fused AdamW over fp32 master weights (fp32 moments).
 - `train.optimizer: adamw_8bit`: bitsandbytes' AdamW8bit (8-bit moments in blocks of 256 with an
   fp32 scale each; tensors under 4096 elements keep fp32 moments, bitsandbytes' rule).
+- `train.optimizer: paged_adamw_8bit`: the same, its states paged (CUDA managed memory, moved to
+  the host when the device runs short); on CPU processes it runs as adamw_8bit.
 - `precision: bf16_pure`: torchao's `_AdamW(bf16_stochastic_round=True)` over bf16 weights: the
   moments are bf16 like the weights, the update is computed in fp32 and rounded into the bf16
   weight stochastically (rounded up with the probability of the dropped low bits), so small
@@ -25,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainer.core.config import ConfigError
+from trainer.core.methods import EIGHT_BIT_OPTIMIZERS
 from trainer.core.step_spec import OptimizerSpec
 from trainer.model.finetune import require
 from trainer.runtime.dist import all_reduce_sum
@@ -51,16 +54,25 @@ def build_optimizer(params: list[nn.Parameter], spec: OptimizerSpec, grad_accum:
 
 def _build_adamw(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.optim.Optimizer:
     kwargs = dict(lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
-    if spec.name == "adamw_8bit" and any(hasattr(p, "placements") for p in params):
+    if spec.name in EIGHT_BIT_OPTIMIZERS:
+        kwargs["is_paged"] = paged(spec.name, params)
+    if spec.name in EIGHT_BIT_OPTIMIZERS and any(hasattr(p, "placements") for p in params):
         return ShardedAdamW8bit(params, kwargs, spec.bf16_pure)
-    if spec.name == "adamw_8bit":
-        bnb = require("bitsandbytes", "train.optimizer", "adamw_8bit")
+    if spec.name in EIGHT_BIT_OPTIMIZERS:
+        bnb = require("bitsandbytes", "train.optimizer", spec.name)
         optimizer = bnb.optim.AdamW8bit(params, **kwargs)
         _prepare_8bit(optimizer, spec.bf16_pure)
         return optimizer
     if spec.bf16_pure:
         return import_torchao_optim()._AdamW(params, bf16_stochastic_round=True, **kwargs)
     return torch.optim.AdamW(params, fused=True, **kwargs)
+
+
+def paged(name: str, params: list[nn.Parameter]) -> bool:
+    """`paged_adamw_8bit` on CUDA: bitsandbytes keeps the states in managed memory, which the
+    driver moves to the host when the device runs short. CPU processes have nothing to page
+    from: there it runs as adamw_8bit (the same math; the start line says so)."""
+    return name == "paged_adamw_8bit" and any(p.is_cuda for p in params)
 
 
 def _prepare_8bit(optimizer: Any, bf16_pure: bool) -> None:
@@ -320,6 +332,7 @@ class ShardedAdamW8bit:
 
     def __init__(self, params: list[nn.Parameter], kwargs: dict[str, Any], bf16_pure: bool):
         bnb = require("bitsandbytes", "train.optimizer", "adamw_8bit")
+        paged = kwargs.pop("is_paged", False)
         self.proxies = {}
         for p in params:
             local = p.to_local()
@@ -329,8 +342,8 @@ class ShardedAdamW8bit:
         eight = [proxy for p, proxy in self.proxies.items() if shards_in_8bit(p)]
         rest = [proxy for p, proxy in self.proxies.items() if not shards_in_8bit(p)]
         self.optimizers = [
-            bnb.optim.AdamW8bit(eight or [_empty()], min_8bit_size=0, **kwargs),
-            bnb.optim.AdamW(rest or [_empty()], optim_bits=32, **kwargs),
+            bnb.optim.AdamW8bit(eight or [_empty()], min_8bit_size=0, is_paged=paged, **kwargs),
+            bnb.optim.AdamW(rest or [_empty()], optim_bits=32, is_paged=paged, **kwargs),
         ]
         for optimizer in self.optimizers:
             _prepare_8bit(optimizer, bf16_pure)

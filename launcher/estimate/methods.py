@@ -32,7 +32,7 @@ from trainer.core.step_spec import Finetune
 from trainer.core.strategies import Strategy
 
 METHODS = ("full", "lora", "qlora")
-OPTIMIZERS = ("adamw", "adamw_8bit")
+OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 NF4_BLOCK = 64  # weights per absmax (bitsandbytes' default 4-bit blocksize)
 NF4_NESTED_BLOCK = 256  # absmaxes per fp32 absmax under double quantisation
 NF4_TABLES = 4 * (16 + 256)  # per tensor: the NF4 code and the absmaxes' 8-bit map, in fp32

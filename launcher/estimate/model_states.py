@@ -15,9 +15,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from launcher.estimate.methods import MethodSizes, method_sizes
+from launcher.estimate.methods import (
+    MethodSizes,
+    adam_state_bytes,
+    adapter_tensors,
+    layer_tensors,
+    method_sizes,
+    root_tensors,
+)
 from launcher.estimate.shape import ModelShape
-from trainer.core.step_spec import FULL, StepSpec
+from trainer.core.step_spec import FULL, Finetune, StepSpec
 from trainer.core.strategies import DEEPSPEED_BUCKET_ELEMENTS, Strategy
 
 
@@ -35,7 +42,30 @@ def model_states(spec: StepSpec, shape: ModelShape) -> ModelStates:
             states = _eight_bit_moments(row, z, states, sizes)
     else:
         states = _ADAPTER_STATES[row.engine](row, z, shape, every, sizes)
+    if ft.optimizer == "paged_adamw_8bit":
+        states = _paged_moments(row, z, states, shape, ft)
     return _stepped_in_backward(row, states) if ft.in_backward else states
+
+
+def _paged_moments(
+    row: Strategy, z: Sizes, states: ModelStates, shape: ModelShape, ft: Finetune
+) -> ModelStates:
+    """`paged_adamw_8bit`: the 8-bit states live in CUDA managed memory, which the driver moves
+    to the host when the device runs short; on the device they need only what one step touches
+    at a time, bitsandbytes prefetching the next tensor's while it steps one (the two largest
+    tensors' states, sharded like them). The rest is counted on the host."""
+    if row.optimizer_at != "device":
+        return states
+    tensors = adapter_tensors(shape, ft) if ft.adapters else layer_tensors(shape)
+    tensors = tensors + ([] if ft.adapters else root_tensors(shape))
+    largest = sorted(tensors)[-2:]
+    shards = 1 if row.engine in ("single", "ddp") or row.zero_stage == 1 else z.w
+    working = adam_state_bytes(largest, ft.optimizer) // shards
+    held = states.on_device["optimizer"]
+    moved = max(0, held - working)
+    on_device = {**states.on_device, "optimizer": held - moved}
+    on_host = {**states.on_host, "optimizer": states.on_host.get("optimizer", 0) + moved}
+    return replace(states, on_device=on_device, on_host=on_host, base=states.base - moved)
 
 
 def _stepped_in_backward(row: Strategy, states: ModelStates) -> ModelStates:

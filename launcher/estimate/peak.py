@@ -7,7 +7,8 @@ and their sources). It composes three parts: one rank's model states
 weight-cast cache (a 16-bit copy of every weight used in forward), FSDP all-gathers of the current
 and prefetched layer plus the root and reduce-scatter buffers, DeepSpeed buckets and the
 live/prefetched ZeRO-3 parameters (AdamW is fused: no temporaries). Runtime overhead is a constant
-for the CUDA context plus the allocator's fragmentation as a ratio.
+for the CUDA context plus what the caching allocator reserves beyond the live tensors, a ratio of
+the bytes that come and go, by allocator mode (docs/memory.md "What the allocator reserves").
 
 The breakdown lists the size of each part; the peak is the largest of the step's phases (end of
 forward, the loss, the backward of every layer, the embedding's, the optimizer step), since
@@ -20,6 +21,8 @@ layers, c bytes of the compute dtype (2 for bf16/fp16, 4 for fp32).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +42,14 @@ from trainer.core.strategies import Strategy
 from trainer.core.units import GIB
 
 CUDA_CONTEXT_BYTES = int(0.75 * GIB)  # CUDA context + cuBLAS/cuDNN workspaces, measured typical
-FRAGMENTATION_RATIO = 0.08  # caching-allocator slack over peak tensor bytes
+# What the caching allocator reserves beyond the peak of live tensors, per byte that comes and goes
+# in a step (docs/memory.md "What the allocator reserves"). `default`: fitted to a published pair
+# of max_memory_allocated and max_memory_reserved for one job (Answer.AI fsdp_qlora, Llama-2-7B
+# LoRA, context 2048: 1.06 GiB reserved over 9.16 allocated); `expandable`: with
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which the launcher sets on CUDA ranks, not yet
+# measured (no published pair).
+ALLOCATOR_SLACK_RATIO = {"default": 0.54, "expandable": 0.08}
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 CPU_PROCESS_BYTES = int(1.0 * GIB)  # python + torch + transformers in a CPU process (RSS)
 HOST_PROCESS_BYTES = int(2.0 * GIB)  # per rank on the host: libraries, dataloader, pinned staging
 ZERO_OFFLOAD_PINNED_RATIO = 1.0  # pinned host gradient buffer per offloaded fp32 partition
@@ -55,7 +65,8 @@ class Estimate:
     activation_checkpointing: str
     device_breakdown: dict[str, int]
     peak_tensor_bytes: int  # predicted torch.cuda.max_memory_allocated
-    device_total_bytes: int  # + runtime overhead: what must fit in device memory
+    # + runtime overhead (CUDA context, the allocator's reserve): what must fit in device memory
+    device_total_bytes: int
     host_breakdown: dict[str, int] = field(default_factory=dict)
     host_total_bytes: int = 0  # per node
     phases: dict[str, int] = field(default_factory=dict)  # live bytes at each point of the step
@@ -158,12 +169,25 @@ def _step_phases(
     return phases
 
 
+def expandable_segments(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the ranks' caching allocator runs with expandable segments: the launcher sets it
+    on CUDA (launcher/run/launch.py) unless the user's own allocator setting says otherwise."""
+    conf = next((environ[k] for k in ALLOC_CONF_VARS if k in environ), None)
+    return conf is None or "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+def allocator_slack_bytes(transient_bytes: int, expandable: bool) -> int:
+    """Bytes the caching allocator reserves beyond the peak of live tensors. Model states are
+    allocated once, in large blocks; the slack grows with what is allocated and freed every step
+    (activations, gathers, buffers): `transient_bytes`, the peak less the persistent states."""
+    ratio = ALLOCATOR_SLACK_RATIO["expandable" if expandable else "default"]
+    return int(ratio * max(0, transient_bytes))
+
+
 def _runtime_overhead(device: str, peak: int, persistent: int) -> int:
     if device != "cuda":
         return CPU_PROCESS_BYTES
-    # Model states are allocated once, in large blocks; the allocator's slack grows with what
-    # is allocated and freed every step (activations, gathers, buffers).
-    return CUDA_CONTEXT_BYTES + int(FRAGMENTATION_RATIO * max(0, peak - persistent))
+    return CUDA_CONTEXT_BYTES + allocator_slack_bytes(peak - persistent, expandable_segments())
 
 
 def loading_host_bytes(

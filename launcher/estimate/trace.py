@@ -37,6 +37,7 @@ from trainer.backends import BackendContext, OptimizerSpec, build_backend
 from trainer.backends.common import COMPUTE_DTYPES, attach, clip_and_step
 from trainer.backends.fsdp import apply_fsdp
 from trainer.core.config import JobConfig, ModelConfig
+from trainer.core.methods import EIGHT_BIT_OPTIMIZERS
 from trainer.core.parallel_dims import ParallelDims
 from trainer.core.step_spec import FULL, Finetune, StepSpec
 from trainer.memory.levers import MemoryLevers
@@ -60,14 +61,16 @@ def _real(spec: StepSpec) -> bool:
     """Real CPU tensors: QLoRA's 4-bit weights are quantised from real ones, bitsandbytes'
     8-bit step reads a scalar, and torchao's bf16 step (bf16_pure) is compiled."""
     ft = spec.finetune
-    return ft.method == "qlora" or ft.optimizer == "adamw_8bit" or spec.precision == "bf16_pure"
+    eight_bit = ft.optimizer in EIGHT_BIT_OPTIMIZERS
+    return ft.method == "qlora" or eight_bit or spec.precision == "bf16_pure"
 
 
 def traceable(strategy: str, ft: Finetune = FULL) -> bool:
     """single and fsdp (with real tensors over a fake process group too); 8-bit AdamW on single
     only: FSDP's tracker hooks the optimizer's step, and the engine's 8-bit AdamW over FSDP2
     shards is no torch optimizer that has such hooks."""
-    return strategy == "single" or (strategy in TRACEABLE and ft.optimizer != "adamw_8bit")
+    eight_bit = ft.optimizer in EIGHT_BIT_OPTIMIZERS
+    return strategy == "single" or (strategy in TRACEABLE and not eight_bit)
 
 
 @dataclass(frozen=True)

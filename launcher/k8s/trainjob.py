@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from launcher.run.launch import allocator_env
 from launcher.slurm.submit import MIN_MEM_BYTES, host_bytes_needed
 from trainer.core.config import ConfigError, JobConfig, dump_config
 from trainer.core.units import GIB, parse_size
@@ -102,6 +103,7 @@ def render_trainjob(cfg: JobConfig, plan_json: dict[str, Any], where: str = MANI
                 "numNodes": hw.nodes,
                 "numProcPerNode": hw.devices_per_node or 1,
                 "resourcesPerNode": resources_per_node(cfg, plan_json),
+                **_env(cfg),
             },
             "runtimePatches": [_volumes_patch(cfg.k8s.pvc, f"{name}-config")],
         },
@@ -124,6 +126,13 @@ def _block_text(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
 
 
 _BlockDumper.add_representer(str, _block_text)
+
+
+def _env(cfg: JobConfig) -> dict[str, Any]:
+    """The ranks' environment: the allocator's configuration on CUDA (launcher/run/launch.py
+    `allocator_env`; the submitting shell's own setting does not reach the pods)."""
+    env = allocator_env(cfg, environ={})
+    return {"env": [{"name": k, "value": v} for k, v in env.items()]} if env else {}
 
 
 def _command(cfg: JobConfig) -> list[str]:

@@ -28,13 +28,14 @@ OPT_INS: tuple[dict[str, Any], ...] = (
     {"precision": "bf16_pure", "train.optimizer": "adamw_8bit"},
     {"precision": "bf16_pure", IN_BACKWARD: True},
     {"precision": "bf16_pure", "train.optimizer": "adamw_8bit", IN_BACKWARD: True},
+    {"precision": "bf16_pure", "train.optimizer": "paged_adamw_8bit", IN_BACKWARD: True},
     {"finetune.method": "lora"},
     {"finetune.method": "lora", "train.optimizer": "adamw_8bit"},
     {"finetune.method": "qlora"},
     {"finetune.method": "qlora", "train.optimizer": "adamw_8bit"},
 )
 METHOD_ORDER = ("full", "lora", "qlora")
-OPTIMIZER_ORDER = ("adamw", "adamw_8bit")
+OPTIMIZER_ORDER = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,18 @@ def resolve_plan(
     return resolved, plan.to_json(hw, cfg.memory.headroom, command=[])
 
 
+def _check_hang_timeout(cfg: JobConfig, plan: Plan) -> None:
+    """A fixed run.hang_timeout_s shorter than the predicted step would call every step a hang."""
+    timeout, step_s = cfg.run.hang_timeout_s, plan.step_time_s
+    if isinstance(timeout, int) and step_s and timeout < step_s:
+        raise ConfigError(
+            "run.hang_timeout_s",
+            f"{timeout} s is shorter than a step ({step_s:.0f} s predicted on "
+            f"{plan.strategy}): every step would be called a hang",
+            f"use at least {2 * step_s:.0f}, or auto (10 x the slowest step measured)",
+        )
+
+
 def next_rung(
     cfg: JobConfig, exclude: list[str], memory_scale: float, ceiling_bytes: float
 ) -> tuple[JobConfig, list[str]]:
@@ -61,6 +73,7 @@ def plan_job(
     except Exception as err:  # the model's shape or activations cannot be worked out
         plan = _without_estimate(cfg, hw, err)
     plan = with_reference(cfg, plan)
+    _check_hang_timeout(cfg, plan)
     return apply_plan(cfg, plan, hw), plan, hw
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from launcher.plan.job import plan_job
 from launcher.plan.planner import NoFitError, Plan
-from launcher.run.launch import launch_spec
+from launcher.run.launch import allocator_env, launch_spec
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
 from trainer.core.contract import CONFIG_FILE
@@ -25,8 +25,8 @@ def plan_command(cfg: JobConfig, as_json: bool, emit: str | None) -> int:
             print(json.dumps({"fits": False, "error": str(err), "alternatives": alternatives}))
         raise
     argv, _, _ = launch_spec(resolved, _config_path(cfg))
-    if emit == "torchrun":
-        print(" ".join(argv))
+    if emit == "torchrun":  # with the allocator's setting the launcher gives CUDA ranks
+        print(" ".join([f"{k}={v}" for k, v in allocator_env(resolved).items()] + argv))
         return 0
     if emit == "accelerate":
         sys.stdout.write(accelerate_config(plan, cfg))

@@ -11,9 +11,11 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from launcher.estimate.peak import ALLOC_CONF_VARS
 from trainer.core.config import JobConfig
 from trainer.core.contract import EXIT_SIGNAL
 
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 RDZV_PORT = 29500
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -42,9 +45,12 @@ def build_torchrun_command(
     if hw.nodes == 1:
         argv += ["--standalone", "--nnodes", "1"]
     else:
+        # elastic.min_nodes: an elastic rendezvous (MIN:MAX nodes); after a lost node torchrun
+        # restarts the workers on those left, which resume from the newest checkpoint
+        nnodes = f"{cfg.elastic.min_nodes}:{hw.nodes}" if cfg.elastic.min_nodes else str(hw.nodes)
         argv += [
             "--nnodes",
-            str(hw.nodes),
+            nnodes,
             "--node_rank",
             node_rank,
             "--rdzv_backend",
@@ -58,17 +64,37 @@ def build_torchrun_command(
         "--nproc_per_node",
         str(per_node),
         "--max_restarts",
-        str(cfg.dist.max_restarts),
+        str(_max_restarts(cfg)),
         "-m",
         "trainer",
         str(config_path),
     ]
-    env: dict[str, str] = {}
+    env = allocator_env(cfg)
     if hw.device == "cpu":
         # CPU ranks share the cores: one intra-op thread each unless the user said otherwise.
         cores = os.cpu_count() or 1
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(max(1, cores // per_node)))
     return argv, env
+
+
+def allocator_env(cfg: JobConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for CUDA ranks, unless the user's
+    environment configures the caching allocator already (theirs wins).
+
+    Expandable segments grow one mapping per stream instead of leaving freed blocks of other
+    sizes stranded (torchtitan launches with it); the estimate's allocator reserve assumes it
+    (launcher/estimate/peak.py `expandable_segments`)."""
+    if cfg.hardware.device != "cuda" or any(k in environ for k in ALLOC_CONF_VARS):
+        return {}
+    return {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE_SEGMENTS}
+
+
+def _max_restarts(cfg: JobConfig) -> int:
+    """torchrun's worker-group restarts: dist.max_restarts, or with elastic.min_nodes on
+    several nodes at least run.max_restarts (a lost node is a restart of the group)."""
+    if cfg.elastic.min_nodes and cfg.hardware.nodes > 1:
+        return max(cfg.dist.max_restarts, cfg.run.num_restarts_allowed)
+    return cfg.dist.max_restarts
 
 
 def run_command(argv: list[str], env: dict[str, str], output: TorchrunOutput | None = None) -> int:
@@ -122,12 +148,13 @@ def run_command(argv: list[str], env: dict[str, str], output: TorchrunOutput | N
 
 
 def launch_spec(cfg: JobConfig, config_path: Path) -> tuple[list[str], dict[str, str], bool]:
-    """(argv, env, spawn): torchrun for several processes, else this process runs the engine."""
+    """(argv, env, spawn): torchrun for several processes, else this process runs the engine
+    (with `env` set in its own environment before CUDA starts)."""
     world_size = cfg.hardware.nodes * (cfg.hardware.devices_per_node or 1)
     if world_size > 1 and not under_launcher():
         argv, env = build_torchrun_command(cfg, config_path)
         return argv, env, True
-    return [sys.executable, "-m", "trainer", str(config_path)], {}, False
+    return [sys.executable, "-m", "trainer", str(config_path)], allocator_env(cfg), False
 
 
 def under_launcher() -> bool:

@@ -5,7 +5,9 @@ on every rank whatever started it. When a launch exits 75 (out of memory after t
 back-off), the supervisor reads `oom-report.json`, scales the estimate by what was measured so it
 does not pick a rung that will OOM again, re-plans without the failed rung, and relaunches with
 `run.resume: auto`: the new rung continues from the newest checkpoint (or from step 0), and the
-global batch, optimizer, schedule and precision stay as configured.
+global batch, optimizer, schedule and precision stay as configured. A launch that ends in a hang
+(exit 124, trainer/runtime/hang.py) starts again on the same rung from the newest checkpoint, up
+to `run.max_restarts` times (docs/resilience.md).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +39,12 @@ from trainer.core.contract import (
     CONFIG_ERROR_FILE,
     CONFIG_FILE,
     ESCALATIONS_FILE,
+    EXIT_HANG,
     EXIT_OOM,
     EXIT_SIGNAL,
     EXIT_USAGE,
+    HANG_DIR,
+    HANG_REPORT_FILE,
     LATEST_LINK,
     OOM_REPORT_FILE,
     PLAN_FILE,
@@ -77,7 +83,7 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
         check_run_time_extras(cfg)  # what only the run needs, on this machine (not for plan)
     failed: list[str] = []
     memory_scale = 1.0
-    attempt = 0
+    attempt = num_restarts = 0
     while True:
         resolved, plan_json = resolve_plan(cfg, exclude=failed, memory_scale=memory_scale)
         if attempt == 0:
@@ -95,6 +101,11 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
             # one run per run.dir, for the life of this one
             held.enter_context(acquire_run_lock(run_dir))
         rc = _launch(resolved, plan_json, argv, env, spawn)
+        if rc == EXIT_HANG and num_restarts < cfg.run.num_restarts_allowed:
+            num_restarts += 1
+            cfg = _restart_after_hang(cfg, resolved, num_restarts)
+            attempt += 1
+            continue
         if rc != EXIT_OOM or not cfg.escalation.enabled:
             return rc
         attempt += 1
@@ -107,6 +118,31 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
         cfg, failed, memory_scale = climbed
 
 
+def _restart_after_hang(cfg: JobConfig, resolved: JobConfig, num_restarts: int) -> JobConfig:
+    """After a hang (exit 124, trainer/runtime/hang.py): say it, record it in escalations.jsonl
+    (same rung), and resume from the newest checkpoint; the config to plan next."""
+    run_dir = Path(cfg.run.dir)
+    report = read_json_object(run_dir / HANG_DIR / HANG_REPORT_FILE)
+    newest = _newest_checkpoint(run_dir)
+    record = {
+        "step": report.get("step"),
+        "from": resolved.strategy,
+        "to": resolved.strategy,
+        "reason": f"hang: {report.get('line', 'a step outlasted run.hang_timeout_s')}",
+        "estimated_peak_bytes": None,
+        "measured_peak_bytes": None,
+    }
+    append_line(run_dir / ESCALATIONS_FILE, json.dumps(record))
+    log.warning(
+        "restarting after the hang (%d of run.max_restarts=%d) from %s; the stacks are in %s",
+        num_restarts,
+        cfg.run.num_restarts_allowed,
+        newest or "the beginning",
+        run_dir / HANG_DIR,
+    )
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": "auto"})})
+
+
 def _launch(resolved: JobConfig, plan_json: dict, argv, env, spawn) -> int:
     """One attempt: the resolved config and plan into run.dir, the ranks run; the exit code,
     with a worker's bad-input line printed (exit 2) and an out-of-memory report read as 75."""
@@ -117,7 +153,13 @@ def _launch(resolved: JobConfig, plan_json: dict, argv, env, spawn) -> int:
     report_path.unlink(missing_ok=True)
     config_error = run_dir / CONFIG_ERROR_FILE
     config_error.unlink(missing_ok=True)
+    hang_report = run_dir / HANG_DIR / HANG_REPORT_FILE
+    started = time.time()
     rc = _run(resolved, argv, env, spawn)
+    if rc not in (0, EXIT_SIGNAL) and _written_since(hang_report, started):
+        line = read_json_object(hang_report).get("line", "hang")
+        print(f"oomless: {line}; every rank's stack is in {hang_report.parent}", file=sys.stderr)
+        return EXIT_HANG  # torchrun reports the rank's 124 as 1
     if rc not in (0, EXIT_OOM, EXIT_SIGNAL) and config_error.exists():
         # a worker found bad input (data rows, an unusable strategy) after the launch
         print(config_error.read_text().strip(), file=sys.stderr)
@@ -181,16 +223,29 @@ def climb_from_forced(cfg: JobConfig, failed: list[str]) -> tuple[JobConfig, lis
     )
 
 
+def _set_allocator_env(env: dict[str, str]) -> None:
+    """The launch environment (the allocator's configuration) for an engine run in this process:
+    the caching allocator reads it when CUDA starts, and takes it at run time once started (the
+    hardware probe may have started it)."""
+    os.environ.update(env)
+    conf = env.get("PYTORCH_CUDA_ALLOC_CONF")
+    torch = sys.modules.get("torch")
+    if conf and torch is not None and torch.cuda.is_initialized():
+        torch.cuda.memory._set_allocator_settings(conf)
+
+
 def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> int:
     if not spawn:
         from trainer.engine import run_training
 
+        _set_allocator_env(env)
         try:
             return run_training(cfg)
         finally:
             _release_device_memory()
     run_dir = Path(cfg.run.dir)
     newest_before = _newest_checkpoint(run_dir)
+    started = time.time()
     output = TorchrunOutput(run_dir / TORCHRUN_LOG, sys.stderr)
     rc = run_command(argv, dict(env, **{LOCK_OWNER_ENV: str(os.getpid())}), output)
     if rc == EXIT_SIGNAL and _newest_checkpoint(run_dir) == newest_before:
@@ -202,7 +257,11 @@ def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> i
     if output.config_error and rc != 0 and not (run_dir / CONFIG_ERROR_FILE).exists():
         print(output.config_error, file=sys.stderr)  # the ranks could not leave it (a full disk)
         return EXIT_USAGE
-    explained = (run_dir / OOM_REPORT_FILE).exists() or (run_dir / CONFIG_ERROR_FILE).exists()
+    explained = (
+        (run_dir / OOM_REPORT_FILE).exists()
+        or (run_dir / CONFIG_ERROR_FILE).exists()
+        or _written_since(run_dir / HANG_DIR / HANG_REPORT_FILE, started)
+    )
     if output.killed and rc not in (0, EXIT_SIGNAL) and not explained:
         rank, signame = min(output.killed.items())
         newest = _newest_checkpoint(run_dir)
@@ -217,6 +276,14 @@ def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> i
         # out of memory and bad input have their own lines (the rank's, then the supervisor's)
         log.error("torchrun: the workers failed (exit %d); its report: %s", rc, output.log_path)
     return rc
+
+
+def _written_since(path: Path, start: float) -> bool:
+    """`path` exists and was written by this launch (a report of an earlier hang is kept)."""
+    try:
+        return path.stat().st_mtime >= start - 1.0
+    except OSError:
+        return False
 
 
 def _newest_checkpoint(run_dir: Path) -> str | None:

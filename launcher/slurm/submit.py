@@ -30,6 +30,7 @@ from string import Template
 
 from launcher.plan.job import resolve_plan
 from launcher.plan.planner import NoFitError
+from launcher.run.launch import allocator_env
 from launcher.run.preflight import (
     check_resume,
     check_rows,
@@ -38,8 +39,8 @@ from launcher.run.preflight import (
     tokenize_data,
 )
 from launcher.slurm.nodes import PartitionNodes, SlurmRequest, read_partition, size_request
-from trainer.core.config import ConfigError, JobConfig, write_config
-from trainer.core.contract import CONFIG_FILE, PLAN_FILE
+from trainer.core.config import ConfigError, JobConfig, dump_config, write_config
+from trainer.core.contract import CONFIG_FILE, JOB_FILE, PLAN_FILE
 from trainer.core.files import absolute_path, write_atomic, write_json
 from trainer.core.run_lock import check_run_lock
 from trainer.core.units import GIB, MIB
@@ -122,6 +123,40 @@ def render_sbatch(
         PROCS_PER_NODE=per_node,
         MAX_RESTARTS=cfg.dist.max_restarts,
         CONFIG=_in_single_quotes(shlex.quote(str(run_dir / CONFIG_FILE))),
+        NO_KILL="#SBATCH --no-kill\n" if cfg.elastic.min_nodes else "",
+        ELASTIC=_elastic_block(cfg, run_dir, python),
+        ALLOC_CONF=_alloc_conf(cfg),
+    )
+
+
+def _alloc_conf(cfg: JobConfig) -> str:
+    """CUDA ranks: the caching allocator with expandable segments (launcher/run/launch.py
+    `allocator_env`), unless the job's environment configures it already."""
+    env = allocator_env(cfg, environ={})
+    if not env:
+        return ""
+    ((name, value),) = env.items()
+    unset = '[ -n "${PYTORCH_CUDA_ALLOC_CONF:-}${PYTORCH_ALLOC_CONF:-}" ]'
+    return (
+        "# CUDA ranks: expandable segments, unless the job's environment configures the allocator\n"
+        f"{unset} || export {name}={value}\n"
+    )
+
+
+def _elastic_block(cfg: JobConfig, run_dir: Path, python: str) -> str:
+    """With elastic.min_nodes: after a failed step, the nodes to go on with (re-planned by
+    launcher/slurm/elastic.py), or the end of the job."""
+    if not cfg.elastic.min_nodes:
+        return ""
+    replan = f"{shlex.quote(python)} -m launcher.slurm.elastic {shlex.quote(str(run_dir))}"
+    return (
+        'if [ "$rc" -ne 0 ]; then\n'
+        f'  next=$({replan} "$nodes") || exit "$rc"\n'
+        '  read -r nodes nodelist <<< "$next"\n'
+        '  export OOMLESS_HEAD_NODE="${nodelist%%,*}"\n'
+        '  echo "oomless: continuing on $nodes node(s): $nodelist"\n'
+        "  continue\n"
+        "fi\n"
     )
 
 
@@ -207,6 +242,8 @@ def submit_command(cfg: JobConfig, dry_run: bool) -> int:
     tokenize_data(resolved)  # what only the tokenizer sees stops here, not in the queue
     ensure_run_dir(run_dir)
     write_config(resolved, run_dir)
+    if cfg.elastic.min_nodes:  # what a re-plan for fewer nodes starts from
+        write_atomic(run_dir / JOB_FILE, dump_config(cfg))
     write_json(run_dir / PLAN_FILE, plan_json)
     path = write_atomic(run_dir / "submit.sbatch", script)  # 0600: it holds paths and commands
     out = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)

@@ -135,6 +135,10 @@ def test_llama_8b_on_two_nodes_of_8_gpus_validates_and_is_sized_by_the_plan(caps
     wanted = math.ceil(plan["estimate"]["host"]["total_bytes"] * 1.1 / GIB)
     assert resources["limits"]["memory"] == resources["requests"]["memory"] == f"{wanted}Gi"
     assert 800 < wanted <= 1024  # the offloaded activations of this plan need most of a node
+    # the ranks' caching allocator runs with expandable segments (validated by the CRD above)
+    assert trainer["env"] == [
+        {"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"}
+    ]
 
 
 def test_a_cpu_job_asks_for_no_gpus_and_a_rank_per_process(capsys, tmp_path):
@@ -148,6 +152,7 @@ def test_a_cpu_job_asks_for_no_gpus_and_a_rank_per_process(capsys, tmp_path):
         "limits": {"memory": "16Gi"},
     }
     assert "labels" not in trainjob["metadata"] and "namespace" not in trainjob["metadata"]
+    assert "env" not in trainer  # no CUDA allocator to configure
 
 
 def _volume_of(trainjob: dict, mount_path: str) -> dict:

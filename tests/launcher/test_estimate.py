@@ -8,7 +8,7 @@ import json
 import pytest
 
 from launcher.estimate.model_states import zero_model_state_bytes
-from launcher.estimate.peak import GIB, estimate
+from launcher.estimate.peak import ALLOC_CONF_VARS, GIB, estimate
 from launcher.estimate.shape import model_shape
 from trainer.core.config import ConfigError, ModelConfig
 from trainer.core.step_spec import StepSpec
@@ -155,6 +155,26 @@ def test_runtime_overhead_is_the_context_and_fragmentation_of_what_comes_and_goe
     persistent = b["params"] + b["optimizer"]
     assert est.device_total_bytes - est.peak_tensor_bytes == b["runtime_overhead"]
     assert b["runtime_overhead"] < 0.75 * GIB + 0.08 * (est.peak_tensor_bytes - persistent) + 1
+
+
+def test_without_expandable_segments_the_reserve_is_the_default_allocators(monkeypatch):
+    """The launcher gives CUDA ranks expandable segments unless the user's environment configures
+    the allocator (launcher/run/launch.py); then the estimate reserves what the default caching
+    allocator does, 0.54 of the bytes that come and go instead of 0.08 (docs/memory.md)."""
+    shape = _llama_8b()
+    for var in ALLOC_CONF_VARS:
+        monkeypatch.delenv(var, raising=False)
+    ours = _estimate(shape, "fsdp", 8, micro=2)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
+    assert _estimate(shape, "fsdp", 8, micro=2) == ours
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    theirs = _estimate(shape, "fsdp", 8, micro=2)
+    b = ours.device_breakdown
+    transient = b["activations"] + b["temporary"]
+    assert transient > 10 * GIB
+    assert theirs.peak_tensor_bytes == ours.peak_tensor_bytes
+    added = theirs.device_total_bytes - ours.device_total_bytes
+    assert added == pytest.approx((0.54 - 0.08) * transient, abs=2)
 
 
 def test_an_unmodelled_block_is_refused_in_one_line():

@@ -8,7 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
-from launcher.run.launch import build_torchrun_command, run_command
+from launcher.run.launch import allocator_env, build_torchrun_command, launch_spec, run_command
 from tests.conftest import TINY_LLAMA
 from trainer.core.config import build_config
 
@@ -43,7 +43,36 @@ def test_several_nodes_rendezvous_on_the_head_node_with_the_rank_left_to_each_no
     assert "--nnodes 4 --node_rank $NODE_RANK --rdzv_backend c10d" in joined
     assert "--rdzv_endpoint $HEAD_NODE:29500 --rdzv_id oomless-exp7" in joined
     assert "--nproc_per_node 8" in joined
-    assert env == {}  # GPU ranks: no thread pinning
+    # GPU ranks: no thread pinning; the caching allocator with expandable segments
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def test_elastic_min_nodes_is_an_elastic_rendezvous_that_restarts_on_the_nodes_left():
+    cfg = _cfg(device="cuda", nodes=4, devices_per_node=8, device_memory="80GiB")
+    cfg = cfg.model_copy(update={"elastic": cfg.elastic.model_copy(update={"min_nodes": 2})})
+    joined = " ".join(build_torchrun_command(cfg, Path("c.yaml"))[0])
+    # run.max_restarts auto (3) is above dist.max_restarts (2): a lost node restarts the group
+    assert "--nnodes 2:4 --node_rank $NODE_RANK" in joined and "--max_restarts 3 " in joined
+
+
+def test_cuda_ranks_get_expandable_segments_unless_the_user_configured_the_allocator():
+    cuda = _cfg(device="cuda", devices_per_node=8, device_memory="80GiB")
+    assert allocator_env(cuda, environ={}) == {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"
+    }
+    # the user's own setting (either name PyTorch reads) goes to the ranks as it is
+    assert allocator_env(cuda, environ={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == {}
+    assert allocator_env(cuda, environ={"PYTORCH_ALLOC_CONF": "expandable_segments:False"}) == {}
+    assert allocator_env(_cfg(device="cpu", devices_per_node=2), environ={}) == {}
+
+
+def test_a_single_cuda_device_runs_here_with_the_allocator_setting(monkeypatch):
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    one = _cfg(device="cuda", devices_per_node=1, device_memory="80GiB")
+    argv, env, spawn = launch_spec(one, Path("c.yaml"))
+    assert not spawn and argv[-2:] == ["trainer", "c.yaml"]
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # set before CUDA starts
 
 
 def _child(code: str) -> list[str]:

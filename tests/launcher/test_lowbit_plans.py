@@ -230,3 +230,40 @@ def test_qlora_on_fsdp_loads_one_chunk_at_a_time_beyond_the_shard():
     assert est.host_breakdown["initial_weights"] == 2 * 4 * shape.largest_tensor_params
     loading = est.phases["loading"] - model_states(spec, shape).base
     assert 0 < loading < 0.2 * GIB  # a chunk being quantised and one weight's block scales
+
+
+def test_paged_8bit_moments_keep_only_the_two_largest_tensors_states_on_the_device():
+    """paged_adamw_8bit: what one step touches at a time stays on the device (the embedding
+    and the head, 8-bit, sharded like them); the rest of the 8-bit states is on the host."""
+    shape = model_shape(load_config(PRESET_8B).model)
+
+    def states(strategy: str, world: int, optimizer: str):
+        spec = StepSpec(strategy, world, 1, 1024, "full", precision="bf16_pure",
+                        finetune=Finetune(optimizer=optimizer))  # fmt: skip
+        return model_states(spec, shape)
+
+    embedding = shape.num_embedding_params  # 128256 x 4096, and the untied head the same
+    for strategy, world in (("single", 1), ("fsdp", 4)):
+        eight = states(strategy, world, "adamw_8bit")
+        paged = states(strategy, world, "paged_adamw_8bit")
+        working = paged.on_device["optimizer"]
+        assert working == pytest.approx(2 * 2.03 * embedding / world, rel=0.01)
+        moved = eight.on_device["optimizer"] - working
+        assert paged.on_host["optimizer"] == moved and eight.base - paged.base == moved
+    # fsdp_offload steps on the host already: nothing to page
+    offload = states("fsdp_offload", 4, "paged_adamw_8bit")
+    assert offload == states("fsdp_offload", 4, "adamw_8bit")
+
+
+def test_8b_full_in_bf16_pure_with_paged_8bit_adamw_fits_one_24gib_card_on_single(capsys):
+    """What torchtune runs on a 24 GB card (bf16 weights, paged 8-bit AdamW, the step in
+    backward): on `single`, which 8-bit states held on the device would not fit."""
+    job = [PRESET_8B, *_gpus(1, "24GiB", "64GiB"), "data.seq_len=2048",
+           "train.global_batch_size=2", "precision=bf16_pure", "train.grad_clip=0",
+           "train.optimizer_in_backward=true", "strategy=single"]  # fmt: skip
+    rc, plan, err = _plan(capsys, *job, "train.optimizer=paged_adamw_8bit")
+    assert rc == 0 and plan["strategy"] == "single", err
+    assert plan["estimate"]["device"]["total_bytes"] <= 24 * GIB
+    assert plan["estimate"]["host"]["breakdown"]["optimizer"] > 13 * GIB
+    rc, plan, err = _plan(capsys, *job, "train.optimizer=adamw_8bit")
+    assert rc == 0 and plan["estimate"]["device"]["total_bytes"] > 24 * GIB, err

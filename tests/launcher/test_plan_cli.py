@@ -65,7 +65,9 @@ def test_emit_deepspeed_for_a_plan_that_is_not_zero_says_how_to_get_one(capsys):
     assert err.count("\n") == 1 and "--emit deepspeed" in err and "strategy=zero2" in err
 
 
-def test_emit_sbatch_and_torchrun_and_accelerate(capsys):
+def test_emit_sbatch_and_torchrun_and_accelerate(capsys, monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     rc, out, err = _plan(capsys, PRESET_8B, *EIGHT_H100, "hardware.nodes=2", "--emit", "sbatch")
     assert rc == 0, err
     assert out.startswith("#!/bin/bash") and "#SBATCH --nodes=2" in out
@@ -74,6 +76,11 @@ def test_emit_sbatch_and_torchrun_and_accelerate(capsys):
                          "hardware.devices_per_node=2", "--emit", "torchrun")  # fmt: skip
     assert rc == 0, err
     assert "--standalone" in out and "--nproc_per_node 2" in out and "-m trainer" in out
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in out  # CPU ranks: no CUDA allocator
+    rc, out, err = _plan(capsys, PRESET_8B, *EIGHT_H100, "--emit", "torchrun")
+    assert rc == 0, err
+    assert out.startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ")
+    assert "-m torch.distributed.run --standalone" in out
     rc, out, err = _plan(capsys, PRESET_8B, *EIGHT_H100, "strategy=fsdp", "--emit", "accelerate")
     assert rc == 0, err
     assert "distributed_type: FSDP" in out and "num_processes: 8" in out

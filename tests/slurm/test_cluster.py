@@ -1,4 +1,5 @@
-"""End to end on a real Slurm cluster: `oomless submit` runs a two-node job; USR1 requeues it.
+"""End to end on a real Slurm cluster: `oomless submit` runs a two-node job; USR1 requeues it;
+a lost node (elastic.min_nodes) leaves the job on the node left.
 
 Needs the local two-node cluster (`slurm/dev-cluster/start.sh`, as root; `.ci/run` starts it);
 skipped with the reason when `sinfo` does not show nodes n1 and n2 up. Both nodes share this
@@ -211,3 +212,53 @@ def test_two_node_losses_equal_a_two_process_local_run(uninterrupted, tmp_path):
     records = _metrics(run_dir)
     assert {r["world_size"] for r in records} == {2}
     assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted]
+
+
+def test_a_lost_node_continues_on_the_one_left_with_the_same_batch(uninterrupted, tmp_path):
+    """elastic.min_nodes=1: n2 goes DOWN mid-run; the job keeps its allocation, re-plans for n1
+    (the same global batch of 16: micro-batch 8 x 2 ranks becomes 16 x 1), resumes from the
+    newest checkpoint and ends COMPLETED with every step, as one node resumed from there would."""
+    run_dir = tmp_path / "elastic"
+    job_id = _submit(
+        run_dir, "elastic.min_nodes=1", "run.checkpoint_every=5", "run.keep_checkpoints=10"
+    )
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while len(_metrics(run_dir)) < 12:
+        assert _job(job_id).get("JobState") not in TERMINAL, _failure(run_dir)
+        assert time.monotonic() < deadline, "no training steps before the deadline"
+        time.sleep(0.2)
+    down = ["scontrol", "update", "NodeName=n2", "State=DOWN", "Reason=oomless-elastic-test"]
+    try:
+        subprocess.run(down, check=True, timeout=30)
+        job = _wait(job_id, run_dir)
+    finally:  # the cluster as the other tests need it (slurmd on n2 re-registers by itself)
+        subprocess.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], timeout=30)
+        while _cluster_up() and time.monotonic() < deadline + 60:
+            time.sleep(1)
+    assert job["JobState"] == "COMPLETED", f"{job}\n{_failure(run_dir)}"
+    log = _log(run_dir)
+    assert "oomless: continuing on 1 node(s): n1" in log, log[-3000:]
+    (lost,) = [json.loads(x) for x in (run_dir / "escalations.jsonl").read_text().splitlines()]
+    assert lost["reason"].startswith("node lost: 2 -> 1 nodes"), lost
+    resumed = lost["step"]
+    records = _metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, NUM_STEPS + 1))
+    assert [r["world_size"] for r in records] == [2] * resumed + [1] * (NUM_STEPS - resumed)
+    assert {r["micro_batch_size"] * r["grad_accum"] * r["world_size"] for r in records} == {16}
+    assert [r["loss"] for r in records[:resumed]] == [r["loss"] for r in uninterrupted[:resumed]]
+
+    reference = tmp_path / "one-node"
+    out = subprocess.run(
+        [PYTHON, "-m", "launcher.cli", "train", str(DEMO), f"run.dir={reference}",
+         "hardware.device=cpu", "hardware.nodes=1", "hardware.devices_per_node=1",
+         "hardware.host_memory=16GiB", "strategy=fsdp", f"train.steps={NUM_STEPS}",
+         "train.eval_every=0", "train.log_every=10", "run.save_final=false",
+         f"run.resume={run_dir / 'checkpoints' / f'step_{resumed}'}"],
+        capture_output=True, text=True, env={**python_env(), "OMP_NUM_THREADS": "1"}, cwd=REPO,
+        timeout=JOB_TIMEOUT_S,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    after = _metrics(reference)
+    assert [r["step"] for r in after] == list(range(resumed + 1, NUM_STEPS + 1))
+    for got, want in zip(records[resumed:], after, strict=True):
+        assert abs(got["loss"] - want["loss"]) <= 1e-4 * want["loss"], (got, want)

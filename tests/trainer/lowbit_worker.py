@@ -55,6 +55,14 @@ RUNS = {
         "run.resume={work}/single_8bit/checkpoints/step_2",
     ),
     "fsdp_offload_8bit": ("strategy=fsdp_offload", *ADAMW_8BIT),
+    # paged_adamw_8bit: on CPU processes it runs as adamw_8bit (no CUDA memory to page)
+    "fsdp_paged_8bit": ("strategy=fsdp", *ADAMW_8BIT, "train.optimizer=paged_adamw_8bit"),
+    "fsdp_paged_8bit_resumed": (
+        "strategy=fsdp",
+        *ADAMW_8BIT,
+        "train.optimizer=paged_adamw_8bit",
+        "run.resume={work}/fsdp_paged_8bit/checkpoints/step_2",
+    ),
     # every move of 8-bit moments between replica and shard layouts, full and LoRA
     # (tests/trainer/test_lowbit.py::test_8bit_moments_of_any_shape_move_between_every_rung)
     "ddp_8bit_odd": ("strategy=ddp", *ODD_8BIT),

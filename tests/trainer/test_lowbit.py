@@ -115,6 +115,7 @@ def runs(tmp_path_factory) -> Path:
         env=python_env(), cwd=REPO, timeout=900,
     )  # fmt: skip
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    (work / "launch.log").write_text(r.stderr)
     assert not {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert all((work / name / "metrics.jsonl").is_file() for name in RUNS)
     # the two ranks' 8-bit shards gathered onto one process
@@ -238,6 +239,18 @@ def test_adamw_8bit_on_fsdp_shards_learns_what_one_process_learns(runs, name):
     losses = _losses(runs / name)
     assert losses[-1] < losses[0] - 0.5, losses
     _close(losses, _losses(runs / "single_8bit"), 1e-4)
+
+
+def test_paged_adamw_8bit_on_two_cpu_ranks_is_adamw_8bit_and_resumes_bit_exact(runs):
+    """On CPU processes there is no CUDA memory to page from: the same 8-bit step, said in the
+    start line; its checkpoint resumes to the same losses."""
+    losses = _losses(runs / "fsdp_paged_8bit")
+    assert losses == _losses(runs / "fsdp_8bit") and losses[-1] < losses[0] - 0.5, losses
+    assert _losses(runs / "fsdp_paged_8bit_resumed") == losses[2:]
+    assert (
+        "paged_adamw_8bit (run as adamw_8bit: no CUDA memory to page here)"
+        in (runs / "launch.log").read_text()
+    )
 
 
 def test_an_8bit_fsdp_checkpoint_holds_8bit_codes_and_block_scales_per_row(runs):

@@ -11,10 +11,14 @@ EXIT_USAGE = 2  # invalid config, data or usage: one line on stderr
 EXIT_NO_FIT = 3  # fits on no strategy of the hardware given
 EXIT_OOM = 75  # out of device memory after in-process recovery (the supervisor escalates)
 EXIT_SIGNAL = 143  # stopped by SIGTERM/SIGUSR1 after writing a checkpoint
+EXIT_HANG = 124  # a step or collective outlasted run.hang_timeout_s; stacks in run.dir/hang/
 EXIT_CUT_OFF = 130  # interrupted (Ctrl-C, repeated signals) before a checkpoint was written
 
 # Files under run.dir
 CONFIG_FILE = "config.yaml"  # the resolved config every rank runs
+# `oomless submit` with elastic.min_nodes: the config as submitted, before the plan resolved it;
+# what a re-plan for the nodes left starts from (launcher/slurm/elastic.py)
+JOB_FILE = "job.yaml"
 PLAN_FILE = "plan.json"
 METRICS_FILE = "metrics.jsonl"
 OOM_REPORT_FILE = "oom-report.json"
@@ -30,4 +34,8 @@ LATEST_LINK = "latest"
 FINAL_DIR = "final"
 TRACKERS_FILE = "trackers.json"  # the tracker run ids a resumed or escalated run continues
 TORCHRUN_LOG = "torchrun.log"  # torchrun's own lines and failure reports, kept out of the output
+# A hang (trainer/runtime/hang.py): hang/rank{N}.txt, every rank's Python stacks, and
+# hang/report.json, the step, the ranks that did not arrive and the collective the others wait in
+HANG_DIR = "hang"
+HANG_REPORT_FILE = "report.json"
 PROFILE_DIR = "profile"  # debug.profile: rank{N}.trace.json, rank{N}.memory_snapshot.pickle

@@ -15,7 +15,11 @@ from trainer.core import strategies
 # The methods, optimizers and precisions the engine runs (trainer/model/finetune.py,
 # trainer/optim.py).
 METHODS = ("full", "lora", "qlora")
-OPTIMIZERS = ("adamw", "adamw_8bit")
+OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
+# bitsandbytes' 8-bit AdamW; paged: its states in CUDA managed memory, which the driver moves to
+# the host when the device runs short (the same math and checkpoint; on CPU processes it runs as
+# adamw_8bit)
+EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 PRECISIONS = ("bf16", "fp16", "fp32", "bf16_pure")
 
 # QLoRA needs each 4-bit weight's quantisation state through the backend's wrapping: a plain
@@ -65,8 +69,8 @@ def method_support(
     engine = strategies.row(strategy).engine
     if method == "qlora" and engine in _QLORA_NO:
         return f"qlora: {_QLORA_NO[engine]}"
-    if optimizer == "adamw_8bit" and engine in _ADAMW_8BIT_NO:
-        return f"adamw_8bit: {_ADAMW_8BIT_NO[engine]}"
+    if optimizer in EIGHT_BIT_OPTIMIZERS and engine in _ADAMW_8BIT_NO:
+        return f"{optimizer}: {_ADAMW_8BIT_NO[engine]}"
     if precision == "bf16_pure" and engine in _BF16_PURE_NO:
         return f"bf16_pure: {_BF16_PURE_NO[engine]}"
     if in_backward and engine in _IN_BACKWARD_NO:

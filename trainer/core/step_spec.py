@@ -209,6 +209,6 @@ class OptimizerSpec:
     eps: float
     weight_decay: float
     grad_clip: float  # max total grad norm; 0 disables clipping
-    name: str = "adamw"  # train.optimizer: adamw | adamw_8bit (trainer/optim.py)
+    name: str = "adamw"  # train.optimizer: adamw | adamw_8bit | paged_adamw_8bit (trainer/optim.py)
     bf16_pure: bool = False  # precision: bf16_pure: bf16 states, stochastically rounded step
     in_backward: bool = False  # train.optimizer_in_backward: step each parameter in backward

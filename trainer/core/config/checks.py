@@ -199,6 +199,7 @@ def _check_across_sections(cfg: JobConfig) -> None:
         )
     _check_finetune(cfg)
     _check_objective(cfg)
+    _check_resilience(cfg)
 
 
 def _check_objective(cfg: JobConfig) -> None:
@@ -225,6 +226,26 @@ def _check_objective(cfg: JobConfig) -> None:
                 "keep each sequence on one rank",
                 "set sequence_parallel=1 (or auto)",
             )
+
+
+def _check_resilience(cfg: JobConfig) -> None:
+    """elastic.min_nodes within the job's nodes; a hang timeout torch's own timeout leaves room
+    for (trainer/runtime/hang.py)."""
+    min_nodes, nodes = cfg.elastic.min_nodes, cfg.hardware.nodes
+    if min_nodes is not None and min_nodes > nodes:
+        raise ConfigError(
+            "elastic.min_nodes",
+            f"{min_nodes} is above hardware.nodes={nodes}",
+            f"use a number from 1 to {nodes}, or leave it unset (a lost node ends the run)",
+        )
+    timeout = cfg.run.hang_timeout_s
+    if isinstance(timeout, int) and timeout >= cfg.dist.timeout_s:
+        raise ConfigError(
+            "run.hang_timeout_s",
+            f"{timeout} is not below dist.timeout_s={cfg.dist.timeout_s}: torch's collective "
+            "timeout would end the run before a hang is diagnosed",
+            f"use less than {cfg.dist.timeout_s}, or raise dist.timeout_s",
+        )
 
 
 def _check_finetune(cfg: JobConfig) -> None:
@@ -258,7 +279,7 @@ def check_run_time_extras(cfg: JobConfig) -> None:
     needs = []
     if method != "full":
         needs.append(("finetune.method", method, "peft", "oomless[lora]"))
-    if method == "qlora" or optimizer == "adamw_8bit":
+    if method == "qlora" or optimizer in methods.EIGHT_BIT_OPTIMIZERS:
         key, value = (
             ("finetune.method", method) if method == "qlora" else ("train.optimizer", optimizer)
         )

@@ -139,7 +139,7 @@ class TrainConfig(_Section):
     deterministic: bool = False
     compile: bool = False  # torch.compile each decoder layer (single, ddp, fsdp rungs)
     # adamw: fp32 moments; adamw_8bit: 8-bit moments with block scales (bitsandbytes)
-    optimizer: Annotated[Literal["adamw", "adamw_8bit"], LEARNED] = "adamw"
+    optimizer: Annotated[Literal["adamw", "adamw_8bit", "paged_adamw_8bit"], LEARNED] = "adamw"
     # opt-in: step each parameter as soon as its gradient is ready and free that gradient
     # (needs accumulation 1 and train.grad_clip=0; trainer/optim.py)
     optimizer_in_backward: bool = False
@@ -261,6 +261,14 @@ class InjectOomConfig(_Section):
         return v
 
 
+class InjectHangConfig(_Section):
+    """`debug.inject_hang`: that rank stops answering collectives at that step (tests only;
+    once per run.dir: a restart does not hang again)."""
+
+    step: int = Field(ge=1)  # the optimizer step, counted from 1
+    rank: int = Field(0, ge=0)
+
+
 class SlowRank0Config(_Section):
     """Seconds added to rank 0's serial work (tests of the waiting ranks)."""
 
@@ -276,6 +284,7 @@ class ProfileConfig(_Section):
 
 class DebugConfig(_Section):
     inject_oom: InjectOomConfig | None = None
+    inject_hang: InjectHangConfig | None = None
     slow_rank0: SlowRank0Config | None = None
     # torch.profiler over optimizer steps start .. start + steps - 1 -> run.dir/profile/
     profile: ProfileConfig | None = None
@@ -297,6 +306,25 @@ class RunConfig(_Section):
         default_factory=list
     )
     name: str | None = None  # the run's name in the trackers (default: run.dir's name)
+    # A step that runs longer than this is a hang: every rank's stack to run.dir/hang/, exit 124
+    # (trainer/runtime/hang.py). auto: 10 x the slowest step so far, at least 5 minutes.
+    hang_timeout_s: int | Literal["auto"] = "auto"
+    # `oomless train` restarts from the last checkpoint after a hang or a lost node this many
+    # times (auto: 3); an out-of-memory climbs the ladder instead (escalation.max_attempts)
+    max_restarts: int | Literal["auto"] = "auto"
+
+    @property
+    def num_restarts_allowed(self) -> int:
+        """max_restarts with `auto` made concrete (3)."""
+        return 3 if self.max_restarts == "auto" else self.max_restarts
+
+    @field_validator("hang_timeout_s", "max_restarts")
+    @classmethod
+    def _whole_or_auto(cls, v: int | str, info: ValidationInfo) -> int | str:
+        least = 1 if info.field_name == "hang_timeout_s" else 0
+        if isinstance(v, int) and v < least:
+            raise ValueError(f"must be >= {least} or auto")
+        return v
 
     @field_validator("resume")
     @classmethod
@@ -323,6 +351,14 @@ class DeepSpeedConfig(_Section):
 class DistConfig(_Section):
     timeout_s: int = Field(600, ge=1)
     max_restarts: int = Field(0, ge=0)
+
+
+class ElasticConfig(_Section):
+    """With `min_nodes`, a run that loses nodes goes on with those left (at least min_nodes):
+    re-planned for them, same global batch, resumed from the last checkpoint
+    (docs/resilience.md)."""
+
+    min_nodes: int | None = Field(None, ge=1)
 
 
 class EscalationConfig(_Section):
@@ -411,6 +447,7 @@ class JobConfig(_Section):
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
     dist: DistConfig = Field(default_factory=DistConfig)
     escalation: EscalationConfig = Field(default_factory=EscalationConfig)
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     k8s: K8sConfig = Field(default_factory=K8sConfig)
 
