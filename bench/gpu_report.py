@@ -126,7 +126,8 @@ def _long_context(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         ratio = r["estimated_peak"] / r["measured_peak"] if r["measured_peak"] else None
         parts.append(
-            f"{r['seq']:,} tokens: {r['measured_peak'] / GIB:.1f} GiB, estimate x"
+            f"{r['seq']:,} tokens{' offloaded' if r.get('offload') else ''}: "
+            f"{r['measured_peak'] / GIB:.1f} GiB, estimate x"
             + ("n/a" if ratio is None else f"{ratio:.3f}")
             + f", {r['tokens_per_s']:,.0f} tok/s"
         )

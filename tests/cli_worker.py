@@ -20,6 +20,10 @@ import os
 import sys
 from pathlib import Path
 
+# Run as a script, this file's folder would come first on sys.path, and its `launcher` and
+# `trainer` test packages would shadow the checkout's own: the checkout's root goes first instead.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 DONE = "cli_worker done: "  # the line per job on stdout (the CLI prints its last metrics there)
 
 

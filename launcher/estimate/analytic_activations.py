@@ -53,6 +53,7 @@ class Micro:
     dequant: int = 0  # QLoRA: one 4-bit weight dequantised for a matmul
     sp: int = 1  # sequence parallel: `s` is this rank's slice of a sequence of s * sp tokens
     mlp_chunk: int | None = None  # tiled MLP: tokens of each sequence per chunk
+    block_mask: bool = False  # flex_attention on packed windows: a sparse block mask
 
     @property
     def whole_seq(self) -> int:  # attention's sequence: the whole one under Ulysses
@@ -86,8 +87,11 @@ def layer_backward_bytes(shape: ModelShape, m: Micro) -> int:
     not know, against the traced step: launcher/estimate/activations.py)."""
     if shape.activations is not None:
         return shape.activations.backward_bytes(mode_of(m), m.b, m.s)
-    if m.mlp_chunk is not None:  # the MLP's gradients one chunk at a time
-        return mlp_chunk_bytes(shape, m) + 4 * m.tokens * shape.hidden_size
+    if m.mlp_chunk is not None:  # the MLP's gradients one chunk at a time; a recomputed
+        # norm's fp32 input (and 16-bit normalised one) again while its backward runs
+        # (LoRA's frozen norms: counted as before, neither the savings nor this)
+        again = NORM_RECOMPUTED + (m.c if m.r == m.c < 4 else 0) if not m.adapter else 0
+        return mlp_chunk_bytes(shape, m) + (4 + again) * m.tokens * shape.hidden_size
     return 2 * m.c * m.tokens * shape.intermediate_size + 4 * m.tokens * shape.hidden_size
 
 
@@ -127,6 +131,8 @@ def _layer_parts(shape: ModelShape, m: Micro) -> dict[str, int]:
         norms, weights = 2 * (4 + 4) * t * h, 0
     else:  # FSDP mixed precision: 16-bit stream, each norm upcasts to fp32 and casts back
         norms, weights = 2 * (4 + 2 * c) * t * h, 0
+    if m.mlp_chunk is not None and not m.adapter:  # tiled: both norms recomputed in backward
+        norms -= 2 * NORM_RECOMPUTED * t * h
     if m.sp > 1:  # Ulysses: k/v heads fewer than sp are repeated to sp before the exchange
         kv = max(shape.num_kv_heads, m.sp) * shape.head_dim
     repeated = m.masked and kv < q  # transformers repeats k/v for SDPA when a mask is given
@@ -140,6 +146,22 @@ def _layer_parts(shape: ModelShape, m: Micro) -> dict[str, int]:
         kept = m.r if m.autocast else c  # the second norm's output, the chunks' input
         mlp = kept * t * h - (2 * c * t * h if m.autocast else 0)  # gate/up's 16-bit inputs
     return {"stream": residual + norms + weights, "attention": attention + mask, "mlp": mlp}
+
+
+# what a norm recomputed in backward (trainer/memory/tiled_mlp.py, with the tiled MLP) no longer
+# saves, per token and hidden unit: its fp32 normalised input (fp32 stream: its fp32 product),
+# less the 16-bit input it keeps where that is a tensor of its own (traced: 4 bytes either way)
+NORM_RECOMPUTED = 4
+FLEX_BLOCK = 128  # torch's flex_attention block: a BlockMask keeps indices per pair of blocks
+
+
+def block_mask_bytes(micro: int, seq: int) -> int:
+    """flex_attention's BlockMask of `micro` packed windows of `seq` tokens (the whole sequence
+    under Ulysses), as transformers builds it (`create_block_mask`, compiled: no dense mask on
+    the way): int32 block indices for every pair of 128-token blocks, partial and full, by
+    rows and transposed for backward."""
+    blocks = -(-seq // FLEX_BLOCK)
+    return 4 * 4 * micro * blocks * blocks
 
 
 def mlp_chunk_bytes(shape: ModelShape, m: Micro) -> int:
@@ -191,6 +213,12 @@ def final_bytes(shape: ModelShape, m: Micro) -> int:
     t, h = m.tokens, shape.hidden_size
     if m.adapter:  # a frozen 16-bit final norm and output layer: the norm's fp32 input
         return 4 * t * h
+    recomputed = NORM_RECOMPUTED * t * h if m.mlp_chunk is not None else 0
+    return _final_norm_and_head_input(shape, m) - recomputed
+
+
+def _final_norm_and_head_input(shape: ModelShape, m: Micro) -> int:
+    t, h = m.tokens, shape.hidden_size
     if m.autocast and m.zero3_linear:
         return m.r * t * h + 2 * 4 * t * h
     if m.autocast:
@@ -226,6 +254,46 @@ def offloaded_activation_bytes(shape: ModelShape, m: Micro, ckpt: frozenset[int]
     return (shape.num_layers - num_ckpt) * plain + num_ckpt * m.r * m.tokens * shape.hidden_size
 
 
+def pinned_bytes(num_bytes: int) -> int:
+    """The pinned host block torch's caching host allocator gives a copy of `num_bytes`: the
+    next power of two (its default rounding; the blocks stay cached for reuse)."""
+    return 1 << max(0, num_bytes - 1).bit_length() if num_bytes else 0
+
+
+def pinned_activation_bytes(shape: ModelShape, m: Micro, ckpt: frozenset[int]) -> int:
+    """Pinned host memory activation offload holds per rank on a GPU: each saved tensor of
+    `offloaded_activation_bytes` in a block of its own, rounded up as `pinned_bytes` says (a
+    checkpointed layer saves only its input). Blocks the analytic model does not know: their
+    measured bytes, doubled (each tensor rounds up by less than itself)."""
+    num_ckpt = len(ckpt)
+    kept = num_ckpt * pinned_bytes(m.r * m.tokens * shape.hidden_size)
+    if shape.num_layers == num_ckpt:
+        return kept
+    if shape.activations is not None:
+        return kept + 2 * (shape.num_layers - num_ckpt) * layer_activation_bytes(shape, m)
+    plain = sum(pinned_bytes(n) for n in _layer_tensors(shape, m))
+    return kept + (shape.num_layers - num_ckpt) * plain
+
+
+def _layer_tensors(shape: ModelShape, m: Micro) -> list[int]:
+    """The bytes of each tensor an analytic layer saves (`_layer_parts`, one by one): the
+    norms', attention's (q, k, v, output, log-sum-exp, a dense mask's bias) and the MLP's."""
+    t, h, i, c = m.tokens, shape.hidden_size, shape.intermediate_size, m.c
+    parts = _layer_parts(shape, m)
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    if m.sp > 1:
+        kv = max(shape.num_kv_heads, m.sp) * shape.head_dim
+    if m.masked and kv < q:
+        kv = q
+    attention = [c * t * q, c * t * kv, c * t * kv, c * t * q, 4 * m.b * shape.num_heads * m.s]
+    if m.masked:
+        attention.append(c * m.b * m.whole_seq**2)
+    mlp = [c * t * i] * 4 if m.mlp_chunk is None else [parts["mlp"]]
+    stream = parts["stream"]  # [t, h] tensors of 2 to 4 bytes, and the weights' copies
+    hidden = [c * t * h] * (stream // (c * t * h)) + [stream % (c * t * h)]
+    return [n for n in [*hidden, *attention, *mlp] if n > 0] + [m.adapter * m.tokens]
+
+
 def micro_for(spec: StepSpec, shape: ModelShape) -> Micro:
     """One micro-batch of `spec` on one device. With adapters the frozen base computes in the
     compute dtype: a 16-bit stream and no autocast copies of its weights, as under FSDP's mixed
@@ -256,6 +324,7 @@ def micro_for(spec: StepSpec, shape: ModelShape) -> Micro:
         dequant=adapters.dequant,
         sp=spec.sequence_parallel,
         mlp_chunk=tile,
+        block_mask=spec.block_mask,
     )
 
 
@@ -313,6 +382,8 @@ def _forward_saved(shape: ModelShape, m: Micro, ckpt: frozenset[int]) -> Forward
     per_layer = layer_activation_bytes(shape, m)
     kept_ckpt = m.r * t * h
     mask = m.b * m.whole_seq**2 if m.masked else 0
+    if m.block_mask:
+        mask = block_mask_bytes(m.b, m.whole_seq)
     rotary = shared_bytes(shape, m)
     saved = (shape.num_layers - num_ckpt) * per_layer + num_ckpt * kept_ckpt + rotary
     if 0 not in ckpt:
@@ -369,6 +440,7 @@ class MicroActivations:
     layer_transient: int  # Ulysses' all-to-all buffers, or one tiled MLP chunk, in a layer
     on_device: int  # what the breakdown lists as activations
     offloaded: int  # with activation offload: what waits on the host, per rank
+    pinned: int  # ... and the pinned host memory it holds there (GPUs)
 
 
 def micro_activations(shape: ModelShape, m: Micro) -> MicroActivations:
@@ -388,4 +460,5 @@ def micro_activations(shape: ModelShape, m: Micro) -> MicroActivations:
         layer_transient=max(all_to_all_bytes(shape, m), mlp_chunk_bytes(shape, m)),
         on_device=activation_bytes(shape, m, m.ckpt),
         offloaded=offloaded_activation_bytes(shape, m, m.ckpt) if m.offload else 0,
+        pinned=pinned_activation_bytes(shape, m, m.ckpt) if m.offload else 0,
     )

@@ -139,6 +139,7 @@ class GradFlow:
     released_per_layer: int = 0  # held gradients a layer's reduce-scatter frees
     reduce_root: int = 0  # ... of the root's, after the embedding's backward
     pending_reduce: int = 0  # the previous reduce-scatter's input, freed at the next one
+    head_released: int = 0  # part of `head` reduce-scattered right after the head's backward
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,13 @@ class ModelStates:
     gather_layer: int = 0  # unsharded parameters while a layer computes
     gather_root: int = 0  # ... while the root (embeddings, norm, head) computes
     root_kept: int = 0  # part of gather_root held from forward's end into backward
+    # FSDP2 with an untied embedding (trainer/backends/fsdp.py): the embedding and the head are
+    # groups of their own, so while the layers compute only `root_in_layers` of the root is
+    # unsharded (None: all of gather_root); the head's `head_group` is resharded after its
+    # backward, and the embedding (`embed_regather`) is gathered again for its backward
+    root_in_layers: int | None = None
+    head_group: int = 0
+    embed_regather: int = 0
 
 
 @dataclass(frozen=True)
@@ -167,6 +175,7 @@ class Sizes:
     layer_n: int
     root_n: int
     head_n: int  # lm_head (or the tied embedding) + final norm
+    lm_head_n: int  # lm_head alone
     embed_n: int
     tied_embed: int  # the embedding's parameters when tied to the head, else 0
     accumulating: bool
@@ -183,6 +192,7 @@ class Sizes:
             layer_n=shape.num_layer_params,
             root_n=shape.num_root_params,
             head_n=shape.num_head_params + shape.hidden_size,
+            lm_head_n=shape.num_head_params,
             embed_n=embed_n,
             tied_embed=embed_n if shape.tied_embeddings else 0,
             accumulating=grad_accum > 1,
@@ -303,17 +313,38 @@ def _fsdp_model_states(
 ) -> ModelStates:  # fmt: skip
     """FSDP2's model states. Gradients in the first and a later micro-batch: reduced after
     every one (later micro-batches add to the sharded grads), or accumulated unsharded under
-    no-sync and reduced after the last."""
+    no-sync and reduced after the last. An untied embedding and the head are groups of their
+    own (trainer/backends/fsdp.py): neither is unsharded while the layers compute."""
+    untied = not z.tied_embed
+    if untied:  # the head's grads are reduce-scattered after its backward (when they sync)
+        norm_n = z.root_n - z.embed_n - z.lm_head_n
+        rest = z.root_n - z.lm_head_n
+        sync = replace(
+            sync,
+            head_released=z.c * z.lm_head_n if sync.head else 0,
+            root_at_embedding=z.c * rest,
+            reduce_root=reduce_scatter_bytes(rest, z.c, z.w, z.p),
+        )
     if every:
         first = replace(sync, held=0, released_per_layer=0)
         later = replace(first, held=on_device["grads"], per_layer=0)
     else:
         first, later = (no_sync, sync) if z.accumulating else (sync, sync)
     root = z.c * z.root_n
+    gathers = {"gather_root": root, "root_kept": root}
+    if untied:
+        held = z.c * (z.root_n - z.embed_n)  # the norm and the head, from the head's forward
+        gathers = {
+            "gather_root": held,
+            "root_kept": held,
+            "root_in_layers": z.c * norm_n,
+            "head_group": z.c * z.lm_head_n,
+            "embed_regather": z.c * z.embed_n,
+        }
     return ModelStates(
         on_device, on_host, base=on_device["params"] + on_device["optimizer"],
         grads_at_step=on_device["grads"], first=first, later=later, gather_layer=gather_layer,
-        gather_root=root, root_kept=root,
+        **gathers,
     )  # fmt: skip
 
 

@@ -126,21 +126,25 @@ def _forward_backward_peaks(
     num_layers, t, h = shape.num_layers, m.tokens, shape.hidden_size
     f, hd, final = a.forward, a.head, a.final
     gather_root, root_kept = states.gather_root, states.root_kept
+    in_layers = gather_root if states.root_in_layers is None else states.root_in_layers
     start = states.base + grads.held
     head = start + f.mask_kept + gather_root + grads.head
     released = (num_layers - 1) * grads.released_per_layer  # by the first layer's backward
-    in_forward = start + f.saved + f.mask + f.cache + gather_root
+    in_forward = start + f.saved + f.mask + f.cache + in_layers
+    # the head's own group is resharded, and its grads reduced, after the head's backward
+    after_head = head - states.head_group - grads.head_released
     measured = {}
     if a.forward_transient is not None:  # a layer's own transients in forward (eager attention)
         measured["forward_layers"] = (
             in_forward + a.forward_transient + states.gather_layer + a.layer_transient
         )
     loss_tensors = hd.logits + hd.copy + 4 * hd.rows_v
-    backward_layers = _backward_layers(shape, m, a, head, grads, states.gather_layer)
+    backward_layers = _backward_layers(shape, m, a, after_head, grads, states.gather_layer)
     return measured | {
         # (with chunked loss the loss runs inside the model's forward, one chunk at a time)
         # (LoRA under autocast: the last block's largest fp32 cast of an adapter's input)
-        "forward": in_forward + final + hd.logits + hd.in_forward + m.adapter_grad * t,
+        "forward": in_forward + gather_root - in_layers + final + hd.logits + hd.in_forward
+        + m.adapter_grad * t,
         "layer_gather": in_forward + states.gather_layer + a.layer_transient,
         "loss": start + f.saved + f.mask_kept + f.cache + final + loss_tensors + root_kept,
         "backward_start": start + f.saved + f.mask_kept + final + 12 * hd.rows_v + root_kept,
@@ -148,8 +152,8 @@ def _forward_backward_peaks(
         "backward_layers": backward_layers,
         # the embedding's backward, with the last layer's reduce-scatter still in flight
         "backward_embedding": start - released - grads.released_per_layer + f.mask_kept
-        + num_layers * grads.per_layer + 4 * t * h + gather_root + grads.root_at_embedding
-        + grads.pending_reduce,
+        + num_layers * grads.per_layer + 4 * t * h + grads.root_at_embedding + grads.pending_reduce
+        + (gather_root if states.root_in_layers is None else in_layers + states.embed_regather),
         # a sharded root is resharded, then its gradients are reduced
         "backward_end": start - num_layers * grads.released_per_layer
         + num_layers * grads.per_layer + grads.reduce_root,
@@ -266,8 +270,9 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
         peak = max(peak, phases["loading"])
     host = _host_bytes(row, states, shape, ranks_here, peak + overhead, spec.device, load_bytes)
     offloaded = acts.offloaded
-    if spec.offload_activations:
-        host["offloaded_activations"] = offloaded * ranks_here
+    if spec.offload_activations:  # pinned blocks on a GPU, plain copies on CPU processes
+        held = acts.pinned if spec.device == "cuda" else offloaded
+        host["offloaded_activations"] = held * ranks_here
     return Estimate(
         strategy=spec.strategy,
         world_size=max(1, spec.world_size),

@@ -14,7 +14,7 @@ import importlib.metadata
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from typing import Any
 from launcher.estimate.analytic_shape import analytic_shape_fields, counts_analytically
 from launcher.estimate.layer_fits import LayerActivations
 from trainer.core.config import ModelConfig
-from trainer.core.hf_config import PRESETS, hf_config_dict, preset_index
+from trainer.core.hf_config import PRESETS, hf_config_dict, model_positions, preset_index
 
 log = logging.getLogger(__name__)
 SHAPE_CACHE_VERSION = 1  # bump when what a shape holds or how it is counted changes
@@ -86,6 +86,14 @@ def model_shape(
     shapes ship computed (`trainer/core/presets/shapes.json`; a test recomputes them);
     `shipped=False` ignores them."""
     config = hf_config_dict(model_cfg.config, model_cfg.name_or_path)
+    shape = _unscaled_shape(config, cache_dir, shipped)
+    if model_cfg.rope_scaling is None:
+        return shape
+    return replace(shape, max_positions=model_positions(config, model_cfg.rope_scaling))
+
+
+def _unscaled_shape(config: dict[str, Any], cache_dir: Path | None, shipped: bool) -> ModelShape:
+    """The shape of the HF config as it is (the cache and the shipped shapes are keyed by it)."""
     config_json = json.dumps(config, sort_keys=True)
     if shipped and (known := _shipped_shapes().get(_config_digest(config_json))) is not None:
         return ModelShape(**known["shape"])

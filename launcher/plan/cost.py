@@ -75,6 +75,8 @@ def _compute_s(shape: ModelShape, spec: StepSpec, hw: Hardware) -> float:
     tokens = spec.data_ranks * micro * spec.grad_accum * seq  # a sequence group shares its own
     cost = method_cost(shape, spec.finetune, spec.compute_bytes)  # full, LoRA or QLoRA; MoE
     attention = attention_flops_per_token(shape.num_layers, shape.hidden_size, seq)
+    if not spec.packed:  # causal kernels (flash, flex, causal sdpa) skip the masked half; a
+        attention /= 2  # dense mask goes to a kernel that computes every block of the square
     recomputed = {"none": 0.0, "selective": 0.5, "full": 1.0}[spec.activation_checkpointing]
     recompute = recomputed * (cost.recompute_flops_per_token + attention / 3)
     if spec.chunked_loss:
@@ -142,9 +144,12 @@ def _host_s(
     seconds += rung.nvme_per_step * per_rank / links.nvme
     if spec.offload_activations:
         per_node = spec.ranks_per_node * offloaded_bytes * spec.grad_accum
+        recomputed = {"none": 0.0, "selective": 0.5, "full": 1.0}[spec.activation_checkpointing]
+        forward_s = compute_s / (3 + recomputed)  # forward 1, backward 2, the recompute in it
         seconds += offload_seconds(
-            offloaded_bytes * spec.grad_accum, per_node, links.pcie, links.host, compute_s
-        )
+            offloaded_bytes * spec.grad_accum, per_node, links.pcie, links.host, forward_s,
+            compute_s - forward_s,
+        )  # fmt: skip
     return seconds
 
 
@@ -155,12 +160,14 @@ def recomputed_head_flops_per_token(hidden: int, vocab: int) -> float:
 
 def offload_seconds(
     saved_bytes: int, node_bytes: int, pcie_bytes_per_s: float, host_bytes_per_s: float,
-    compute_s: float,
+    forward_s: float, backward_s: float,
 ) -> float:  # fmt: skip
-    """Activation offload's copies, out in forward and back in backward, on side streams: what
-    compute does not hide. Each device's bytes cross its own PCIe link, and all of the node's
-    devices' bytes (`node_bytes`) cross the host memory they share; the slower of the two is the
-    transfer. The copies overlap the layers' compute (torchtune measured <1% slowdown at 8B);
-    charge the part that exceeds the compute time, plus a fixed 2% for the stream syncs."""
-    transfer = max(2 * saved_bytes / pcie_bytes_per_s, 2 * node_bytes / host_bytes_per_s)
-    return max(0.0, transfer - compute_s) + 0.02 * compute_s
+    """Activation offload's copies on side streams: what compute does not hide. The copies out
+    run during forward and can hide only behind it; the copies back during backward (with its
+    recompute). Each device's bytes cross its own PCIe link, and all of the node's devices'
+    bytes (`node_bytes`) cross the host memory they share; the slower of the two is the
+    transfer each way. Charge what exceeds the pass it overlaps (torchtune measured <1%
+    slowdown at 8B where it hides), plus a fixed 2% of compute for the stream syncs."""
+    each_way = max(saved_bytes / pcie_bytes_per_s, node_bytes / host_bytes_per_s)
+    exposed = max(0.0, each_way - forward_s) + max(0.0, each_way - backward_s)
+    return exposed + 0.02 * (forward_s + backward_s)

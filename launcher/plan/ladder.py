@@ -36,6 +36,8 @@ from trainer.core.units import GIB
 # A rung later on the ladder must be predicted this much faster to be chosen over an earlier one:
 # the cost model ranks rungs coarsely, and earlier rungs have fewer moving parts.
 SIMPLER_RUNG_MARGIN = 0.10
+# attention implementations that keep packed documents apart through a dense [seq, seq] mask
+DENSE_MASK = ("auto", "sdpa", "eager")
 
 
 @dataclass(frozen=True)
@@ -162,9 +164,10 @@ def job_step(
         grad_accum=max(1, cfg.train.global_batch_size // (data_ranks * micro)),
         devices_per_node=hw.devices_per_node,
         device=hw.device,
-        # packed windows get a block-causal mask, except under flash/flex attention (position
-        # ids or a sparse block mask keep the documents apart)
-        packed=cfg.data.pack and cfg.model.attn_implementation in ("sdpa", "eager"),
+        # packed windows get a dense block-causal mask, except under flash/flex attention
+        # (position ids, or a sparse block mask, keep the documents apart)
+        packed=cfg.data.pack and cfg.model.attn_implementation in DENSE_MASK,
+        block_mask=cfg.data.pack and cfg.model.attn_implementation == "flex_attention",
         fsdp_reduce_every_micro_batch=bool(reduce_every_micro),
         chunked_loss=levers.chunked_loss,
         offload_activations=levers.offload_activations,
@@ -176,6 +179,12 @@ def job_step(
         sequences_per_example=2 if cfg.objective.preference else 1,
         reference=REFERENCE_SOURCES.get((cfg.objective.type, cfg.finetune.method)),
     )
+
+
+def planned_attention(configured: str) -> str:
+    """The attention implementation a plan runs where the planner does not choose: the
+    config's, `auto` being sdpa."""
+    return "sdpa" if configured == "auto" else configured
 
 
 def scaled_estimate(shape: ModelShape, spec: StepSpec, memory_scale: float) -> Estimate:
@@ -210,6 +219,7 @@ class Climb:
     per_rank: int  # sequences per rank per optimizer step
     ranked: list[Candidate]
     rejected: list[Alternative]
+    usable: tuple[Strategy, ...] = ()  # the rungs the job may run on here, whatever their memory
 
 
 @dataclass(frozen=True)
@@ -243,16 +253,18 @@ def climb(
                  Links.of(cfg.hardware, hw.device), long)  # fmt: skip
     candidates: list[Candidate] = []
     rejected: list[Alternative] = []
+    usable: list[Strategy] = []
     for rung in rungs:
         why = _why_not_tried(rung, hw, cfg, exclude) or unsupported[rung.name]
         if why is None:
+            usable.append(rung)
             best, why = _best_on(walk, rung)
             if best is not None:
                 candidates.append(best)
                 continue
         rejected.append(Alternative(rung.name, False, why, None))
     if not candidates:
-        return Climb(per_rank, [], rejected)
+        return Climb(per_rank, [], rejected, tuple(usable))
     # fastest first, except that a rung earlier on the ladder within SIMPLER_RUNG_MARGIN of
     # the fastest goes first (the cost model ranks coarsely; earlier rungs are simpler)
     ranked = sorted(candidates, key=lambda cand: cand.time_s)  # stable: ladder order on ties
@@ -260,7 +272,7 @@ def climb(
     limit = ranked[0].time_s * (1 + SIMPLER_RUNG_MARGIN)
     chosen = min((c for c in ranked if c.time_s <= limit), key=lambda c: ladder.index(c.rung.name))
     ranked.remove(chosen)
-    return Climb(per_rank, [chosen, *ranked], rejected)
+    return Climb(per_rank, [chosen, *ranked], rejected, tuple(usable))
 
 
 def best_for_rung(

@@ -11,7 +11,7 @@ recomputation, sharding and offload move.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.estimate.activations import with_activations
@@ -27,11 +27,23 @@ from launcher.plan.ladder import (
     Candidate,
     climb,
     job_step,
+    planned_attention,
     reduce_variants,
     scaled_estimate,
     shortfall,
 )
-from launcher.plan.long_context import climb_long, long_context_reasons, max_seq_len
+from launcher.plan.long_context import (
+    attention_choices,
+    attention_reason,
+    climb_long,
+    long_context_reasons,
+    longest_sequences,
+    mask_words,
+    max_seq_len,
+    max_seq_len_memory,
+    with_attention,
+    with_flash_attention,
+)
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
 from trainer.core.step_spec import (
@@ -41,10 +53,8 @@ from trainer.core.step_spec import (
     Levers,
     LongContext,
     StepSpec,
-    lever_variants,
     smallest_levers,
 )
-from trainer.core.strategies import Strategy
 from trainer.core.units import GIB
 
 
@@ -65,13 +75,16 @@ class Plan:
     levers: Levers = NO_LEVERS
     long: LongContext = SHORT  # sequence parallel and tiled MLP
     max_seq_len: int | None = None  # the longest data.seq_len this plan still fits
+    max_seq_len_memory: int | None = None  # ... memory alone allows here, beyond the positions
+    attention: str = "sdpa"  # model.attn_implementation (the planner's under `auto`)
     reference: str | None = None  # preference objectives: where DPO's reference comes from
 
     @classmethod
     def of(
         cls, spec: StepSpec, hw: Hardware, estimate: Estimate, step_time_s: float,
         reasons: list[str], alternatives: list = (), reduce_every_micro: bool | None = None,
-        max_seq_len: int | None = None,
+        max_seq_len: int | None = None, max_seq_len_memory: int | None = None,
+        attention: str = "sdpa",
     ) -> Plan:  # fmt: skip
         """The plan that runs `spec` on `hw`."""
         return cls(
@@ -81,6 +94,7 @@ class Plan:
             estimate=estimate, step_time_s=step_time_s, reasons=list(reasons),
             alternatives=list(alternatives), fsdp_reduce_every_micro_batch=reduce_every_micro,
             levers=spec.levers, long=spec.long_context, max_seq_len=max_seq_len,
+            max_seq_len_memory=max_seq_len_memory, attention=attention,
         )  # fmt: skip
 
     def to_json(self, hw: Hardware, headroom: float, command: list[str]) -> dict[str, Any]:
@@ -98,6 +112,8 @@ class Plan:
             "sequence_parallel": self.long.sequence_parallel,
             "tiled_mlp": self.long.tiled_mlp,
             "max_seq_len": self.max_seq_len,
+            "max_seq_len_memory": self.max_seq_len_memory,
+            "attn_implementation": self.attention,
             **({"reference": self.reference} if self.reference is not None else {}),
             "predicted_step_time_s": self.step_time_s,
             **(
@@ -133,7 +149,7 @@ def make_plan(
     shape = with_activations(shape or model_shape(cfg.model), cfg)
     forced = cfg.strategy if cfg.strategy != "auto" else None
     rungs = [r for r in strategies.rows() if not forced or r.name == forced]
-    found, _ = climb_long(cfg, hw, shape, rungs, exclude, memory_scale)
+    found, _, attention, climbs = climb_long(cfg, hw, shape, rungs, exclude, memory_scale)
     per_rank, ranked, rejected = found.per_rank, found.ranked, found.rejected
     if forced and not ranked:
         if rejected and " rank" in (rejected[0].why_not or ""):
@@ -158,10 +174,14 @@ def make_plan(
         for cand in ranked
     ] + rejected
     longest = max_seq_len(shape, chosen.spec, hw, cfg.memory.headroom, memory_scale)
+    memory_longest = max_seq_len_memory(cfg, hw, shape, chosen.spec, memory_scale, found.usable,
+                                        longest)  # fmt: skip
     reasons = _reasons(cfg, hw, ranked, memory_scale) + model_reasons(shape)
-    reasons += long_context_reasons(shape, chosen.spec, memory_scale, longest)
+    reasons += long_context_reasons(shape, chosen.spec, memory_scale, longest, memory_longest)
+    if attention != "sdpa" and "sdpa" in climbs:  # `auto` chose another
+        reasons.append(attention_reason(cfg, chosen, attention, climbs["sdpa"]))
     return Plan.of(chosen.spec, hw, chosen.estimate, chosen.time_s, reasons, alternatives,
-                   chosen.reduce_every_micro, longest)  # fmt: skip
+                   chosen.reduce_every_micro, longest, memory_longest, attention)  # fmt: skip
 
 
 def _reasons(cfg: JobConfig, hw: Hardware, ranked: list[Candidate], memory_scale: float):
@@ -239,9 +259,12 @@ def _lever_reason(chosen: Candidate, ranked: list[Candidate]) -> str:
             "forward runs again in backward)"
         )
     if chosen.levers.offload_activations:
+        what = "each layer's checkpointed input" if chosen.ac == "full" else "saved activations"
+        pinned = chosen.estimate.host_breakdown.get("offloaded_activations", 0)
         parts.append(
-            f"activation offload ({chosen.estimate.offloaded_bytes / GIB:.2f} GiB of saved "
-            "activations per micro-batch wait in host memory; the copies overlap compute)"
+            f"activation offload ({chosen.estimate.offloaded_bytes / GIB:.2f} GiB of {what} per "
+            f"micro-batch wait in host memory, {pinned / GIB:.1f} GiB held there per node; "
+            "the copies overlap compute)"
         )
     return (
         " and ".join(parts) + f": the fastest fitting combination on {chosen.rung.name} "
@@ -274,12 +297,14 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
         *(alt.words() for alt in changes),
     ]
     time_s = step_time_s(shape, spec, hw, links, est.offloaded_bytes)
-    return Plan.of(spec, hw, est, time_s, reasons, [*rejected, *changes], every)
+    return Plan.of(spec, hw, est, time_s, reasons, [*rejected, *changes], every,
+                   attention=planned_attention(cfg.model.attn_implementation))  # fmt: skip
 
 
 def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected, changes) -> str:
     """One line: the host RAM, or the number of devices, with which the job would fit; then
     the opt-in method/optimizer `changes` that would fit here."""
+    cfg = with_attention(cfg, attention_choices(cfg, hw, shape)[-1])  # `auto`: the one it would use
     per_rank = cfg.train.global_batch_size // hw.world_size
     base = (
         f"does not fit on {hw.world_size} x {hw.device_memory_bytes / GIB:.0f} GiB "
@@ -330,7 +355,7 @@ def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected, c
     offers += [alt.words() for alt in changes]
     if not offers:  # a shorter sequence is a change of what is learned: only when nothing else
         rungs = [r for r in runs if not r.needs_nvme]
-        offers += _longest_sequences(cfg, hw, shape, rungs, smallest_micro(hw.world_size))
+        offers += longest_sequences(cfg, hw, shape, rungs, smallest_micro(hw.world_size))
     return base + ("; " + "; or ".join(offers) if offers else "")
 
 
@@ -342,78 +367,19 @@ def _fits_words(climbed: Any, hw: Hardware) -> str:
     )
 
 
-def _with_flash_attention(cfg: JobConfig, hw: Hardware) -> JobConfig | None:
-    """The job under flash attention where it would attend differently only in memory: packed
-    documents under sdpa or eager attend through a dense [seq, seq] mask per sequence, flash
-    attention's variable-length kernel needs none (the same math, but a kernel the GPU machine
-    must have); None where that does not apply."""
-    if hw.device != "cuda" or not cfg.data.pack:
-        return None
-    if cfg.model.attn_implementation not in ("sdpa", "eager"):
-        return None
-    model = cfg.model.model_copy(update={"attn_implementation": "flash_attention_2"})
-    return cfg.model_copy(update={"model": model})
-
-
 def _with_varlen_attention(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[str]:
-    """Flash attention, where it makes the job fit (see `_with_flash_attention`)."""
-    flash = _with_flash_attention(cfg, hw)
+    """Flash attention, where it makes the job fit (see `with_flash_attention`)."""
+    flash = with_flash_attention(cfg, hw)
     if flash is None:
         return []
     rungs = [r for r in strategies.rows() if cfg.strategy in ("auto", r.name)]
-    climbed, _ = climb_long(flash, hw, shape, rungs)
+    climbed, _, _, _ = climb_long(flash, hw, shape, rungs)
     if not climbed.ranked:
         return []
     return [
         f"model.attn_implementation=flash_attention_2 would fit on {_fits_words(climbed, hw)}: "
-        f"{cfg.model.attn_implementation} attends through a dense mask of the packed documents"
+        + mask_words(cfg.model.attn_implementation)
     ]
-
-
-def _longest_sequences(
-    cfg: JobConfig, hw: Hardware, shape: ModelShape, rungs: list[Strategy], micro: int
-) -> list[str]:
-    """The longest data.seq_len that fits here, and a longer one under flash attention where
-    that applies (16M tokens on 8,000 GPUs: 146,432 under sdpa, 6,323,200 under flash)."""
-    offers = []
-    here = _longest_sequence(cfg, hw, shape, rungs, micro)
-    if here is not None:
-        offers.append(
-            f"data.seq_len={here[0]} would fit on {here[1].name} (the longest that fits here)"
-        )
-    flash = _with_flash_attention(cfg, hw)
-    longer = None if flash is None else _longest_sequence(flash, hw, shape, rungs, micro)
-    if longer is not None and (here is None or longer[0] > here[0]):
-        offers.append(
-            f"model.attn_implementation=flash_attention_2 and data.seq_len={longer[0]} would "
-            f"fit on {longer[1].name} (no dense mask of the packed documents)"
-        )
-    return offers
-
-
-def _longest_sequence(
-    cfg: JobConfig, hw: Hardware, shape: ModelShape, rungs: list[Strategy], micro: int
-) -> tuple[int, Strategy] | None:
-    """The longest data.seq_len (a multiple of 1024 from 2048 on) that some rung fits here with
-    full checkpointing and every lever the config allows, and that rung."""
-    levers = lever_variants(cfg.memory.chunked_loss, cfg.memory.offload_activations, hw.device)[-1]
-    specs = [(r, job_step(cfg, hw, r, micro, "full", levers=levers)) for r in rungs]
-
-    def fits(tokens: int) -> Strategy | None:
-        for rung, spec in specs:
-            est = scaled_estimate(shape, replace(spec, seq_len=tokens), 1.0)
-            if shortfall(est, hw, cfg.memory.headroom) is None:
-                return rung
-        return None
-
-    lo, hi = 0, cfg.data.seq_len  # fits(lo) (or lo == 0), not fits(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    longest = lo - lo % 1024 if lo >= 2048 else lo
-    if not longest or (where := fits(longest)) is None:
-        return None
-    return longest, where
 
 
 def _without_step_in_backward(
@@ -462,6 +428,7 @@ def apply_plan(cfg: JobConfig, plan: Plan, hw: Hardware) -> JobConfig:
                 }
             ),
             "sequence_parallel": plan.long.sequence_parallel,
+            "model": cfg.model.model_copy(update={"attn_implementation": plan.attention}),
             "hardware": cfg.hardware.model_copy(
                 update={
                     "device": hw.device,

@@ -12,7 +12,7 @@ import logging
 
 from launcher.estimate.peak import DEVICE_PARTS, Estimate
 from launcher.plan.hardware import Hardware
-from launcher.plan.ladder import job_step, per_rank_batch, rung_world
+from launcher.plan.ladder import job_step, per_rank_batch, planned_attention, rung_world
 from launcher.plan.planner import Plan
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
@@ -58,7 +58,8 @@ def unestimated_plan(cfg: JobConfig, hw: Hardware, why: str) -> Plan:
         f"no memory estimate ({why}); running as configured: strategy {rung.name}, "
         f"micro-batch {micro}, activation checkpointing {ac}"
     )
-    return Plan.of(spec, hw, empty, 0.0, [reason], reduce_every_micro=every)
+    return Plan.of(spec, hw, empty, 0.0, [reason], reduce_every_micro=every,
+                   attention=planned_attention(cfg.model.attn_implementation))  # fmt: skip
 
 
 def unestimated_warning(why: str) -> str:

@@ -272,7 +272,7 @@ def test_the_keys_a_resume_may_not_change_are_marked_on_the_schema():
             "append_eos"]  # fmt: skip
     train = ["global_batch_size", "lr", "min_lr_ratio", "schedule", "warmup_steps",
              "weight_decay", "betas", "eps", "grad_clip", "seed", "optimizer"]  # fmt: skip
-    expected = {"model.name_or_path", "model.config", "model.revision", "precision",
-                "finetune.method", "finetune.lora", "objective"}  # fmt: skip
+    expected = {"model.name_or_path", "model.config", "model.revision", "model.rope_scaling",
+                "precision", "finetune.method", "finetune.lora", "objective"}  # fmt: skip
     expected |= {f"data.{k}" for k in data} | {f"train.{k}" for k in train}
     assert set(MATH_KEYS) == expected and len(MATH_KEYS) == len(expected)

@@ -3,7 +3,9 @@ per-step losses and eval losses of sequence_parallel=2 and 4 equal one process's
 fsdp, with activation checkpointing none and full, with LoRA, with the memory levers and the
 OOM back-off, on grouped-query attention with fewer key/value heads than ranks, on a second and a
 third architecture (Qwen2, Mistral with a sliding window shorter than the window of packed
-documents), on two whose masks ignore position ids (OPT, BioGPT); a checkpoint written at sp=2
+documents), on two whose masks ignore position ids (OPT, BioGPT), with yarn-extended positions
+and offloaded checkpoints (fsdp, every layer checkpointed and its input on the host); a
+checkpoint written at sp=2
 resumes at sp=1; bad splits exit 2 in one line.
 
 One torchrun launch serves the two-rank runs and one the four-rank runs (tests/trainer/
@@ -64,6 +66,13 @@ LEVERS = (
 )
 TILED = ("memory.tiled_mlp=true", "memory.mlp_chunk_tokens=4")
 SINGLE = ("strategy=single", "hardware.devices_per_node=1", "train.micro_batch_size=8")
+# yarn x 4 over 16 positions of its own: the 32-token windows go beyond them
+ROPE = (
+    "model.config.max_position_embeddings=16",
+    "model.rope_scaling={rope_type: yarn, factor: 4.0}",
+)
+# ALST's offloaded checkpoints: every layer checkpointed, only its input waits on the host
+OFFLOADED_CHECKPOINTS = (FULL_AC, "memory.offload_activations=true")
 # name: (overrides, world size, the one-process run it must equal)
 RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "single": ((*SINGLE, "run.checkpoint_every=3", "run.save_final=true"), 1, None),
@@ -101,6 +110,13 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     # tiled MLP (trainer/memory/tiled_mlp.py): 4 chunks of each rank's 16 / the window's 32 tokens
     "single_tiled": ((*SINGLE, *TILED), 1, None),
     "fsdp_sp2_full_tiled": (("strategy=fsdp", "sequence_parallel=2", FULL_AC, *TILED), 2, None),
+    # context extension with offloaded checkpoints (docs/long-context.md)
+    "single_rope": ((*SINGLE, *ROPE), 1, None),
+    "fsdp_sp2_rope_offloaded": (
+        ("strategy=fsdp", "sequence_parallel=2", *ROPE, *OFFLOADED_CHECKPOINTS),
+        2,
+        "single_rope",
+    ),
     # the one-process checkpoint of step 3, resumed at sp=2; the sp=2 one resumed at sp=1
     "resume_sp2": (
         ("strategy=ddp", "sequence_parallel=2", "run.resume={work}/single/checkpoints/step_3"),
@@ -187,6 +203,22 @@ def test_the_reference_architectures_learn_different_things(runs: Path) -> None:
         n: _metrics(runs / n)[-1]["loss"] for n in ("single", "single_qwen2", "single_mistral")
     }
     assert len({round(v, 4) for v in firsts.values()}) == 3, firsts
+    # yarn's scaled rotary tables are in force (the demo's short documents barely feel them)
+    plain, rope = (_metrics(runs / n) for n in ("single", "single_rope"))
+    assert max(abs(p["loss"] - r["loss"]) for p, r in zip(plain, rope, strict=True)) > 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_the_offloaded_checkpoints_moved_only_the_layer_inputs(runs: Path) -> None:
+    """Per micro-batch of 4 windows of 16 tokens a rank, 2 layers: only each layer's input
+    ([4, 16, 32] fp32) went to the host and came back."""
+    lines = _metrics(runs / "fsdp_sp2_rope_offloaded")
+    assert all(line["offload_activations"] for line in lines)
+    assert lines[0]["activation_checkpointing"] == "full"
+    per_step = 2 * 2 * 4 * 16 * 32 * 4  # micro-batches x layers x the input's bytes
+    assert [line["offloaded_bytes"] for line in lines] == [per_step] * STEPS
+    assert [line["restored_bytes"] for line in lines] == [per_step] * STEPS
 
 
 @pytest.mark.slow

@@ -34,7 +34,12 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 
 from trainer.backends import BackendContext, ModelFactory, OptimizerSpec, common
 from trainer.core import strategies
@@ -146,10 +151,12 @@ class FsdpBackend:
         self.model.set_requires_gradient_sync(True)
 
     def _named_params(self) -> dict[str, nn.Parameter]:
-        """The sharded parameters, which the optimizer holds. The root keeps its parameters
-        unsharded after a forward (reshard_after_forward=False); after an eval forward, which
-        no backward follows, they would be other tensors than the optimizer's."""
-        self.model.reshard()
+        """The sharded parameters, which the optimizer holds. The root and the head keep their
+        parameters unsharded after a forward (reshard_after_forward=False); after an eval
+        forward, which no backward follows, they would be other tensors than the optimizer's."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         return common.trained_params(self.model)
 
     def state_dict(self) -> dict[str, Any]:
@@ -232,11 +239,18 @@ def apply_fsdp(
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
     if mesh is not None:
         options["mesh"] = mesh
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    untied = embedding is not None and head is not None and head.weight is not embedding.weight
+    if untied:  # the embedding is resharded after its forward and gathered again for its backward
+        fully_shard(embedding, **options)
     for layer in decoder_layers(model):
         fully_shard(layer, **options)
-    # The root (embeddings, final norm, lm_head) is needed again as soon as backward starts:
-    # kept unsharded between forward and backward, as the estimate counts it. Resharding it
-    # cost one extra all-gather of the largest group per micro-batch.
+    # The head (and the root's norm; a tied embedding too) is needed again as soon as backward
+    # starts: kept unsharded from its forward into backward, as the estimate counts it. The head
+    # is a group of its own, gathered when it computes and resharded after its backward
+    # (torchtitan's layout); resharding it after forward would cost one more all-gather.
+    if untied:
+        fully_shard(head, **{**options, "reshard_after_forward": False})
     fully_shard(model, **{**options, "reshard_after_forward": False})
 
 

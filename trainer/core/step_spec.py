@@ -134,6 +134,8 @@ class StepSpec:
     devices_per_node: int = 0
     device: str = "cuda"
     packed: bool = True  # windows hold several documents: attention gets a block-causal mask
+    # flex_attention on packed windows: a sparse block mask instead of the dense one
+    block_mask: bool = False
     # FSDP reduce-scatters after every micro-batch and accumulates sharded gradients, instead of
     # accumulating unsharded ones under no-sync
     fsdp_reduce_every_micro_batch: bool = False

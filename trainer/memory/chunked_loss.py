@@ -18,6 +18,7 @@ its output as it does without chunking (where ZeRO-3 gathers the weight again).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -177,9 +178,22 @@ def chunkable(model: nn.Module) -> str | None:
         head = _causal_lm(model).get_output_embeddings()
     except ValueError as err:
         return str(err)
-    if not isinstance(head, nn.Linear) or type(head) not in (nn.Linear, ChunkedLossHead):
+    # a wrapper's subclass that keeps nn.Linear's forward (FSDP2's FSDPLinear) chunks too
+    if not isinstance(head, nn.Linear) or type(head).forward not in _PLAIN_FORWARDS:
         return f"its output layer is a {type(head).__name__}, not a plain nn.Linear"
     return None
+
+
+_PLAIN_FORWARDS = (nn.Linear.forward, ChunkedLossHead.forward)
+
+
+@functools.cache
+def _with_loss_mode(cls: type) -> type:
+    """`ChunkedLossHead` over the head's own class: nn.Linear itself, or a wrapper's subclass
+    (FSDP2's `FSDPLinear`, whose hooks and FSDPModule methods must stay)."""
+    if cls is nn.Linear:
+        return ChunkedLossHead
+    return type(f"ChunkedLoss{cls.__name__}", (ChunkedLossHead, cls), {})
 
 
 def apply_chunked_loss(
@@ -195,7 +209,7 @@ def apply_chunked_loss(
     lm = _causal_lm(model)
     head = lm.get_output_embeddings()
     if not isinstance(head, ChunkedLossHead):
-        head.__class__ = ChunkedLossHead
+        head.__class__ = _with_loss_mode(type(head))
         head._targets = None
         head._loss_sum = None
     head.enabled = enabled

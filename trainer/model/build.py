@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from trainer.core.config import ConfigError, ModelConfig
+from trainer.core.hf_config import rope_update
 from trainer.core.strategies import checkpointed_layers
 from trainer.model.pretrained import SafetensorsCheckpoint, resolve_checkpoint
 
@@ -32,16 +33,32 @@ def load_hf_config(model_cfg: ModelConfig) -> Any:
             trust_remote_code=model_cfg.trust_remote_code,
             revision=model_cfg.revision,
         )
+    if model_cfg.rope_scaling is not None:
+        apply_rope_scaling(config, model_cfg.rope_scaling)
     config._attn_implementation = _attention_for(config, model_cfg.attn_implementation)
     config.use_cache = False
     return config
 
 
+def apply_rope_scaling(config: Any, rope_scaling: dict[str, Any]) -> None:
+    """`model.rope_scaling` on the transformers config (the decoder's, in a multimodal one):
+    its rotary parameters and positions as `trainer.core.hf_config.rope_update` says."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    update = rope_update(text.to_dict(), rope_scaling)
+    text.rope_parameters = update["rope_parameters"]
+    text.max_position_embeddings = update["max_position_embeddings"]
+    log.info("model.rope_scaling: %s, %d positions", update["rope_parameters"]["rope_type"],
+             update["positions"])  # fmt: skip
+
+
 def _attention_for(config: Any, requested: str) -> str:
-    """`requested`, except that a model without SDPA support (GPT-OSS, Mamba, ...) runs the
-    default `sdpa` as `eager`, transformers' own implementation of it."""
+    """`requested` (`auto`, which no plan resolved: sdpa), except that a model without SDPA
+    support (GPT-OSS, Mamba, ...) runs `sdpa` as `eager`, transformers' own implementation of
+    it."""
     from transformers import AutoModelForCausalLM
 
+    if requested == "auto":  # the planner's choice, left unresolved: sdpa
+        requested = "sdpa"
     if requested != "sdpa":
         return requested
     cls = AutoModelForCausalLM._model_mapping.get(type(config), None)

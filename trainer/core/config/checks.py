@@ -18,7 +18,7 @@ from trainer.core.config.paths import exists, has_local_parent
 from trainer.core.config.schema import JobConfig
 from trainer.core.config.secrets import check_no_secrets
 from trainer.core.errors import ConfigError
-from trainer.core.hf_config import hf_config_dict
+from trainer.core.hf_config import hf_config_dict, model_positions
 
 
 def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
@@ -324,16 +324,26 @@ def _check_in_backward(cfg: JobConfig) -> None:
 
 
 def _check_positions(cfg: JobConfig) -> None:
-    """data.seq_len within the model's positions, where the shape is known offline."""
+    """data.seq_len within the model's positions (as `model.rope_scaling` extends them), where
+    the shape is known offline; the scaling itself checked against the model."""
     try:
         hf = hf_config_dict(cfg.model.config, cfg.model.name_or_path)
     except ConfigError:  # a hub id without a shipped preset: checked when the model loads
         return
-    text = hf.get("text_config") or hf
-    limit = text.get("max_position_embeddings") or text.get("n_positions")
-    if limit and cfg.data.seq_len > limit:
+    rope = cfg.model.rope_scaling
+    limit = model_positions(hf, rope)
+    if not limit or cfg.data.seq_len <= limit:
+        return
+    if rope is not None:
         raise ConfigError(
             "data.seq_len",
-            f"{cfg.data.seq_len} is more than the model's {limit} positions",
-            f"use data.seq_len <= {limit}",
+            f"{cfg.data.seq_len} is more than the {limit} positions model.rope_scaling yields",
+            f"use data.seq_len <= {limit}, or a larger model.rope_scaling.factor",
         )
+    factor = 2 ** math.ceil(math.log2(cfg.data.seq_len / limit))
+    raise ConfigError(
+        "data.seq_len",
+        f"{cfg.data.seq_len} is more than the model's {limit} positions",
+        f"use data.seq_len <= {limit}, or extend the positions (opt-in, changes what is learned): "
+        f"model.rope_scaling={{rope_type: yarn, factor: {factor}.0}}",
+    )

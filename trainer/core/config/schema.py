@@ -75,7 +75,13 @@ class ModelConfig(_Section):
     name_or_path: Annotated[str | None, LEARNED] = None
     config: Annotated[dict[str, Any] | None, LEARNED] = None
     tokenizer: str | None = None
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
+    # auto: the planner's (an exact lever: sdpa, or at long context on GPUs an implementation
+    # that keeps packed documents apart without a dense mask); sdpa without a plan
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention"] = (
+        "auto"
+    )
+    # opt-in context extension: the mapping transformers' config takes (trainer/core/hf_config.py)
+    rope_scaling: Annotated[dict[str, Any] | None, LEARNED] = None
     trust_remote_code: bool = False
     revision: Annotated[str | None, LEARNED] = None
 
