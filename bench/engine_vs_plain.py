@@ -133,7 +133,8 @@ class HFTrainerStepper:
         out_dir: Path,
         compile: bool = False,
         build_model: Any = None,  # () -> model; default: the plain HF model (bench.lora_vs_trainer)
-    ):
+        build_trainer: Any = None,  # (TrainingArguments' kwargs, callback) -> another Trainer
+    ):  # (bench.dpo_vs_trl: TRL's DPOTrainer on its own data)
         from transformers import Trainer, TrainerCallback, TrainingArguments
 
         stepper = self
@@ -150,15 +151,8 @@ class HFTrainerStepper:
                         control.should_training_stop = True
                 return control
 
-        batches = make_batches(args.model, args.accum, args.micro, args.seq)
-        rows = [
-            {k: b[k][i] for k in ("input_ids", "labels", "position_ids")}
-            for b in batches
-            for i in range(args.micro)
-        ]
         max_steps = 1 + args.rounds * args.steps + 1  # warm-up, rounds, the stop
-        dataset = rows * max_steps
-        targs = TrainingArguments(
+        targs_kwargs = dict(
             output_dir=str(out_dir),
             per_device_train_batch_size=args.micro,
             gradient_accumulation_steps=args.accum,
@@ -185,7 +179,6 @@ class HFTrainerStepper:
             seed=0,
             torch_compile=compile,
         )
-        self.optimizer_name = str(targs.optim)
         self._go, self._done = threading.Semaphore(0), threading.Semaphore(0)
         self._remaining = 0
         self._stop = False
@@ -195,8 +188,19 @@ class HFTrainerStepper:
         self.on_resume: Any = lambda: None
 
         def build() -> Any:
+            if build_trainer is not None:
+                return build_trainer(targs_kwargs, Park())
+            batches = make_batches(args.model, args.accum, args.micro, args.seq)
+            rows = [
+                {k: b[k][i] for k in ("input_ids", "labels", "position_ids")}
+                for b in batches
+                for i in range(args.micro)
+            ]
             model = build_model() if build_model is not None else build_hf_model(args.model)
-            return Trainer(model=model, args=targs, train_dataset=dataset, callbacks=[Park()])
+            targs = TrainingArguments(**targs_kwargs)
+            return Trainer(
+                model=model, args=targs, train_dataset=rows * max_steps, callbacks=[Park()]
+            )
 
         self._thread = threading.Thread(target=self._build_then_train, args=(build,), daemon=True)
         self._thread.start()
@@ -205,6 +209,7 @@ class HFTrainerStepper:
     def _build_then_train(self, build: Any) -> None:
         try:
             self.trainer = build()
+            self.optimizer_name = str(self.trainer.args.optim)
             self._done.release()
             self._go.acquire()  # the first run()
             self.trainer.train()

@@ -5,6 +5,7 @@ printed last with a row per part, and the details written under $OUT."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -266,3 +267,21 @@ def test_published_bench_prints_its_table_and_holds_the_documented_count(capsys,
     assert printed[-1].startswith(f"{len(within)} of {summary['expressible']} expressible rows")
     memory_md = (REPO / "docs" / "memory.md").read_text()
     assert f"{PUBLISHED_WITHIN_BAND} of {summary['expressible']} expressible rows" in memory_md
+
+
+def test_dpo_step_one_loss_and_log_probs_equal_trl_s_on_the_same_batch(tmp_path):
+    """bench.dpo_vs_trl --first-step: oomless's DPO and TRL's DPOTrainer from the same saved
+    weights on the same 4 pairs: step 1's loss (ln 2) and mean chosen/rejected log-probs."""
+    pytest.importorskip("trl")
+    from argparse import Namespace
+
+    from bench.dpo_vs_trl import first_step
+
+    args = Namespace(model="llama-20m", micro=4, accum=1, prompt=15, answer=16, precision="fp32",
+                     rounds=0, steps=1)  # fmt: skip
+    got = first_step(args, tmp_path)
+    ours, trl = got["oomless"], got["trl"]
+    assert abs(ours["loss"] - math.log(2)) < 1e-6 and abs(trl["loss"] - ours["loss"]) < 1e-6, got
+    for key in ("logps/chosen", "logps/rejected"):
+        assert abs(ours[key] - trl[key]) <= 1e-5 * abs(trl[key]), got
+    assert ours["logps/chosen"] != ours["logps/rejected"]  # a real comparison, not two zeros

@@ -26,6 +26,7 @@ from trainer.evaluate import evaluate
 from trainer.memory.levers import LEVER_NAMES, MemoryLevers
 from trainer.memory.sequence_parallel import split_sequence
 from trainer.model.build import set_activation_checkpointing
+from trainer.objectives import NEXT_TOKEN, Objective
 from trainer.runtime.dist import all_reduce_max, all_reduce_sum
 from trainer.runtime.oom import (
     FaultInjector,
@@ -99,6 +100,7 @@ def step_with_backoff(
     step: int,
     ctx: BackendContext,
     faults: FaultInjector,
+    objective: Objective = NEXT_TOKEN,
 ):
     """Run the step; on an OOM on any rank, all ranks halve the micro-batch and redo it; at
     micro-batch 1 they switch on chunked loss, then activation offload, then raise the
@@ -116,7 +118,7 @@ def step_with_backoff(
             )
         ]
         try:
-            return train_step(model, backend, batches, ctx.device, faults)
+            return train_step(model, backend, batches, ctx.device, faults, objective)
         except StepAborted as err:
             del batches
             backend.drop_grads()
@@ -172,6 +174,7 @@ def evaluate_with_backoff(
     split: BatchSplit,
     ctx: BackendContext,
     faults: FaultInjector,
+    objective: Objective = NEXT_TOKEN,
 ) -> dict[str, float]:
     """Evaluate; an OOM halves the eval batch and starts the evaluation over; at eval batch 1
     it gives up like a training step (OutOfMemoryGaveUp: report, exit 75, climb)."""
@@ -186,6 +189,7 @@ def evaluate_with_backoff(
                 ctx.device,
                 faults,
                 split.sequence_group,
+                objective,
             )
         except StepAborted as err:
             free_memory(ctx.device)

@@ -51,6 +51,8 @@ from trainer.model.build import (
     num_compiled_layers,
 )
 from trainer.model.finetune import build_factory, describe_method
+from trainer.objectives import Objective, build_objective
+from trainer.objectives.reference import build_reference
 from trainer.observe.metrics import MetricsLog
 from trainer.observe.profile import ProfileWindow
 from trainer.observe.trackers import Trackers
@@ -105,6 +107,7 @@ class _Run:
     faults: FaultInjector
     watchdog: HangWatchdog
     start_step: int
+    objective: Objective
 
 
 def _setup(cfg: JobConfig) -> _Run | int:
@@ -146,6 +149,8 @@ def _setup(cfg: JobConfig) -> _Run | int:
     try:  # sharding, optimizer state, loading a checkpoint: an OOM here climbs a rung too
         faults.at("setup")
         model = backend.setup(factory, _optimizer_spec(cfg))
+        phase = "reference"  # before a resume: the model holds the initial weights
+        objective = _objective(cfg, model, backend, data, split, device)
         if resume_from is not None:
             phase = "resume"
             start_step = _resume(resume_from, backend, cfg, rank, data.fingerprint)
@@ -162,19 +167,9 @@ def _setup(cfg: JobConfig) -> _Run | int:
         apply_tiled_mlp(model, cfg.memory.mlp_chunk_tokens)
     watchdog = HangWatchdog(cfg, run_dir, rank, world_size)
     return _Run(
-        cfg,
-        ctx,
-        run_dir,
-        backend,
-        model,
-        factory,
-        tokenizer,
-        data,
-        split,
-        faults,
-        watchdog,
-        start_step,
-    )
+        cfg, ctx, run_dir, backend, model, factory, tokenizer, data, split, faults, watchdog,
+        start_step, objective,
+    )  # fmt: skip
 
 
 def _backend_context(
@@ -202,6 +197,21 @@ def _backend_context(
         micro_batch_size=micro,
         grad_accum=cfg.train.global_batch_size // (micro * dims.data),
     )
+
+
+def _objective(
+    cfg: JobConfig,
+    model: torch.nn.Module,
+    backend: Backend,
+    data: Any,
+    split: BatchSplit,
+    device: torch.device,
+) -> Objective:
+    """What the loss rewards; DPO's reference (its precomputed pass runs here, while the model
+    holds the initial weights)."""
+    share = (split.data_rank, split.dims.data, split.micro_batch_size)
+    reference = build_reference(cfg, model, backend.compute_context, data, share, device)
+    return build_objective(cfg, reference)
 
 
 def _memory_levers(cfg: JobConfig, model: torch.nn.Module, device: torch.device) -> MemoryLevers:
@@ -248,7 +258,9 @@ def _train(run: _Run) -> int:
         inject_hang(cfg, step, ctx.rank, run.run_dir)
         try:
             window.begin(step)
-            result = step_with_backoff(run.model, backend, run.data, split, step, ctx, run.faults)
+            result = step_with_backoff(
+                run.model, backend, run.data, split, step, ctx, run.faults, run.objective
+            )
         except OutOfMemoryGaveUp as err:
             report_oom(run.run_dir, err, step, split, backend, ctx)
             return _ended(EXIT_OOM, trackers, window)
@@ -266,11 +278,8 @@ def _train(run: _Run) -> int:
             mfu = flops_per_token * result.num_tokens / result.step_time_s
             record["mfu"] = mfu / (peak_flops * ctx.world_size)
         if _due(step + 1, cfg.train.eval_every, cfg.train.steps) and run.data.eval is not None:
-            eval_set = run.data.eval
             try:
-                record.update(
-                    evaluate_with_backoff(run.model, backend, eval_set, split, ctx, run.faults)
-                )
+                record.update(_evaluate(run))
             except OutOfMemoryGaveUp as err:  # at eval batch 1: climb a rung, like a step
                 report_oom(run.run_dir, err, step, split, backend, ctx)
                 return _ended(EXIT_OOM, trackers, window)
@@ -293,6 +302,13 @@ def _train(run: _Run) -> int:
             return _ended(_stopped(run, checkpointer, stop, step + 1), trackers, window)
     checkpointer.finish()
     return _ended(0, trackers, window)
+
+
+def _evaluate(run: _Run) -> dict[str, float]:
+    """The held-out metrics; OutOfMemoryGaveUp at eval batch 1 (the caller climbs a rung)."""
+    return evaluate_with_backoff(
+        run.model, run.backend, run.data.eval, run.split, run.ctx, run.faults, run.objective
+    )
 
 
 def _stopped(run: _Run, checkpointer: Checkpointer, stop: StopSignals, step: int) -> int:
@@ -367,6 +383,7 @@ def _step_record(
         "grad_accum": split.grad_accum,
         "activation_checkpointing": split.activation_checkpointing,
         **split.levers.record(),
+        **result.stats,
     }
 
 

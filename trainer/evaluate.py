@@ -1,4 +1,5 @@
-"""Held-out evaluation: token-weighted loss and exact match per document, reduced over ranks."""
+"""Held-out evaluation: token-weighted loss and exact match per document, reduced over ranks;
+for a preference objective, its loss and rewards over the held-out pairs."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.loss import IGNORE_INDEX, targets_of
+from trainer.objectives import NEXT_TOKEN, Objective
 from trainer.runtime.dist import all_reduce_sum
 from trainer.runtime.oom import NO_FAULTS, FaultInjector, agree, is_oom
 
@@ -24,33 +26,25 @@ def evaluate(
     device: torch.device,
     faults: FaultInjector = NO_FAULTS,
     sequence_group: Any = None,
+    objective: Objective = NEXT_TOKEN,
 ) -> dict[str, float]:
-    """{'eval_loss', 'eval_exact_match'} over the given batches of every rank.
+    """{'eval_loss', 'eval_exact_match'} over the given batches of every rank (a preference
+    objective: {'eval_loss', 'eval_reward_margin', 'eval_reward_accuracy', ...}).
 
     A document counts as an exact match when argmax predicts every one of its target tokens
     under teacher forcing (for a prompt/completion task: the whole completion is right). Batches
     split along the sequence (`sequence_group`: the ranks holding the other slices) score a
     document from the counts of every slice.
     """
+    if objective.preference:
+        return _evaluate_pairs(model, batches, compute_context, device, faults, objective)
     was_training = model.training
     model.eval()
     loss_sum = num_tokens = num_docs = num_correct = 0.0
     try:
         for batch in batches:
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            logits, failed = None, None
-            try:
-                faults.at("eval")
-                with compute_context():
-                    logits = model(
-                        input_ids=batch["input_ids"], position_ids=batch.get("position_ids")
-                    ).logits
-            except Exception as err:
-                if not is_oom(err):
-                    raise
-                err.__traceback__ = None
-                failed = err
-            agree(failed, "eval", device)
+            logits = _agreed_forward(compute_context, device, faults, _logits, model, batch)
             logits = logits.float()
             targets = targets_of(batch)
             loss_sum += float(
@@ -77,6 +71,62 @@ def evaluate(
     return {
         "eval_loss": loss_sum / max(num_tokens, 1.0),
         "eval_exact_match": num_correct / max(num_docs, 1.0),
+    }
+
+
+def _logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
+
+
+def _agreed_forward(
+    compute_context: Callable[[], AbstractContextManager],
+    device: torch.device,
+    faults: FaultInjector,
+    forward: Callable[..., Any],
+    *args: Any,
+) -> Any:
+    """`forward(*args)` under the compute context; an OOM on any rank is StepAborted on every
+    rank."""
+    result, failed = None, None
+    try:
+        faults.at("eval")
+        with compute_context():
+            result = forward(*args)
+    except Exception as err:
+        if not is_oom(err):
+            raise
+        err.__traceback__ = None
+        failed = err
+    agree(failed, "eval", device)
+    return result
+
+
+def _evaluate_pairs(
+    model: nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    compute_context: Callable[[], AbstractContextManager],
+    device: torch.device,
+    faults: FaultInjector,
+    objective: Objective,
+) -> dict[str, float]:
+    """The objective's loss and stats, means over the held-out pairs of every rank."""
+    was_training = model.training
+    model.eval()
+    sums: list[float] = []
+    try:
+        for batch in batches:
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            loss_sum, stats = _agreed_forward(
+                compute_context, device, faults, objective.loss_sum, model, batch
+            )
+            values = [float(loss_sum), float(objective.units(batch)), *stats.tolist()]
+            sums = values if not sums else [a + b for a, b in zip(sums, values, strict=True)]
+    finally:
+        model.train(was_training)
+    loss_sum, num_pairs, *stats = all_reduce_sum(sums, device)
+    summary = objective.summary(stats, num_pairs)
+    return {"eval_loss": loss_sum / max(num_pairs, 1.0)} | {
+        f"eval_{name}": value for name, value in summary.items()
     }
 
 

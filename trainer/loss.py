@@ -12,6 +12,7 @@ __all__ = [
     "IGNORE_INDEX",
     "compute_loss",
     "next_token_loss_sum",
+    "row_loss_sums",
     "shifted_targets",
     "targets_of",
     "token_loss_sum",
@@ -32,6 +33,26 @@ def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tens
     if head is None:
         return token_loss_sum(model(**inputs).logits, targets)
     with head.loss_targets(targets):
+        carrier = model(**inputs).logits
+    return head.take_loss(carrier)
+
+
+def row_loss_sums(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The summed token losses of each row of one micro-batch ([rows], fp32): minus each
+    sequence's log-probability of its targets (the preference objectives' sequences)."""
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids")}
+    targets = targets_of(batch)
+    head = chunked_head(model)
+    if head is None:
+        logits = model(**inputs).logits
+        losses = F.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)),
+            targets.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
+        )
+        return losses.view(targets.shape).sum(-1)
+    with head.loss_targets(targets, per_row=True):
         carrier = model(**inputs).logits
     return head.take_loss(carrier)
 

@@ -308,7 +308,7 @@ def micro_for(spec: StepSpec, shape: ModelShape) -> Micro:
     adapters = adapter_terms(shape, ft, c, private)
     tile = (spec.mlp_chunk_tokens or shape.hidden_size) if spec.tiled_mlp else None
     return Micro(
-        b=spec.micro_batch_size,
+        b=spec.num_sequences,
         s=spec.local_seq_len,
         c=c,
         r=c if sixteen_bit else 4,

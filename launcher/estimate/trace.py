@@ -109,7 +109,7 @@ def trace_step(
     with contextlib.ExitStack() as stack:
         model, backend, dims = _traced_model(hf_config, spec, attn_implementation,
                                              reshard_after_forward, stack)  # fmt: skip
-        batch = packed_batch(hf_config["vocab_size"], spec.micro_batch_size, spec.seq_len)
+        batch = packed_batch(hf_config["vocab_size"], spec.num_sequences, spec.seq_len)
         if dims.sequence > 1:  # rank 0's slice of every sequence, as the engine splits it
             doc_ids = (batch["position_ids"] == 0).cumsum(dim=1) - 1
             batch = split_sequence({**batch, "doc_ids": doc_ids}, dims, 0)

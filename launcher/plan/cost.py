@@ -71,7 +71,7 @@ def step_time_s(
 def _compute_s(shape: ModelShape, spec: StepSpec, hw: Hardware) -> float:
     """FLOPs of the step (the method's, attention, recomputation) at an effective rate, plus
     QLoRA's memory-bound dequantisation."""
-    seq, world, micro = spec.seq_len, max(1, spec.world_size), spec.micro_batch_size
+    seq, world, micro = spec.seq_len, max(1, spec.world_size), spec.num_sequences
     tokens = spec.data_ranks * micro * spec.grad_accum * seq  # a sequence group shares its own
     cost = method_cost(shape, spec.finetune, spec.compute_bytes)  # full, LoRA or QLoRA; MoE
     attention = attention_flops_per_token(shape.num_layers, shape.hidden_size, seq)
@@ -84,7 +84,10 @@ def _compute_s(shape: ModelShape, spec: StepSpec, hw: Hardware) -> float:
     if spec.tiled_mlp:  # each chunk's MLP forward again in backward (and in a recompute)
         mlp_flops = 6 * shape.hidden_size * shape.intermediate_size * shape.num_layers
         recompute += (1 + recomputed) * mlp_flops
-    flops = tokens * (cost.flops_per_token + attention + recompute)
+    # DPO under lora/qlora: the base's no-grad forward with the adapters off, per micro-batch
+    off = spec.reference == "adapters_off"
+    reference = 2 * shape.num_compute_params + attention / 3 if off else 0
+    flops = tokens * (cost.flops_per_token + attention + recompute + reference)
     peak = hw.peak_flops or (CPU_PEAK_FLOPS if hw.device == "cpu" else UNKNOWN_GPU_PEAK_FLOPS)
     micro_tokens = micro * spec.local_seq_len
     utilization = BASE_UTILIZATION * micro_tokens / (micro_tokens + SATURATION_TOKENS)
@@ -116,7 +119,7 @@ def all_to_all_s(shape: ModelShape, spec: StepSpec, links: Links) -> float:
     sp = spec.sequence_parallel
     if sp == 1:
         return 0.0
-    tokens = spec.micro_batch_size * spec.local_seq_len
+    tokens = spec.num_sequences * spec.local_seq_len
     kv = max(shape.num_kv_heads, sp) * shape.head_dim
     per_layer = spec.compute_bytes * tokens * (2 * shape.num_heads * shape.head_dim + 2 * kv)
     recomputed = {"none": 0.0, "selective": 0.5, "full": 1.0}[spec.activation_checkpointing]

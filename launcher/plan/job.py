@@ -12,6 +12,7 @@ from launcher.estimate.activations import with_activations
 from launcher.estimate.shape import ModelShape, model_shape
 from launcher.plan.hardware import Hardware, detect_hardware
 from launcher.plan.planner import NoFitError, Plan, apply_plan, make_plan
+from launcher.plan.preference import with_reference
 from launcher.plan.unestimated import planning_keys_forced, unestimated_plan, unestimated_warning
 from trainer.core.config import ConfigError, JobConfig
 
@@ -71,6 +72,7 @@ def plan_job(
         raise
     except Exception as err:  # the model's shape or activations cannot be worked out
         plan = _without_estimate(cfg, hw, err)
+    plan = with_reference(cfg, plan)
     _check_hang_timeout(cfg, plan)
     return apply_plan(cfg, plan, hw), plan, hw
 

@@ -21,6 +21,7 @@ from launcher.plan.cost import Links, step_time_s
 from launcher.plan.hardware import Hardware
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
+from trainer.core.methods import REFERENCE_SOURCES
 from trainer.core.step_spec import (
     NO_LEVERS,
     Finetune,
@@ -175,6 +176,8 @@ def job_step(
         sequence_parallel=long.sequence_parallel,
         tiled_mlp=long.tiled_mlp,
         mlp_chunk_tokens=cfg.memory.mlp_chunk_tokens,
+        sequences_per_example=2 if cfg.objective.preference else 1,
+        reference=REFERENCE_SOURCES.get((cfg.objective.type, cfg.finetune.method)),
     )
 
 

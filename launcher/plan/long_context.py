@@ -54,6 +54,8 @@ def sequence_parallel_sizes(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> 
     batch = Batch(cfg.train.global_batch_size, cfg.train.micro_batch_size)
     if cfg.train.micro_batch_size == "auto":
         batch = Batch(cfg.train.global_batch_size)
+    if cfg.objective.preference:  # a pair's log-probs are sums over whole sequences
+        return [1]
     if isinstance(cfg.sequence_parallel, int):
         dims = ParallelDims(hw.world_size, cfg.sequence_parallel)
         check_sequence_parallel(dims, attention, cfg.data.seq_len, batch)
@@ -297,7 +299,7 @@ def _size(num_bytes: int) -> str:
 def attention_reason(cfg: JobConfig, chosen: Candidate, attention: str, sdpa: Climb) -> str:
     """Why `auto` attention is `attention` and not sdpa: the masks of each, and sdpa's own
     climb (what it would fit, or that it does not)."""
-    seq, micro = chosen.spec.seq_len, chosen.spec.micro_batch_size
+    seq, micro = chosen.spec.seq_len, chosen.spec.num_sequences  # a pair is two sequences
     mask = micro * dense_mask_bytes(seq, cfg.precision)
     kept = "no mask (the documents from the position ids)"
     if attention == "flex_attention":

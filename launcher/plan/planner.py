@@ -77,6 +77,7 @@ class Plan:
     max_seq_len: int | None = None  # the longest data.seq_len this plan still fits
     max_seq_len_memory: int | None = None  # ... memory alone allows here, beyond the positions
     attention: str = "sdpa"  # model.attn_implementation (the planner's under `auto`)
+    reference: str | None = None  # preference objectives: where DPO's reference comes from
 
     @classmethod
     def of(
@@ -113,6 +114,7 @@ class Plan:
             "max_seq_len": self.max_seq_len,
             "max_seq_len_memory": self.max_seq_len_memory,
             "attn_implementation": self.attention,
+            **({"reference": self.reference} if self.reference is not None else {}),
             "predicted_step_time_s": self.step_time_s,
             **(
                 {"fsdp_reduce_every_micro_batch": self.fsdp_reduce_every_micro_batch}

@@ -150,7 +150,13 @@ def render(shape: ModelShape, hw: Hardware, rows: list[Estimate], cfg: JobConfig
 
     head = (
         f"{shape.model_type}, {shape.num_params / 1e9:.2f}B params, {shape.num_layers} layers; "
-        f"seq {cfg.data.seq_len}, {cfg.precision}; {hw.nodes} node(s) x {hw.devices_per_node} "
+        f"seq {cfg.data.seq_len}, {cfg.precision}; "
+        + (
+            f"{cfg.objective.type}: micro counts pairs (2 sequences); "
+            if cfg.objective.preference
+            else ""
+        )
+        + f"{hw.nodes} node(s) x {hw.devices_per_node} "
         f"{hw.device} of {hw.device_memory_bytes / GIB:.0f} GiB, host "
         f"{hw.host_memory_bytes / GIB:.0f} GiB per node (GiB below, per device unless host)"
     )

@@ -89,7 +89,8 @@ def render_plan(plan: Plan, device_bytes: int, host_bytes: int, argv: list[str])
         f"checkpointing {plan.activation_checkpointing}"
         + (f", {plan.levers.words()}" if plan.levers.words() != "none" else "")
         + (f", {plan.long.words()}" if plan.long.words() != "none" else "")
-        + (f", attention {plan.attention}" if plan.attention != "sdpa" else ""),
+        + (f", attention {plan.attention}" if plan.attention != "sdpa" else "")
+        + (f"; reference {plan.reference}" if plan.reference else ""),
         f"memory per device: {est.device_total_bytes / GIB:.1f} GiB of "
         f"{device_bytes / GIB:.1f} GiB; host per node: {est.host_total_bytes / GIB:.1f} GiB of "
         f"{host_bytes / GIB:.1f} GiB",

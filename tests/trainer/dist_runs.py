@@ -68,6 +68,10 @@ MODELS = {  # inline HF configs as `model.config=` overrides
 }
 # LoRA (trainer/model/finetune.py): adapters on every linear layer of the blocks, a frozen base
 LORA = ("finetune.method=lora", "finetune.lora.r=4", "finetune.lora.alpha=8")
+# DPO (docs/preference.md) on the 16 pairs test_distributed.py writes: one global batch, so the
+# loss falls from ln 2 every step; full (a precomputed reference pass over both ranks) and LoRA
+# (adapters off in each step's no-grad forward inside FSDP2's units)
+DPO = ("data.path={work}/pairs.jsonl", "data.format=preference", "objective.type=dpo")
 RUNS: tuple[Run, ...] = (
     # one process: the references
     Run("single_fp32", ("run.checkpoint_every=4",), world_size=1),
@@ -78,8 +82,13 @@ RUNS: tuple[Run, ...] = (
     # each decoder layer torch.compiled inside its (selective) checkpoint wrapper
     Run("single_compiled", ("train.compile=true", "memory.activation_checkpointing=selective"),
         world_size=1, check="fp32"),
+    Run("single_dpo_fp32", DPO, world_size=1),
+    Run("single_dpo_lora_fp32", (*DPO, *LORA), world_size=1),
     # two processes: every backend against one process
     Run("ddp_fp32", ("strategy=ddp",), check="fp32"),
+    Run("fsdp_dpo_fp32", ("strategy=fsdp", *DPO), check="fp32", against="single_dpo_fp32"),
+    Run("fsdp_dpo_lora_fp32", ("strategy=fsdp", *DPO, *LORA), check="fp32",
+        against="single_dpo_lora_fp32"),
     # each rank reads its FSDP shard / ZeRO-3 partition from the safetensors files
     Run("fsdp_pretrained", ("strategy=fsdp", *PRETRAINED), check="pretrained",
         against="single_pretrained"),

@@ -268,11 +268,11 @@ def test_the_keys_a_resume_may_not_change_are_marked_on_the_schema():
     from trainer.core.config import MATH_KEYS
 
     data = ["path", "format", "seq_len", "text_field", "prompt_field", "completion_field",
-            "messages_field", "eval_fraction", "pack", "append_eos"]  # fmt: skip
+            "messages_field", "chosen_field", "rejected_field", "eval_fraction", "pack",
+            "append_eos"]  # fmt: skip
     train = ["global_batch_size", "lr", "min_lr_ratio", "schedule", "warmup_steps",
              "weight_decay", "betas", "eps", "grad_clip", "seed", "optimizer"]  # fmt: skip
     expected = {"model.name_or_path", "model.config", "model.revision", "model.rope_scaling",
-                "precision",
-                "finetune.method", "finetune.lora"}  # fmt: skip
+                "precision", "finetune.method", "finetune.lora", "objective"}  # fmt: skip
     expected |= {f"data.{k}" for k in data} | {f"train.{k}" for k in train}
     assert set(MATH_KEYS) == expected and len(MATH_KEYS) == len(expected)

@@ -95,6 +95,8 @@ def runs(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("dist")
     base = _base_config(work)
     save_pretrained_model(work / "pretrained")
+    pairs = (DEMO / "pairs_train.jsonl").read_text().splitlines(keepends=True)[:16]
+    (work / "pairs.jsonl").write_text("".join(pairs))  # dist_runs.py DPO: one global batch
     one_process = [run for run in RUNS if run.world_size == 1]
     _single_runs(base, work, [run for run in one_process if run.copy_from is None])
     before = {p.pid for p in psutil.Process().children(recursive=True)}

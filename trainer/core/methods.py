@@ -91,3 +91,21 @@ def supported_rungs(
         for s in strategies.names()
         if method_support(s, method, optimizer, precision, in_backward) is None
     )
+
+
+# Where DPO's reference log-probs come from (trainer/objectives/reference.py): LoRA and QLoRA
+# use their own base with the adapters off (no copy, computed in each step's no-grad forward); a
+# full fine-tune reads the log-probs of one no-grad pass over the data before step 1 (the
+# initial weights are the reference), cached beside the tokenised data.
+REFERENCES = {"adapters_off": "the base with the adapters off", "precomputed": "precomputed"}
+# (objective.type, finetune.method) -> the reference; an objective not here needs none
+REFERENCE_SOURCES = {
+    ("dpo", "full"): "precomputed",
+    ("dpo", "lora"): "adapters_off",
+    ("dpo", "qlora"): "adapters_off",
+}
+
+
+def reference_source(objective: str, method: str) -> str | None:
+    """`adapters_off`, `precomputed`, or None for an objective without a reference."""
+    return REFERENCE_SOURCES.get((objective, method))

@@ -181,6 +181,8 @@ def check_fields(row: dict[str, Any], data: DataConfig) -> None:
     elif data.format == "prompt_completion":
         field(row, data.prompt_field)
         field(row, data.completion_field)
+    elif data.format == "preference":
+        preference_pair(row, data)
     else:
         messages(row, data.messages_field)
 
@@ -215,6 +217,30 @@ def messages(row: dict[str, Any], name: str) -> list[dict[str, str]]:
     if not any(m["role"] == "assistant" for m in msgs):
         raise ValueError(f"field '{name}' has no assistant turn")
     return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
+Turn = str | list[dict[str, str]]
+
+
+def preference_pair(row: dict[str, Any], data: DataConfig) -> tuple[Turn, Turn, Turn]:
+    """(prompt, chosen, rejected) of a preference row: three strings, or three lists of chat
+    messages (TRL's conversational form: the prompt's turns, then the chosen and the rejected
+    answer's); raises ValueError naming the field that is wrong."""
+    names = (data.prompt_field, data.chosen_field, data.rejected_field)
+    if "__invalid__" not in row and isinstance(row.get(names[0]), list):
+        return tuple(_turns(row, name, answer=i > 0) for i, name in enumerate(names))  # type: ignore[return-value]
+    return tuple(field(row, name) for name in names)  # type: ignore[return-value]
+
+
+def _turns(row: dict[str, Any], name: str, answer: bool) -> list[dict[str, str]]:
+    """A prompt's chat messages, or an answer's (which has an assistant turn)."""
+    turns = row.get(name)
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"field '{name}' is not a non-empty list of messages (the prompt is one)")
+    if answer:
+        return messages(row, name)
+    # a prompt needs no assistant turn: checked as a conversation it ends
+    return messages({name: [*turns, {"role": "assistant", "content": ""}]}, name)[:-1]
 
 
 def bad_row_error(key: str, source: str, row_number: int, err: ValueError) -> ConfigError:

@@ -148,6 +148,11 @@ class StepSpec:
     sequence_parallel: int = 1
     tiled_mlp: bool = False  # trainer/memory/tiled_mlp.py: MLP chunks, recomputed in backward
     mlp_chunk_tokens: int | None = None  # memory.mlp_chunk_tokens (None: the hidden size)
+    # sequences per example: 2 under a preference objective (micro-batches count pairs)
+    sequences_per_example: int = 1
+    # DPO's reference (trainer/core/methods.py): adapters_off adds a no-grad forward per
+    # micro-batch; precomputed, one no-grad pass over the data before step 1; None: no reference
+    reference: str | None = None
 
     @property
     def row(self) -> Strategy:
@@ -167,6 +172,11 @@ class StepSpec:
     @property
     def ranks_per_node(self) -> int:
         return min(self.devices_per_node or self.world_size, self.world_size)
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences of one micro-batch (a preference pair is two)."""
+        return self.micro_batch_size * self.sequences_per_example
 
     @property
     def local_seq_len(self) -> int:

@@ -20,6 +20,7 @@ from trainer.data.documents import (
     tokenize_all,
     tokenize_source,
 )
+from trainer.data.pairs import PAIR_INDEX, PairWindows, pair_subset
 from trainer.loss import IGNORE_INDEX
 from trainer.runtime.dist import after_rank0, slow_down
 
@@ -162,6 +163,8 @@ def _pad_rows(batch: dict[str, torch.Tensor] | None, n: int, w: Windows) -> dict
     filler = w.batch([0] * n)
     filler["labels"].fill_(IGNORE_INDEX)
     filler["doc_ids"].fill_(-1)
+    if PAIR_INDEX in filler:
+        filler[PAIR_INDEX].fill_(-1)
     if batch is None:
         return filler
     return {k: torch.cat([batch[k], filler[k]]) for k in batch}
@@ -172,6 +175,7 @@ class DataBundle:
     train: TrainStream
     eval: EvalSet | None
     fingerprint: str  # of the tokenised training data (checkpoints refuse a resume on other data)
+    eval_fingerprint: str | None = None  # of the held-out data read from data.eval_path
 
 
 def docs_fingerprint(docs: Documents) -> str:
@@ -194,17 +198,21 @@ def train_data_fingerprint(cfg: JobConfig) -> str:
 def split_eval(
     cfg: JobConfig, train_docs: Documents, eval_docs: Documents | None
 ) -> tuple[Documents, Documents | None]:
-    """Hold out `data.eval_fraction` of the training documents when there is no eval_path."""
+    """Hold out `data.eval_fraction` of the training documents (of preference pairs: of the
+    pairs) when there is no eval_path."""
     data = cfg.data
     if eval_docs is None and data.eval_fraction > 0:
-        order = np.random.default_rng([cfg.train.seed, 7]).permutation(train_docs.num_docs)
-        num_eval = max(1, round(data.eval_fraction * train_docs.num_docs))
-        if num_eval >= train_docs.num_docs:
+        pairs = data.format == "preference"
+        num_examples = train_docs.num_docs // 2 if pairs else train_docs.num_docs
+        order = np.random.default_rng([cfg.train.seed, 7]).permutation(num_examples)
+        num_eval = max(1, round(data.eval_fraction * num_examples))
+        if num_eval >= num_examples:
             raise ConfigError(
                 "data.eval_fraction", "leaves no training documents", "use a smaller fraction"
             )
-        eval_docs = train_docs.subset(np.sort(order[:num_eval]))
-        train_docs = train_docs.subset(np.sort(order[num_eval:]))
+        subset = pair_subset if pairs else Documents.subset
+        eval_docs = subset(train_docs, np.sort(order[:num_eval]))
+        train_docs = subset(train_docs, np.sort(order[num_eval:]))
     return train_docs, eval_docs
 
 
@@ -225,10 +233,13 @@ def build_data(cfg: JobConfig, tokenizer: Any) -> DataBundle:
         clock_s=cfg.dist.timeout_s,
     )
     fingerprint = docs_fingerprint(train_docs)
+    eval_fingerprint = docs_fingerprint(eval_docs) if eval_docs is not None else None
     train_docs, eval_docs = split_eval(cfg, train_docs, eval_docs)
     pad_id = tokenizer.pad_token_id
-    split_docs = data.format == "text"
-    train_windows = pack(train_docs, data.seq_len, pad_id, split_docs, data.pack)
+    if data.format == "preference":  # one window per half of a pair (trainer/data/pairs.py)
+        train_windows = PairWindows(pack(train_docs, data.seq_len, pad_id, False, False))
+    else:
+        train_windows = pack(train_docs, data.seq_len, pad_id, data.format == "text", data.pack)
     if len(train_windows) < 1:
         raise ConfigError("data.path", "produced no training windows", "add data")
     log.info(
@@ -239,6 +250,10 @@ def build_data(cfg: JobConfig, tokenizer: Any) -> DataBundle:
         f"; {eval_docs.num_docs} eval documents" if eval_docs is not None else "",
     )
     eval_set = None
-    if eval_docs is not None:
+    if eval_docs is not None and data.format == "preference":
+        eval_windows = pack(eval_docs, data.seq_len, pad_id, False, False)
+        eval_set = EvalSet(PairWindows(eval_windows, first_index=len(train_windows)))
+    elif eval_docs is not None:
         eval_set = EvalSet(pack(eval_docs, data.seq_len, pad_id, False, data.pack))
-    return DataBundle(TrainStream(train_windows, cfg.train.seed), eval_set, fingerprint)
+    train = TrainStream(train_windows, cfg.train.seed)
+    return DataBundle(train, eval_set, fingerprint, eval_fingerprint)

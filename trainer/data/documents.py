@@ -18,7 +18,15 @@ import numpy as np
 
 from trainer.core.config import ConfigError, DataConfig, JobConfig, ModelConfig
 from trainer.core.errors import disk_full, free_bytes, no_space, not_writable
-from trainer.core.rows import bad_row_error, data_files, field, messages, no_rows_error, read_rows
+from trainer.core.rows import (
+    bad_row_error,
+    data_files,
+    field,
+    messages,
+    no_rows_error,
+    preference_pair,
+    read_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +98,27 @@ def _encode(tokenizer: Any, text: str, special: bool) -> list[int]:
     return tokenizer(text, add_special_tokens=special)["input_ids"]
 
 
-def _example(row: dict[str, Any], data: DataConfig, tokenizer: Any) -> tuple[list[int], list[bool]]:
+Example = tuple[list[int], list[bool]]
+
+
+def _examples(row: dict[str, Any], data: DataConfig, tokenizer: Any) -> list[Example]:
+    """The documents of one row: one, or a preference pair's two (prompt + chosen, prompt +
+    rejected: the prompt's tokens are never targets); raises ValueError naming what is wrong."""
+    if data.format != "preference":
+        return [_example(row, data, tokenizer)]
+    prompt, *answers = preference_pair(row, data)
+    if isinstance(prompt, list):
+        return [_chat_example([*prompt, *a], tokenizer, first_target=len(prompt)) for a in answers]
+    eos = [tokenizer.eos_token_id] if data.append_eos and tokenizer.eos_token_id is not None else []
+    p = _encode(tokenizer, prompt, special=True)
+    out = []
+    for answer in answers:
+        a = _encode(tokenizer, answer, special=False) + eos
+        out.append((p + a, [False] * len(p) + [True] * len(a)))
+    return out
+
+
+def _example(row: dict[str, Any], data: DataConfig, tokenizer: Any) -> Example:
     """Token ids and target mask of one row; raises ValueError naming what is wrong."""
     eos = [tokenizer.eos_token_id] if data.append_eos and tokenizer.eos_token_id is not None else []
     if data.format == "text":
@@ -106,8 +134,9 @@ def _example(row: dict[str, Any], data: DataConfig, tokenizer: Any) -> tuple[lis
     return _chat_example(messages(row, data.messages_field), tokenizer)
 
 
-def _chat_example(messages: list[dict[str, str]], tokenizer: Any) -> tuple[list[int], list[bool]]:
-    """Render prefixes of the conversation; the tokens each assistant turn adds are targets."""
+def _chat_example(messages: list[dict[str, str]], tokenizer: Any, first_target: int = 0) -> Example:
+    """Render prefixes of the conversation; the tokens each assistant turn from message
+    `first_target` on adds are targets."""
     ids: list[int] = []
     mask: list[bool] = []
     for i, msg in enumerate(messages):
@@ -118,7 +147,7 @@ def _chat_example(messages: list[dict[str, str]], tokenizer: Any) -> tuple[list[
             raise ValueError("chat template does not render conversation prefixes stably")
         added = list(rendered[len(ids) :])
         ids += added
-        mask += [msg["role"] == "assistant"] * len(added)
+        mask += [msg["role"] == "assistant" and i >= first_target] * len(added)
     return ids, mask
 
 
@@ -143,21 +172,22 @@ def _tokenize_rows(path: str, key: str, data: DataConfig, tokenizer: Any) -> Doc
     num_skipped = num_truncated = num_emptied = 0
     for num_rows, (source, row_number, row) in enumerate(read_rows(path, key, data), start=1):
         try:
-            ids, mask = _example(row, data, tokenizer)
-            if not any(mask):
+            examples = _examples(row, data, tokenizer)
+            if not all(any(mask) for _, mask in examples):
                 raise ValueError("has no tokens to learn from")
         except ValueError as err:
             if data.on_bad_row == "error":
                 raise bad_row_error(key, source, row_number, err) from None
             num_skipped += 1
             continue
-        if data.format != "text" and len(ids) > data.seq_len:
-            ids, mask = ids[: data.seq_len], mask[: data.seq_len]
-            num_truncated += 1
-            num_emptied += not any(mask[1:])
-        tokens += ids
-        targets += mask
-        offsets.append(len(tokens))
+        for ids, mask in examples:
+            if data.format != "text" and len(ids) > data.seq_len:
+                ids, mask = ids[: data.seq_len], mask[: data.seq_len]
+                num_truncated += 1
+                num_emptied += not any(mask[1:])
+            tokens += ids
+            targets += mask
+            offsets.append(len(tokens))
         if num_rows % 50_000 == 0:
             log.info("tokenised %d rows of %s", num_rows, path)
     if len(offsets) == 1:
@@ -210,6 +240,8 @@ def _cache_key(path: str, data: DataConfig, tokenizer: Any) -> str:
             "prompt_field",
             "completion_field",
             "messages_field",
+            "chosen_field",
+            "rejected_field",
             "text_unit",
             "append_eos",
             "on_bad_row",

@@ -67,6 +67,22 @@ def _chunk_loss_sum(
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def _chunk_row_sums(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    transform: LogitTransform | None,
+    rows: torch.Tensor,
+    num_rows: int,
+) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias)
+    if transform is not None:
+        logits = transform(logits)
+    losses = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
+    return losses.new_zeros(num_rows).index_add(0, rows, losses)
+
+
 def chunked_loss_sum(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -74,18 +90,24 @@ def chunked_loss_sum(
     targets: torch.Tensor,
     chunk_tokens: int,
     transform: LogitTransform | None = None,
+    per_row: bool = False,
 ) -> torch.Tensor:
     """Summed cross-entropy of `F.linear(hidden, weight, bias)` (then `transform`) against
-    `targets`, over chunks of `chunk_tokens` tokens; each chunk recomputed in backward."""
+    `targets` ([rows, seq]), over chunks of `chunk_tokens` tokens; each chunk recomputed in
+    backward. `per_row`: a sum per row of `targets` (the preference objectives' sequences)."""
     hidden_chunks = hidden.reshape(-1, hidden.size(-1)).split(chunk_tokens)
     target_chunks = targets.reshape(-1).split(chunk_tokens)
+    num_rows = targets.size(0)
+    row_of = torch.arange(targets.numel(), device=targets.device) // targets.size(-1)
+    row_chunks = row_of.split(chunk_tokens)
     recompute = torch.is_grad_enabled()
     total: torch.Tensor | None = None
-    for h, t in zip(hidden_chunks, target_chunks, strict=True):
+    for h, t, r in zip(hidden_chunks, target_chunks, row_chunks, strict=True):
+        fn, extra = (_chunk_row_sums, (r, num_rows)) if per_row else (_chunk_loss_sum, ())
         if recompute:
-            part = checkpoint(_chunk_loss_sum, h, weight, bias, t, transform, use_reentrant=False)
+            part = checkpoint(fn, h, weight, bias, t, transform, *extra, use_reentrant=False)
         else:
-            part = _chunk_loss_sum(h, weight, bias, t, transform)
+            part = fn(h, weight, bias, t, transform, *extra)
         total = part if total is None else total + part
     assert total is not None
     return total
@@ -102,22 +124,31 @@ class ChunkedLossHead(nn.Linear):
     chunk_tokens: int
     transform: LogitTransform | None
     _targets: torch.Tensor | None
+    _per_row: bool
     _loss_sum: torch.Tensor | None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._targets is None:
             return super().forward(hidden)
         loss_sum = chunked_loss_sum(
-            hidden, self.weight, self.bias, self._targets, self.chunk_tokens, self.transform
+            hidden,
+            self.weight,
+            self.bias,
+            self._targets,
+            self.chunk_tokens,
+            self.transform,
+            self._per_row,
         )
         self._loss_sum = loss_sum
-        return loss_sum.reshape(1, 1, 1) * 0  # a new tensor, not a view (FSDP2 warns on views)
+        # a new tensor, not a view (FSDP2 warns on views)
+        return loss_sum.sum().reshape(1, 1, 1) * 0
 
     @contextlib.contextmanager
-    def loss_targets(self, targets: torch.Tensor) -> Iterator[None]:
+    def loss_targets(self, targets: torch.Tensor, per_row: bool = False) -> Iterator[None]:
         """Within: the next forward computes the summed loss against `targets` (aligned with the
-        positions, IGNORE_INDEX where a position predicts nothing)."""
+        positions, IGNORE_INDEX where a position predicts nothing); `per_row`: one sum per row."""
         self._targets = targets
+        self._per_row = per_row
         try:
             yield
         finally:

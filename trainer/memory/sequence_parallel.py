@@ -87,10 +87,12 @@ def split_sequence(
     The targets are taken from the labels BEFORE the split (`targets`: what each position
     predicts), so the last token of one slice predicts the first token of the next; position
     ids and document ids are the whole sequence's. At sp=1 the slice is the whole sequence.
+    Entries with one value per row (a preference pair's index) are kept whole.
     """
     full = {**batch, "targets": shifted_targets(batch["labels"])}
     _, sequence_rank = dims.coordinates(rank)
-    return {key: _slice(full[key], sequence_rank, dims.sequence) for key in SHARDED_KEYS}
+    per_row = {key: t for key, t in batch.items() if t.dim() == 1}
+    return per_row | {key: _slice(full[key], sequence_rank, dims.sequence) for key in SHARDED_KEYS}
 
 
 def _slice(t: torch.Tensor, index: int, parts: int) -> torch.Tensor:

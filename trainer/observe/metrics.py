@@ -87,6 +87,8 @@ class MetricsLog:
         ]
         if "mfu" in r:
             parts.append(f"mfu {r['mfu']:.1%}")
+        if "reward_accuracy" in r:  # a preference objective (docs/preference.md)
+            parts.append(f"reward acc {r['reward_accuracy']:.0%} margin {r['reward_margin']:.3f}")
         if "eval_loss" in r:
             parts.append(f"eval_loss {r['eval_loss']:.4f}")
         if "eval_exact_match" in r:

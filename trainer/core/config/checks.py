@@ -198,7 +198,34 @@ def _check_across_sections(cfg: JobConfig) -> None:
             "use precision=bf16 or fp32 on CPU",
         )
     _check_finetune(cfg)
+    _check_objective(cfg)
     _check_resilience(cfg)
+
+
+def _check_objective(cfg: JobConfig) -> None:
+    """A preference objective reads preference pairs, and only it does; its sequences are whole
+    on one rank (a pair's log-probs are sums over each sequence)."""
+    objective, data_format = cfg.objective.type, cfg.data.format
+    if cfg.objective.preference and data_format != "preference":
+        raise ConfigError(
+            "data.format",
+            f"is {data_format}, but objective.type={objective} learns from preference pairs",
+            "set data.format=preference ({prompt, chosen, rejected} rows), or objective.type=sft",
+        )
+    if data_format == "preference" and not cfg.objective.preference:
+        raise ConfigError(
+            "objective.type",
+            "is sft, but data.format=preference holds pairs for a preference objective",
+            "set objective.type to dpo, orpo or simpo (or use data.format=prompt_completion)",
+        )
+    if cfg.objective.preference and isinstance(cfg.sequence_parallel, int):
+        if cfg.sequence_parallel > 1:
+            raise ConfigError(
+                "sequence_parallel",
+                f"{cfg.sequence_parallel} with objective.type={objective}: preference objectives "
+                "keep each sequence on one rank",
+                "set sequence_parallel=1 (or auto)",
+            )
 
 
 def _check_resilience(cfg: JobConfig) -> None:

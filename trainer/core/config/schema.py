@@ -99,12 +99,16 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     path: Annotated[str, LEARNED]
-    format: Annotated[Literal["text", "prompt_completion", "chat"], LEARNED] = "text"
+    # preference: {prompt, chosen, rejected} pairs (strings, or chat message lists), for
+    # the preference objectives (`objective.type`: dpo, orpo, simpo)
+    format: Annotated[Literal["text", "prompt_completion", "chat", "preference"], LEARNED] = "text"
     seq_len: Annotated[int, LEARNED] = Field(2048, ge=8)
     text_field: Annotated[str, LEARNED] = "text"
     prompt_field: Annotated[str, LEARNED] = "prompt"
     completion_field: Annotated[str, LEARNED] = "completion"
     messages_field: Annotated[str, LEARNED] = "messages"
+    chosen_field: Annotated[str, LEARNED] = "chosen"
+    rejected_field: Annotated[str, LEARNED] = "rejected"
     # .txt files: a file is one document | blocks between blank lines | every non-blank line
     text_unit: Literal["document", "paragraph", "line"] = "document"
     eval_path: str | None = None
@@ -159,6 +163,26 @@ class TrainConfig(_Section):
         if not all(0.0 <= b < 1.0 for b in v):
             raise ValueError("both betas must be in [0, 1)")
         return v
+
+
+class ObjectiveConfig(_Section):
+    """What the loss rewards (docs/preference.md). sft: next-token cross-entropy. On
+    {prompt, chosen, rejected} pairs: dpo (the sigmoid loss against a reference's log-probs),
+    orpo (the odds-ratio term on top of the chosen half's cross-entropy, no reference), simpo
+    (the length-normalised margin, no reference)."""
+
+    type: Literal["sft", "dpo", "orpo", "simpo"] = "sft"
+    beta: float = Field(0.1, gt=0.0)
+    # SimPO's target margin (gamma, in reward units; TRL's simpo_gamma)
+    simpo_gamma: float = Field(0.5, ge=0.0)
+
+    @property
+    def preference(self) -> bool:
+        return self.type != "sft"
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.type == "dpo"
 
 
 class LoraConfig(_Section):
@@ -414,6 +438,7 @@ class JobConfig(_Section):
     data: DataConfig
     train: TrainConfig = Field(default_factory=TrainConfig)
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
+    objective: Annotated[ObjectiveConfig, LEARNED] = Field(default_factory=ObjectiveConfig)
     # bf16_pure: opt-in, lossy: bf16 weights, gradients and AdamW state, no fp32 master
     precision: Annotated[Literal["bf16", "fp16", "fp32", "bf16_pure"], LEARNED] = "bf16"
     memory: MemoryConfig = Field(default_factory=MemoryConfig)

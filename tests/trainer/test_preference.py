@@ -1,0 +1,220 @@
+"""Preference tuning (docs/preference.md): the demo model taught addition (SFT, exported), then
+tuned on {prompt, chosen, rejected} pairs made from the demo's sums (the right sum chosen, a
+near miss rejected) with DPO (full: precomputed reference; LoRA: adapters off), ORPO and SimPO.
+
+One process trains the table once (tests/cli_worker.py); the tests read its runs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, train_in_one_process, write_demo_job
+from trainer.core.config import ConfigError, load_config
+from trainer.core.rows import check_rows
+
+DEMO = REPO / "configs" / "demo"
+NUM_PAIRS = 32  # one global batch: every step sees the same pairs, so their rewards must part
+STEPS = 12
+LORA = {"method": "lora", "lora": {"r": 4, "alpha": 8}}
+
+
+def _preference_job(tmp: Path, name: str, base: Path, pairs: Path, **sections) -> Path:
+    return write_demo_job(
+        tmp / f"{name}.yaml",
+        model={"name_or_path": str(base), "config": None, "tokenizer": None},
+        data={
+            "path": str(pairs),
+            "eval_path": str(DEMO / "pairs_eval.jsonl"),
+            "format": "preference",
+            "seq_len": 12,
+        },
+        objective={"type": "dpo", "beta": 0.1},
+        train={
+            "steps": STEPS,
+            "global_batch_size": NUM_PAIRS,
+            "micro_batch_size": 16,
+            "lr": 1e-2,
+            "schedule": "constant",
+            "eval_every": STEPS,
+            "eval_batches": 2,
+        },
+        run={"checkpoint_every": STEPS // 2},
+        **sections,
+    )
+
+
+def _args(job: Path, run_dir: Path, *overrides: str) -> tuple[list[str], Path]:
+    return [str(job), "strategy=single", f"run.dir={run_dir}", *overrides], run_dir / "log.txt"
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in _records(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("preference")
+    pairs = work / "pairs.jsonl"
+    pairs.write_text("".join(open(DEMO / "pairs_train.jsonl").readlines()[:NUM_PAIRS]))
+    sft = write_demo_job(
+        work / "sft.yaml",
+        train={"steps": 100, "global_batch_size": 16, "micro_batch_size": 16, "lr": 1e-2},
+        run={"save_final": True, "checkpoint_every": 0},
+    )
+    base = work / "sft" / "final"
+    dpo = _preference_job(work, "dpo", base, pairs)
+    dpo_lora = _preference_job(work, "dpo_lora", base, pairs, finetune=LORA)
+    resume = f"run.resume={work / 'dpo/checkpoints/step_6'}"
+    train_in_one_process(
+        [
+            _args(sft, work / "sft"),
+            _args(dpo, work / "dpo"),
+            _args(dpo, work / "dpo_resumed", resume),
+            # no cached reference: the pass runs again from the initial weights, then resumes
+            _args(dpo, work / "dpo_resumed_cold", resume, f"data.cache_dir={work / 'cold'}"),
+            _args(dpo, work / "dpo_chunked", "memory.chunked_loss=true", "train.steps=2"),
+            # an out-of-memory at step 3: the micro-batch halves (16 -> 8 pairs), same math
+            _args(dpo, work / "dpo_oom", "train.steps=4", "debug.inject_oom={step: 3}"),
+            _args(dpo_lora, work / "dpo_lora", "train.lr=5e-3"),
+            _args(dpo, work / "orpo", "objective.type=orpo", "train.lr=3e-3"),
+            _args(dpo, work / "simpo", "objective.type=simpo", "objective.beta=2.0"),
+        ]
+    )
+    return work
+
+
+def test_the_first_dpo_step_is_ln2_full_and_lora(runs):
+    """policy = reference at step 1: every pair's margin is 0, its loss -logsigmoid(0) = ln 2."""
+    for name in ("dpo", "dpo_lora"):
+        first = _records(runs / name)[0]
+        assert abs(first["loss"] - math.log(2)) < 1e-4, (name, first["loss"])
+        assert first["reward_margin"] == 0.0 and first["reward_accuracy"] == 0.0, first
+
+
+def test_dpo_reward_accuracy_rises_and_the_loss_falls(runs):
+    for name in ("dpo", "dpo_lora"):
+        records = _records(runs / name)
+        accuracy = [r["reward_accuracy"] for r in records]
+        assert sum(accuracy[-4:]) / 4 > 0.7, (name, accuracy)
+        assert records[-1]["loss"] < math.log(2) - 0.05, (name, _losses(runs / name))
+        last = records[-1]
+        assert last["reward_margin"] > 0 and last["chosen_logp"] < 0, last
+        assert {"eval_loss", "eval_reward_accuracy", "eval_reward_margin"} <= set(last), last
+
+
+def test_the_full_fine_tune_reads_a_precomputed_reference_and_lora_needs_none(runs):
+    assert "reference: one no-grad pass over 132 pairs" in (runs / "dpo" / "log.txt").read_text()
+    cache = list((runs / "cache" / "reference").glob("*.npy"))
+    assert len(cache) == 1, cache  # the resumed and chunked runs read it back
+    resumed = (runs / "dpo_resumed" / "log.txt").read_text()
+    assert "reference: precomputed log-probs read from" in resumed
+    assert "reference:" not in (runs / "dpo_lora" / "log.txt").read_text()
+
+
+def test_dpo_resume_is_exact_with_the_reference_cached_or_computed_again(runs):
+    assert _losses(runs / "dpo_resumed") == _losses(runs / "dpo")[STEPS // 2 :]
+    cold = runs / "dpo_resumed_cold"
+    assert "reference: one no-grad pass over 132 pairs" in (cold / "log.txt").read_text()
+    assert _losses(cold) == _losses(runs / "dpo")[STEPS // 2 :]
+
+
+def test_an_out_of_memory_halves_the_pairs_per_micro_batch_and_keeps_the_losses(runs):
+    records = _records(runs / "dpo_oom")
+    assert [r["micro_batch_size"] for r in records] == [16, 16, 8, 8], records
+    got, want = [r["loss"] for r in records], _losses(runs / "dpo")[:4]
+    assert all(abs(a - b) < 1e-5 for a, b in zip(got, want, strict=True)), (got, want)
+
+
+def test_chunked_loss_gives_dpo_the_same_losses(runs):
+    chunked, plain = _losses(runs / "dpo_chunked"), _losses(runs / "dpo")[:2]
+    assert all(abs(a - b) < 1e-5 for a, b in zip(chunked, plain, strict=True)), (chunked, plain)
+
+
+@pytest.mark.parametrize("name", ["orpo", "simpo"])
+def test_orpo_and_simpo_train_without_a_reference(runs, name):
+    records = _records(runs / name)
+    losses = [r["loss"] for r in records]
+    assert losses[-1] < losses[0] - 0.01, losses
+    assert sum(r["reward_accuracy"] for r in records[-4:]) / 4 > 0.6, records[-4:]
+    assert "reference:" not in (runs / name / "log.txt").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one line, naming the key or the row and field
+
+
+def _config(tmp_path: Path, rows: str = "", **sections):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(rows or '{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n')
+    job = {
+        "data": {"path": str(data), "format": "preference"},
+        "objective": {"type": "dpo"},
+        "hardware": {"device": "cpu", "devices_per_node": 2},
+        "train": {"global_batch_size": 8},
+    }
+    for name, values in sections.items():
+        job[name] = {**job.get(name, {}), **values} if isinstance(values, dict) else values
+    return load_config(write_demo_job(tmp_path / "job.yaml", **job))
+
+
+@pytest.mark.parametrize(
+    ("sections", "says"),
+    [
+        ({"objective": {"type": "dpo", "beta": 0}}, "objective.beta"),
+        ({"data": {"format": "prompt_completion"}}, "objective.type=dpo learns from preference"),
+        ({"objective": {"type": "sft"}}, "data.format=preference holds pairs"),
+        ({"sequence_parallel": 2}, "preference objectives keep each sequence on one rank"),
+    ],
+)
+def test_a_preference_config_that_cannot_work_is_one_line(tmp_path, sections, says):
+    with pytest.raises(ConfigError) as err:
+        _config(tmp_path, **sections)
+    assert says in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("row", "says"),
+    [
+        ('{"prompt": "1+1=", "chosen": "2"}', "row 2 has no 'rejected' field"),
+        ('{"prompt": "1+1=", "chosen": " ", "rejected": "3"}', "row 2 field 'chosen' is empty"),
+        ('{"prompt": [{"role": "user", "content": "1+1="}], "chosen": "2", "rejected": "3"}',
+         "row 2 field 'chosen' is not a non-empty list of messages"),
+    ],
+)  # fmt: skip
+def test_a_bad_pair_names_its_row_and_field(tmp_path, row, says):
+    good = '{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n'
+    cfg = _config(tmp_path, rows=good + row + "\n")
+    with pytest.raises(ConfigError) as err:
+        check_rows(cfg.data)
+    assert says in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_chat_pairs_mask_the_prompt_and_train_on_each_answer(tmp_path):
+    from trainer.data import build_tokenizer
+    from trainer.data.documents import tokenize_source
+
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "1+1="}],
+            "chosen": [{"role": "assistant", "content": "2"}],
+            "rejected": [{"role": "assistant", "content": "3"}],
+        }
+    ]
+    cfg = _config(tmp_path, rows="".join(json.dumps(r) + "\n" for r in rows))
+    docs = tokenize_source(
+        cfg.data.path, "data.path", cfg.data, build_tokenizer(cfg.model), tmp_path / "cache"
+    )
+    assert docs.num_docs == 2  # the pair's two halves
+    tokenizer = build_tokenizer(cfg.model)
+    for i, answer in enumerate("23"):
+        ids, targets = docs.doc(i)
+        learned, given = tokenizer.decode(ids[targets]), tokenizer.decode(ids[~targets])
+        assert answer in learned and "1+1=" in given and "1+1=" not in learned, (learned, given)
