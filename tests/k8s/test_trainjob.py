@@ -134,7 +134,8 @@ def test_llama_8b_on_two_nodes_of_8_gpus_validates_and_is_sized_by_the_plan(caps
     # host memory: the plan's estimate per node and memory.headroom (0.1), in whole GiB
     wanted = math.ceil(plan["estimate"]["host"]["total_bytes"] * 1.1 / GIB)
     assert resources["limits"]["memory"] == resources["requests"]["memory"] == f"{wanted}Gi"
-    assert 800 < wanted <= 1024  # the offloaded activations of this plan need most of a node
+    # the host estimate (loading the weights, 16 ranks' processes), within a node's 1 TiB
+    assert 16 < wanted <= 1024
     # the ranks' caching allocator runs with expandable segments (validated by the CRD above)
     assert trainer["env"] == [
         {"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"}
