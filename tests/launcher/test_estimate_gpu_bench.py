@@ -28,6 +28,9 @@ def test_cpu_smoke_runs_real_engine_steps_and_writes_the_details(tmp_path, monke
     ranks of zero3_offload); measuring them here again cost two more starts, one of DeepSpeed."""
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", python_env()["PYTHONPATH"])  # the run imports this checkout
+    # the bench sets the launcher's allocator mode in its own environment when none is set:
+    # set here, so that it is taken back after the test and no later test sees it
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.chdir(REPO)
     code = main(["--cpu-smoke", "--only", "0", "--timeout", "300"])
     out, err = capsys.readouterr()

@@ -35,7 +35,9 @@ def test_single_node_is_standalone_with_restarts_from_config():
     assert env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", str(max(1, cores // 2)))
 
 
-def test_several_nodes_rendezvous_on_the_head_node_with_the_rank_left_to_each_node():
+def test_several_nodes_rendezvous_on_the_head_node_with_the_rank_left_to_each_node(monkeypatch):
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # no setting of the user's
+        monkeypatch.delenv(var, raising=False)
     cfg = _cfg(device="cuda", nodes=4, devices_per_node=8, device_memory="80GiB")
     argv, env = build_torchrun_command(cfg, Path("c.yaml"))
     joined = " ".join(argv)
