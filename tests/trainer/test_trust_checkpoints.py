@@ -310,7 +310,9 @@ def test_a_full_disk_on_two_ranks_is_one_line_and_the_run_resumes(trained, small
     r = _train(job, run, *two)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     lines = r.stderr.splitlines()
-    said = [line for line in lines if not line.startswith(("[rank", "data ", "launching"))]
+    # (a blank line from the two ranks' interleaved writes of the same line came once in 2
+    # CI rehearsals: what the user reads is still the one line)
+    said = [line for line in lines if line and not line.startswith(("[rank", "data ", "launching"))]
     assert said == [lines[-1]], r.stderr[-3000:]
     assert lines[-1].startswith("config error: run.dir: could not write checkpoint step_4 to ")
     assert str(run / "checkpoints") in lines[-1] and "step_2 is kept" in lines[-1], lines[-1]
