@@ -56,9 +56,26 @@ def describe(name: str, out: Path) -> str:
             return _levers(result)
         if name == "long_context":
             return _long_context(result)
+    if name == "estimate" and (out / "estimate_gpu.json").exists():
+        return _estimate(json.loads((out / "estimate_gpu.json").read_text())["runs"])
     if name == "estimate" and not (out / "estimate.log").exists():
         return "bench/estimate_gpu.py not found"
     return _last_line(out / f"{name}.log")
+
+
+def _estimate(runs: list[dict[str, Any]]) -> str:
+    """The estimate's errors over the runs measured (all of the grid, or those done in time)."""
+    from bench.estimate_gpu import errors
+
+    errs = [errors(r) for r in runs]
+    peak = [e["peak"] for e in errs if e["peak"] is not None]
+    total = [e["total"] for e in errs if e["total"] is not None]
+    if not peak:
+        return f"{len(runs)} runs, none measured"
+    text = f"{len(peak)} of {len(runs)} runs: peak error {min(peak):+.1%} to {max(peak):+.1%}"
+    if total:
+        text += f", total (reserved + context) {min(total):+.1%} to {max(total):+.1%}"
+    return text
 
 
 def _throughput(r: dict[str, Any], peer: str) -> str:

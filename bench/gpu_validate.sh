@@ -8,8 +8,9 @@
 #
 # Parts, in this order, each under its own `timeout` and all under one deadline
 # (GPU_VALIDATE_BUDGET_S, 520 s; a part that would start with under 20 s left is skipped):
-#   estimate       estimator accuracy: `python -m bench.estimate_gpu` (estimate vs
-#                  torch.cuda.max_memory_allocated over a grid of real runs); "missing" if absent
+#   estimate       estimator accuracy: `python -m bench.estimate_gpu --only 0,2,7,9,11` (estimate
+#                  vs torch.cuda.max_memory_allocated over real runs; GPU_VALIDATE_ESTIMATE_RUNS
+#                  picks others of the 13; all 13 take ~8 min alone); "missing" if absent
 #   escalation     the CUDA allocator capped below what `single` needs: `oomless train` runs out
 #                  of memory for real, climbs the ladder and completes
 #   levers         chunked loss and activation offload on `single` against neither: peak
@@ -109,11 +110,13 @@ elif [ "$DEVICE" = cpu ]; then # its own --cpu-smoke takes minutes here; check t
     run_part estimate 60 bash -c '"$@" >/dev/null && echo "bench.estimate_gpu loads (--help)"' _ \
         "$PY" -m bench.estimate_gpu --help
 else
-    part estimate 240 env OUT="$OUT" "$PY" -m bench.estimate_gpu
+    # five of the grid's 13 runs (~40 s each on an H200): every strategy kind and both sizes
+    part estimate 240 env OUT="$OUT" "$PY" -m bench.estimate_gpu \
+        --only "${GPU_VALIDATE_ESTIMATE_RUNS:-0,2,7,9,11}"
 fi
 
 # `oomless train` gets 15 s less than the part, so that escalation.json is written on a timeout
-run_part escalation 150 bash -c '"$@" --timeout "$((PART_LIMIT_S - 15))"' _ \
+run_part escalation 210 bash -c '"$@" --timeout "$((PART_LIMIT_S - 15))"' _ \
     "$PY" -m bench.escalation --device "$DEVICE" "${ESCALATION[@]}" --out "$OUT"
 
 run_part levers 120 "$PY" -m bench.levers --device "$DEVICE" --precision "$PRECISION" --micro 1 \
@@ -123,7 +126,7 @@ SAME=(--device "$DEVICE" --precision "$PRECISION" --seq "$SEQ" --rounds "$ROUNDS
 run_part single 70 "$PY" -m bench.engine_vs_plain "${SAME[@]}" --model "$MODEL" --micro 4 --accum 2 \
     --steps 2 --no-trainer --json "$OUT/single.json"
 
-run_part fsdp 60 "${TORCHRUN[@]}" -m bench.fsdp_vs_plain "${SAME[@]}" --model "$MODEL" --micro 4 \
+run_part fsdp 80 "${TORCHRUN[@]}" -m bench.fsdp_vs_plain "${SAME[@]}" --model "$MODEL" --micro 4 \
     --accum 2 --json "$OUT/fsdp.json"
 
 if [ "$DEVICE" != cpu ]; then wait; fi # for the CPU Adam build

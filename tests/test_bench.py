@@ -285,3 +285,26 @@ def test_dpo_step_one_loss_and_log_probs_equal_trl_s_on_the_same_batch(tmp_path)
     for key in ("logps/chosen", "logps/rejected"):
         assert abs(ours[key] - trl[key]) <= 1e-5 * abs(trl[key]), got
     assert ours["logps/chosen"] != ours["logps/rejected"]  # a real comparison, not two zeros
+
+
+def test_gpu_report_summarises_the_estimate_runs_done_before_a_time_limit(tmp_path):
+    """The estimate part writes its JSON after every run; the report reads what is there."""
+    from bench.gpu_report import describe
+
+    def run(index, est_peak, allocated, est_total, reserved, context=650_969_088):
+        return {
+            "index": index,
+            "estimate": {"peak_tensor_bytes": est_peak, "total_bytes": est_total},
+            "measured": {"max_allocated_bytes": allocated, "max_reserved_bytes": reserved,
+                         "context_bytes": context},
+        }  # fmt: skip
+
+    runs = [  # the H200's runs 4 and 5 (docs/benchmarks.md), and one that timed out
+        run(4, 28_611_874_816, 27_295_860_736, 30_298_069_237, 32_359_055_360),
+        run(5, 21_768_867_840, 21_819_600_896, 22_907_621_703, 27_086_815_232),
+        {"index": 7, "error": "timed out after 180 s"},
+    ]
+    (tmp_path / "estimate_gpu.json").write_text(json.dumps({"runs": runs}))
+    assert describe("estimate", tmp_path) == (
+        "2 of 3 runs: peak error -0.2% to +4.8%, total (reserved + context) -17.4% to -8.2%"
+    )
