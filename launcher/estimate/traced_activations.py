@@ -45,18 +45,28 @@ def trace_layer_activations(
 ) -> LayerActivations:
     """Measure one layer of each kind in every compute mode of `precision` (see the module doc):
     what it saves, then its transients against traced steps, on copies of the model cut to
-    `REDUCED_DEPTHS` layers where that is exact (`reduced_depths`)."""
+    `reduced_depths` layers where that is exact. The forwards that count saved tensors and the
+    traced steps all run at once, over two cores where there are two."""
     depths = reduced_depths(hf_config, attn_implementation)
     saved_config = at_depth(hf_config, depths[0]) if depths else hf_config
-    measured = saved_activations(saved_config, seq_len, precision, attn_implementation)
-    return calibrate_transients(measured, hf_config, precision, attn_implementation, depths)
+    copies = [at_depth(hf_config, d) for d in depths] if depths else [hf_config]
+    s = _even(seq_len)
+    saved_jobs = _saved_jobs(saved_config, precision, attn_implementation, s)
+    keys, peak_jobs = _peak_jobs(copies, precision, attn_implementation, s)
+    results = _on_two_cores([*saved_jobs, *peak_jobs])
+    measured = _saved_fits(results[: len(saved_jobs)], precision, seq_len)
+    peaks = _peaks_by_copy(keys, results[len(saved_jobs) :], len(copies))
+    return _with_transients(measured, hf_config, precision, depths, peaks)
 
 
-# Depths of the copies traced instead of a deep model. What a layer saves does not depend on
-# the depth; its transients (traced step minus the estimate's same phase) are linear in the
-# layer count from 3 layers on (2 layers is a special case under FSDP: its backward transient
-# is 6 KB there against 336 KB from 3 layers on, gpt_neox hidden 128, seq 256).
+# Depths of the copies traced instead of a deep model with one kind of layer. What a layer saves
+# does not depend on the depth; its transients (traced step minus the estimate's same phase) are
+# linear in the layer count from 3 layers on (2 layers is a special case under FSDP: its backward
+# transient is 6 KB there against 336 KB from 3 layers on, gpt_neox hidden 128, seq 256). Kinds
+# that repeat with a period p (gpt-oss's sliding and full attention: p = 2) take copies p times
+# as deep, so every kind keeps its share and its bottom, second and top layers.
 REDUCED_DEPTHS = (3, 4)
+MAX_PERIOD = 4  # a longer pattern of kinds traces the whole model
 _DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
@@ -83,52 +93,45 @@ def at_depth(hf_config: dict[str, Any], depth: int) -> dict[str, Any]:
 
 
 def reduced_depths(hf_config: dict[str, Any], attn_implementation: str) -> tuple[int, ...]:
-    """`REDUCED_DEPTHS`, where a model deeper than them has one kind of layer and copies of
-    that depth build with that many layers; () to trace the whole model. With several kinds
-    (sliding and global attention, dense and MoE layers) the whole model is traced: a cut copy
-    could keep the kinds in another proportion (e.g. DeepSeek's first dense layers)."""
-    layers = shape_of(json.dumps(hf_config, sort_keys=True)).num_layers
-    if layers <= max(REDUCED_DEPTHS) or _num_layer_kinds(hf_config, attn_implementation) != 1:
+    """The depths of the copies traced for this model: `REDUCED_DEPTHS` times the period of
+    its kinds of layer, where the model is deeper than them, its depth is whole periods and the
+    copies build with exactly the first layers of the model; () to trace the whole model (a
+    kind pattern that does not repeat, such as DeepSeek's first dense layers, could take
+    another share in a cut copy)."""
+    kinds = _kind_sequence(hf_config, attn_implementation)
+    layers = len(kinds)
+    periods = range(1, MAX_PERIOD + 1)
+    repeats = (p for p in periods if all(k == kinds[i % p] for i, k in enumerate(kinds)))
+    period = next(repeats, None)
+    if period is None or layers % period or layers <= max(REDUCED_DEPTHS) * period:
         return ()
-    for depth in REDUCED_DEPTHS:
+    depths = tuple(d * period for d in REDUCED_DEPTHS)
+    for depth in depths:
         try:
-            cut = shape_of(json.dumps(at_depth(hf_config, depth), sort_keys=True))
+            cut = _kind_sequence(at_depth(hf_config, depth), attn_implementation)
         except Exception as err:  # a config whose copy does not build: trace the whole model
             log.debug("no %d-layer copy of %s: %s", depth, hf_config["model_type"], err)
             return ()
-        if cut.num_layers != depth:
+        if cut != kinds[:depth]:
             return ()
-    return REDUCED_DEPTHS
+    return depths
 
 
-def _num_layer_kinds(hf_config: dict[str, Any], attn_implementation: str) -> int:
+def _kind_sequence(hf_config: dict[str, Any], attn_implementation: str) -> list[tuple]:
+    """Each layer's kind (`_layer_signature`), bottom to top, from a model on the meta device."""
     from trainer.model.build import HFModelFactory, decoder_layers
 
     model_cfg = ModelConfig(config=dict(hf_config), attn_implementation=attn_implementation)
     model = HFModelFactory(model_cfg, seed=0).build("meta")
-    return len(_layer_kinds(model, decoder_layers(model)))
+    return _kind_of_each_layer(model, decoder_layers(model))
 
 
 def saved_activations(
     hf_config: dict[str, Any], seq_len: int, precision: str, attn_implementation: str = "sdpa"
 ) -> LayerActivations:
     """What each part keeps for backward (layers, shared inputs, final), fitted per mode."""
-    from launcher.estimate.trace import moe_fake_kernels
-
-    s = max(2, seq_len - seq_len % 2)
-    parts: dict[str, dict[str, Fit]] = {part: {} for part in PARTS}
-    kinds = 1
-    with moe_fake_kernels():
-        for mode in MODES[precision]:
-            points = []
-            for b, seq in ((1, s // 2), (2, s // 2), (1, s)):
-                saved, kinds = _saved_per_layer(hf_config, mode, precision, attn_implementation,
-                                                 b, seq)  # fmt: skip
-                points.append(saved)
-            for i, part in enumerate(PARTS[:3]):
-                parts[part][mode] = Fit.through(*(p[i] for p in points), s)
-    return LayerActivations("traced", parts["fits"], seq_len, num_layer_kinds=kinds,
-                            shared=parts["shared"], final=parts["final"])  # fmt: skip
+    jobs = _saved_jobs(hf_config, precision, attn_implementation, _even(seq_len))
+    return _saved_fits([_run(job) for job in jobs], precision, seq_len)
 
 
 def calibrate_transients(
@@ -144,18 +147,60 @@ def calibrate_transients(
     them, at the three points, per mode (single for autocast and fp32, fsdp x4 for 16-bit
     parameters). With two `depths`, the traced steps are those of copies of those depths, and
     the layers' peak is extrapolated to the model's depth (`deep_peak`)."""
-    s = max(2, acts.seq_len - acts.seq_len % 2)
+    copies = [at_depth(hf_config, d) for d in depths] if depths else [hf_config]
+    keys, jobs = _peak_jobs(copies, precision, attn_implementation, _even(acts.seq_len))
+    peaks = _peaks_by_copy(keys, _on_two_cores(jobs), len(copies))
+    return _with_transients(acts, hf_config, precision, depths, peaks)
+
+
+def _even(seq_len: int) -> int:
+    return max(2, seq_len - seq_len % 2)
+
+
+def _saved_jobs(hf_config, precision, attn_implementation, s) -> list[tuple]:
+    """One forward per mode and point, counting what each layer saves (`_saved_point`)."""
+    return [
+        ("saved", hf_config, mode, precision, attn_implementation, b, seq)
+        for mode in MODES[precision]
+        for b, seq in _points(s)
+    ]
+
+
+def _saved_fits(results: list, precision: str, seq_len: int) -> LayerActivations:
+    """The saved tensors' fits from `_saved_jobs`' results, in their order."""
+    s = _even(seq_len)
+    parts: dict[str, dict[str, Fit]] = {part: {} for part in PARTS}
+    kinds = 1
+    points_per_mode = len(_points(s))
+    for k, mode in enumerate(MODES[precision]):
+        mine = results[k * points_per_mode : (k + 1) * points_per_mode]
+        kinds = mine[-1][1]
+        for i, part in enumerate(PARTS[:3]):
+            parts[part][mode] = Fit.through(*(saved[i] for saved, _ in mine), s)
+    return LayerActivations("traced", parts["fits"], seq_len, num_layer_kinds=kinds,
+                            shared=parts["shared"], final=parts["final"])  # fmt: skip
+
+
+def _with_transients(
+    acts: LayerActivations,
+    hf_config: dict[str, Any],
+    precision: str,
+    depths: tuple[int, ...],
+    by_copy: list[dict[tuple[str, str], list[dict[int, int]]]],
+) -> LayerActivations:
+    """`acts` with the transients fitted from the layer peaks of the traced copies (the whole
+    model, or the copies `depths` deep, extrapolated)."""
+    s = _even(acts.seq_len)
     shape = replace(shape_of(json.dumps(hf_config, sort_keys=True)), activations=acts)
     if depths:
-        copies = [at_depth(hf_config, d) for d in depths]
-        near, far = _layer_peaks(copies, precision, attn_implementation, s)
+        near, far = by_copy
         layers = shape.num_layers
         peaks = {
             key: [deep_peak(a, b, depths, layers) for a, b in zip(near[key], far[key], strict=True)]
             for key in near
         }
     else:
-        (whole,) = _layer_peaks([hf_config], precision, attn_implementation, s)
+        (whole,) = by_copy
         peaks = {key: [max(p.values()) for p in points] for key, points in whole.items()}
     fits: dict[str, dict[str, Fit]] = {"backward": {}, "forward": {}}
     for (mode, part), points in peaks.items():
@@ -184,11 +229,10 @@ def _points(s: int) -> tuple[tuple[int, int], ...]:
     return ((1, s // 2), (2, s // 2), (1, s))
 
 
-def _layer_peaks(
+def _peak_jobs(
     configs: list[dict[str, Any]], precision: str, attn_implementation: str, s: int
-) -> list[dict[tuple[str, str], list[dict[int, int]]]]:
-    """Per config: (mode, "backward" | "forward") -> at each of `_points`, the traced step's
-    peak in each layer's phase of that part (layer index -> bytes)."""
+) -> tuple[list[tuple], list[tuple]]:
+    """(keys, jobs): per config, mode, point and part, the `layer_phase_peaks` arguments."""
     keys = [
         (c, mode, part, point)
         for c in range(len(configs))
@@ -200,8 +244,16 @@ def _layer_peaks(
         (configs[c], mode, part, b, seq, precision, attn_implementation)
         for c, mode, part, (b, seq) in keys
     ]
-    out: list[dict[tuple[str, str], list[dict[int, int]]]] = [{} for _ in configs]
-    for (c, mode, part, _), peaks in zip(keys, _traced_on_two_cores(jobs), strict=True):
+    return keys, jobs
+
+
+def _peaks_by_copy(
+    keys: list[tuple], results: list[dict[int, int]], copies: int
+) -> list[dict[tuple[str, str], list[dict[int, int]]]]:
+    """Per config: (mode, "backward" | "forward") -> at each of `_points`, the traced step's
+    peak in each layer's phase of that part (layer index -> bytes)."""
+    out: list[dict[tuple[str, str], list[dict[int, int]]]] = [{} for _ in range(copies)]
+    for (c, mode, part, _), peaks in zip(keys, results, strict=True):
         out[c].setdefault((mode, part), []).append(peaks)
     return out
 
@@ -211,27 +263,42 @@ def _layer_peaks(
 _CHILD_TIMEOUT_S = 900
 
 
-def _traced_on_two_cores(jobs: list[tuple]) -> list[dict[int, int]]:
-    """`layer_phase_peaks(*job)` for every job, half of them in a forked child process where
-    there is a second core: the traces are independent and run on one core each (pure Python
-    under fake tensors, so threads would not help). The same numbers as one after the other;
-    a failed or silent child's half is traced here instead."""
+def _run(job: tuple) -> Any:
+    """One measurement: `layer_phase_peaks(*job)`, or a saved-tensor forward ("saved", ...)."""
+    if job[0] == "saved":
+        return _saved_point(*job[1:])
+    return layer_phase_peaks(*job)
+
+
+def _cost(job: tuple) -> int:
+    """A measurement's relative time: a traced backward costs about three forwards."""
+    return 3 if job[0] != "saved" and job[2] == "backward" else 1
+
+
+def _on_two_cores(jobs: list[tuple]) -> list[Any]:
+    """`_run(job)` for every job, about half the time's worth of them in a forked child process
+    where there is a second core: the traces are independent and run on one core each (pure
+    Python under fake tensors, so threads would not help). The same numbers as one after the
+    other; a failed or silent child's half is traced here instead."""
     import multiprocessing
 
     usable_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     if len(jobs) < 2 or usable_cores < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        return [layer_phase_peaks(*job) for job in jobs]
+        return [_run(job) for job in jobs]
     ctx = multiprocessing.get_context("fork")
-    # jobs come in (backward, forward) pairs, a backward trace costing ~3 forward ones: each
-    # side takes the backward of every other pair and the forward of the rest
-    mine = [i for i in range(len(jobs)) if (i + i // 2) % 2 == 0]
-    others = [i for i in range(len(jobs)) if (i + i // 2) % 2 == 1]
+    mine: list[int] = []
+    others: list[int] = []
+    load = [0, 0]
+    for i in sorted(range(len(jobs)), key=lambda i: -_cost(jobs[i])):  # longest first
+        side = 0 if load[0] <= load[1] else 1
+        (mine, others)[side].append(i)
+        load[side] += _cost(jobs[i])
     theirs = [jobs[i] for i in others]
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_trace_into, args=(theirs, send), daemon=True)
+    child = ctx.Process(target=_run_into, args=(theirs, send), daemon=True)
     child.start()
     send.close()
-    ours = [layer_phase_peaks(*jobs[i]) for i in mine]
+    ours = [_run(jobs[i]) for i in mine]
     answer: Any = None
     with contextlib.suppress(EOFError, OSError):
         if receive.poll(_CHILD_TIMEOUT_S):
@@ -240,16 +307,16 @@ def _traced_on_two_cores(jobs: list[tuple]) -> list[dict[int, int]]:
     if child.is_alive():
         child.kill()
     if not isinstance(answer, list):  # the child failed: its traces again, here
-        answer = [layer_phase_peaks(*job) for job in theirs]
-    merged: dict[int, dict[int, int]] = dict(zip(mine, ours, strict=True))
+        answer = [_run(job) for job in theirs]
+    merged: dict[int, Any] = dict(zip(mine, ours, strict=True))
     merged |= dict(zip(others, answer, strict=True))
     return [merged[i] for i in range(len(jobs))]
 
 
-def _trace_into(jobs: list[tuple], send: Any) -> None:
+def _run_into(jobs: list[tuple], send: Any) -> None:
     """The forked child's half: its results, or its exception (then the parent traces them)."""
     try:
-        send.send([layer_phase_peaks(*job) for job in jobs])
+        send.send([_run(job) for job in jobs])
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which retries
         send.send(repr(err))
     finally:
@@ -285,24 +352,32 @@ def layer_phase_peaks(
 
 def deep_peak(near: dict[int, int], far: dict[int, int], depths: tuple[int, ...], layers: int):
     """The largest layer peak of a `layers`-deep model from those of its copies `depths` deep
-    (d and d + 1 layers, d >= 3; the peaks phase-local). A layer's peak is affine in how many
-    layers lie below it and above it (what they saved, the gradients done), plus what only the
-    layers at the ends do: the bottom one (no layer below to prefetch under FSDP, the
-    embedding's leftovers) and the top one (the head's). So the bottom, second and top layers'
-    peaks are each linear in the depth, and the inner layers' largest is at the second or the
-    second-to-last. Traced, every inner profile rises or falls with the index (forward rises;
-    backward rises to the bottom on single and to the top on fsdp), where the second-to-last
-    is the top one or below it: left out, since in a 3-layer copy it is also the second."""
+    (3p and 4p layers for kinds of layer repeating with period p, p = 1 for one kind; the peaks
+    phase-local). A layer's peak is affine in how many layers lie below it and above it (what
+    they saved, the gradients done), plus what only the layers at the ends do: the bottom one
+    of each kind (no layer below to prefetch under FSDP, the embedding's leftovers) and the top
+    one (the head's). So the bottom, second and top layers of each kind have peaks linear in
+    the depth, and a kind's inner layers' largest is at its second or its second-to-last.
+    Traced, every inner profile rises or falls with the index (forward rises; backward rises to
+    the bottom on single and to the top on fsdp), where the second-to-last is the top one or
+    below it: left out, since in a copy 3p deep it is also the second."""
     d0, d1 = depths
+    period = d1 - d0
 
     def extrapolate(a: float, b: float) -> float:
         return a + (b - a) * (layers - d0) / (d1 - d0)
 
-    return max(
-        extrapolate(near[0], far[0]),  # bottom
-        extrapolate(near[1], far[1]),  # second
-        extrapolate(near[d0 - 1], far[d1 - 1]),  # top
-    )
+    bottom = [extrapolate(near[i], far[i]) for i in range(2 * period)]
+    top = [extrapolate(near[d0 - k], far[d1 - k]) for k in range(1, period + 1)]
+    return max(bottom + top)
+
+
+def _saved_point(hf_config, mode, precision, attn_implementation, b, s):
+    """`_saved_per_layer` with MoE experts traceable under fake tensors (`moe_fake_kernels`)."""
+    from launcher.estimate.trace import moe_fake_kernels
+
+    with moe_fake_kernels():
+        return _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s)
 
 
 def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s):

@@ -12,7 +12,7 @@ from launcher.estimate.analytic_activations import Micro, analytic_layer_bytes
 from launcher.estimate.shape import shape_of
 from launcher.estimate.traced_activations import (
     REDUCED_DEPTHS,
-    _traced_on_two_cores,
+    _on_two_cores,
     at_depth,
     deep_peak,
     layer_phase_peaks,
@@ -145,6 +145,25 @@ def test_a_deep_models_layer_peaks_are_extrapolated_from_copies_of_3_and_4_layer
         assert deep_peak(peaks[3], peaks[4], (3, 4), 6) == whole, (part, peaks)
 
 
+def test_kinds_of_layer_that_repeat_are_extrapolated_from_copies_a_period_deep_per_layer():
+    """gpt-oss alternates sliding and full attention (period 2): its 12-layer model's largest
+    layer peak is the one extrapolated from its copies of 6 and 8 layers, in forward and
+    backward on fsdp x4 (the 16-bit weights' rung), byte for byte."""
+    from bench.models_trace import sized_config
+
+    deep = sized_config("gpt_oss", "small")
+    deep["num_hidden_layers"] = 12
+    deep["layer_types"] = ["sliding_attention", "full_attention"] * 6
+    assert reduced_depths(deep, "eager") == (6, 8)
+    for part in ("forward", "backward"):
+        peaks = {d: layer_phase_peaks(at_depth(deep, d), "lowp", part, 2, 32, "bf16", "eager")
+                 for d in (6, 8, 12)}  # fmt: skip
+        assert deep_peak(peaks[6], peaks[8], (6, 8), 12) == max(peaks[12].values()), part
+    # a pattern that does not repeat from the first layer (dense layers first) is traced whole
+    assert reduced_depths({**deep, "layer_types": ["full_attention"] * 2 + deep["layer_types"][2:]},
+                          "eager") == ()  # fmt: skip
+
+
 def test_the_traces_split_over_two_processes_give_the_numbers_of_one_after_the_other():
     """The calibration's traces run half in a forked child where there is a second core (CI
     has two): each result must land at its job's place, as when traced one after the other."""
@@ -153,7 +172,7 @@ def test_the_traces_split_over_two_processes_give_the_numbers_of_one_after_the_o
             for part in ("backward", "forward")]  # fmt: skip
     serial = [layer_phase_peaks(*job) for job in jobs]
     assert len({json.dumps(p, sort_keys=True) for p in serial}) > 4  # the jobs differ
-    assert _traced_on_two_cores(jobs) == serial
+    assert _on_two_cores(jobs) == serial
 
 
 def test_a_child_that_does_not_answer_in_time_has_its_traces_run_again_here(monkeypatch):
@@ -165,7 +184,7 @@ def test_a_child_that_does_not_answer_in_time_has_its_traces_run_again_here(monk
              "sdpa") for b in (1, 2) for part in ("backward", "forward")]  # fmt: skip
     serial = [layer_phase_peaks(*job) for job in jobs]
     monkeypatch.setattr(traced, "_CHILD_TIMEOUT_S", 0)
-    assert _traced_on_two_cores(jobs) == serial
+    assert _on_two_cores(jobs) == serial
 
 
 def test_the_cut_copies_keep_the_config_classes_spelling_of_depth_and_per_layer_lists():
@@ -176,8 +195,10 @@ def test_the_cut_copies_keep_the_config_classes_spelling_of_depth_and_per_layer_
              "layer_types": ["full_attention"] * 6}  # fmt: skip
     assert at_depth(qwen3, 4)["layer_types"] == ["full_attention"] * 4
     assert reduced_depths(qwen3, "sdpa") == (3, 4)
-    # sliding and global layers: two kinds, the whole model is traced
+    # sliding and global layers alternating: two kinds with a period of 2
     mixed = {**qwen3, "sliding_window": 16, "use_sliding_window": True, "max_window_layers": 3,
              "layer_types": ["sliding_attention", "full_attention"] * 3}  # fmt: skip
-    assert reduced_depths(mixed, "sdpa") == ()
+    assert reduced_depths(mixed, "sdpa") == ()  # 6 layers: not deeper than copies of 6 and 8
+    assert reduced_depths({**mixed, "num_hidden_layers": 12, "max_window_layers": 6,
+                           "layer_types": mixed["layer_types"] * 2}, "sdpa") == (6, 8)  # fmt: skip
     assert reduced_depths(NEOX, "sdpa") == ()  # 2 layers: the whole model
