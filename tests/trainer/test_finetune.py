@@ -254,3 +254,24 @@ def test_the_planner_leaves_out_the_rungs_that_cannot_run_the_method(tmp_path):
     why = {a["strategy"]: a["why_not"] for a in plan["alternatives"] if "change" not in a}
     assert why["zero3"] == methods.method_support("zero3", "qlora")
     assert why["zero3"].startswith("qlora: DeepSpeed ZeRO")
+
+
+def test_zero3_keeps_a_lora_base_in_the_compute_dtype_as_the_estimate_counts(tmp_path):
+    """ZeRO-3 under bf16 holds the frozen LoRA base in bf16 partitions and the adapters in fp32
+    ones (it kept the base in fp32, twice what the estimate counts); the bytes one rank holds
+    are the estimate's parameters for the same job."""
+    from launcher.estimate.model_states import model_states
+    from launcher.estimate.shape import shape_of
+    from tests.conftest import PYTHON, python_env, run_bounded
+    from trainer.core.step_spec import Finetune, StepSpec
+
+    r = run_bounded([PYTHON, "-m", "tests.trainer.zero3_lora_worker", str(tmp_path)],
+                    timeout=300, env=python_env())  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    held = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(held) == {"frozen bfloat16", "trained float32"}
+    shape = shape_of(json.dumps({**TINY_LLAMA, "vocab_size": 45}, sort_keys=True))
+    spec = StepSpec(strategy="zero3", world_size=1, devices_per_node=1, micro_batch_size=2,
+                    seq_len=32, activation_checkpointing="none", precision="bf16",
+                    finetune=Finetune(method="lora", r=4, pretrained=False))  # fmt: skip
+    assert model_states(spec, shape).on_device["params"] == sum(held.values())

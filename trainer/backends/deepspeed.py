@@ -9,7 +9,8 @@ the others torch AdamW with the same hyper-parameters as every other rung.
 DeepSpeed averages gradients over ranks and divides the loss by its accumulation steps, so
 backward scales the engine's loss share by world size x accumulation; DeepSpeed wants
 `engine.step()` after every backward and steps the optimizer only at its accumulation boundary.
-Mixed precision: fp32 parameters, fp32 gradients and fp32 AdamW state; bf16 compute by the
+Mixed precision: fp32 parameters (a frozen LoRA base in the compute dtype, as on every rung),
+fp32 gradients and fp32 AdamW state; bf16 compute by the
 `torch_autocast` section of the DeepSpeed config, i.e. autocast inside the engine's forward (an
 outer torch.autocast on CUDA would be switched off by the engine when that section is absent).
 fp16 is not offered on these rungs.
@@ -128,10 +129,13 @@ class DeepSpeedBackend:
         from transformers import AutoModelForCausalLM
 
         remote = "cpu" if self.rung.params_at == "cpu" else None
-        with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=remote):
-            with torch.random.fork_rng(devices=[]):
-                model = AutoModelForCausalLM.from_config(factory.hf_config, dtype=torch.float32)
         adapt = getattr(factory, "adapt", None)  # LoRA: adapters (not partitioned yet) on top
+        # a LoRA base is frozen: its partitions are kept (and gathered) in the compute dtype, as
+        # on every other rung; what trains stays fp32 (DeepSpeed gathers each dtype apart)
+        dtype = factory.base_dtype if adapt is not None else torch.float32
+        with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=remote, dtype=dtype):
+            with torch.random.fork_rng(devices=[]):
+                model = AutoModelForCausalLM.from_config(factory.hf_config, dtype=dtype)
         if adapt is not None:
             model = adapt(model)
         model.config.use_cache = False

@@ -127,7 +127,8 @@ def apply_finetune(model: nn.Module, cfg: FinetuneConfig, precision: str, seed: 
         compute = COMPUTE_DTYPES[precision]
     for p in model.parameters():
         p.requires_grad_(False)
-        # ZeRO-3 partitions (ds_id) stay fp32: DeepSpeed keeps and gathers them in fp32
+        # ZeRO-3 partitions (ds_id) are built in the compute dtype already (a cast would
+        # replace the partition with a whole tensor)
         if p.is_floating_point() and p.dtype != compute and not hasattr(p, "ds_id"):
             p.data = p.data.to(compute)
     lora = cfg.lora
