@@ -36,7 +36,10 @@ def main(argv: list[str]) -> int:
                 lock.release()
     except ConfigError as err:  # bad data rows, an unreachable model: one line, exit 2
         line = redact(str(err))  # a data or model URL can carry a password
-        print(line, file=sys.stderr)
+        # one write, atomic on a pipe: every rank says the same line into torchrun's one stderr,
+        # and print()'s two writes (the text, then the newline) could interleave into a blank line
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
         if cfg is not None:
             _leave_for_launcher(Path(cfg.run.dir), line)
         return 2
