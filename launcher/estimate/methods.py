@@ -116,6 +116,11 @@ def nf4_bytes(numel: int) -> int:
     return math.ceil(numel / 2) + blocks + nested + 4 + NF4_TABLES
 
 
+def packed_nf4_bytes(numel: int) -> int:
+    """The packed 4-bit codes alone (two a byte): what a sharded rung splits of an NF4 weight."""
+    return math.ceil(numel / 2)
+
+
 def adam_state_bytes(tensors: list[int], optimizer: str, p: int = 4) -> int:
     """Both AdamW moments of these tensors: in the trained dtype (p bytes: fp32, bf16 under
     bf16_pure), or 8-bit with an fp32 absmax per 256 elements (fp32 for tensors under 4096
@@ -139,6 +144,9 @@ class MethodSizes:
     trainable_layer: int  # ... of one block
     optimizer: int  # optimizer state bytes of all trainable tensors
     dequant: int  # the largest 4-bit weight dequantised to the compute dtype (QLoRA)
+    # of `frozen`, what ZeRO-3 does not partition: QLoRA's quantisation states (absmax, code
+    # tables), which stay whole on each parameter of every rank
+    unpartitioned: int = 0
 
 
 def method_sizes(shape: Any, ft: Finetune, c: int, p: int = 4) -> MethodSizes:
@@ -152,16 +160,17 @@ def method_sizes(shape: Any, ft: Finetune, c: int, p: int = 4) -> MethodSizes:
     adapters = adapter_tensors(shape, ft)
     optimizer = adam_state_bytes(layers * adapters, ft.optimizer, p)
     frozen_layer = c * shape.num_layer_params
-    dequant = 0
+    dequant = states = 0
     if ft.method == "qlora":
         linears = [a * b for a, b in layer_linears(shape).values()]
         frozen_layer = sum(nf4_bytes(n) for n in linears) + c * (
             shape.num_layer_params - sum(linears)
         )
         dequant = c * max(linears)
+        states = layers * sum(nf4_bytes(n) - packed_nf4_bytes(n) for n in linears)
     frozen = layers * frozen_layer + c * shape.num_root_params
     return MethodSizes(frozen, frozen_layer, layers * sum(adapters), sum(adapters), optimizer,
-                       dequant)  # fmt: skip
+                       dequant, states)  # fmt: skip
 
 
 # Where each linear reads its input: 0 the first norm's output (attention projections), 1 the

@@ -433,7 +433,10 @@ def _zero_adapters(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool,
     on_device = {k: dev[k] for k in ("params", "grads", "optimizer")}
     if not on_host_opt:  # the moments as the optimizer stores them
         on_device["optimizer"] += (s.optimizer - 8 * a) // w
-    frozen = s.frozen // w if row.zero_stage == 3 else s.frozen
+    frozen = s.frozen
+    if row.zero_stage == 3:  # partitioned, but for QLoRA's quantisation states (on the device)
+        frozen = (s.frozen - s.unpartitioned) // w
+        on_device["params"] += s.unpartitioned
     if row.params_at == "device":
         on_device["params"] += frozen
     else:
@@ -444,7 +447,7 @@ def _zero_adapters(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool,
     flow = GradFlow(in_layer=4 * a_layer)
     gather_layer = gather_root = 0
     if row.zero_stage == 3:  # the gathered layer and the prefetched one; the output layer
-        layer = s.frozen_layer + 4 * a_layer
+        layer = s.frozen_layer - s.unpartitioned // shape.num_layers + 4 * a_layer
         gather_layer = layer + min(bucket, layer)
         gather_root = z.c * shape.num_head_params
     return ModelStates(

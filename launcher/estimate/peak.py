@@ -195,7 +195,11 @@ def _runtime_overhead(device: str, peak: int, persistent: int) -> int:
 
 
 def loading_host_bytes(
-    shape: ModelShape, row: Strategy, ranks_here: int, bytes_per_param: int = 4
+    shape: ModelShape,
+    row: Strategy,
+    ranks_here: int,
+    bytes_per_param: int = 4,
+    built_whole: bool = False,
 ) -> int:
     """Host bytes per node that loading the initial (pretrained) weights adds at its peak.
 
@@ -208,9 +212,10 @@ def loading_host_bytes(
     tensor); QLoRA's rank streams each weight through in chunks and keeps its rows of the 4-bit
     storage (`trainer/model/qlora_load.py`), less than that. zero3_nvme builds the full weights on
     rank 0 (the model, then its state dict cloned: 8N) and sends each rank its part, as random
-    init does on every sharded rung."""
+    init does on every sharded rung. QLoRA on ZeRO-3 (`built_whole`) is built whole by each rank
+    before ZeRO-3 partitions it, as a replica is."""
     n = shape.num_params
-    if not row.shards_params:
+    if not row.shards_params or built_whole:
         return bytes_per_param * n * ranks_here
     if row.needs_nvme:
         return 8 * n
@@ -225,11 +230,13 @@ def _host_bytes(
     device_bytes: int,
     device: str,
     load_bytes: int,
+    qlora: bool = False,
 ) -> dict[str, int]:
     """Host memory per node: every rank's offloaded states, loading the initial weights
     (`loading_host_bytes` with `load_bytes` per parameter), process baseline."""
     host = {k: v * ranks_here for k, v in states.on_host.items()}
-    host["initial_weights"] = loading_host_bytes(shape, row, ranks_here, load_bytes)
+    built_whole = qlora and row.engine == "deepspeed"
+    host["initial_weights"] = loading_host_bytes(shape, row, ranks_here, load_bytes, built_whole)
     host["processes"] = HOST_PROCESS_BYTES * ranks_here
     if device == "cpu":  # the "device" is host memory too
         host["device_memory_of_cpu_ranks"] = device_bytes * ranks_here
@@ -263,12 +270,13 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
     ft, row = spec.finetune, spec.row
     sixteen = ft.adapters or spec.precision == "bf16_pure"
     load_bytes = m.c if sixteen and ft.pretrained else 4
-    if ft.method == "qlora" and row.shards_params:
+    if ft.method == "qlora" and row.engine == "fsdp":
         # each rank quantises one chunk of a weight at a time into its shard
         # (trainer/model/qlora_load.py): its states plus the chunk and the weight's block scales
         phases["loading"] = states.base + quantising_bytes(shape, spec.device)
         peak = max(peak, phases["loading"])
-    host = _host_bytes(row, states, shape, ranks_here, peak + overhead, spec.device, load_bytes)
+    host = _host_bytes(row, states, shape, ranks_here, peak + overhead, spec.device, load_bytes,
+                       qlora=ft.method == "qlora")  # fmt: skip
     offloaded = acts.offloaded
     if spec.offload_activations:  # pinned blocks on a GPU, plain copies on CPU processes
         held = acts.pinned if spec.device == "cuda" else offloaded

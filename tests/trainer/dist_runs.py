@@ -68,6 +68,7 @@ MODELS = {  # inline HF configs as `model.config=` overrides
 }
 # LoRA (trainer/model/finetune.py): adapters on every linear layer of the blocks, a frozen base
 LORA = ("finetune.method=lora", "finetune.lora.r=4", "finetune.lora.alpha=8")
+QLORA = ("finetune.method=qlora", "precision=bf16", "train.lr=1e-2")
 # DPO (docs/preference.md) on the 16 pairs test_distributed.py writes: one global batch, so the
 # loss falls from ln 2 every step; full (a precomputed reference pass over both ranks) and LoRA
 # (adapters off in each step's no-grad forward inside FSDP2's units)
@@ -173,8 +174,13 @@ RUNS: tuple[Run, ...] = (
     Run("fsdp_lora_from_single", ("strategy=fsdp", *LORA, "run.checkpoint_every=4",
                                   f"run.resume={{work}}/single_lora_fp32/checkpoints/step_{RESUME_AT}"),
         check="resume", against="single_lora_fp32"),
-    Run("ddp_qlora_bf16", ("strategy=ddp", "finetune.method=qlora", "precision=bf16",
-                           "train.lr=1e-2"), check="learns"),
+    Run("ddp_qlora_bf16", ("strategy=ddp", *QLORA), check="learns"),
+    # ... and partitioned by ZeRO-3 learns what the replicas learn, and resumes bit for bit
+    Run("zero3_qlora_bf16", ("strategy=zero3", *QLORA, *EVERY_2), check="bf16",
+        against="ddp_qlora_bf16"),
+    Run("zero3_qlora_resumed", ("strategy=zero3", *QLORA, "run.checkpoint_every=4",
+                                f"run.resume={{work}}/zero3_qlora_bf16/checkpoints/step_{STOP_AT}"),
+        check="resume", against="zero3_qlora_bf16", resume_at=STOP_AT, exact=True),
     # checkpoints moving between rungs and world sizes
     _resume("fsdp_from_single", "single_fp32", "fsdp", against="single_fp32"),
     _resume("zero3_offload_from_fsdp", "fsdp_fp32", "zero3_offload", against="fsdp_fp32"),

@@ -231,16 +231,25 @@ def test_export_writes_a_peft_adapter_dir_and_merge_a_plain_model(runs, tmp_path
     assert (runs / "lora" / "final" / "adapter_model.safetensors").is_file()
 
 
-def test_every_rung_runs_lora_and_the_replicas_and_fsdp_qlora_and_adamw_8bit():
+def test_every_rung_runs_lora_and_the_replicas_fsdp_and_zero3_qlora_and_adamw_8bit():
     assert methods.supported_rungs("lora") == strategies.names()
-    assert methods.supported_rungs("qlora") == ("single", "ddp", "fsdp", "fsdp_offload")
+    assert methods.supported_rungs("qlora") == (
+        "single",
+        "ddp",
+        "fsdp",
+        "zero3",
+        "fsdp_offload",
+        "zero3_offload",
+        "zero3_offload_params",
+    )
     assert methods.supported_rungs("lora", "adamw_8bit") == (
         "single",
         "ddp",
         "fsdp",
         "fsdp_offload",
     )
-    assert methods.method_support("zero3", "qlora").startswith("qlora: DeepSpeed")
+    assert methods.method_support("zero2", "qlora").startswith("qlora: DeepSpeed")
+    assert methods.method_support("zero3_nvme", "qlora").startswith("qlora: ZeRO-Infinity")
 
 
 def test_the_planner_leaves_out_the_rungs_that_cannot_run_the_method(tmp_path):
@@ -252,26 +261,29 @@ def test_the_planner_leaves_out_the_rungs_that_cannot_run_the_method(tmp_path):
     plan = json.loads(r.stdout)
     assert plan["strategy"] == "ddp"
     why = {a["strategy"]: a["why_not"] for a in plan["alternatives"] if "change" not in a}
-    assert why["zero3"] == methods.method_support("zero3", "qlora")
-    assert why["zero3"].startswith("qlora: DeepSpeed ZeRO")
+    assert why["zero2"] == methods.method_support("zero2", "qlora")
+    assert why["zero2"].startswith("qlora: DeepSpeed ZeRO")
 
 
-def test_zero3_keeps_a_lora_base_in_the_compute_dtype_as_the_estimate_counts(tmp_path):
-    """ZeRO-3 under bf16 holds the frozen LoRA base in bf16 partitions and the adapters in fp32
-    ones (it kept the base in fp32, twice what the estimate counts); the bytes one rank holds
-    are the estimate's parameters for the same job."""
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_zero3_holds_a_frozen_base_as_the_estimate_counts(tmp_path, method):
+    """ZeRO-3 under bf16 holds a frozen LoRA base in bf16 partitions (it kept the base in fp32,
+    twice what the estimate counts) and QLoRA's packed NF4 weights in bf16 partitions with
+    their quantisation states beside them; the adapters in fp32 ones. The bytes one rank holds
+    are the estimate's parameters for the same job, byte for byte."""
     from launcher.estimate.model_states import model_states
     from launcher.estimate.shape import shape_of
     from tests.conftest import PYTHON, python_env, run_bounded
     from trainer.core.step_spec import Finetune, StepSpec
 
-    r = run_bounded([PYTHON, "-m", "tests.trainer.zero3_lora_worker", str(tmp_path)],
+    r = run_bounded([PYTHON, "-m", "tests.trainer.zero3_lora_worker", str(tmp_path), method],
                     timeout=300, env=python_env())  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     held = json.loads(r.stdout.strip().splitlines()[-1])
-    assert set(held) == {"frozen bfloat16", "trained float32"}
+    kinds = {"frozen bfloat16", "trained float32"}
+    assert set(held) == (kinds | {"quantisation states"} if method == "qlora" else kinds)
     shape = shape_of(json.dumps({**TINY_LLAMA, "vocab_size": 45}, sort_keys=True))
     spec = StepSpec(strategy="zero3", world_size=1, devices_per_node=1, micro_batch_size=2,
                     seq_len=32, activation_checkpointing="none", precision="bf16",
-                    finetune=Finetune(method="lora", r=4, pretrained=False))  # fmt: skip
+                    finetune=Finetune(method=method, r=4, pretrained=False))  # fmt: skip
     assert model_states(spec, shape).on_device["params"] == sum(held.values())

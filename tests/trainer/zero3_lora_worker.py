@@ -1,8 +1,8 @@
-"""One rank of ZeRO-3 holding a LoRA model under `precision: bf16` (a process group of one):
-what its parameter partitions hold, by dtype, as JSON on stdout. A process of its own, since
-ZeRO-3 patches torch's linear for the rest of the process.
+"""One rank of ZeRO-3 holding a LoRA or QLoRA model under `precision: bf16` (a process group of
+one): what its parameter partitions hold, by dtype, and QLoRA's quantisation states, as JSON on
+stdout. A process of its own, since ZeRO-3 patches torch's linear for the rest of the process.
 
-    python -m tests.trainer.zero3_lora_worker RUN_DIR
+    python -m tests.trainer.zero3_lora_worker RUN_DIR lora|qlora
 """
 
 from __future__ import annotations
@@ -24,7 +24,16 @@ from trainer.model.build import HFModelFactory
 from trainer.model.finetune import build_factory
 
 
-def main(run_dir: Path) -> None:
+def _state_bytes(obj: object) -> int:
+    """Bytes of the tensors a bitsandbytes QuantState holds, its nested state's included."""
+    return sum(
+        v.numel() * v.element_size() if isinstance(v, torch.Tensor) else _state_bytes(v)
+        for v in vars(obj).values()
+        if isinstance(v, torch.Tensor) or hasattr(v, "absmax")
+    )
+
+
+def main(run_dir: Path, method: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -32,7 +41,7 @@ def main(run_dir: Path) -> None:
                       WORLD_SIZE="1")  # fmt: skip
     dist.init_process_group("gloo")
     job = write_demo_job(run_dir / "job.yaml", strategy="zero3", precision="bf16",
-                         finetune={"method": "lora", "lora": {"r": 4}})  # fmt: skip
+                         finetune={"method": method, "lora": {"r": 4}})  # fmt: skip
     cfg = load_config(job)
     ctx = BackendContext(cfg, torch.device("cpu"), 0, 0, 1, "bf16", "none", 2, 1)
     backend = build_backend("zero3", ctx)
@@ -46,9 +55,13 @@ def main(run_dir: Path) -> None:
         held[f"{kind} {str(part.dtype).removeprefix('torch.')}"] += (
             part.numel() * part.element_size()
         )
+    for module in model.modules():  # each Linear4bit keeps its weight's state
+        state = getattr(module, "quant_state", None)
+        if state is not None:
+            held["quantisation states"] += _state_bytes(state)
     print(json.dumps(dict(held)))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2])

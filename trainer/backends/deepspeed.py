@@ -129,13 +129,20 @@ class DeepSpeedBackend:
         from transformers import AutoModelForCausalLM
 
         remote = "cpu" if self.rung.params_at == "cpu" else None
+        if getattr(factory, "quantizes", False):
+            return self._build_4bit_partitioned(factory, ds_config, remote)
         adapt = getattr(factory, "adapt", None)  # LoRA: adapters (not partitioned yet) on top
-        # a LoRA base is frozen: its partitions are kept (and gathered) in the compute dtype, as
-        # on every other rung; what trains stays fp32 (DeepSpeed gathers each dtype apart)
-        dtype = factory.base_dtype if adapt is not None else torch.float32
-        with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=remote, dtype=dtype):
-            with torch.random.fork_rng(devices=[]):
-                model = AutoModelForCausalLM.from_config(factory.hf_config, dtype=dtype)
+        init = deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=remote)
+        dtype = torch.float32
+        if adapt is not None and not self.rung.needs_nvme:
+            # a LoRA base is frozen: its partitions are kept (and gathered) in the compute dtype,
+            # as on every other rung; what trains stays fp32 (DeepSpeed gathers each dtype
+            # apart). Set on the object: Init's own `dtype` argument is lost on a CPU process
+            # (its _set_dtype reads `dtype or fp16 if ... else bf16 ...` as `(dtype or fp16) if`)
+            # and the NVMe swapper's buffers are sized in the config's dtype before it.
+            dtype = init.dtype = factory.base_dtype
+        with init, torch.random.fork_rng(devices=[]):
+            model = AutoModelForCausalLM.from_config(factory.hf_config, dtype=dtype)
         if adapt is not None:
             model = adapt(model)
         model.config.use_cache = False
@@ -165,6 +172,30 @@ class DeepSpeedBackend:
 
             return DeepSpeedCPUAdam(trainable, adamw_mode=True, **kwargs)
         return torch.optim.AdamW(trainable, **kwargs)
+
+    def _build_4bit_partitioned(
+        self, factory: ModelFactory, ds_config: dict[str, Any], remote: str | None
+    ) -> nn.Module:
+        """QLoRA on ZeRO-3, as PEFT's docs run it: every rank builds the quantised model on the
+        host (the same seed or files give every rank the same NF4 codes and adapters), then
+        ZeRO-3 partitions what it holds, the packed NF4 weights in their bf16 storage like any
+        bf16 weight. Each `Linear4bit` keeps its weight's quantisation state (absmax, code
+        tables: about 1/64 of the codes), whole on every rank, moved to the device its matmuls
+        run on; bitsandbytes hands it to the gathered weight, as under FSDP2."""
+        import deepspeed
+
+        model = factory.build("cpu")
+        model.config.use_cache = False
+        deepspeed.zero.Init(module=model, config_dict_or_path=ds_config, remote_device=remote)
+        device = self.ctx.device
+        for module in model.modules():
+            states = (getattr(module, "quant_state", None),
+                      getattr(getattr(module, "weight", None), "quant_state", None))  # fmt: skip
+            for state in {id(s): s for s in states if s is not None}.values():
+                state.to(device)  # in place
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))
+        return model
 
     def compute_context(self) -> AbstractContextManager:
         return contextlib.nullcontext()  # the engine's forward autocasts (torch_autocast section)

@@ -25,10 +25,12 @@ PRECISIONS = ("bf16", "fp16", "fp32", "bf16_pure")
 # QLoRA needs each 4-bit weight's quantisation state through the backend's wrapping: a plain
 # replica keeps the `Params4bit` tensors (single, ddp); FSDP2 shards the packed weights in their
 # bf16 storage and each `Linear4bit` keeps the state for the gathered weight (trainer/backends/
-# fsdp.py). DeepSpeed ZeRO partitions and re-creates parameters (and, on ZeRO-1/2, flattens only
-# the trainable ones but still casts the module), which drops the quantisation state.
+# fsdp.py); ZeRO-3 partitions a built quantised model in place, the state staying on each
+# parameter (trainer/backends/deepspeed.py). ZeRO-1/2 cast every parameter of the module they
+# wrap to one dtype, which unpacks the 4-bit storage.
 _QLORA_NO = {
-    "deepspeed": "DeepSpeed ZeRO re-creates the parameters and drops the 4-bit quantisation state",
+    "deepspeed": "DeepSpeed ZeRO-1/2 cast the 4-bit storage with the rest of the module; ZeRO-3 "
+    "partitions it (strategy=zero3)",
 }
 # bitsandbytes' 8-bit AdamW steps plain tensors: a replica's whole ones (single, ddp) and each
 # FSDP2 shard's local rows (trainer/optim.py); not DeepSpeed's flat partitions, whose checkpoint
@@ -66,9 +68,12 @@ def method_support(
 
     The planner calls this for every rung it considers; the config calls it for a forced one.
     """
-    engine = strategies.row(strategy).engine
-    if method == "qlora" and engine in _QLORA_NO:
+    row = strategies.row(strategy)
+    engine = row.engine
+    if method == "qlora" and engine in _QLORA_NO and row.zero_stage != 3:
         return f"qlora: {_QLORA_NO[engine]}"
+    if method == "qlora" and row.needs_nvme:
+        return "qlora: ZeRO-Infinity's NVMe swapping of the 4-bit storage is untried"
     if optimizer in EIGHT_BIT_OPTIMIZERS and engine in _ADAMW_8BIT_NO:
         return f"{optimizer}: {_ADAMW_8BIT_NO[engine]}"
     if precision == "bf16_pure" and engine in _BF16_PURE_NO:
