@@ -1,6 +1,6 @@
 """Wall time of the planner on the 70B preset (8 x 80 GiB, 2 TiB host): CLI and `make_plan`.
 
-    python -m bench.plan_time [--repeats 5] [--json out.json]
+    python -m bench.plan_time [--repeats 5] [--no-moe] [--json out.json]
 
 The CLI time is what a user waits for (`oomless plan ... --json`: Python start-up, imports, config,
 estimate of every rung, plan); the in-process time is `make_plan` alone on the same config and
@@ -9,7 +9,8 @@ the CLI on a shape no preset ships and no cache holds (the 70B config with 79 la
 `XDG_CACHE_HOME` per run): the shape is counted by arithmetic, without torch. The traced cold
 start is the CLI on a block type the analytic model does not know (a 1.0B gpt_neox: 16 layers,
 hidden 2048, seq 4096, bf16) with an empty cache: its activations are measured by tracing
-(launcher/estimate/activations.py), on copies of 3 and 4 layers.
+(launcher/estimate/activations.py), on copies of 3 and 4 layers. With `--moe` (the default) it
+also plans bench/cold_plan's gpt-oss-20b and Qwen3-235B-A22B shapes cold, once each (~35 s).
 """
 
 from __future__ import annotations
@@ -84,7 +85,24 @@ def traced_cold_cli_seconds(repeats: int) -> list[float]:
     return _empty_cache_seconds(job, repeats)
 
 
-def _empty_cache_seconds(job: dict[str, Any], repeats: int) -> list[float]:
+COLD_PLANS = Path("bench/cold_plan")  # MoE shapes no preset ships: #34's 10 s target
+
+
+def moe_cold_cli_seconds() -> dict[str, float]:
+    """Per config under bench/cold_plan (gpt-oss-20b, Qwen3-235B-A22B): one cold CLI plan, in
+    its own hardware, with an empty cache."""
+    out = {}
+    for path in sorted(COLD_PLANS.glob("*.yaml")):
+        job = yaml.safe_load(path.read_text())
+        job["data"]["path"] = str((path.parent / job["data"]["path"]).resolve())
+        (seconds,) = _empty_cache_seconds(job, 1, overrides=[])
+        out[path.stem] = seconds
+    return out
+
+
+def _empty_cache_seconds(
+    job: dict[str, Any], repeats: int, overrides: list[str] = OVERRIDES
+) -> list[float]:
     oomless = Path(sys.executable).with_name("oomless")
     times = []
     for _ in range(repeats):
@@ -94,7 +112,7 @@ def _empty_cache_seconds(job: dict[str, Any], repeats: int) -> list[float]:
             env = {**os.environ, "XDG_CACHE_HOME": str(Path(tmp) / "cache")}
             start = time.perf_counter()
             proc = subprocess.run(
-                [str(oomless), "plan", str(path), *OVERRIDES, "--json"],
+                [str(oomless), "plan", str(path), *overrides, "--json"],
                 capture_output=True,
                 text=True,
                 env=env,
@@ -130,12 +148,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="CLI runs")
     p.add_argument("--calls", type=int, default=50, help="in-process make_plan calls")
     p.add_argument("--traced-repeats", type=int, default=1, help="traced cold CLI runs")
+    p.add_argument("--moe", action=argparse.BooleanOptionalAction, default=True,
+                   help="cold plans of bench/cold_plan's MoE shapes (~35 s)")  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     cli, plan = cli_seconds(args.repeats)
     cold = cold_cli_seconds(args.repeats)
     calls = in_process_seconds(args.calls)
     traced = traced_cold_cli_seconds(args.traced_repeats)
+    moe = moe_cold_cli_seconds() if args.moe else {}
     result = {
         "machine": machine(),
         "command": f"oomless plan {PRESET} {' '.join(OVERRIDES)} --json",
@@ -145,6 +166,7 @@ def main() -> None:
         "cold_cli_median_s": statistics.median(cold),
         "traced_cold_cli_s": traced,
         "traced_cold_cli_median_s": statistics.median(traced),
+        "moe_cold_cli_s": moe,
         "make_plan_median_s": statistics.median(calls),
         "make_plan_calls": args.calls,
         "strategy": plan.get("strategy"),
@@ -158,7 +180,8 @@ def main() -> None:
         f"plan 70B on 8 x 80GiB: CLI {result['cli_median_s']:.2f} s (median of {args.repeats}), "
         f"cold start {result['cold_cli_median_s']:.2f} s, "
         f"traced cold start (1.0B gpt_neox) {result['traced_cold_cli_median_s']:.1f} s, "
-        f"make_plan {result['make_plan_median_s'] * 1e3:.1f} ms (median of {args.calls}); "
+        + "".join(f"{name} cold {t:.1f} s, " for name, t in moe.items())
+        + f"make_plan {result['make_plan_median_s'] * 1e3:.1f} ms (median of {args.calls}); "
         + (f"chose {result['strategy']}" if result["strategy"] else f"no fit: {result['no_fit']}")
     )
 
