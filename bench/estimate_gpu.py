@@ -157,7 +157,7 @@ def measure(run: Run, device_type: str) -> dict[str, Any]:
         model = backend.setup(HFModelFactory(cfg.model, seed=0), OPTIM)
         batches = make_batches(run.model, run.grad_accum, run.micro_batch_size, run.seq_len)
         # where the allocator's cache comes from (reserved minus allocated was ~5 GB for 1.1B
-        # runs on an H200, docs/benchmarks.md): after the setup, and the first step's peaks
+        # runs on an H200, docs/gpu.md): after the setup, and the first step's peaks
         first: dict[str, int] = {}
         if device.type == "cuda":
             first["reserved_after_setup_bytes"] = torch.cuda.memory_reserved(device)

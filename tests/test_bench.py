@@ -299,7 +299,7 @@ def test_gpu_report_summarises_the_estimate_runs_done_before_a_time_limit(tmp_pa
                          "context_bytes": context},
         }  # fmt: skip
 
-    runs = [  # the H200's runs 4 and 5 (docs/benchmarks.md), and one that timed out
+    runs = [  # the H200's runs 4 and 5 (docs/gpu.md), and one that timed out
         run(4, 28_611_874_816, 27_295_860_736, 30_298_069_237, 32_359_055_360),
         run(5, 21_768_867_840, 21_819_600_896, 22_907_621_703, 27_086_815_232),
         {"index": 7, "error": "timed out after 180 s"},

@@ -25,13 +25,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from dataclasses import replace
 from typing import Any
 
 from launcher.estimate.layer_fits import PARTS, Fit, LayerActivations
 from launcher.estimate.peak import estimate
 from launcher.estimate.shape import shape_of
+from launcher.estimate.trace_pool import on_two_cores
 from trainer.core.config import ModelConfig
 from trainer.core.step_spec import StepSpec
 
@@ -258,11 +258,6 @@ def _peaks_by_copy(
     return out
 
 
-# How long the second process may take over its half of the traces before its half is traced
-# again here (a child that hangs must not hang the plan).
-_CHILD_TIMEOUT_S = 900
-
-
 def _run(job: tuple) -> Any:
     """One measurement: `layer_phase_peaks(*job)`, or a saved-tensor forward ("saved", ...)."""
     if job[0] == "saved":
@@ -276,51 +271,8 @@ def _cost(job: tuple) -> int:
 
 
 def _on_two_cores(jobs: list[tuple]) -> list[Any]:
-    """`_run(job)` for every job, about half the time's worth of them in a forked child process
-    where there is a second core: the traces are independent and run on one core each (pure
-    Python under fake tensors, so threads would not help). The same numbers as one after the
-    other; a failed or silent child's half is traced here instead."""
-    import multiprocessing
-
-    usable_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-    if len(jobs) < 2 or usable_cores < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        return [_run(job) for job in jobs]
-    ctx = multiprocessing.get_context("fork")
-    mine: list[int] = []
-    others: list[int] = []
-    load = [0, 0]
-    for i in sorted(range(len(jobs)), key=lambda i: -_cost(jobs[i])):  # longest first
-        side = 0 if load[0] <= load[1] else 1
-        (mine, others)[side].append(i)
-        load[side] += _cost(jobs[i])
-    theirs = [jobs[i] for i in others]
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_run_into, args=(theirs, send), daemon=True)
-    child.start()
-    send.close()
-    ours = [_run(jobs[i]) for i in mine]
-    answer: Any = None
-    with contextlib.suppress(EOFError, OSError):
-        if receive.poll(_CHILD_TIMEOUT_S):
-            answer = receive.recv()
-    child.join(timeout=5)
-    if child.is_alive():
-        child.kill()
-    if not isinstance(answer, list):  # the child failed: its traces again, here
-        answer = [_run(job) for job in theirs]
-    merged: dict[int, Any] = dict(zip(mine, ours, strict=True))
-    merged |= dict(zip(others, answer, strict=True))
-    return [merged[i] for i in range(len(jobs))]
-
-
-def _run_into(jobs: list[tuple], send: Any) -> None:
-    """The forked child's half: its results, or its exception (then the parent traces them)."""
-    try:
-        send.send([_run(job) for job in jobs])
-    except BaseException as err:  # noqa: BLE001 - reported to the parent, which retries
-        send.send(repr(err))
-    finally:
-        send.close()
+    """Every measurement of `jobs`, over two cores where there are two (trace_pool.py)."""
+    return on_two_cores(jobs, _run, _cost)
 
 
 def layer_phase_peaks(

@@ -178,12 +178,12 @@ def test_the_traces_split_over_two_processes_give_the_numbers_of_one_after_the_o
 def test_a_child_that_does_not_answer_in_time_has_its_traces_run_again_here(monkeypatch):
     """A forked child that hangs must not hang the plan: past the timeout its half of the
     traces runs in the planner's own process, with the same numbers."""
-    import launcher.estimate.traced_activations as traced
+    import launcher.estimate.trace_pool as pool
 
     jobs = [(at_depth({**NEOX, "num_hidden_layers": 6}, 3), "autocast", part, b, 32, "bf16",
              "sdpa") for b in (1, 2) for part in ("backward", "forward")]  # fmt: skip
     serial = [layer_phase_peaks(*job) for job in jobs]
-    monkeypatch.setattr(traced, "_CHILD_TIMEOUT_S", 0)
+    monkeypatch.setattr(pool, "CHILD_TIMEOUT_S", 0)
     assert _on_two_cores(jobs) == serial
 
 

@@ -1,0 +1,64 @@
+"""Independent traces run over two cores: half the time's worth of them in a forked child process
+where there is a second core. Tracing under fake tensors is pure Python, so threads would not
+help; the same numbers come out as one after the other (launcher/estimate/traced_activations.py
+measures the activations of unknown blocks this way)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+# How long the second process may take over its half of the traces before its half is traced
+# again here (a child that hangs must not hang the plan).
+CHILD_TIMEOUT_S = 900
+
+
+def on_two_cores(
+    jobs: list[tuple], run: Callable[[tuple], Any], cost: Callable[[tuple], int]
+) -> list[Any]:
+    """`run(job)` for every job, about half the time's worth of them (by `cost`) in a forked
+    child process where there is a second core; a failed or silent child's half is run here
+    instead."""
+    import multiprocessing
+
+    usable_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    if len(jobs) < 2 or usable_cores < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return [run(job) for job in jobs]
+    ctx = multiprocessing.get_context("fork")
+    mine: list[int] = []
+    others: list[int] = []
+    load = [0, 0]
+    for i in sorted(range(len(jobs)), key=lambda i: -cost(jobs[i])):  # longest first
+        side = 0 if load[0] <= load[1] else 1
+        (mine, others)[side].append(i)
+        load[side] += cost(jobs[i])
+    theirs = [jobs[i] for i in others]
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_run_into, args=(theirs, run, send), daemon=True)
+    child.start()
+    send.close()
+    ours = [run(jobs[i]) for i in mine]
+    answer: Any = None
+    with contextlib.suppress(EOFError, OSError):
+        if receive.poll(CHILD_TIMEOUT_S):
+            answer = receive.recv()
+    child.join(timeout=5)
+    if child.is_alive():
+        child.kill()
+    if not isinstance(answer, list):  # the child failed: its traces again, here
+        answer = [run(job) for job in theirs]
+    merged: dict[int, Any] = dict(zip(mine, ours, strict=True))
+    merged |= dict(zip(others, answer, strict=True))
+    return [merged[i] for i in range(len(jobs))]
+
+
+def _run_into(jobs: list[tuple], run: Callable[[tuple], Any], send: Any) -> None:
+    """The forked child's half: its results, or its exception (then the parent runs them)."""
+    try:
+        send.send([run(job) for job in jobs])
+    except BaseException as err:  # noqa: BLE001 - reported to the parent, which retries
+        send.send(repr(err))
+    finally:
+        send.close()
