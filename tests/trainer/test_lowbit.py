@@ -226,7 +226,9 @@ def test_the_table_says_where_each_opt_in_runs():
         "single", "ddp", "fsdp", "fsdp_offload",
     )  # fmt: skip
     assert methods.supported_rungs(in_backward=True) == ("single", "fsdp", "fsdp_offload")
-    assert methods.supported_rungs("qlora") == ("single", "ddp", "fsdp", "fsdp_offload")
+    assert methods.supported_rungs("qlora") == (
+        "single", "ddp", "fsdp", "zero3", "fsdp_offload", "zero3_offload", "zero3_offload_params",
+    )  # fmt: skip
     assert methods.supported_rungs(optimizer="adamw_8bit") == (
         "single", "ddp", "fsdp", "fsdp_offload",
     )  # fmt: skip
