@@ -8,7 +8,7 @@ lines, their own tracebacks included, pass through unchanged.
 An out-of-memory exit that the supervisor escalates is then one line from the rank that ran out
 and one from the supervisor saying what comes next, not a crash report. The ranks' one line for
 bad input ("config error: ...", every rank says it) goes to the log too, and the supervisor says it
-once.
+once; so do the other ranks' notices that torchrun's stop signal reached them after it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ _CONFIG_ERROR = "config error: "  # a rank's one line before exit 2 (trainer/__m
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")
 # gloo's words for a peer that went away mid-collective
 _PEER_LOST = re.compile(r"Connection (reset|closed) by peer")
+# a rank's notice that a stop signal reached it (trainer/runtime/signals.py)
+_STOP_NOTICE = re.compile(r"^(\[rank\d+\] )?received SIG\w+: stopping after this step")
 
 
 class TorchrunOutput:
@@ -72,6 +74,9 @@ class TorchrunOutput:
             self._divert(line)
         elif line.startswith(_CONFIG_ERROR):  # every rank says it: the supervisor says it once
             self.config_error = self.config_error or line.strip()
+            self._divert(line)
+        elif self.config_error and _STOP_NOTICE.match(body):
+            # torchrun stops the other ranks after one exits on bad input: not news to the user
             self._divert(line)
         else:
             self._write([line])
