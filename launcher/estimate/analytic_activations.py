@@ -176,11 +176,16 @@ def mlp_chunk_bytes(shape: ModelShape, m: Micro) -> int:
 def all_to_all_bytes(shape: ModelShape, m: Micro) -> int:
     """Ulysses: the all-to-all buffers of one layer's attention, transient: q, k and v sent
     and received (their send copies and receive buffers alive together), or in backward their
-    gradients; 0 without sequence parallelism."""
+    gradients; 0 without sequence parallelism. k/v heads fewer than sp are sent as they are, in
+    rounds, to the ranks that share each (trainer/memory/sequence_parallel.py): what is sent is
+    kv heads' size, in backward twice that (the summed gradient and one round's part), what
+    is received one head of the whole sequence, as many bytes as sp heads of the slice."""
     if m.sp == 1:
         return 0
-    kv = max(shape.num_kv_heads, m.sp) * shape.head_dim
-    return 2 * m.c * m.tokens * (shape.num_heads * shape.head_dim + 2 * kv)
+    kv = shape.num_kv_heads * shape.head_dim
+    received = max(shape.num_kv_heads, m.sp) * shape.head_dim
+    sent = kv if shape.num_kv_heads >= m.sp else 2 * kv
+    return m.c * m.tokens * (2 * shape.num_heads * shape.head_dim + 2 * (sent + received))
 
 
 def first_layer_unsaved(shape: ModelShape, m: Micro) -> int:

@@ -116,3 +116,19 @@ def test_alst_lengths_plan_with_rope_scaling(capsys):
                     "hardware.host_memory=2TiB", _yarn(4.0))  # fmt: skip
     assert plan["estimate"]["fits"] and plan["max_seq_len"] == 524288
     assert (plan["activation_checkpointing"], plan["offload_activations"]) == ("full", True)
+
+
+# ALST's setups (Llama-3.1-8B full fine-tune, bf16, one sequence, 2 TiB host a node, flash
+# attention): the GPUs, the nodes and the length ALST measured (arXiv 2506.13996)
+ALST = ((1, 1, 500_000), (8, 1, 3_700_000), (32, 4, 15_000_000))
+
+
+@pytest.mark.parametrize("gpus, nodes, alst", ALST)
+def test_the_longest_lengths_of_alst_setups_reach_alst(capsys, gpus, nodes, alst):
+    per_node = gpus // nodes
+    split = [f"sequence_parallel={gpus}"] if gpus > 1 else []
+    plan, text = _plan(capsys, *EIGHT_80, f"hardware.devices_per_node={per_node}",
+                       f"hardware.nodes={nodes}", "data.seq_len=131072",
+                       "train.global_batch_size=1", "hardware.host_memory=2TiB",
+                       "model.attn_implementation=flash_attention_2", *split)  # fmt: skip
+    assert plan["max_seq_len_memory"] >= alst, plan["max_seq_len_memory"]

@@ -408,3 +408,40 @@ def test_which_models_build_their_masks_from_position_ids() -> None:
 
     assert all(map(follows, ("llama", "mistral", "qwen2", "gemma2")))
     assert not any(map(follows, ("opt", "biogpt")))
+
+
+def _total_bytes(tracker, kind: str) -> int:
+    snapshot = tracker.get_tracker_snapshot(kind)
+    return next(v for k, v in next(iter(snapshot.values())).items() if str(k).endswith("Total"))
+
+
+def test_a_shared_key_value_head_is_sent_once_to_each_rank_not_repeated():
+    """2 k/v heads over a sequence group of 8 (rank 0 of a fake process group, real CPU tensors
+    under MemTracker): each head goes to the 4 ranks whose query heads share it. The forward
+    holds what the rank receives, one head of the whole sequence (the heads of one micro-batch
+    are sent in place); its backward the summed gradient, one round's part and the input's
+    gradient: kv heads' size each, where repeating them to 8 heads first held twice what is
+    received. Its values are those of the repeated exchange (losses of ddp_sp2_qwen2 and
+    ddp_sp4_w4 above)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from launcher.estimate.trace import fake_process_group
+    from trainer.memory.sequence_parallel import shared_all_to_all
+
+    slice_tokens, head_dim, sp, kv = 64, 16, 8, 2
+    heads_bytes = 4 * kv * slice_tokens * head_dim
+    received = 4 * sp * slice_tokens * head_dim  # one head of the whole sequence
+    with fake_process_group(sp):
+        key = torch.randn(1, kv, slice_tokens, head_dim, requires_grad=True)
+        grad = torch.ones(sp, 1, slice_tokens, head_dim)
+        tracker = MemTracker()
+        tracker.track_external(key, grad)
+        with tracker:
+            inputs = _total_bytes(tracker, "current")
+            gathered = shared_all_to_all(key, None, sp // kv)
+            forward = _total_bytes(tracker, "peak") - inputs
+            gathered.backward(grad)
+            step = _total_bytes(tracker, "peak") - inputs
+    assert gathered.shape == (sp, 1, slice_tokens, head_dim)
+    assert forward == received
+    assert step == received + 3 * heads_bytes < 2 * received

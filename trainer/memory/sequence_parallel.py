@@ -18,8 +18,9 @@ model's implementation runs on that with the mask transformers builds for the WH
 sliding windows stay right); a second all-to-all turns the output back. A model whose own mask
 ignores position ids (OPT, BioGPT: packed documents attend to each other on one process) gets
 the mask it builds itself, plain causal over the whole window, so the split is exact there too.
-Key/value heads fewer than sp are repeated to sp first (grouped-query attention), so each rank
-gets one.
+Key/value heads fewer than sp (grouped-query attention) are each sent to the sp / kv ranks whose
+query heads share it, in sp / kv rounds, so each rank gets one without a copy of them repeated to
+sp heads.
 
 Why not DeepSpeed's UlyssesSPAttentionHF (deepspeed.runtime.sequence_parallel.ulysses_sp):
 its wrapper drops the attention mask for sdpa and eager and relies on is_causal, so packed
@@ -142,14 +143,15 @@ class _UlyssesAttention:
         if self._mask_positions is None:
             self._mask_positions = mask_follows_position_ids(sys.modules[type(module).__module__])
         positions = self._whole_positions(kwargs.get("position_ids"))
-        if self.kv_heads < sp:  # grouped-query attention: one (repeated) k/v head per rank
-            key = key.repeat_interleave(sp // self.kv_heads, dim=1)
-            value = value.repeat_interleave(sp // self.kv_heads, dim=1)
-        query, key, value = (self._heads_to_sequence(t) for t in (query, key, value))
+        query = self._heads_to_sequence(query)
+        if self.kv_heads < sp:  # grouped-query attention: the k/v head of this rank's q heads
+            key, value = (self._shared_heads_to_sequence(t) for t in (key, value))
+        else:
+            key, value = (self._heads_to_sequence(t) for t in (key, value))
         mask = self._mask(query, positions, kwargs.get("sliding_window"))
         inner = self.inner or _eager_of(module)
         groups = getattr(module, "num_key_value_groups", None)
-        if groups is not None:  # query heads per k/v head on this rank (repeated k/v: fewer)
+        if groups is not None:  # query heads per k/v head on this rank (one shared k/v head)
             module.num_key_value_groups = query.size(1) // key.size(1)
         try:
             out, weights = inner(
@@ -166,6 +168,13 @@ class _UlyssesAttention:
         chunks = t.reshape(b, sp, h // sp, s, d).transpose(0, 1).contiguous()
         gathered = all_to_all(chunks, self.group)  # [sp (sequence slice), b, h/sp, s, d]
         return gathered.permute(1, 2, 0, 3, 4).reshape(b, h // sp, sp * s, d)
+
+    def _shared_heads_to_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """[b, kv, s/sp, d] with kv < sp -> [b, 1, s, d]: k/v head i goes to the sp / kv ranks
+        whose query heads share it, sent once to each (no copy repeated to sp heads)."""
+        sp, (b, _, s, d) = self.sp, t.shape
+        gathered = shared_all_to_all(t, self.group, sp // self.kv_heads)  # [sp, b, s/sp, d]
+        return gathered.unsqueeze(2).permute(1, 2, 0, 3, 4).reshape(b, 1, sp * s, d)
 
     def _sequence_to_heads(self, t: torch.Tensor) -> torch.Tensor:
         """The attention output [b, s, h/sp, d] -> [b, s/sp, h, d]."""
@@ -261,6 +270,52 @@ class _AllToAll(torch.autograd.Function):
         return out, None
 
 
+class _SharedAllToAll(torch.autograd.Function):
+    """Head i of [b, kv, s, d] to ranks i * copies ... i * copies + copies - 1 of `group`, in
+    `copies` rounds of all_to_all_single: round j sends each head to the rank of its copies
+    whose index is j (rank % copies == j), which receives one slice from every rank; the other
+    ranks receive nothing. The send buffer is the kv heads, not their sp copies. Backward sends
+    each rank's gradient back in the same rounds and sums the copies of each head."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group: Any, copies: int) -> torch.Tensor:
+        sp, me = dist.get_world_size(group), dist.get_rank(group)
+        ctx.group, ctx.copies, ctx.sp, ctx.me = group, copies, sp, me
+        heads = t.transpose(0, 1).contiguous()  # [kv, b, s, d]
+        gathered = heads.new_empty((sp, *heads.shape[1:]))  # [sp (sequence slice), b, s, d]
+        for j in range(copies):
+            mine = me % copies == j
+            received = gathered if mine else heads[:0]
+            dist.all_to_all_single(
+                received, heads, output_split_sizes=[int(mine)] * sp,
+                input_split_sizes=[int(r % copies == j) for r in range(sp)], group=group,
+            )  # fmt: skip
+        return gathered
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        sp, copies, me = ctx.sp, ctx.copies, ctx.me
+        grad = grad.contiguous()
+        total: torch.Tensor | None = None
+        for j in range(copies):
+            mine = me % copies == j
+            received = grad.new_empty((sp // copies, *grad.shape[1:]))  # [kv, b, s, d]
+            dist.all_to_all_single(
+                received, grad if mine else grad[:0],
+                output_split_sizes=[int(r % copies == j) for r in range(sp)],
+                input_split_sizes=[int(mine)] * sp, group=ctx.group,
+            )  # fmt: skip
+            total = received if total is None else total.add_(received)
+        assert total is not None
+        return total.transpose(0, 1), None, None
+
+
+def shared_all_to_all(t: torch.Tensor, group: Any, copies: int) -> torch.Tensor:
+    """[b, kv, s, d] -> [sp, b, s, d]: slice j of the result is sequence rank j's slice of
+    this rank's k/v head, head rank // copies (see `_SharedAllToAll`)."""
+    return _SharedAllToAll.apply(t, group, copies)
+
+
 def all_to_all(t: torch.Tensor, group: Any) -> torch.Tensor:
     """Chunk i of dim 0 goes to rank i of `group`; chunk j of the result came from rank j."""
     return _AllToAll.apply(t, group)
@@ -274,5 +329,6 @@ __all__ = [
     "concrete_sequence_parallel",
     "mask_follows_position_ids",
     "sequence_group",
+    "shared_all_to_all",
     "split_sequence",
 ]
