@@ -118,6 +118,16 @@ def test_alst_lengths_plan_with_rope_scaling(capsys):
     assert (plan["activation_checkpointing"], plan["offload_activations"]) == ("full", True)
 
 
+def test_alst_8_gpu_length_plans_with_rope_scaling(capsys):
+    """ALST's 3.7M tokens on one node of 8 x 80 GiB, yarn x 32: every rank holds 462,500 tokens
+    of the sequence."""
+    plan, _ = _plan(capsys, *EIGHT_80, "data.seq_len=3700000", "train.global_batch_size=1",
+                    "sequence_parallel=8", "hardware.host_memory=2TiB",
+                    "model.attn_implementation=flash_attention_2", _yarn(32.0))  # fmt: skip
+    assert plan["estimate"]["fits"] and plan["max_seq_len"] >= 3_700_000
+    assert (plan["sequence_parallel"], plan["activation_checkpointing"]) == (8, "full")
+
+
 # ALST's setups (Llama-3.1-8B full fine-tune, bf16, one sequence, 2 TiB host a node, flash
 # attention): the GPUs, the nodes and the length ALST measured (arXiv 2506.13996)
 ALST = ((1, 1, 500_000), (8, 1, 3_700_000), (32, 4, 15_000_000))
