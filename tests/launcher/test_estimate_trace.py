@@ -269,13 +269,16 @@ def test_lora_qlora_and_8bit_adamw_follow_the_trace():
 
 # QLoRA on fsdp (the 4-bit base sharded in its bf16 storage, run for real over the
 # fake process group) and `precision: bf16_pure` (bf16 weights, grads and torchao's bf16
-# moments), two architectures each, in the same band. The engine half (trainer/optim.py, the
-# QLoRA and bf16_pure paths of trainer/model/finetune.py and the FSDP backend) must be there.
+# moments; with QLoRA, bf16 adapters), two architectures each, in the same band. The engine
+# half (trainer/optim.py, the QLoRA and bf16_pure paths of trainer/model/finetune.py and the
+# FSDP backend) must be there.
 LOWBIT_CASES = [
     ("qlora", "bf16", ("llama", "small", "fsdp", 2, 1, 512, "none")),
     ("qlora", "bf16", ("mistral", "medium", "fsdp", 2, 2, 512, "full", 1, "chunked")),
     ("full", "bf16_pure", ("llama", "small", "single", 1, 1, 512, "none")),
     ("full", "bf16_pure", ("qwen2", "medium", "fsdp", 2, 2, 512, "full", 1, "chunked")),
+    ("qlora", "bf16_pure", ("llama", "small", "single", 1, 1, 512, "none")),
+    ("qlora", "bf16_pure", ("qwen2", "small", "fsdp", 2, 2, 512, "full", 1, "chunked")),
 ]
 
 

@@ -77,6 +77,15 @@ def runs(tmp_path_factory) -> Path:
                 "train.steps=3",
             ),
             _train(qlora, work / "qlora", "train.steps=3"),
+            # torchtune's QLoRA: bf16 adapters and AdamW moments (precision: bf16_pure)
+            _train(qlora, work / "qlora_pure", "precision=bf16_pure", "train.steps=4"),
+            _train(
+                qlora,
+                work / "qlora_pure_resumed",
+                "precision=bf16_pure",
+                "train.steps=4",
+                f"run.resume={work / 'qlora_pure/checkpoints/step_2'}",
+            ),  # fmt: skip
         ]
     )
     return work
@@ -124,6 +133,25 @@ def test_qlora_trains_a_4bit_base(runs):
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.05, losses
     names = _optim_dtypes(runs / "qlora" / "checkpoints" / "step_2")
     assert names and all(".lora_" in k for k in names)
+
+
+def test_qlora_under_bf16_pure_trains_bf16_adapters_and_resumes_exactly(runs):
+    losses = _losses(runs / "qlora_pure")
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.05, losses
+    assert _losses(runs / "qlora_pure_resumed") == losses[2:]
+    ckpt = runs / "qlora_pure" / "checkpoints" / "step_2"
+    optim = _optim_dtypes(ckpt)
+    moments = {d for k, d in optim.items() if k.endswith(("/exp_avg", "/exp_avg_sq"))}
+    assert optim and all(".lora_" in k for k in optim) and moments == {torch.bfloat16}, optim
+    adapters = {d for k, d in _dtypes(ckpt).items() if ".lora_" in k and not k.startswith("optim/")}
+    assert adapters == {torch.bfloat16}, adapters
+
+
+def _dtypes(ckpt: Path) -> dict[str, torch.dtype]:
+    from trainer.checkpoint.layout import SafeFileSystemReader
+
+    meta = SafeFileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    return {k: m.properties.dtype for k, m in meta.items() if hasattr(m, "properties")}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -252,11 +252,11 @@ def _check_finetune(cfg: JobConfig) -> None:
     """The fine-tune method and optimizer: their libraries installed, their precision, and a
     forced strategy that can run them (trainer/core/methods.py); never trained another way."""
     method, optimizer = cfg.finetune.method, cfg.train.optimizer
-    if method == "qlora" and cfg.precision != "bf16":
+    if method == "qlora" and cfg.precision not in ("bf16", "bf16_pure"):
         raise ConfigError(
             "precision",
             f"{cfg.precision} with finetune.method=qlora: the 4-bit base computes in bf16",
-            "use precision=bf16",
+            "use precision=bf16 (fp32 adapters), or bf16_pure (bf16 adapters)",
         )
     _check_in_backward(cfg)
     if cfg.strategy != "auto":
