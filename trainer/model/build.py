@@ -51,6 +51,9 @@ def apply_rope_scaling(config: Any, rope_scaling: dict[str, Any]) -> None:
              update["positions"])  # fmt: skip
 
 
+_SAID_EAGER: set[type] = set()
+
+
 def _attention_for(config: Any, requested: str) -> str:
     """`requested` (`auto`, which no plan resolved: sdpa), except that a model without SDPA
     support (GPT-OSS, Mamba, ...) runs `sdpa` as `eager`, transformers' own implementation of
@@ -63,7 +66,9 @@ def _attention_for(config: Any, requested: str) -> str:
         return requested
     cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
     if cls is not None and getattr(cls, "_supports_sdpa", True) is False:
-        log.info("%s has no SDPA attention: model.attn_implementation eager", cls.__name__)
+        if cls not in _SAID_EAGER:  # once a process: tracing builds the model many times
+            _SAID_EAGER.add(cls)
+            log.info("%s has no SDPA attention: model.attn_implementation eager", cls.__name__)
         return "eager"
     return requested
 
