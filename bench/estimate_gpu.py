@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import MODELS, machine
-from launcher.estimate.peak import ALLOC_CONF_VARS
+from launcher.estimate.peak import ALLOC_CONF_VARS, CUDA_CONTEXT_BYTES
 from launcher.run.launch import EXPANDABLE_SEGMENTS
 from trainer.core.step_spec import StepSpec
 from trainer.core.units import GIB
@@ -125,8 +125,12 @@ def _job(run: Run, device_type: str, tmp: Path) -> Any:
     )
 
 
-def measure(run: Run, device_type: str) -> dict[str, Any]:
-    """Two optimizer steps of the engine in this process; the second one's peaks."""
+def measure(run: Run, device_type: str, cap_bytes: int | None = None) -> dict[str, Any]:
+    """Two optimizer steps of the engine in this process; the second one's peaks; on CUDA, the
+    caching allocator's segments by stream after it and a third step's peaks after the cache
+    is emptied (what the step itself reserves, without what the setup left cached). With
+    `cap_bytes` the allocator may hold no more than that (`set_per_process_memory_fraction`;
+    it frees its cache and retries before an out-of-memory error): whether the steps run."""
     import torch
     import torch.distributed as dist
 
@@ -144,6 +148,8 @@ def measure(run: Run, device_type: str) -> dict[str, Any]:
         torch.zeros(1, device=device)  # the CUDA context, before anything of ours
         free, total = torch.cuda.mem_get_info()
         context_bytes = total - free
+        if cap_bytes is not None:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
     else:
         context_bytes = 0
     dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
@@ -158,24 +164,48 @@ def measure(run: Run, device_type: str) -> dict[str, Any]:
         batches = make_batches(run.model, run.grad_accum, run.micro_batch_size, run.seq_len)
         # where the allocator's cache comes from (reserved minus allocated was ~5 GB for 1.1B
         # runs on an H200, docs/gpu.md): after the setup, and the first step's peaks
-        first: dict[str, int] = {}
+        first: dict[str, Any] = {}
         if device.type == "cuda":
             first["reserved_after_setup_bytes"] = torch.cuda.memory_reserved(device)
-        train_step(model, backend, batches, device)  # creates the optimizer state
+        try:
+            train_step(model, backend, batches, device)  # creates the optimizer state
+            if device.type == "cuda":
+                first["step1_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+                first["step1_max_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+            backend.reset_peak()
+            start = time.perf_counter()
+            train_step(model, backend, batches, device)
+            step_s = time.perf_counter() - start
+        except torch.OutOfMemoryError as err:
+            dist.destroy_process_group()
+            return {"context_bytes": context_bytes, "cap_bytes": cap_bytes, "fits_cap": False,
+                    "oom": str(err).splitlines()[0][:300], **first}  # fmt: skip
+        out: dict[str, Any] = {"step_s": round(step_s, 3), "context_bytes": context_bytes, **first}
         if device.type == "cuda":
-            first["step1_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
-            first["step1_max_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-        backend.reset_peak()
-        start = time.perf_counter()
-        train_step(model, backend, batches, device)
-        step_s = time.perf_counter() - start
-    out: dict[str, Any] = {"step_s": round(step_s, 3), "context_bytes": context_bytes, **first}
-    if device.type == "cuda":
-        out["max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
-        out["max_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-        out["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+            out["max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+            out["max_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+            out["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+            out["segments_by_stream"] = _segments_by_stream(torch.cuda.memory_snapshot())
+            torch.cuda.empty_cache()  # what the setup and earlier steps left cached goes
+            torch.cuda.reset_peak_memory_stats(device)
+            train_step(model, backend, batches, device)
+            out["clean_step_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+            out["clean_step_max_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+            if cap_bytes is not None:
+                out |= {"cap_bytes": cap_bytes, "fits_cap": True}
     dist.destroy_process_group()
     return out
+
+
+def _segments_by_stream(snapshot: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """The caching allocator's segments after a step, per CUDA stream: bytes reserved, and of
+    them allocated (blocks of one stream's segments serve that stream only)."""
+    streams: dict[str, dict[str, int]] = {}
+    for segment in snapshot:
+        mine = streams.setdefault(str(segment.get("stream", 0)), {"reserved": 0, "allocated": 0})
+        mine["reserved"] += int(segment.get("total_size", 0))
+        mine["allocated"] += int(segment.get("allocated_size", 0))
+    return streams
 
 
 def _free_port() -> int:
@@ -184,31 +214,48 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_one(index: int, run: Run, device_type: str, timeout_s: float) -> dict[str, Any]:
+def run_one(
+    index: int, run: Run, device_type: str, timeout_s: float, capped: bool = False
+) -> dict[str, Any]:
     """`measure` in a fresh process (ZeRO-3 patches torch.nn.functional.linear for good, and
-    every run starts from an empty allocator), then the estimate beside it."""
-    argv = [sys.executable, "-m", "bench.estimate_gpu", "--run", json.dumps(asdict(run))]
-    argv += ["--device", device_type]
+    every run starts from an empty allocator), then the estimate beside it; with `capped`, on
+    CUDA, the same steps again in a process whose allocator may hold only the estimate's total
+    less its CUDA context: `capped.fits_cap` says whether the job ran in what the plan counts."""
     started = time.perf_counter()
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"index": index, "run": asdict(run), "error": f"timed out after {timeout_s:.0f} s"}
-    wall_s = round(time.perf_counter() - started, 1)
-    result: dict[str, Any] = {"index": index, "run": asdict(run), "wall_s": wall_s}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        result["error"] = f"exit {proc.returncode}: {' | '.join(tail)}"
-        return result
-    result["measured"] = json.loads(lines[-1])
+    result: dict[str, Any] = {"index": index, "run": asdict(run)}
+    measured = _measure_in_child(run, device_type, timeout_s)
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    if "error" in measured:
+        return result | measured
+    result["measured"] = measured
     device_memory = 0
     if device_type == "cuda":
         import torch
 
         device_memory = torch.cuda.get_device_properties(0).total_memory
     result["estimate"] = estimate_for(run, device_type, device_memory)
+    if capped and device_type == "cuda":
+        cap = result["estimate"]["total_bytes"] - CUDA_CONTEXT_BYTES
+        result["capped"] = _measure_in_child(run, device_type, timeout_s, cap)
     return result
+
+
+def _measure_in_child(
+    run: Run, device_type: str, timeout_s: float, cap_bytes: int | None = None
+) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "bench.estimate_gpu", "--run", json.dumps(asdict(run))]
+    argv += ["--device", device_type]
+    if cap_bytes is not None:
+        argv += ["--cap-bytes", str(cap_bytes)]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"error": f"exit {proc.returncode}: {' | '.join(tail)}"}
+    return json.loads(lines[-1])
 
 
 def errors(result: dict[str, Any]) -> dict[str, float | None]:
@@ -248,6 +295,11 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{gib(est.get('peak_tensor_bytes'))} {gib(got.get('max_allocated_bytes'))}"
             f"{pct(err['peak'])} {gib(est.get('total_bytes'))}  {gib(reserved)}{pct(err['total'])}"
         )
+        if "capped" in r:
+            capped = r["capped"]
+            line += "  capped: " + (
+                "fits" if capped.get("fits_cap") else capped.get("oom") or capped.get("error", "?")
+            )
         if "error" in r:
             line += f"  FAILED: {r['error']}"
         lines.append(line)
@@ -269,11 +321,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per run")
     parser.add_argument("--device", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one run, in-process
+    parser.add_argument("--cap-bytes", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--capped", action="store_true",
+        help="also run each job with the allocator capped at the estimate's total (CUDA)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if not any(k in os.environ for k in ALLOC_CONF_VARS):  # as the launcher gives CUDA ranks;
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS  # the estimate reads it too
     if args.run:
-        print(json.dumps(measure(Run(**json.loads(args.run)), args.device or "cuda")))
+        run = Run(**json.loads(args.run))
+        print(json.dumps(measure(run, args.device or "cuda", args.cap_bytes)))
         return 0
     device_type = "cpu" if args.cpu_smoke else "cuda"
     if device_type == "cuda":
@@ -287,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     out_dir = os.environ.get("OUT")
     for k in picked:
-        results.append(run_one(k, grid[k], device_type, args.timeout))
+        results.append(run_one(k, grid[k], device_type, args.timeout, args.capped))
         print(f"run {k}: {json.dumps(results[-1])}", file=sys.stderr, flush=True)
         if out_dir:  # after every run: a part stopped at its time limit keeps what it measured
             path = Path(out_dir) / "estimate_gpu.json"
