@@ -47,6 +47,7 @@ from trainer.memory.sequence_parallel import (
 from trainer.memory.tiled_mlp import apply_tiled_mlp, tiled_mlp_chunk_tokens
 from trainer.model.build import (
     HFModelFactory,
+    checkpointing_words,
     count_parameters,
     num_compiled_layers,
 )
@@ -346,7 +347,7 @@ def _log_start(run: _Run, num_params: int) -> None:
         cfg.train.global_batch_size,
         _precision_and_optimizer(cfg, ctx.device),
         sp,
-        ctx.activation_checkpointing,
+        checkpointing_words(ctx.activation_checkpointing, cfg),
         "on" if run.split.levers.chunked_loss else "off",
         "on" if run.split.levers.offload_activations else "off",
         f", {n} layers compiled" if (n := num_compiled_layers(run.model)) else "",

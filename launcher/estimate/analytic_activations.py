@@ -303,7 +303,9 @@ def micro_for(spec: StepSpec, shape: ModelShape) -> Micro:
     """One micro-batch of `spec` on one device. With adapters the frozen base computes in the
     compute dtype: a 16-bit stream and no autocast copies of its weights, as under FSDP's mixed
     precision. So does `precision: bf16_pure` (bf16 weights, no autocast)."""
-    ckpt = frozenset(checkpointed_layers(shape.num_layers, spec.activation_checkpointing))
+    ckpt = frozenset(checkpointed_layers(
+        shape.num_layers, spec.activation_checkpointing, spec.checkpointed_layers
+    ))  # fmt: skip
     chunk = loss_chunk_tokens(shape.vocab_size, spec.loss_chunk_tokens)
     row, ft, c = spec.row, spec.finetune, spec.compute_bytes
     pure = spec.precision == "bf16_pure"

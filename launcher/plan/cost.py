@@ -68,6 +68,15 @@ def step_time_s(
                                                                 offloaded_bytes)  # fmt: skip
 
 
+def _recomputed(shape: ModelShape, spec: StepSpec) -> float:
+    """The share of the decoder layers whose forward runs again in backward: all under full,
+    `checkpointed_layers` under selective (every other one without a count)."""
+    level, layers = spec.activation_checkpointing, max(1, shape.num_layers)
+    if level == "selective":
+        return min(spec.checkpointed_layers or (layers + 1) // 2, layers) / layers
+    return 1.0 if level == "full" else 0.0
+
+
 def _compute_s(shape: ModelShape, spec: StepSpec, hw: Hardware) -> float:
     """FLOPs of the step (the method's, attention, recomputation) at an effective rate, plus
     QLoRA's memory-bound dequantisation."""
@@ -77,7 +86,7 @@ def _compute_s(shape: ModelShape, spec: StepSpec, hw: Hardware) -> float:
     attention = attention_flops_per_token(shape.num_layers, shape.hidden_size, seq)
     if not spec.packed:  # causal kernels (flash, flex, causal sdpa) skip the masked half; a
         attention /= 2  # dense mask goes to a kernel that computes every block of the square
-    recomputed = {"none": 0.0, "selective": 0.5, "full": 1.0}[spec.activation_checkpointing]
+    recomputed = _recomputed(shape, spec)
     recompute = recomputed * (cost.recompute_flops_per_token + attention / 3)
     if spec.chunked_loss:
         recompute += recomputed_head_flops_per_token(shape.hidden_size, shape.vocab_size)
@@ -122,7 +131,7 @@ def all_to_all_s(shape: ModelShape, spec: StepSpec, links: Links) -> float:
     tokens = spec.num_sequences * spec.local_seq_len
     kv = max(shape.num_kv_heads, sp) * shape.head_dim
     per_layer = spec.compute_bytes * tokens * (2 * shape.num_heads * shape.head_dim + 2 * kv)
-    recomputed = {"none": 0.0, "selective": 0.5, "full": 1.0}[spec.activation_checkpointing]
+    recomputed = _recomputed(shape, spec)
     passes = (2 + recomputed) * spec.grad_accum
     bandwidth = links.intra_node if sp <= spec.ranks_per_node else links.inter_node
     return (sp - 1) / sp * per_layer * shape.num_layers * passes / bandwidth
@@ -144,7 +153,7 @@ def _host_s(
     seconds += rung.nvme_per_step * per_rank / links.nvme
     if spec.offload_activations:
         per_node = spec.ranks_per_node * offloaded_bytes * spec.grad_accum
-        recomputed = {"none": 0.0, "selective": 0.5, "full": 1.0}[spec.activation_checkpointing]
+        recomputed = _recomputed(shape, spec)
         forward_s = compute_s / (3 + recomputed)  # forward 1, backward 2, the recompute in it
         seconds += offload_seconds(
             offloaded_bytes * spec.grad_accum, per_node, links.pcie, links.host, forward_s,

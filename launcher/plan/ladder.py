@@ -36,6 +36,8 @@ from trainer.core.units import GIB
 # A rung later on the ladder must be predicted this much faster to be chosen over an earlier one:
 # the cost model ranks rungs coarsely, and earlier rungs have fewer moving parts.
 SIMPLER_RUNG_MARGIN = 0.10
+# the shares of the decoder layers selective checkpointing may recompute, when the planner chooses
+SELECTIVE_SHARES = (0.25, 0.5, 0.75)
 # attention implementations that keep packed documents apart through a dense [seq, seq] mask
 DENSE_MASK = ("auto", "sdpa", "eager")
 
@@ -148,10 +150,14 @@ def job_step(
     cfg: JobConfig, hw: Hardware, rung: Strategy, micro: int, ac: str, *,
     reduce_every_micro: bool | None = False, levers: Levers = NO_LEVERS,
     finetune: Finetune | None = None, long: LongContext | None = None,
+    checkpointed: int | None = None,
 ) -> StepSpec:  # fmt: skip
-    """The step this job runs on `rung` at this micro-batch, checkpointing and levers, with the
-    global batch's accumulation; split over a sequence group as `long` says (None: as the
+    """The step this job runs on `rung` at this micro-batch, checkpointing (`checkpointed`
+    layers under selective; None: the config's count, or every other layer) and levers, with
+    the global batch's accumulation; split over a sequence group as `long` says (None: as the
     config says, `auto` being 1 and off)."""
+    if checkpointed is None and isinstance(cfg.memory.checkpointed_layers, int):
+        checkpointed = cfg.memory.checkpointed_layers
     long = long or LongContext.of(cfg)
     data_ranks = hw.world_size // long.sequence_parallel
     return StepSpec(
@@ -160,6 +166,7 @@ def job_step(
         micro_batch_size=micro,
         seq_len=cfg.data.seq_len,
         activation_checkpointing=ac,
+        checkpointed_layers=checkpointed if ac == "selective" else None,
         precision=cfg.precision,
         grad_accum=max(1, cfg.train.global_batch_size // (data_ranks * micro)),
         devices_per_node=hw.devices_per_node,
@@ -301,21 +308,50 @@ def _best_on(walk: _Walk, rung: Strategy) -> tuple[Candidate | None, str]:
     best: Candidate | None = None
     smallest: Estimate | None = None
     for every, ac, lev in itertools.product(reduce_variants(rung, cfg), acs, walk.levers):
+        # a smaller micro-batch at the same checkpointing is only slower, except where it lets
+        # selective checkpointing recompute fewer layers: then every micro-batch is weighed
+        weigh_all = ac == "selective" and cfg.memory.checkpointed_layers == "auto"
         for micro in micros:
-            spec = job_step(cfg, hw, rung, micro, ac, reduce_every_micro=every, levers=lev,
-                            finetune=walk.finetune, long=walk.long)  # fmt: skip
-            est = scaled_estimate(walk.shape, spec, walk.memory_scale)
+            spec, est = _step_at(walk, rung, micro, ac, every, lev)
             if smallest is None or est.device_total_bytes < smallest.device_total_bytes:
                 smallest = est
             t = step_time_s(walk.shape, spec, hw, walk.links, est.offloaded_bytes)
             if not _fits_faster(est, t, spec, best, hw, cfg.memory.headroom):
-                if shortfall(est, hw, cfg.memory.headroom) is None:
+                if shortfall(est, hw, cfg.memory.headroom) is None and not weigh_all:
                     break  # fits, but slower: smaller micro-batches here are only slower still
                 continue
             best = Candidate(rung, spec, est, t, every)
-            break  # smaller micro-batches at this checkpointing level are only slower
+            if not weigh_all:
+                break
     why = "" if best else (shortfall(smallest, hw, cfg.memory.headroom) or "does not fit")
     return best, why
+
+
+def _step_at(
+    walk: _Walk, rung: Strategy, micro: int, ac: str, every: bool | None, lev: Levers
+) -> tuple[StepSpec, Estimate]:
+    """The step at this micro-batch and checkpointing level, and its estimate. Selective
+    checkpointing with `memory.checkpointed_layers: auto` checkpoints the fewest of a quarter,
+    a half or three quarters of the layers that fit (each layer fewer is one layer's forward
+    less to recompute; steps of a quarter keep the choice above the cost model's noise and the
+    plan readable); where none of them fits, three quarters (the smallest footprint short of
+    full)."""
+
+    def at(count: int | None) -> tuple[StepSpec, Estimate]:
+        spec = job_step(walk.cfg, walk.hw, rung, micro, ac, reduce_every_micro=every,
+                        levers=lev, finetune=walk.finetune, long=walk.long,
+                        checkpointed=count)  # fmt: skip
+        return spec, scaled_estimate(walk.shape, spec, walk.memory_scale)
+
+    if ac != "selective" or walk.cfg.memory.checkpointed_layers != "auto":
+        return at(None)
+    layers = walk.shape.num_layers
+    counts = sorted({max(1, round(layers * q)) for q in SELECTIVE_SHARES} - {layers})
+    for count in counts[:-1]:
+        step = at(count)
+        if shortfall(step[1], walk.hw, walk.cfg.memory.headroom) is None:
+            return step
+    return at(counts[-1]) if counts else at(None)
 
 
 def _fits_faster(

@@ -78,6 +78,7 @@ class Plan:
     max_seq_len_memory: int | None = None  # ... memory alone allows here, beyond the positions
     attention: str = "sdpa"  # model.attn_implementation (the planner's under `auto`)
     reference: str | None = None  # preference objectives: where DPO's reference comes from
+    checkpointed_layers: int | None = None  # selective: how many layers (None: every other)
 
     @classmethod
     def of(
@@ -95,6 +96,7 @@ class Plan:
             alternatives=list(alternatives), fsdp_reduce_every_micro_batch=reduce_every_micro,
             levers=spec.levers, long=spec.long_context, max_seq_len=max_seq_len,
             max_seq_len_memory=max_seq_len_memory, attention=attention,
+            checkpointed_layers=spec.checkpointed_layers,
         )  # fmt: skip
 
     def to_json(self, hw: Hardware, headroom: float, command: list[str]) -> dict[str, Any]:
@@ -107,6 +109,7 @@ class Plan:
             "micro_batch_size": self.micro_batch_size,
             "grad_accum": self.grad_accum,
             "activation_checkpointing": self.activation_checkpointing,
+            "checkpointed_layers": self.checkpointed_layers,
             "chunked_loss": self.levers.chunked_loss,
             "offload_activations": self.levers.offload_activations,
             "sequence_parallel": self.long.sequence_parallel,
@@ -197,7 +200,8 @@ def _reasons(cfg: JobConfig, hw: Hardware, ranked: list[Candidate], memory_scale
         " GiB host per node",
         f"micro-batch {chosen.micro} x accumulation {per_rank // chosen.micro} x {world} "
         + ("ranks" if world == hw.world_size else "data-parallel groups")
-        + f" = global batch {cfg.train.global_batch_size}; activation checkpointing {chosen.ac}",
+        + f" = global batch {cfg.train.global_batch_size}; activation checkpointing "
+        + chosen.spec.checkpointing_words,
     ]
     if chosen.levers != NO_LEVERS:
         reasons.append(_lever_reason(chosen, ranked))
@@ -268,7 +272,7 @@ def _lever_reason(chosen: Candidate, ranked: list[Candidate]) -> str:
         )
     return (
         " and ".join(parts) + f": the fastest fitting combination on {chosen.rung.name} "
-        f"(micro-batch {chosen.micro}, activation checkpointing {chosen.ac})"
+        f"(micro-batch {chosen.micro}, activation checkpointing {chosen.spec.checkpointing_words})"
     )
 
 
@@ -422,6 +426,7 @@ def apply_plan(cfg: JobConfig, plan: Plan, hw: Hardware) -> JobConfig:
             "memory": cfg.memory.model_copy(
                 update={
                     "activation_checkpointing": plan.activation_checkpointing,
+                    "checkpointed_layers": plan.checkpointed_layers or "auto",
                     "chunked_loss": plan.levers.chunked_loss,
                     "offload_activations": plan.levers.offload_activations,
                     "tiled_mlp": plan.long.tiled_mlp,

@@ -63,7 +63,7 @@ def hf_config(arch: str, size: str) -> dict:
 
 def relative_error(
     arch, size, strategy, world, micro, seq, ckpt, grad_accum=1, levers: str = "",
-    finetune: Finetune = FULL, precision: str = "bf16",
+    finetune: Finetune = FULL, precision: str = "bf16", checkpointed: int | None = None,
 ) -> float:  # fmt: skip
     """(analytic - traced) / traced peak tensor bytes on one device. `levers`: "chunked" and/or
     "offload" in the name switch on chunked loss (chunks of LOSS_CHUNK_TOKENS) and activation
@@ -78,7 +78,7 @@ def relative_error(
         "loss_chunk_tokens": LOSS_CHUNK_TOKENS if "chunked" in levers else None,
     }
     spec = StepSpec(strategy, world, micro, seq, ckpt, precision, grad_accum, world,
-                    finetune=finetune, **on)  # fmt: skip
+                    finetune=finetune, checkpointed_layers=checkpointed, **on)  # fmt: skip
     traced = trace_step(config, spec, until=BACKWARD_END if pure else None)
     analytic = estimate(shape_of(json.dumps(config, sort_keys=True)), spec)
     peak = analytic.peak_tensor_bytes
@@ -181,8 +181,14 @@ def test_accumulation_keeps_the_estimate_within_the_band(case):
     assert -0.05 <= err <= 0.10, f"{case}: {err:+.1%}"
 
 
-def test_selective_checkpointing_matches_the_trace():
-    err = relative_error("llama", "medium", "fsdp", 4, 2, 1024, "selective", grad_accum=2)
+@pytest.mark.parametrize(
+    "arch, strategy, world, checkpointed",
+    [("llama", "fsdp", 4, None), ("qwen2", "single", 1, 1), ("llama", "fsdp", 4, 2)],
+)
+def test_selective_checkpointing_matches_the_trace(arch, strategy, world, checkpointed):
+    """Every other layer (None), or `checkpointed` of the 3 layers spread over the depth."""
+    err = relative_error(arch, "medium", strategy, world, 2, 1024, "selective", grad_accum=2,
+                         checkpointed=checkpointed)  # fmt: skip
     assert -0.05 <= err <= 0.10, f"{err:+.1%}"
 
 

@@ -156,16 +156,16 @@ def test_fsdp_accumulates_sharded_when_unsharded_gradients_cost_more():
 
 def test_chunked_loss_lets_llama_3_2_1b_at_4096_tokens_run_single_without_recompute():
     """Llama-3.2-1B, seq 4096, one 40 GiB GPU: without the levers `single` needs recomputation
-    (the 4096 x 128256 logits and their fp32 copies) and the plan is `fsdp` on one device; with
-    them `single` runs at micro-batch 1 without recomputation, chunked loss in force, and the
-    resolved config and plan.json say so."""
+    (the 4096 x 128256 logits and their fp32 copies: a quarter of the layers checkpointed);
+    with them `single` runs at micro-batch 1 without recomputation, chunked loss in force, and
+    the resolved config and plan.json say so."""
     from launcher.plan.planner import apply_plan
 
     hw = _hw({"devices": 1, "device_memory": "40GiB", "host": "256GiB"})
     off = {"chunked_loss": False, "offload_activations": False}
     before = make_plan(_job("llama-3.2-1b", memory=off), hw)
     single_before = next(a for a in before.alternatives if a.strategy == "single")
-    assert before.strategy != "single" and single_before.activation_checkpointing != "none"
+    assert single_before.activation_checkpointing != "none"
     cfg = _job("llama-3.2-1b")
     plan = make_plan(cfg, hw)
     assert (plan.strategy, plan.activation_checkpointing) == ("single", "none")
@@ -234,3 +234,41 @@ def test_escalation_never_climbs_to_a_rung_with_a_larger_estimated_peak():
     assert climbed.strategy == "zero3" and excluded == ["fsdp", "zero2"]
     again = resolve_plan(cfg, exclude=excluded)[1]
     assert again["estimate"]["device"]["peak_tensor_bytes"] <= ceiling
+
+
+def test_selective_checkpointing_recomputes_the_fewest_layers_that_fit():
+    """Qwen2.5-7B on 8 x 96 GiB: the plan checkpoints 21 of the 28 layers (three quarters) at
+    micro-batch 8 (`memory.checkpointed_layers: auto`: a quarter, a half or three quarters);
+    a half at the same micro-batch does not fit. The resolved config, plan.json and the text
+    plan carry the count; a forced count is kept."""
+    from launcher.estimate.peak import estimate
+    from launcher.estimate.shape import model_shape
+    from launcher.plan.ladder import job_step
+    from launcher.plan.planner import apply_plan
+    from launcher.report.plan_report import render_plan
+    from trainer.core import strategies
+
+    hw = _hw({"devices": 8, "device_memory": "96GiB", "host": "1TiB"})
+    cfg = _job("qwen2.5-7b")
+    plan = make_plan(cfg, hw)
+    k = plan.checkpointed_layers
+    assert (plan.activation_checkpointing, plan.micro_batch_size, k) == ("selective", 8, 21)
+    half = job_step(
+        cfg,
+        hw,
+        strategies.row(plan.strategy),
+        8,
+        "selective",
+        levers=plan.levers,
+        reduce_every_micro=plan.fsdp_reduce_every_micro_batch,
+        checkpointed=14,
+    )
+    assert shortfall(estimate(model_shape(cfg.model), half), hw, cfg.memory.headroom) is not None
+    assert apply_plan(cfg, plan, hw).memory.checkpointed_layers == k
+    assert plan.to_json(hw, cfg.memory.headroom, [])["checkpointed_layers"] == k
+    assert "activation checkpointing selective (21 of the layers)" in render_plan(plan, 1, 1, [])
+    memory = {"activation_checkpointing": "selective", "checkpointed_layers": 26}
+    forced = make_plan(_job("qwen2.5-7b", memory=memory), hw)
+    assert (forced.activation_checkpointing, forced.checkpointed_layers) == ("selective", 26)
+    with pytest.raises(ConfigError, match="40 is more than the model's 28 decoder layers"):
+        make_plan(_job("qwen2.5-7b", memory={"checkpointed_layers": 40}), hw)

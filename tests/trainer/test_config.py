@@ -183,6 +183,20 @@ INVALID = [
         "zero3_offload cannot run adamw_8bit: DeepSpeed ZeRO",
     ),
     ("qlora in fp32", {}, ["finetune.method=qlora", "precision=fp32"], "precision", "bf16"),
+    (
+        "no checkpointed layers",
+        {},
+        ["memory.checkpointed_layers=0"],
+        "memory.checkpointed_layers",
+        ">= 1",
+    ),  # fmt: skip
+    (
+        "checkpointed layers under full",
+        {},
+        ["memory.activation_checkpointing=full", "memory.checkpointed_layers=3"],
+        "memory.checkpointed_layers",
+        "use memory.activation_checkpointing=selective",
+    ),
 ]
 
 

@@ -42,9 +42,11 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def _train(tmp_path, hf_config: dict, ac: str = "none", **levers) -> tuple[list[float], dict]:
-    """10 steps of 2 micro-batches x 2 rows on the single backend; the per-step losses and the
-    last step's lever record."""
+def _train(
+    tmp_path, hf_config: dict, ac: str = "none", checkpointed: int | None = None, **levers
+) -> tuple[list[float], dict]:
+    """10 steps of 2 micro-batches x 2 rows on the single backend (`checkpointed` layers under
+    selective checkpointing); the per-step losses and the last step's lever record."""
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "x"}\n')
     cfg = build_config(
@@ -57,6 +59,7 @@ def _train(tmp_path, hf_config: dict, ac: str = "none", **levers) -> tuple[list[
             },
             "data": {"path": str(data), "seq_len": SEQ},
             "train": {"global_batch_size": 4, "micro_batch_size": 2},
+            "memory": {"checkpointed_layers": checkpointed or "auto"},
             "strategy": "single",
         }
     )
@@ -128,6 +131,20 @@ def test_under_full_checkpointing_the_offload_moves_the_layer_inputs_only(tmp_pa
     num_layers, num_micro = TINY_LLAMA["num_hidden_layers"], 2
     assert record["offloaded_bytes"] == num_layers * num_micro * hidden_bytes
     assert record["restored_bytes"] == record["offloaded_bytes"]
+
+
+def test_checkpointing_3_of_4_layers_learns_what_none_learns_and_saves_3_inputs(tmp_path):
+    """memory.checkpointed_layers=3 under selective: the losses of no checkpointing, and the
+    offloaded bytes are 3 layers' inputs and 1 layer's saved tensors: 3/4 of what full
+    checkpointing offloads plus 1/4 of what none does (the 4 layers save alike)."""
+    deep = {**TINY_LLAMA, "num_hidden_layers": 4}
+    ref, none = _train(tmp_path, deep, offload_activations=True)
+    got, _ = _train(tmp_path, deep, ac="selective", checkpointed=3)
+    _assert_same(got, ref, "3 of 4 layers checkpointed")
+    _, three = _train(tmp_path, deep, ac="selective", checkpointed=3, offload_activations=True)
+    _, full = _train(tmp_path, deep, ac="full", offload_activations=True)
+    offloaded = [r["offloaded_bytes"] for r in (none, three, full)]
+    assert offloaded[1] * 4 == 3 * offloaded[2] + offloaded[0], offloaded
 
 
 def test_both_levers_with_full_checkpointing_learn_the_same(tmp_path):

@@ -43,7 +43,12 @@ from torch.distributed.fsdp import (
 
 from trainer.backends import BackendContext, ModelFactory, OptimizerSpec, common
 from trainer.core import strategies
-from trainer.model.build import apply_activation_checkpointing, apply_compile, decoder_layers
+from trainer.model.build import (
+    apply_activation_checkpointing,
+    apply_compile,
+    checkpoint_count,
+    decoder_layers,
+)
 from trainer.model.pretrained import canonical_name, load_fsdp_shards, load_per_rank, report_load
 from trainer.model.qlora_load import TensorSource, fill_4bit_shards, tensor_source
 from trainer.optim import load_sharded_8bit_state, sharded_8bit_state
@@ -66,7 +71,9 @@ class FsdpBackend:
         model, source = (
             _build_qlora(factory, home, ctx.rank) if quantized else (factory.build("meta"), None)
         )
-        apply_activation_checkpointing(model, ctx.activation_checkpointing)
+        apply_activation_checkpointing(
+            model, ctx.activation_checkpointing, checkpoint_count(ctx.cfg)
+        )
         if ctx.cfg.train.compile:
             apply_compile(model)
         apply_fsdp(

@@ -153,10 +153,20 @@ class StepSpec:
     # DPO's reference (trainer/core/methods.py): adapters_off adds a no-grad forward per
     # micro-batch; precomputed, one no-grad pass over the data before step 1; None: no reference
     reference: str | None = None
+    checkpointed_layers: int | None = None  # selective: how many (None: every other layer)
 
     @property
     def row(self) -> Strategy:
         return strategies.row(self.strategy)
+
+    @property
+    def checkpointing_words(self) -> str:
+        """'none', 'full', 'selective', or 'selective (24 layers)' with a count."""
+        count = self.checkpointed_layers
+        level = self.activation_checkpointing
+        if level != "selective" or not count:
+            return level
+        return f"{level} ({count} layer{'' if count == 1 else 's'})"
 
     @property
     def compute_bytes(self) -> int:

@@ -143,16 +143,27 @@ def row(name: str) -> Strategy:
     raise KeyError(f"unknown strategy {name!r}; known: {', '.join(names())}")
 
 
-def checkpointed_layers(num_layers: int, level: str) -> list[int]:
+def checkpointed_layers(num_layers: int, level: str, count: int | None = None) -> list[int]:
     """Indices of the decoder layers that activation checkpointing `level` wraps.
 
-    'full' wraps every layer; 'selective' every other one (half the activations kept, half the
-    recompute); 'none' none.
+    'full' wraps every layer; 'selective' `count` of them spread over the depth (layer
+    i * num_layers // count for each i; ConfigError above `num_layers`), every other one without
+    a count (half the activations kept, half the recompute); 'none' none.
     """
     if level == "full":
         return list(range(num_layers))
     if level == "selective":
-        return list(range(0, num_layers, 2))
+        if count is None:
+            return list(range(0, num_layers, 2))
+        if count > num_layers:
+            from trainer.core.errors import ConfigError
+
+            raise ConfigError(
+                "memory.checkpointed_layers",
+                f"{count} is more than the model's {num_layers} decoder layers",
+                f"use 1 to {num_layers}, or memory.activation_checkpointing=full",
+            )
+        return [i * num_layers // count for i in range(count)]
     return []
 
 

@@ -208,17 +208,29 @@ class _Recompute:
             return layer(*args, **kwargs)
 
 
-def apply_activation_checkpointing(model: nn.Module, level: str) -> None:
+def apply_activation_checkpointing(model: nn.Module, level: str, count: int | None = None) -> None:
     """Wrap every decoder layer in switchable checkpointing, in place (before any sharding), and
-    switch it on for the layers of `level`. Wrapping all of them lets the OOM back-off raise the
-    level of a built, sharded model (`set_activation_checkpointing`); a switched-off wrapper
-    only calls the layer."""
+    switch it on for the layers of `level` (`count` of them under selective: None, every other
+    one). Wrapping all of them lets the OOM back-off raise the level of a built, sharded model
+    (`set_activation_checkpointing`); a switched-off wrapper only calls the layer."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     layers = decoder_layers(model)
-    on = set(checkpointed_layers(len(layers), level))
+    on = set(checkpointed_layers(len(layers), level, count))
     for i in range(len(layers)):
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_fn=_Recompute(i in on, i))
+
+
+def checkpoint_count(cfg: Any) -> int | None:
+    """The job's `memory.checkpointed_layers` as `apply_activation_checkpointing` takes it."""
+    count = cfg.memory.checkpointed_layers
+    return count if isinstance(count, int) else None
+
+
+def checkpointing_words(level: str, cfg: Any) -> str:
+    """For the start line: 'full', or 'selective (24 layers)' with the job's count."""
+    count = checkpoint_count(cfg)
+    return f"{level} ({count} layers)" if level == "selective" and count else level
 
 
 def apply_compile(model: nn.Module) -> None:

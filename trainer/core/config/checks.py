@@ -174,6 +174,16 @@ def _check_across_sections(cfg: JobConfig) -> None:
             f"{rung.name} runs one process, but hardware.nodes x devices_per_node is above 1",
             "use ddp, fsdp or a zero rung, or strategy=auto",
         )
+    memory = cfg.memory
+    if isinstance(memory.checkpointed_layers, int) and memory.activation_checkpointing in (
+        "none", "full",
+    ):  # fmt: skip
+        raise ConfigError(
+            "memory.checkpointed_layers",
+            f"{memory.checkpointed_layers} with memory.activation_checkpointing="
+            f"{memory.activation_checkpointing}: it counts the layers of selective checkpointing",
+            "use memory.activation_checkpointing=selective (or auto), or checkpointed_layers=auto",
+        )
     world = hw.nodes * hw.devices_per_node if hw.devices_per_node else None
     sp = cfg.sequence_parallel if isinstance(cfg.sequence_parallel, int) else 1
     if world and world % sp:

@@ -210,6 +210,9 @@ class FinetuneConfig(_Section):
 
 class MemoryConfig(_Section):
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
+    # selective: how many decoder layers are checkpointed, spread over the depth; auto: the
+    # fewest that fit (the planner), every other layer where no plan chose
+    checkpointed_layers: Literal["auto"] | int = "auto"
     # Exact levers (docs/memory.md): the LM head and loss over chunks of tokens; the decoder
     # layers' saved activations in host memory between forward and backward. auto: the planner.
     chunked_loss: Literal["auto"] | bool = "auto"
@@ -220,6 +223,13 @@ class MemoryConfig(_Section):
     mlp_chunk_tokens: int | None = Field(None, ge=1)  # tokens per MLP chunk; None: hidden size
     loss_chunk_tokens: int | None = Field(None, ge=1)  # tokens per chunk; None: by vocabulary
     headroom: float = Field(0.10, ge=0.0, lt=0.9)
+
+    @field_validator("checkpointed_layers")
+    @classmethod
+    def _positive_layers(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1 or auto")
+        return v
 
 
 class HardwareConfig(_Section):
