@@ -200,7 +200,8 @@ def _job_words(row: Row) -> str:
         f"{j.get('strategy', 'single')} x{hw_world}",
         method if method == "full" else f"{method} r{j.get('finetune.lora.r', 16)}",
         f"b{j.get('train.micro_batch_size', 1)} s{j.get('data.seq_len', 2048)}",
-        f"AC {j.get('memory.activation_checkpointing', 'none')}",
+        f"AC {j.get('memory.activation_checkpointing', 'none')}"
+        + (" (ops)" if j.get("memory.selective") == "ops" else ""),
         j.get("precision", "bf16"),
     ]
     parts += [name for key, name in _FLAGS if j.get(key)]

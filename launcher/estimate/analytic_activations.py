@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from launcher.estimate.layer_fits import compute_mode
 from launcher.estimate.methods import adapter_terms
 from launcher.estimate.shape import ModelShape
+from trainer.core.errors import ConfigError
 from trainer.core.step_spec import StepSpec
 from trainer.core.strategies import checkpointed_layers, loss_chunk_tokens
 
@@ -54,6 +55,7 @@ class Micro:
     sp: int = 1  # sequence parallel: `s` is this rank's slice of a sequence of s * sp tokens
     mlp_chunk: int | None = None  # tiled MLP: tokens of each sequence per chunk
     block_mask: bool = False  # flex_attention on packed windows: a sparse block mask
+    ops: bool = False  # op-level checkpointing: a checkpointed layer keeps its matmuls' outputs
 
     @property
     def whole_seq(self) -> int:  # attention's sequence: the whole one under Ulysses
@@ -256,7 +258,22 @@ def offloaded_activation_bytes(shape: ModelShape, m: Micro, ckpt: frozenset[int]
     """Host bytes activation offload holds per rank: every layer's saved tensors."""
     num_ckpt = len(ckpt)
     plain = layer_activation_bytes(shape, m)
-    return (shape.num_layers - num_ckpt) * plain + num_ckpt * m.r * m.tokens * shape.hidden_size
+    return (shape.num_layers - num_ckpt) * plain + num_ckpt * checkpoint_kept(shape, m)[0]
+
+
+def checkpoint_kept(shape: ModelShape, m: Micro) -> list[int]:
+    """The tensors a checkpointed layer keeps between its forward and its backward: its input;
+    at op level (`trainer/model/build.py` `save_matmuls_and_attention`) also the outputs of
+    every other matrix product (Llama: q, v, gate and down) and of attention (its output and
+    log-sum-exp), in the compute dtype. Those stay on the device under activation offload (the
+    checkpoint caches them itself, past the saved-tensor hooks): only the input moves."""
+    t, h, c = m.tokens, shape.hidden_size, m.c
+    kept = [m.r * t * h]
+    if m.ops:
+        q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        products = [c * t * q, c * t * kv, c * t * shape.intermediate_size, c * t * h]
+        kept += [*products, c * t * q, 4 * m.b * shape.num_heads * m.s]
+    return kept
 
 
 def pinned_bytes(num_bytes: int) -> int:
@@ -271,7 +288,7 @@ def pinned_activation_bytes(shape: ModelShape, m: Micro, ckpt: frozenset[int]) -
     checkpointed layer saves only its input). Blocks the analytic model does not know: their
     measured bytes, doubled (each tensor rounds up by less than itself)."""
     num_ckpt = len(ckpt)
-    kept = num_ckpt * pinned_bytes(m.r * m.tokens * shape.hidden_size)
+    kept = num_ckpt * pinned_bytes(checkpoint_kept(shape, m)[0])
     if shape.num_layers == num_ckpt:
         return kept
     if shape.activations is not None:
@@ -303,9 +320,8 @@ def micro_for(spec: StepSpec, shape: ModelShape) -> Micro:
     """One micro-batch of `spec` on one device. With adapters the frozen base computes in the
     compute dtype: a 16-bit stream and no autocast copies of its weights, as under FSDP's mixed
     precision. So does `precision: bf16_pure` (bf16 weights, no autocast)."""
-    ckpt = frozenset(checkpointed_layers(
-        shape.num_layers, spec.activation_checkpointing, spec.checkpointed_layers
-    ))  # fmt: skip
+    level = "full" if spec.checkpoint_ops else spec.activation_checkpointing  # ops: every layer
+    ckpt = frozenset(checkpointed_layers(shape.num_layers, level, spec.checkpointed_layers))
     chunk = loss_chunk_tokens(shape.vocab_size, spec.loss_chunk_tokens)
     row, ft, c = spec.row, spec.finetune, spec.compute_bytes
     pure = spec.precision == "bf16_pure"
@@ -314,6 +330,13 @@ def micro_for(spec: StepSpec, shape: ModelShape) -> Micro:
     private = row.engine != "fsdp" and c < 4 and not pure
     adapters = adapter_terms(shape, ft, c, private)
     tile = (spec.mlp_chunk_tokens or shape.hidden_size) if spec.tiled_mlp else None
+    if spec.checkpoint_ops and shape.activations is not None:
+        raise ConfigError(
+            "memory.selective",
+            f"ops: op-level checkpointing is modelled for Llama-style blocks, not "
+            f"{shape.model_type}'s",
+            "use memory.selective=layers, or auto",
+        )
     return Micro(
         b=spec.num_sequences,
         s=spec.local_seq_len,
@@ -332,6 +355,7 @@ def micro_for(spec: StepSpec, shape: ModelShape) -> Micro:
         sp=spec.sequence_parallel,
         mlp_chunk=tile,
         block_mask=spec.block_mask,
+        ops=spec.checkpoint_ops,
     )
 
 
@@ -343,9 +367,10 @@ def activation_bytes(shape: ModelShape, m: Micro, ckpt: frozenset[int]) -> int:
     layers = (shape.num_layers - num_ckpt) * layer_activation_bytes(shape, m)
     if 0 not in ckpt:
         layers -= first_layer_unsaved(shape, m)
-    layers += num_ckpt * m.r * m.tokens * shape.hidden_size
-    if m.offload:
-        layers = min(layers, 2 * layer_activation_bytes(shape, m))
+    kept = checkpoint_kept(shape, m)
+    layers += num_ckpt * sum(kept)
+    if m.offload:  # the op-level outputs stay
+        layers = min(layers, 2 * layer_activation_bytes(shape, m)) + num_ckpt * sum(kept[1:])
     if m.chunk_tokens is None:
         loss = loss_bytes(shape, m.b, m.s, m.c)
     else:
@@ -376,18 +401,18 @@ class Forward:
 
     saved: int  # the layers' saved tensors (a checkpointed layer: its input), rotary tables
     per_layer: int  # one non-checkpointed layer's saved tensors
-    kept_ckpt: int  # what a checkpointed layer keeps: its input
+    kept_ckpt: int  # what a checkpointed layer keeps: its input (op level: and outputs)
     rotary: int  # cos and sin, shared by every layer
     mask: int  # the boolean block-causal mask of packed windows
     mask_kept: int  # ... kept into backward by the checkpoints, for their recompute
     cache: int  # autocast's 16-bit weight copies, cached until forward ends
+    kept_ops: int = 0  # op level: the outputs a checkpointed layer keeps on the device anyway
 
 
 def _forward_saved(shape: ModelShape, m: Micro, ckpt: frozenset[int]) -> Forward:
-    t, h = m.tokens, shape.hidden_size
     num_ckpt = len(ckpt)
     per_layer = layer_activation_bytes(shape, m)
-    kept_ckpt = m.r * t * h
+    kept_ckpt = sum(checkpoint_kept(shape, m))
     mask = m.b * m.whole_seq**2 if m.masked else 0
     if m.block_mask:
         mask = block_mask_bytes(m.b, m.whole_seq)
@@ -397,11 +422,13 @@ def _forward_saved(shape: ModelShape, m: Micro, ckpt: frozenset[int]) -> Forward
         saved -= first_layer_unsaved(shape, m)
     cached = m.autocast and not m.zero3_linear
     cache = num_ckpt * m.c * matmul_params(shape) if cached else 0
-    if m.offload:
+    if m.offload:  # the op-level outputs stay on the device
         saved, cache = offloaded_saved(shape, m, ckpt, rotary, cache)
+        saved += num_ckpt * sum(checkpoint_kept(shape, m)[1:])
     # checkpoints keep the mask for their recompute; Ulysses caches it for the whole step
     mask_kept = mask if num_ckpt or m.sp > 1 else 0
-    return Forward(saved, per_layer, kept_ckpt, rotary, mask, mask_kept, cache)
+    kept_ops = sum(checkpoint_kept(shape, m)[1:])
+    return Forward(saved, per_layer, kept_ckpt, rotary, mask, mask_kept, cache, kept_ops)
 
 
 @dataclass(frozen=True)

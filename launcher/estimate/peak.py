@@ -99,7 +99,7 @@ def _backward_layers(
     """The highest live bytes of any decoder layer's backward: what the layers below it saved,
     its own activations (rebuilt if checkpointed), the gradients of the layers above it."""
     num_layers, f = shape.num_layers, a.forward
-    peak, below = 0, 0
+    peak, below, ops_below = 0, 0, 0
     for k in range(num_layers):
         above = num_layers - 1 - k
         live = (
@@ -109,8 +109,9 @@ def _backward_layers(
         )  # fmt: skip
         peak = max(peak, live)
         below += f.kept_ckpt if k in m.ckpt else f.per_layer
-        if m.offload:  # the layers below wait on the host; the next one is brought back
-            below = f.kept_ckpt if k in m.ckpt else f.per_layer
+        if m.offload:  # the layers below wait on the host (but op-level outputs); the next one
+            below = (f.kept_ckpt if k in m.ckpt else f.per_layer) + ops_below  # comes back
+            ops_below += f.kept_ops if k in m.ckpt else 0
     return peak
 
 

@@ -145,7 +145,9 @@ def _traced_model(
         from trainer.model.finetune import params_to_bf16
 
         params_to_bf16(model)  # as the engine's Bf16PureFactory builds it
-    apply_activation_checkpointing(model, spec.activation_checkpointing, spec.checkpointed_layers)
+    apply_activation_checkpointing(
+        model, spec.activation_checkpointing, spec.checkpointed_layers, spec.checkpoint_ops
+    )
     model.train()
     if sharded:
         apply_fsdp(model, precision=spec.precision, reshard_after_forward=reshard_after_forward)

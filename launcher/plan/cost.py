@@ -70,8 +70,13 @@ def step_time_s(
 
 def _recomputed(shape: ModelShape, spec: StepSpec) -> float:
     """The share of the decoder layers whose forward runs again in backward: all under full,
-    `checkpointed_layers` under selective (every other one without a count)."""
+    `checkpointed_layers` under selective (every other one without a count); at op level, the
+    share of a layer's matmul work recomputed (Llama: k, o and up; attention is saved)."""
     level, layers = spec.activation_checkpointing, max(1, shape.num_layers)
+    if level == "selective" and spec.checkpoint_ops:
+        q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        i = shape.intermediate_size
+        return (kv + q + i) / (2 * q + 2 * kv + 3 * i)
     if level == "selective":
         return min(spec.checkpointed_layers or (layers + 1) // 2, layers) / layers
     return 1.0 if level == "full" else 0.0
@@ -87,7 +92,8 @@ def _compute_s(shape: ModelShape, spec: StepSpec, hw: Hardware) -> float:
     if not spec.packed:  # causal kernels (flash, flex, causal sdpa) skip the masked half; a
         attention /= 2  # dense mask goes to a kernel that computes every block of the square
     recomputed = _recomputed(shape, spec)
-    recompute = recomputed * (cost.recompute_flops_per_token + attention / 3)
+    again = 0.0 if spec.checkpoint_ops else attention / 3  # op level: attention is saved
+    recompute = recomputed * (cost.recompute_flops_per_token + again)
     if spec.chunked_loss:
         recompute += recomputed_head_flops_per_token(shape.hidden_size, shape.vocab_size)
     if spec.tiled_mlp:  # each chunk's MLP forward again in backward (and in a recompute)

@@ -150,7 +150,7 @@ def job_step(
     cfg: JobConfig, hw: Hardware, rung: Strategy, micro: int, ac: str, *,
     reduce_every_micro: bool | None = False, levers: Levers = NO_LEVERS,
     finetune: Finetune | None = None, long: LongContext | None = None,
-    checkpointed: int | None = None,
+    checkpointed: int | None = None, ops: bool | None = None,
 ) -> StepSpec:  # fmt: skip
     """The step this job runs on `rung` at this micro-batch, checkpointing (`checkpointed`
     layers under selective; None: the config's count, or every other layer) and levers, with
@@ -158,6 +158,8 @@ def job_step(
     config says, `auto` being 1 and off)."""
     if checkpointed is None and isinstance(cfg.memory.checkpointed_layers, int):
         checkpointed = cfg.memory.checkpointed_layers
+    if ops is None:  # the config's: op level where it says so
+        ops = cfg.memory.selective == "ops"
     long = long or LongContext.of(cfg)
     data_ranks = hw.world_size // long.sequence_parallel
     return StepSpec(
@@ -166,7 +168,8 @@ def job_step(
         micro_batch_size=micro,
         seq_len=cfg.data.seq_len,
         activation_checkpointing=ac,
-        checkpointed_layers=checkpointed if ac == "selective" else None,
+        checkpointed_layers=checkpointed if ac == "selective" and not ops else None,
+        checkpoint_ops=ops and ac == "selective",
         precision=cfg.precision,
         grad_accum=max(1, cfg.train.global_batch_size // (data_ranks * micro)),
         devices_per_node=hw.devices_per_node,
@@ -302,17 +305,18 @@ def _best_on(walk: _Walk, rung: Strategy) -> tuple[Candidate | None, str]:
         micros = [m for m in micros if m == walk.per_rank]
         if not micros:
             return None, f"train.optimizer_in_backward needs micro-batch {walk.per_rank}"
-    acs = AC_LEVELS
-    if cfg.memory.activation_checkpointing != "auto":
-        acs = (cfg.memory.activation_checkpointing,)
     best: Candidate | None = None
     smallest: Estimate | None = None
-    for every, ac, lev in itertools.product(reduce_variants(rung, cfg), acs, walk.levers):
+    for every, (ac, ops), lev in itertools.product(
+        reduce_variants(rung, cfg), _checkpointing(walk), walk.levers
+    ):
         # a smaller micro-batch at the same checkpointing is only slower, except where it lets
         # selective checkpointing recompute fewer layers: then every micro-batch is weighed
-        weigh_all = ac == "selective" and cfg.memory.checkpointed_layers == "auto"
+        weigh_all = ac == "selective" and not ops and cfg.memory.checkpointed_layers == "auto"
+        if ops and (lev.offload_activations or rung.engine == "deepspeed"):
+            continue  # op-level outputs are not offloaded; DeepSpeed's rungs untried with it
         for micro in micros:
-            spec, est = _step_at(walk, rung, micro, ac, every, lev)
+            spec, est = _step_at(walk, rung, micro, ac, every, lev, ops)
             if smallest is None or est.device_total_bytes < smallest.device_total_bytes:
                 smallest = est
             t = step_time_s(walk.shape, spec, hw, walk.links, est.offloaded_bytes)
@@ -327,9 +331,34 @@ def _best_on(walk: _Walk, rung: Strategy) -> tuple[Candidate | None, str]:
     return best, why
 
 
+def _checkpointing(walk: _Walk) -> list[tuple[str, bool]]:
+    """The checkpointing the walk tries: (level, op level) for each level the config allows;
+    selective at op level beside selective of whole layers where `memory.selective` allows it
+    and the estimate models it (a full fine-tune of a Llama-style block, no tiled MLP or
+    sequence split)."""
+    cfg = walk.cfg
+    levels = AC_LEVELS if cfg.memory.activation_checkpointing == "auto" else (
+        cfg.memory.activation_checkpointing,
+    )  # fmt: skip
+    long = walk.long or LongContext.of(cfg)
+    modelled = (walk.shape.activations is None and not walk.finetune.adapters
+                and long.sequence_parallel == 1 and not long.tiled_mlp
+                and cfg.memory.checkpointed_layers == "auto")  # fmt: skip
+    out = []
+    for level in levels:
+        if level != "selective" or cfg.memory.selective == "layers":
+            out.append((level, False))
+        elif cfg.memory.selective == "ops":
+            out.append((level, True))
+        else:
+            out += [(level, False)] + ([(level, True)] if modelled else [])
+    return out
+
+
 def _step_at(
-    walk: _Walk, rung: Strategy, micro: int, ac: str, every: bool | None, lev: Levers
-) -> tuple[StepSpec, Estimate]:
+    walk: _Walk, rung: Strategy, micro: int, ac: str, every: bool | None, lev: Levers,
+    ops: bool = False,
+) -> tuple[StepSpec, Estimate]:  # fmt: skip
     """The step at this micro-batch and checkpointing level, and its estimate. Selective
     checkpointing with `memory.checkpointed_layers: auto` checkpoints the fewest of a quarter,
     a half or three quarters of the layers that fit (each layer fewer is one layer's forward
@@ -340,10 +369,10 @@ def _step_at(
     def at(count: int | None) -> tuple[StepSpec, Estimate]:
         spec = job_step(walk.cfg, walk.hw, rung, micro, ac, reduce_every_micro=every,
                         levers=lev, finetune=walk.finetune, long=walk.long,
-                        checkpointed=count)  # fmt: skip
+                        checkpointed=count, ops=ops)  # fmt: skip
         return spec, scaled_estimate(walk.shape, spec, walk.memory_scale)
 
-    if ac != "selective" or walk.cfg.memory.checkpointed_layers != "auto":
+    if ac != "selective" or ops or walk.cfg.memory.checkpointed_layers != "auto":
         return at(None)
     layers = walk.shape.num_layers
     counts = sorted({max(1, round(layers * q)) for q in SELECTIVE_SHARES} - {layers})

@@ -79,6 +79,7 @@ class Plan:
     attention: str = "sdpa"  # model.attn_implementation (the planner's under `auto`)
     reference: str | None = None  # preference objectives: where DPO's reference comes from
     checkpointed_layers: int | None = None  # selective: how many layers (None: every other)
+    checkpoint_ops: bool = False  # selective at op level: every layer, matmul outputs saved
 
     @classmethod
     def of(
@@ -96,8 +97,15 @@ class Plan:
             alternatives=list(alternatives), fsdp_reduce_every_micro_batch=reduce_every_micro,
             levers=spec.levers, long=spec.long_context, max_seq_len=max_seq_len,
             max_seq_len_memory=max_seq_len_memory, attention=attention,
-            checkpointed_layers=spec.checkpointed_layers,
+            checkpointed_layers=spec.checkpointed_layers, checkpoint_ops=spec.checkpoint_ops,
         )  # fmt: skip
+
+    @property
+    def selective(self) -> str | None:
+        """Under selective checkpointing, `layers` (whole layers) or `ops` (op level)."""
+        if self.activation_checkpointing != "selective":
+            return None
+        return "ops" if self.checkpoint_ops else "layers"
 
     def to_json(self, hw: Hardware, headroom: float, command: list[str]) -> dict[str, Any]:
         """docs/interface.md's `plan --json`."""
@@ -110,6 +118,7 @@ class Plan:
             "grad_accum": self.grad_accum,
             "activation_checkpointing": self.activation_checkpointing,
             "checkpointed_layers": self.checkpointed_layers,
+            "selective": self.selective,
             "chunked_loss": self.levers.chunked_loss,
             "offload_activations": self.levers.offload_activations,
             "sequence_parallel": self.long.sequence_parallel,
@@ -427,6 +436,7 @@ def apply_plan(cfg: JobConfig, plan: Plan, hw: Hardware) -> JobConfig:
                 update={
                     "activation_checkpointing": plan.activation_checkpointing,
                     "checkpointed_layers": plan.checkpointed_layers or "auto",
+                    "selective": plan.selective or "auto",
                     "chunked_loss": plan.levers.chunked_loss,
                     "offload_activations": plan.levers.offload_activations,
                     "tiled_mlp": plan.long.tiled_mlp,

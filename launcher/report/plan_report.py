@@ -88,6 +88,7 @@ def render_plan(plan: Plan, device_bytes: int, host_bytes: int, argv: list[str])
         f"micro-batch {plan.micro_batch_size} x accumulation {plan.grad_accum}, activation "
         f"checkpointing {plan.activation_checkpointing}"
         + (f" ({plan.checkpointed_layers} of the layers)" if plan.checkpointed_layers else "")
+        + (" (matmul and attention outputs saved)" if plan.checkpoint_ops else "")
         + (f", {plan.levers.words()}" if plan.levers.words() != "none" else "")
         + (f", {plan.long.words()}" if plan.long.words() != "none" else "")
         + (f", attention {plan.attention}" if plan.attention != "sdpa" else "")

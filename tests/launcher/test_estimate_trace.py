@@ -64,6 +64,7 @@ def hf_config(arch: str, size: str) -> dict:
 def relative_error(
     arch, size, strategy, world, micro, seq, ckpt, grad_accum=1, levers: str = "",
     finetune: Finetune = FULL, precision: str = "bf16", checkpointed: int | None = None,
+    ops: bool = False,
 ) -> float:  # fmt: skip
     """(analytic - traced) / traced peak tensor bytes on one device. `levers`: "chunked" and/or
     "offload" in the name switch on chunked loss (chunks of LOSS_CHUNK_TOKENS) and activation
@@ -78,7 +79,8 @@ def relative_error(
         "loss_chunk_tokens": LOSS_CHUNK_TOKENS if "chunked" in levers else None,
     }
     spec = StepSpec(strategy, world, micro, seq, ckpt, precision, grad_accum, world,
-                    finetune=finetune, checkpointed_layers=checkpointed, **on)  # fmt: skip
+                    finetune=finetune, checkpointed_layers=checkpointed, checkpoint_ops=ops,
+                    **on)  # fmt: skip
     traced = trace_step(config, spec, until=BACKWARD_END if pure else None)
     analytic = estimate(shape_of(json.dumps(config, sort_keys=True)), spec)
     peak = analytic.peak_tensor_bytes
@@ -190,6 +192,28 @@ def test_selective_checkpointing_matches_the_trace(arch, strategy, world, checkp
     err = relative_error(arch, "medium", strategy, world, 2, 1024, "selective", grad_accum=2,
                          checkpointed=checkpointed)  # fmt: skip
     assert -0.05 <= err <= 0.10, f"{err:+.1%}"
+
+
+@pytest.mark.parametrize(
+    "arch, strategy, world, micro, seq, levers",
+    [("llama", "single", 1, 2, 1024, ""), ("qwen2", "fsdp", 4, 2, 1024, ""),
+     ("mistral", "single", 1, 1, 2048, "chunked")],
+)  # fmt: skip
+def test_op_level_checkpointing_matches_the_trace(arch, strategy, world, micro, seq, levers):
+    """Every layer checkpointed at op level (matmuls' and attention's outputs saved)."""
+    err = relative_error(
+        arch,
+        "medium",
+        strategy,
+        world,
+        micro,
+        seq,
+        "selective",
+        grad_accum=2 if strategy == "fsdp" else 1,
+        levers=levers,
+        ops=True,
+    )
+    assert abs(err) <= 0.02, f"{err:+.2%}"
 
 
 def test_the_error_would_show_a_missing_part():

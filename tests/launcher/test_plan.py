@@ -69,6 +69,8 @@ def test_plan_case(case):
     assert shortfall(plan.estimate, hw, cfg.memory.headroom) is None
     if "checkpointing" in case:
         assert plan.activation_checkpointing == case["checkpointing"]
+    fitting = {plan.strategy} | {a.strategy for a in plan.alternatives if a.fits}
+    assert set(case.get("fits", [])) <= fitting, (fitting, plan.alternatives)
     rejected = {a.strategy: a.why_not for a in plan.alternatives if not a.fits}
     if hw.world_size > 1:
         assert "needs exactly 1 rank" in rejected["single"]
@@ -249,7 +251,7 @@ def test_selective_checkpointing_recomputes_the_fewest_layers_that_fit():
     from trainer.core import strategies
 
     hw = _hw({"devices": 8, "device_memory": "96GiB", "host": "1TiB"})
-    cfg = _job("qwen2.5-7b")
+    cfg = _job("qwen2.5-7b", memory={"selective": "layers"})
     plan = make_plan(cfg, hw)
     k = plan.checkpointed_layers
     assert (plan.activation_checkpointing, plan.micro_batch_size, k) == ("selective", 8, 21)
@@ -267,8 +269,31 @@ def test_selective_checkpointing_recomputes_the_fewest_layers_that_fit():
     assert apply_plan(cfg, plan, hw).memory.checkpointed_layers == k
     assert plan.to_json(hw, cfg.memory.headroom, [])["checkpointed_layers"] == k
     assert "activation checkpointing selective (21 of the layers)" in render_plan(plan, 1, 1, [])
-    memory = {"activation_checkpointing": "selective", "checkpointed_layers": 26}
+    memory = {"activation_checkpointing": "selective", "checkpointed_layers": 26,
+              "selective": "layers"}  # fmt: skip
     forced = make_plan(_job("qwen2.5-7b", memory=memory), hw)
     assert (forced.activation_checkpointing, forced.checkpointed_layers) == ("selective", 26)
     with pytest.raises(ConfigError, match="40 is more than the model's 28 decoder layers"):
         make_plan(_job("qwen2.5-7b", memory={"checkpointed_layers": 40}), hw)
+
+
+def test_op_level_checkpointing_is_planned_where_it_is_fastest():
+    """Llama-3.1-8B on 8 x 80 GiB: every layer at op level (the matmuls' and attention's
+    outputs kept, a third of the matmul work recomputed), micro-batch 4; the resolved config
+    and plan.json say so, and whole layers are weighed beside it."""
+    from launcher.plan.planner import apply_plan
+    from launcher.report.plan_report import render_plan
+
+    hw = _hw({"devices": 8, "device_memory": "80GiB", "host": "1TiB"})
+    cfg = _job("llama-3.1-8b")
+    plan = make_plan(cfg, hw)
+    assert (plan.activation_checkpointing, plan.selective, plan.micro_batch_size) == (
+        "selective",
+        "ops",
+        4,
+    )
+    assert apply_plan(cfg, plan, hw).memory.selective == "ops"
+    assert plan.to_json(hw, cfg.memory.headroom, [])["selective"] == "ops"
+    assert "(matmul and attention outputs saved)" in render_plan(plan, 1, 1, [])
+    layers = make_plan(_job("llama-3.1-8b", memory={"selective": "layers"}), hw)
+    assert layers.step_time_s > plan.step_time_s

@@ -3,6 +3,7 @@ the plan names where DPO's reference comes from."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,9 @@ def test_the_issue_s_three_dpo_plans_fit_and_name_the_reference(
 def test_oomless_plan_says_the_reference_and_exits_0():
     r = oomless("plan", str(MODELS / "llama-3.1-8b.yaml"), *DPO, *_on(8, 80))
     assert r.returncode == 0, r.stderr
-    assert "; reference precomputed" in r.stdout and "pair(s) = 2 sequences" in r.stdout
+    pairs = re.search(r"(\d+) pair\(s\) = (\d+) sequences", r.stdout)
+    assert "; reference precomputed" in r.stdout and pairs, r.stdout
+    assert int(pairs[2]) == 2 * int(pairs[1])
 
 
 def test_a_pair_is_two_sequences_of_activations_and_orpo_has_no_reference(tmp_path):

@@ -191,6 +191,13 @@ INVALID = [
         ">= 1",
     ),  # fmt: skip
     (
+        "op level under full",
+        {},
+        ["memory.activation_checkpointing=full", "memory.selective=ops"],
+        "memory.selective",
+        "use memory.selective=layers",
+    ),
+    (
         "checkpointed layers under full",
         {},
         ["memory.activation_checkpointing=full", "memory.checkpointed_layers=3"],

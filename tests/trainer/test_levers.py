@@ -43,8 +43,9 @@ def _one_thread():
 
 
 def _train(
-    tmp_path, hf_config: dict, ac: str = "none", checkpointed: int | None = None, **levers
-) -> tuple[list[float], dict]:
+    tmp_path, hf_config: dict, ac: str = "none", checkpointed: int | None = None,
+    selective: str = "auto", **levers,
+) -> tuple[list[float], dict]:  # fmt: skip
     """10 steps of 2 micro-batches x 2 rows on the single backend (`checkpointed` layers under
     selective checkpointing); the per-step losses and the last step's lever record."""
     data = tmp_path / "d.jsonl"
@@ -59,7 +60,7 @@ def _train(
             },
             "data": {"path": str(data), "seq_len": SEQ},
             "train": {"global_batch_size": 4, "micro_batch_size": 2},
-            "memory": {"checkpointed_layers": checkpointed or "auto"},
+            "memory": {"checkpointed_layers": checkpointed or "auto", "selective": selective},
             "strategy": "single",
         }
     )
@@ -145,6 +146,15 @@ def test_checkpointing_3_of_4_layers_learns_what_none_learns_and_saves_3_inputs(
     _, full = _train(tmp_path, deep, ac="full", offload_activations=True)
     offloaded = [r["offloaded_bytes"] for r in (none, three, full)]
     assert offloaded[1] * 4 == 3 * offloaded[2] + offloaded[0], offloaded
+
+
+def test_op_level_checkpointing_learns_what_none_learns(tmp_path):
+    """memory.selective=ops: every layer checkpointed, its matmuls' and attention's outputs
+    saved (torchtitan's op policy), the rest recomputed: the losses of no checkpointing."""
+    deep = {**TINY_LLAMA, "num_hidden_layers": 4}
+    ref, _ = _train(tmp_path, deep)
+    got, _ = _train(tmp_path, deep, ac="selective", selective="ops")
+    _assert_same(got, ref, "op-level checkpointing")
 
 
 def test_both_levers_with_full_checkpointing_learn_the_same(tmp_path):

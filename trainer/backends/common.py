@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 from trainer.backends import OptimizerSpec
-from trainer.model.build import apply_activation_checkpointing, apply_compile, checkpoint_count
+from trainer.model.build import (
+    apply_activation_checkpointing,
+    apply_compile,
+    checkpoint_count,
+    checkpoint_ops,
+)
 from trainer.model.pretrained import canonical_name
 from trainer.optim import (
     FP32_MOMENTS,
@@ -210,7 +215,9 @@ def build_replica(factory: Any, ctx: Any) -> nn.Module:
     """The whole model on this rank's device, checkpointing (and compile) applied, in train
     mode: what `single` runs and what `ddp` wraps."""
     model = factory.build(ctx.device)
-    apply_activation_checkpointing(model, ctx.activation_checkpointing, checkpoint_count(ctx.cfg))
+    apply_activation_checkpointing(
+        model, ctx.activation_checkpointing, checkpoint_count(ctx.cfg), checkpoint_ops(ctx.cfg)
+    )
     if ctx.cfg.train.compile:
         apply_compile(model)
     model.train()

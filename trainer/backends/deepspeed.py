@@ -38,7 +38,7 @@ from trainer.backends.common import device_memory_stats, reset_device_peak, trai
 from trainer.backends.deepspeed_config import build_deepspeed_config
 from trainer.core import strategies
 from trainer.core.config import ConfigError
-from trainer.model.build import apply_activation_checkpointing, checkpoint_count
+from trainer.model.build import apply_activation_checkpointing, checkpoint_count, checkpoint_ops
 from trainer.model.pretrained import load_per_rank, load_zero3_partitions
 from trainer.runtime.dist import after_rank0, all_reduce_max, all_reduce_sum
 
@@ -88,7 +88,7 @@ class DeepSpeedBackend:
         else:
             model = factory.build(ctx.device)
         apply_activation_checkpointing(
-            model, ctx.activation_checkpointing, checkpoint_count(ctx.cfg)
+            model, ctx.activation_checkpointing, checkpoint_count(ctx.cfg), checkpoint_ops(ctx.cfg)
         )
         model.train()
         optimizer = self._optimizer(model, optim)

@@ -47,6 +47,7 @@ from trainer.model.build import (
     apply_activation_checkpointing,
     apply_compile,
     checkpoint_count,
+    checkpoint_ops,
     decoder_layers,
 )
 from trainer.model.pretrained import canonical_name, load_fsdp_shards, load_per_rank, report_load
@@ -72,7 +73,7 @@ class FsdpBackend:
             _build_qlora(factory, home, ctx.rank) if quantized else (factory.build("meta"), None)
         )
         apply_activation_checkpointing(
-            model, ctx.activation_checkpointing, checkpoint_count(ctx.cfg)
+            model, ctx.activation_checkpointing, checkpoint_count(ctx.cfg), checkpoint_ops(ctx.cfg)
         )
         if ctx.cfg.train.compile:
             apply_compile(model)

@@ -154,6 +154,8 @@ class StepSpec:
     # micro-batch; precomputed, one no-grad pass over the data before step 1; None: no reference
     reference: str | None = None
     checkpointed_layers: int | None = None  # selective: how many (None: every other layer)
+    # selective at op level: every layer, its matmuls' and attention's outputs saved
+    checkpoint_ops: bool = False
 
     @property
     def row(self) -> Strategy:
@@ -164,6 +166,8 @@ class StepSpec:
         """'none', 'full', 'selective', or 'selective (24 layers)' with a count."""
         count = self.checkpointed_layers
         level = self.activation_checkpointing
+        if level == "selective" and self.checkpoint_ops:
+            return f"{level} (matmul and attention outputs saved)"
         if level != "selective" or not count:
             return level
         return f"{level} ({count} layer{'' if count == 1 else 's'})"

@@ -193,32 +193,81 @@ class _Recompute:
     layer saves for backward (with recomputation: its inputs) goes to host memory while
     `offload` is set (`trainer.memory.offload`)."""
 
-    def __init__(self, enabled: bool, index: int):
+    def __init__(self, enabled: bool, index: int, ops: bool = False):
         self.enabled = enabled
         self.index = index
+        self.ops = ops  # op-level: the matmuls' and attention's outputs saved, not recomputed
         self.offload: LayerOffload | None = None
 
     def __call__(self, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
         offloading = self.offload is not None and torch.is_grad_enabled()
         with self.offload.layer(self.index) if offloading else contextlib.nullcontext():
             if self.enabled and torch.is_grad_enabled():
+                extra = {"context_fn": save_matmuls_and_attention} if self.ops else {}
                 return torch.utils.checkpoint.checkpoint(
-                    layer, *args, use_reentrant=False, **kwargs
+                    layer, *args, use_reentrant=False, **extra, **kwargs
                 )
             return layer(*args, **kwargs)
 
 
-def apply_activation_checkpointing(model: nn.Module, level: str, count: int | None = None) -> None:
+def _saved_ops() -> frozenset:
+    """The ops whose outputs op-level checkpointing keeps: matrix products and attention
+    (torch's SDPA kernels, flash-attn's where installed)."""
+    aten = torch.ops.aten
+    names = (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    ops = [aten.mm.default, aten.addmm.default]
+    ops += [getattr(aten, n).default for n in names if hasattr(aten, n)]
+    for name in ("_flash_attn_forward", "_flash_attn_varlen_forward"):
+        try:
+            ops.append(getattr(torch.ops.flash_attn, name).default)
+        except (AttributeError, RuntimeError):
+            pass
+    return frozenset(ops)
+
+
+def save_matmuls_and_attention() -> Any:
+    """A checkpoint's `context_fn` for op-level checkpointing (torchtitan's `op` policy): the
+    outputs of attention and of every other matrix product are saved in forward (for Llama: q,
+    v, gate and down projections), the rest is recomputed in backward (k, o and up, the norms,
+    rotary, the activation). Counted afresh for each checkpointed call and its recompute."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved, matmuls = _saved_ops(), (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    count = {"forward": 0, "recompute": 0}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func in matmuls:
+            count[mode] += 1
+            if count[mode] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        if func in saved:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_activation_checkpointing(
+    model: nn.Module, level: str, count: int | None = None, ops: bool = False
+) -> None:
     """Wrap every decoder layer in switchable checkpointing, in place (before any sharding), and
     switch it on for the layers of `level` (`count` of them under selective: None, every other
-    one). Wrapping all of them lets the OOM back-off raise the level of a built, sharded model
+    one; with `ops`, every layer at op level: `save_matmuls_and_attention`). Wrapping all of
+    them lets the OOM back-off raise the level of a built, sharded model
     (`set_activation_checkpointing`); a switched-off wrapper only calls the layer."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     layers = decoder_layers(model)
-    on = set(checkpointed_layers(len(layers), level, count))
+    ops = ops and level == "selective"
+    on = set(range(len(layers))) if ops else set(checkpointed_layers(len(layers), level, count))
     for i in range(len(layers)):
-        layers[i] = checkpoint_wrapper(layers[i], checkpoint_fn=_Recompute(i in on, i))
+        layers[i] = checkpoint_wrapper(layers[i], checkpoint_fn=_Recompute(i in on, i, ops))
 
 
 def checkpoint_count(cfg: Any) -> int | None:
@@ -227,8 +276,16 @@ def checkpoint_count(cfg: Any) -> int | None:
     return count if isinstance(count, int) else None
 
 
+def checkpoint_ops(cfg: Any) -> bool:
+    """Whether selective checkpointing runs at op level (`memory.selective: ops`)."""
+    return cfg.memory.selective == "ops"
+
+
 def checkpointing_words(level: str, cfg: Any) -> str:
-    """For the start line: 'full', or 'selective (24 layers)' with the job's count."""
+    """For the start line: 'full', 'selective (24 layers)' with the job's count, or
+    'selective (matmul and attention outputs saved)'."""
+    if level == "selective" and checkpoint_ops(cfg):
+        return f"{level} (matmul and attention outputs saved)"
     count = checkpoint_count(cfg)
     return f"{level} ({count} layers)" if level == "selective" and count else level
 
@@ -267,6 +324,7 @@ def set_activation_checkpointing(model: nn.Module, level: str) -> None:
     on = set(checkpointed_layers(len(switches), level))
     for i, switch in enumerate(switches):
         switch.enabled = i in on
+        switch.ops = False  # from op level up to whole layers
 
 
 def set_offload_activations(model: nn.Module, offload: LayerOffload | None) -> None:

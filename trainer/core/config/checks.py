@@ -184,6 +184,7 @@ def _check_across_sections(cfg: JobConfig) -> None:
             f"{memory.activation_checkpointing}: it counts the layers of selective checkpointing",
             "use memory.activation_checkpointing=selective (or auto), or checkpointed_layers=auto",
         )
+    _check_op_level(cfg)
     world = hw.nodes * hw.devices_per_node if hw.devices_per_node else None
     sp = cfg.sequence_parallel if isinstance(cfg.sequence_parallel, int) else 1
     if world and world % sp:
@@ -256,6 +257,36 @@ def _check_resilience(cfg: JobConfig) -> None:
             "timeout would end the run before a hang is diagnosed",
             f"use less than {cfg.dist.timeout_s}, or raise dist.timeout_s",
         )
+
+
+def _check_op_level(cfg: JobConfig) -> None:
+    """`memory.selective: ops` where the estimate models it: selective checkpointing of a full
+    fine-tune, every layer, no tiled MLP, activation offload or sequence split."""
+    memory = cfg.memory
+    if memory.selective != "ops":
+        return
+    clash = [
+        (memory.activation_checkpointing in ("none", "full"),
+         f"memory.activation_checkpointing={memory.activation_checkpointing}"),
+        (isinstance(memory.checkpointed_layers, int),
+         f"memory.checkpointed_layers={memory.checkpointed_layers} (ops checkpoints every layer)"),
+        (cfg.finetune.method != "full", f"finetune.method={cfg.finetune.method}"),
+        (memory.tiled_mlp is True, "memory.tiled_mlp=true"),
+        (memory.offload_activations is True, "memory.offload_activations=true"),
+        (cfg.strategy != "auto" and strategies.row(cfg.strategy).engine == "deepspeed",
+         f"strategy={cfg.strategy} (DeepSpeed's rungs are untried with it)"),
+        (isinstance(cfg.sequence_parallel, int) and cfg.sequence_parallel > 1,
+         f"sequence_parallel={cfg.sequence_parallel}"),
+    ]  # fmt: skip
+    for hit, what in clash:
+        if hit:
+            raise ConfigError(
+                "memory.selective",
+                f"ops with {what}: op-level checkpointing runs selective checkpointing of a "
+                "full fine-tune on every layer, without a tiled MLP, activation offload or a "
+                "sequence split, on single, ddp and the fsdp rungs",
+                "use memory.selective=layers, or auto",
+            )
 
 
 def _check_finetune(cfg: JobConfig) -> None:

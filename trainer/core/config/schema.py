@@ -213,6 +213,9 @@ class MemoryConfig(_Section):
     # selective: how many decoder layers are checkpointed, spread over the depth; auto: the
     # fewest that fit (the planner), every other layer where no plan chose
     checkpointed_layers: Literal["auto"] | int = "auto"
+    # selective: some layers whole (`layers`), or every layer at op level, the matmuls' and
+    # attention's outputs saved and the rest recomputed (`ops`); auto: the planner
+    selective: Literal["auto", "layers", "ops"] = "auto"
     # Exact levers (docs/memory.md): the LM head and loss over chunks of tokens; the decoder
     # layers' saved activations in host memory between forward and backward. auto: the planner.
     chunked_loss: Literal["auto"] | bool = "auto"
