@@ -84,9 +84,10 @@ def test_adapters_on_zero3_learn_what_the_replica_learns_on_gpu(tmp_path, method
 
 
 def test_some_layers_checkpointed_and_qlora_with_bf16_adapters_on_gpu(tmp_path):
-    """`memory.checkpointed_layers=1` (one layer recomputed) learns what no checkpointing
-    learns (bf16, within 2% a step), and QLoRA under `precision: bf16_pure` (bf16 adapters and
-    moments) learns: its loss falls. Run on CPU processes only so far."""
+    """`memory.checkpointed_layers=1` (one layer recomputed) and op-level checkpointing
+    (`memory.selective=ops`: the flash/efficient SDPA kernels' outputs saved) learn what no
+    checkpointing learns (bf16, within 2% a step), and QLoRA under `precision: bf16_pure`
+    (bf16 adapters and moments) learns: its loss falls. Run on CPU processes only so far."""
     strategy = "single" if NUM_GPUS == 1 else "fsdp"
     common = ("hardware.device=cuda", f"hardware.devices_per_node={NUM_GPUS}",
               f"strategy={strategy}")  # fmt: skip
@@ -100,6 +101,15 @@ def test_some_layers_checkpointed_and_qlora_with_bf16_adapters_on_gpu(tmp_path):
     )
     for step, (a, b) in enumerate(zip(some, ref, strict=True), start=1):
         assert abs(a - b) <= 2e-2 * b, f"step {step}: 1 layer checkpointed {a} vs none {b}"
+    ops = _train(
+        tmp_path / "ops",
+        *common,
+        "precision=bf16",
+        "memory.activation_checkpointing=selective",
+        "memory.selective=ops",
+    )
+    for step, (a, b) in enumerate(zip(ops, ref, strict=True), start=1):
+        assert abs(a - b) <= 2e-2 * b, f"step {step}: op-level checkpointing {a} vs none {b}"
     qlora = _train(tmp_path / "qlora", *common, "precision=bf16_pure", "finetune.method=qlora",
                    "finetune.lora.r=4", "train.lr=1e-2")  # fmt: skip
     assert qlora[-1] < qlora[0], qlora
