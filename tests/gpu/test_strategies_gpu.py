@@ -92,24 +92,12 @@ def test_some_layers_checkpointed_and_qlora_with_bf16_adapters_on_gpu(tmp_path):
     common = ("hardware.device=cuda", f"hardware.devices_per_node={NUM_GPUS}",
               f"strategy={strategy}")  # fmt: skip
     ref = _train(tmp_path / "none", *common, "precision=bf16")
-    some = _train(
-        tmp_path / "some",
-        *common,
-        "precision=bf16",
-        "memory.activation_checkpointing=selective",
-        "memory.checkpointed_layers=1",
-    )
-    for step, (a, b) in enumerate(zip(some, ref, strict=True), start=1):
-        assert abs(a - b) <= 2e-2 * b, f"step {step}: 1 layer checkpointed {a} vs none {b}"
-    ops = _train(
-        tmp_path / "ops",
-        *common,
-        "precision=bf16",
-        "memory.activation_checkpointing=selective",
-        "memory.selective=ops",
-    )
-    for step, (a, b) in enumerate(zip(ops, ref, strict=True), start=1):
-        assert abs(a - b) <= 2e-2 * b, f"step {step}: op-level checkpointing {a} vs none {b}"
+    selective = ("precision=bf16", "memory.activation_checkpointing=selective")
+    for what, extra in (("1 layer checkpointed", "memory.checkpointed_layers=1"),
+                        ("op-level checkpointing", "memory.selective=ops")):  # fmt: skip
+        got = _train(tmp_path / extra.split("=")[0], *common, *selective, extra)
+        for step, (a, b) in enumerate(zip(got, ref, strict=True), start=1):
+            assert abs(a - b) <= 2e-2 * b, f"step {step}: {what} {a} vs none {b}"
     qlora = _train(tmp_path / "qlora", *common, "precision=bf16_pure", "finetune.method=qlora",
                    "finetune.lora.r=4", "train.lr=1e-2")  # fmt: skip
     assert qlora[-1] < qlora[0], qlora

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import TINY_LLAMA
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
@@ -40,6 +41,18 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+class _Matmuls(TorchDispatchMode):
+    """Counts the matrix products a step runs (forward, recompute, backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return func(*args, **(kwargs or {}))
 
 
 def _train(
@@ -95,8 +108,9 @@ def _train(
         labels[3, 9:] = IGNORE_INDEX  # padding
         batch = {"input_ids": ids, "labels": labels, "doc_ids": torch.zeros_like(ids)}
         micro = [{k: v[i : i + 2] for k, v in batch.items()} for i in (0, 2)]
-        losses.append(train_step(model, backend, micro, CPU).loss)
-        record = on.record()
+        with _Matmuls() as matmuls:
+            losses.append(train_step(model, backend, micro, CPU).loss)
+        record = on.record() | {"matmuls": matmuls.count}
     return losses, record
 
 
@@ -152,9 +166,16 @@ def test_op_level_checkpointing_learns_what_none_learns(tmp_path):
     """memory.selective=ops: every layer checkpointed, its matmuls' and attention's outputs
     saved (torchtitan's op policy), the rest recomputed: the losses of no checkpointing."""
     deep = {**TINY_LLAMA, "num_hidden_layers": 4}
-    ref, _ = _train(tmp_path, deep)
-    got, _ = _train(tmp_path, deep, ac="selective", selective="ops")
+    ref, none = _train(tmp_path, deep)
+    got, ops = _train(tmp_path, deep, ac="selective", selective="ops")
     _assert_same(got, ref, "op-level checkpointing")
+    # each of the 4 layers x 2 micro-batches runs again in backward: at op level 3 projections
+    # (k, o and up: the others' outputs were kept); under full checkpointing 6 (the recompute
+    # stops before down, whose output backward does not need)
+    _, full = _train(tmp_path, deep, ac="full")
+    calls = 4 * 2
+    assert ops["matmuls"] - none["matmuls"] == 3 * calls, (none, ops)
+    assert full["matmuls"] - none["matmuls"] == 6 * calls, (none, full)
 
 
 def test_both_levers_with_full_checkpointing_learn_the_same(tmp_path):

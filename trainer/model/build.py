@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from contextlib import AbstractContextManager
-from functools import cached_property, partial
+from functools import cache, cached_property, partial
 from typing import Any, Protocol
 
 import torch
@@ -210,6 +210,7 @@ class _Recompute:
             return layer(*args, **kwargs)
 
 
+@cache
 def _saved_ops() -> frozenset:
     """The ops whose outputs op-level checkpointing keeps: matrix products and attention
     (torch's SDPA kernels, flash-attn's where installed)."""
