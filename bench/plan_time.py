@@ -9,7 +9,7 @@ the CLI on a shape no preset ships and no cache holds (the 70B config with 79 la
 `XDG_CACHE_HOME` per run): the shape is counted by arithmetic, without torch. The traced cold
 start is the CLI on a block type the analytic model does not know (a 1.0B gpt_neox: 16 layers,
 hidden 2048, seq 4096, bf16) with an empty cache: its activations are measured by tracing
-(launcher/estimate/activations.py), on copies of 3 and 4 layers. With `--moe` (the default) it
+(launcher/estimate/activations.py), on a copy of 3 layers. With `--moe` (the default) it
 also plans bench/cold_plan's gpt-oss-20b and Qwen3-235B-A22B shapes cold, once each (~35 s).
 """
 

@@ -42,9 +42,8 @@ LAUNCHER_RUNS_ENGINE = {
     ("launcher.estimate.trace", "trainer.memory.sequence_parallel"),
     ("launcher.estimate.trace", "trainer.memory.tiled_mlp"),
     # the activations of a block the analytic model does not know: one traced forward
-    ("launcher.estimate.traced_activations", "trainer.backends.common"),
-    ("launcher.estimate.traced_activations", "trainer.loss"),
-    ("launcher.estimate.traced_activations", "trainer.model.build"),
+    ("launcher.estimate.saved_tensors", "trainer.backends.common"),
+    ("launcher.estimate.saved_tensors", "trainer.model.build"),
     ("launcher.report.timeline", "trainer.observe.phases"),  # reads a profiled step's trace
     ("launcher.report.timeline", "trainer.observe.profile"),
     ("launcher.report.run_report", "trainer.observe.profile"),
