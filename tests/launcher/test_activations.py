@@ -156,18 +156,18 @@ def test_a_deep_models_transients_are_those_of_its_copy_of_3_layers():
 
 def test_kinds_of_one_structure_that_save_the_same_bytes_are_traced_as_one_kind():
     """gpt-oss alternates sliding and full attention over the same modules: kinds of one
-    structure, which save the same bytes, so its 12-layer model is traced as a copy of 3
+    structure, which save the same bytes, so its 8-layer model is traced as a copy of 3
     layers (not a period of 2 kinds deep, 6), with the whole model's transients."""
     from bench.models_trace import sized_config
 
     deep = sized_config("gpt_oss", "small")
-    deep["num_hidden_layers"] = 12
-    deep["layer_types"] = ["sliding_attention", "full_attention"] * 6
+    deep["num_hidden_layers"] = 8
+    deep["layer_types"] = ["sliding_attention", "full_attention"] * 4
     assert reduced_depth(deep, "eager") == 6  # by kinds: a period of 2
     assert reduced_depth(deep, "eager", by_structure=True) == 3
     copy = calibrate_transients(deep, 32, "bf16", "eager", depth=3)
     whole = calibrate_transients(deep, 32, "bf16", "eager")
-    _transients_agree(copy, whole, slack_bytes=9 * 1024)
+    _transients_agree(copy, whole, slack_bytes=5 * 1024)
     assert copy.num_layer_kinds == whole.num_layer_kinds == 2
     # a pattern that does not repeat from the first layer (dense layers first) is traced whole
     assert reduced_depth({**deep, "layer_types": ["full_attention"] * 2 + deep["layer_types"][2:]},
