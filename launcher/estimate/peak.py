@@ -30,6 +30,8 @@ from launcher.estimate.analytic_activations import (
     MODELLED_TYPES,
     Micro,
     MicroActivations,
+    checkpoint_kept,
+    layer_activation_bytes,
     micro_activations,
     micro_for,
 )
@@ -37,7 +39,11 @@ from launcher.estimate.methods import quantising_bytes
 from launcher.estimate.model_states import GradFlow, ModelStates, model_states
 from launcher.estimate.shape import ModelShape
 from trainer.core.errors import ConfigError
-from trainer.core.step_spec import StepSpec
+from trainer.core.step_spec import (
+    OFFLOAD_LAYERS_IN_FLIGHT,
+    OFFLOAD_MAX_IN_FLIGHT_BYTES,
+    StepSpec,
+)
 from trainer.core.strategies import Strategy
 from trainer.core.units import GIB
 
@@ -54,6 +60,11 @@ CPU_PROCESS_BYTES = int(1.0 * GIB)  # python + torch + transformers in a CPU pro
 HOST_PROCESS_BYTES = int(2.0 * GIB)  # per rank on the host: libraries, dataloader, pinned staging
 ZERO_OFFLOAD_PINNED_RATIO = 1.0  # pinned host gradient buffer per offloaded fp32 partition
 
+# With activation offload on a GPU, the phases from the layers' forward to backward's first
+# unpack, where copies to the host may still hold their device tensors (`in_flight_bytes`); on
+# CPU processes the copies are done when they return.
+IN_FLIGHT_PHASES = ("forward", "forward_layers", "layer_gather", "loss", "backward_start",
+                    "backward_head")  # fmt: skip
 DEVICE_PARTS = ("params", "grads", "optimizer", "activations", "temporary", "runtime_overhead")
 
 
@@ -174,6 +185,15 @@ def _step_phases(
     return phases
 
 
+def in_flight_bytes(shape: ModelShape, m: Micro, offloaded: int) -> int:
+    """What waits on a GPU for its copy to the host under activation offload: at most
+    OFFLOAD_MAX_IN_FLIGHT_BYTES, the tensors of the last OFFLOAD_LAYERS_IN_FLIGHT layers
+    (trainer/memory/offload.py), and what the micro-batch offloads."""
+    plain = shape.num_layers > len(m.ckpt)
+    per_layer = layer_activation_bytes(shape, m) if plain else checkpoint_kept(shape, m)[0]
+    return min(OFFLOAD_MAX_IN_FLIGHT_BYTES, OFFLOAD_LAYERS_IN_FLIGHT * per_layer, offloaded)
+
+
 def expandable_segments(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether the ranks' caching allocator runs with expandable segments: the launcher sets it
     on CUDA (launcher/run/launch.py) unless the user's own allocator setting says otherwise."""
@@ -256,6 +276,9 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
     acts = micro_activations(shape, m)
     states = model_states(spec, shape)
     phases = _step_phases(shape, m, acts, states, spec.grad_accum > 1)
+    if spec.offload_activations and spec.device == "cuda":
+        in_flight = in_flight_bytes(shape, m, acts.offloaded)
+        phases |= {k: v + in_flight for k, v in phases.items() if k in IN_FLIGHT_PHASES}
     peak = max(phases.values())
     persistent = states.base + states.grads_at_step
     overhead = _runtime_overhead(spec.device, peak, persistent)

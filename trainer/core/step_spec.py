@@ -15,6 +15,12 @@ from typing import Any
 from trainer.core import strategies
 from trainer.core.strategies import Strategy
 
+# Activation offload on CUDA (trainer/memory/offload.py): saved tensors stay on the device until
+# their copy to the host is done; at most this many bytes, and at most the tensors of the last
+# this many layers, wait so. The estimate counts them (launcher/estimate/peak.py).
+OFFLOAD_MAX_IN_FLIGHT_BYTES = 1 << 30
+OFFLOAD_LAYERS_IN_FLIGHT = 2
+
 
 @dataclass(frozen=True)
 class Finetune:

@@ -8,10 +8,12 @@ left where they are (they stay on the device anyway), and so are tiny tensors.
 
 On CUDA the copies out run on a side stream into pinned buffers, overlapped with the next
 operations; a device tensor is released once its copy is done, and at most
-`max_in_flight_bytes` of them wait for their copy. In backward, the first unpack of a layer's
-tensors brings that layer's and the next layer's (the one backward reaches next) back on a
-second side stream, so copies in overlap the layer's backward. On CPU processes the same code
-path runs with plain copies, so the math and the byte counts are tested without a GPU.
+`max_in_flight_bytes` of them, of the last `OFFLOAD_LAYERS_IN_FLIGHT` layers, wait for their
+copy (a layer's end waits for the copies of the layers before those). In backward, the first
+unpack of a layer's tensors brings that layer's and the next layer's (the one backward reaches
+next) back on a second side stream, so copies in overlap the layer's backward. On CPU processes
+the same code path runs with plain copies, so the math and the byte counts are tested without a
+GPU.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from trainer.core.step_spec import OFFLOAD_LAYERS_IN_FLIGHT, OFFLOAD_MAX_IN_FLIGHT_BYTES
+
 MIN_OFFLOAD_BYTES = 1024
 _PLAIN_TENSORS = (torch.Tensor, FakeTensor)  # FakeTensor: the estimator's trace
-DEFAULT_MAX_IN_FLIGHT_BYTES = 1 << 30
 
 
 @dataclass
@@ -46,7 +49,7 @@ class ActivationOffload:
         self,
         device: torch.device,
         min_bytes: int = MIN_OFFLOAD_BYTES,
-        max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
+        max_in_flight_bytes: int = OFFLOAD_MAX_IN_FLIGHT_BYTES,
         host: torch.device | None = None,
     ):
         """`host`: where copies go on a CPU device (the trace keeps them on `meta`, so that its
@@ -58,8 +61,8 @@ class ActivationOffload:
         self.cuda = device.type == "cuda"
         self._out_stream = torch.cuda.Stream(device) if self.cuda else None
         self._in_stream = torch.cuda.Stream(device) if self.cuda else None
-        # copies out not known to be done: (event, the device tensor it reads, bytes)
-        self._in_flight: collections.deque[tuple[torch.cuda.Event, torch.Tensor, int]] = (
+        # copies out not known to be done: (event, the device tensor it reads, bytes, layer)
+        self._in_flight: collections.deque[tuple[torch.cuda.Event, torch.Tensor, int, int]] = (
             collections.deque()
         )
         self._in_flight_bytes = 0
@@ -109,7 +112,7 @@ class ActivationOffload:
         finally:
             # every saved tensor's hook object keeps `pack`, and so `seen`, alive until backward
             seen.clear()
-        self._retire(wait=False)
+        self._retire(wait=False, through_layer=index - OFFLOAD_LAYERS_IN_FLIGHT)
 
     def _offloadable(self, tensor: torch.Tensor) -> bool:
         return (
@@ -134,20 +137,21 @@ class ActivationOffload:
                 done = torch.cuda.Event()
                 done.record()
             # the device tensor may be freed only after its copy: hold it until then
-            self._in_flight.append((done, tensor, num_bytes))
+            self._in_flight.append((done, tensor, num_bytes, layer))
             self._in_flight_bytes += num_bytes
             self._retire(wait=False)
             saved = _Saved(host, tensor.device, layer)
         self._by_layer[layer].append(saved)
         return saved
 
-    def _retire(self, wait: bool) -> None:
+    def _retire(self, wait: bool, through_layer: int = -1) -> None:
         """Release device tensors whose copy out is done (all of them with `wait`); waits for
-        the oldest while more than `max_in_flight_bytes` are pending."""
+        the oldest while more than `max_in_flight_bytes` are pending, and for the copies of
+        layers up to `through_layer`."""
         while self._in_flight:
-            done, _, num_bytes = self._in_flight[0]
+            done, _, num_bytes, layer = self._in_flight[0]
             over = self._in_flight_bytes > self.max_in_flight_bytes
-            if not (wait or over or done.query()):
+            if not (wait or over or layer <= through_layer or done.query()):
                 break
             done.synchronize()
             self._in_flight.popleft()
