@@ -10,7 +10,7 @@ the CLI on a shape no preset ships and no cache holds (the 70B config with 79 la
 start is the CLI on a block type the analytic model does not know (a 1.0B gpt_neox: 16 layers,
 hidden 2048, seq 4096, bf16) with an empty cache: its activations are measured by tracing
 (launcher/estimate/activations.py), on a copy of 3 layers. With `--moe` (the default) it
-also plans bench/cold_plan's gpt-oss-20b and Qwen3-235B-A22B shapes cold, once each (~35 s).
+also plans bench/cold_plan's gpt-oss-20b and Qwen3-235B-A22B shapes cold, once each (~16 s).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=50, help="in-process make_plan calls")
     p.add_argument("--traced-repeats", type=int, default=1, help="traced cold CLI runs")
     p.add_argument("--moe", action=argparse.BooleanOptionalAction, default=True,
-                   help="cold plans of bench/cold_plan's MoE shapes (~35 s)")  # fmt: skip
+                   help="cold plans of bench/cold_plan's MoE shapes (~16 s)")  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     cli, plan = cli_seconds(args.repeats)
