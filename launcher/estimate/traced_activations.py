@@ -49,13 +49,13 @@ def trace_layer_activations(
     period deep stands for kinds of one structure only where those kinds saved the same bytes;
     otherwise the copy is traced again a kinds' period deep."""
     kinds = kind_sequence(hf_config, attn_implementation)
-    acts = None
-    for by_structure in (True, False):
-        depth = reduced_depth(hf_config, attn_implementation, by_structure, kinds)
-        acts, per_kind = _measure(hf_config, kinds, depth, seq_len, precision, attn_implementation)
-        if not by_structure or _same_bytes_per_structure(per_kind):
-            break
-        log.debug("kinds of one structure saved different bytes: traced %d deep again", depth)
+    depth = reduced_depth(hf_config, attn_implementation, by_structure=True, kinds=kinds)
+    acts, per_kind = _measure(hf_config, kinds, depth, seq_len, precision, attn_implementation)
+    if not _same_bytes_per_structure(per_kind):
+        by_kinds = reduced_depth(hf_config, attn_implementation, kinds=kinds)
+        if by_kinds != depth:  # the copy merged kinds that differ: trace one that keeps them
+            log.debug("kinds of one structure saved different bytes: %d layers deep", by_kinds)
+            acts, _ = _measure(hf_config, kinds, by_kinds, seq_len, precision, attn_implementation)
     return acts
 
 

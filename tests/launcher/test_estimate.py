@@ -149,6 +149,20 @@ def test_accumulation_under_fsdp_holds_unsharded_fp32_gradients():
     assert accumulating - once > 3 * shape.num_params  # most of 4N
 
 
+def test_offloaded_tensors_waiting_for_their_copy_count_on_a_gpu_until_backward_starts():
+    """Activation offload on a GPU keeps the last two layers' saved tensors on the device until
+    their copies to the host are done (under full checkpointing: two layers' 16-bit inputs),
+    from forward to the start of backward; on CPU processes the copies are done at once."""
+    shape = _llama_8b()
+    cuda = _estimate(shape, "fsdp", 8, micro=2, offload_activations=True)
+    cpu = _estimate(shape, "fsdp", 8, micro=2, offload_activations=True, device="cpu")
+    two_inputs = 2 * 2 * (2 * 4096) * shape.hidden_size
+    for phase in ("forward", "loss", "backward_start", "backward_head"):
+        assert cuda.phases[phase] - cpu.phases[phase] == two_inputs, phase
+    for phase in ("backward_layers", "backward_end", "optimizer"):
+        assert cuda.phases[phase] == cpu.phases[phase], phase
+
+
 def test_runtime_overhead_is_the_context_and_fragmentation_of_what_comes_and_goes():
     est = _estimate(_llama_8b(), "single", 1, seq=2048)
     b = est.device_breakdown

@@ -93,3 +93,24 @@ def test_demo_on_two_cpu_processes(capsys):
     plan = json.loads(out)
     assert plan["world_size"] == 2 and plan["strategy"] != "single"
     assert plan["micro_batch_size"] * plan["grad_accum"] * 2 == 16  # the demo's global batch
+
+
+def test_the_oomless_command_flushes_its_plan_and_exit_code_before_leaving_early(tmp_path):
+    """`oomless plan` skips the interpreter's teardown (launcher/cli.py `console_main`): the
+    whole plan JSON still reaches a pipe, and a bad input still exits 2 with one line."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    run = [sys.executable, "-m", "launcher.cli", "plan"]
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe buffers
+    ok = subprocess.run([*run, "configs/demo.yaml", "--json"], cwd=repo, capture_output=True,
+                        text=True, timeout=120, env=buffered)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["strategy"]
+    bad = subprocess.run([*run, str(tmp_path / "missing.yaml")], cwd=repo, capture_output=True,
+                         text=True, timeout=120, env=buffered)  # fmt: skip
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert len(bad.stderr.strip().splitlines()) == 1 and "config file not found" in bad.stderr
