@@ -149,7 +149,9 @@ def measure(run: Run, device_type: str, cap_bytes: int | None = None) -> dict[st
         free, total = torch.cuda.mem_get_info()
         context_bytes = total - free
         if cap_bytes is not None:
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
+            torch.cuda.set_per_process_memory_fraction(
+                min(1.0, cap_bytes / total), torch.cuda.current_device()
+            )
     else:
         context_bytes = 0
     dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")

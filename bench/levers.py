@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,8 @@ def main() -> None:
     text = json.dumps(result, indent=2)
     if args.json:
         args.json.write_text(text + "\n")
+    moved = result["offloaded_bytes_per_step"]
+    idle = [name for name, on in VARIANTS.items() if on["offload_activations"] and not moved[name]]
     for name in VARIANTS:
         peak = result["peak_device_bytes"][name]
         print(
@@ -137,6 +140,8 @@ def main() -> None:
             + (f"{peak / GIB:.2f} GiB" if peak else "n/a (cpu)")
             + f", offloaded {result['offloaded_bytes_per_step'][name] / MIB:.1f} MiB/step"
         )
+    if idle:
+        sys.exit(f"activation offload moved nothing to the host in {', '.join(idle)}")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,14 @@ class _Saved:
     ready: torch.cuda.Event | None = field(default=None, repr=False)
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """`cuda` with its index: tensors name theirs, and `cuda` != `cuda:0` (without it nothing
+    matched on a GPU and nothing was offloaded)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class ActivationOffload:
     def __init__(
         self,
@@ -54,7 +62,7 @@ class ActivationOffload:
     ):
         """`host`: where copies go on a CPU device (the trace keeps them on `meta`, so that its
         CPU stand-in for the device does not count them)."""
-        self.device = device
+        self.device = _indexed(device)
         self.host = host or torch.device("cpu")
         self.min_bytes = min_bytes
         self.max_in_flight_bytes = max_in_flight_bytes
