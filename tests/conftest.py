@@ -22,6 +22,11 @@ from tests.cli_worker import DONE
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread per process (set before any test imports torch; subprocesses inherit it).
+# The suite's models are tiny, and on a 2-core machine two OpenMP threads that share their cores
+# with the background op build or another rank wait at every barrier: the preference fixture's
+# SFT trained at ~500 tok/s in CI beside the op build, 15,000-30,000 with one thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # What the suite compiles outlives the checkout, in a per-user cache that later runs reuse.
 # DeepSpeed JIT-builds its CPU ops (CPU Adam, shared-memory collectives) with the venv's include
