@@ -125,12 +125,16 @@ def _job(run: Run, device_type: str, tmp: Path) -> Any:
     )
 
 
-def measure(run: Run, device_type: str, cap_bytes: int | None = None) -> dict[str, Any]:
+def measure(
+    run: Run, device_type: str, cap_bytes: int | None = None, history: bool = False
+) -> dict[str, Any]:
     """Two optimizer steps of the engine in this process; the second one's peaks; on CUDA, the
     caching allocator's segments by stream after it and a third step's peaks after the cache
     is emptied (what the step itself reserves, without what the setup left cached). With
     `cap_bytes` the allocator may hold no more than that (`set_per_process_memory_fraction`;
-    it frees its cache and retries before an out-of-memory error): whether the steps run."""
+    it frees its cache and retries before an out-of-memory error): whether the steps run. With
+    `history` (CUDA), `reserve_causes`: which code made the allocator reserve what, per stream,
+    from the setup to the measured step's end (recording slows the steps)."""
     import torch
     import torch.distributed as dist
 
@@ -140,7 +144,7 @@ def measure(run: Run, device_type: str, cap_bytes: int | None = None) -> dict[st
     from trainer.model.build import HFModelFactory
     from trainer.step import train_step
 
-    device = torch.device(device_type)
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device(device_type)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     if device.type == "cuda":
@@ -152,6 +156,8 @@ def measure(run: Run, device_type: str, cap_bytes: int | None = None) -> dict[st
             torch.cuda.set_per_process_memory_fraction(
                 min(1.0, cap_bytes / total), torch.cuda.current_device()
             )
+        if history:
+            torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     else:
         context_bytes = 0
     dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
@@ -188,6 +194,9 @@ def measure(run: Run, device_type: str, cap_bytes: int | None = None) -> dict[st
             out["max_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
             out["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
             out["segments_by_stream"] = _segments_by_stream(torch.cuda.memory_snapshot())
+            if history:
+                out["reserve_causes"] = reserve_causes(torch.cuda.memory._snapshot())
+                torch.cuda.memory._record_memory_history(enabled=None)
             torch.cuda.empty_cache()  # what the setup and earlier steps left cached goes
             torch.cuda.reset_peak_memory_stats(device)
             train_step(model, backend, batches, device)
@@ -210,6 +219,45 @@ def _segments_by_stream(snapshot: list[dict[str, Any]]) -> dict[str, dict[str, i
     return streams
 
 
+RESERVE_SITES = 8  # causes of reserved growth reported per stream, the largest
+_OWN_FRAMES = ("/trainer/", "/bench/", "/torch/distributed/", "/torch/optim/", "/transformers/")
+
+
+def reserve_causes(snapshot: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """What made the caching allocator reserve memory, per stream: the bytes of every segment it
+    allocated or mapped (expandable segments grow by mapping pages), summed by the frame that
+    asked, largest first. `snapshot`: `torch.cuda.memory._snapshot()` after
+    `_record_memory_history(stacks="python")`."""
+    sites: dict[str, dict[str, int]] = {}
+    for trace in snapshot.get("device_traces", []):
+        for event in trace:
+            if event.get("action") not in ("segment_alloc", "segment_map"):
+                continue
+            per_stream = sites.setdefault(str(event.get("stream", 0)), {})
+            site = _site(event.get("frames", []))
+            per_stream[site] = per_stream.get(site, 0) + int(event.get("size", 0))
+    return {
+        stream: [
+            {"site": site, "bytes": size}
+            for site, size in sorted(by_site.items(), key=lambda kv: -kv[1])[:RESERVE_SITES]
+        ]
+        for stream, by_site in sites.items()
+    }
+
+
+def _site(frames: list[dict[str, Any]]) -> str:
+    """`dir/file.py:line function` of the innermost frame in oomless, torch.distributed,
+    torch.optim or transformers (frames run innermost first); else of the innermost frame."""
+    picked = next(
+        (f for f in frames if any(k in f.get("filename", "") for k in _OWN_FRAMES)),
+        frames[0] if frames else None,
+    )
+    if picked is None:
+        return "?"
+    where = "/".join(picked.get("filename", "?").split("/")[-2:])
+    return f"{where}:{picked.get('line', '?')} {picked.get('name', '?')}"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -217,7 +265,12 @@ def _free_port() -> int:
 
 
 def run_one(
-    index: int, run: Run, device_type: str, timeout_s: float, capped: bool = False
+    index: int,
+    run: Run,
+    device_type: str,
+    timeout_s: float,
+    capped: bool = False,
+    history: bool = False,
 ) -> dict[str, Any]:
     """`measure` in a fresh process (ZeRO-3 patches torch.nn.functional.linear for good, and
     every run starts from an empty allocator), then the estimate beside it; with `capped`, on
@@ -225,7 +278,7 @@ def run_one(
     less its CUDA context: `capped.fits_cap` says whether the job ran in what the plan counts."""
     started = time.perf_counter()
     result: dict[str, Any] = {"index": index, "run": asdict(run)}
-    measured = _measure_in_child(run, device_type, timeout_s)
+    measured = _measure_in_child(run, device_type, timeout_s, history=history)
     result["wall_s"] = round(time.perf_counter() - started, 1)
     if "error" in measured:
         return result | measured
@@ -243,12 +296,18 @@ def run_one(
 
 
 def _measure_in_child(
-    run: Run, device_type: str, timeout_s: float, cap_bytes: int | None = None
+    run: Run,
+    device_type: str,
+    timeout_s: float,
+    cap_bytes: int | None = None,
+    history: bool = False,
 ) -> dict[str, Any]:
     argv = [sys.executable, "-m", "bench.estimate_gpu", "--run", json.dumps(asdict(run))]
     argv += ["--device", device_type]
     if cap_bytes is not None:
         argv += ["--cap-bytes", str(cap_bytes)]
+    if history and device_type == "cuda":
+        argv.append("--history")
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -305,6 +364,9 @@ def table(results: list[dict[str, Any]]) -> str:
         if "error" in r:
             line += f"  FAILED: {r['error']}"
         lines.append(line)
+        for stream, causes in got.get("reserve_causes", {}).items():
+            top = ", ".join(f"{c['site']} {c['bytes'] / GIB:.2f}" for c in causes[:3])
+            lines.append(f"     reserved on stream {stream} by: {top}")
     peaks = [e for r in results if (e := errors(r)["peak"]) is not None]
     if peaks:
         lines.append(
@@ -328,12 +390,16 @@ def main(argv: list[str] | None = None) -> int:
         "--capped", action="store_true",
         help="also run each job with the allocator capped at the estimate's total (CUDA)",
     )  # fmt: skip
+    parser.add_argument(
+        "--history", action="store_true",
+        help="record which code makes the allocator reserve memory, per stream (CUDA; slower)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if not any(k in os.environ for k in ALLOC_CONF_VARS):  # as the launcher gives CUDA ranks;
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS  # the estimate reads it too
     if args.run:
         run = Run(**json.loads(args.run))
-        print(json.dumps(measure(run, args.device or "cuda", args.cap_bytes)))
+        print(json.dumps(measure(run, args.device or "cuda", args.cap_bytes, args.history)))
         return 0
     device_type = "cpu" if args.cpu_smoke else "cuda"
     if device_type == "cuda":
@@ -347,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     out_dir = os.environ.get("OUT")
     for k in picked:
-        results.append(run_one(k, grid[k], device_type, args.timeout, args.capped))
+        results.append(run_one(k, grid[k], device_type, args.timeout, args.capped, args.history))
         print(f"run {k}: {json.dumps(results[-1])}", file=sys.stderr, flush=True)
         if out_dir:  # after every run: a part stopped at its time limit keeps what it measured
             path = Path(out_dir) / "estimate_gpu.json"

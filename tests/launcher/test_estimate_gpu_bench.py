@@ -64,3 +64,29 @@ def test_errors_compare_peak_with_allocated_and_total_with_reserved_plus_context
     assert round(err["peak"], 6) == 0.10 and round(err["total"], 6) == -0.05
     last = table([result]).splitlines()[-1]
     assert "over 1 runs: median |error| 10.0%" in last and "most under +10.0%" in last
+
+
+def test_reserve_causes_sum_what_each_stream_mapped_by_the_frame_that_asked():
+    """`--history` (CUDA): the bytes of segments allocated or mapped, per stream and per the
+    innermost frame of oomless, torch.distributed, torch.optim or transformers."""
+    from bench.estimate_gpu import reserve_causes
+
+    def event(action, stream, size, *files):
+        frames = [{"filename": f, "line": 7, "name": "fn"} for f in files]
+        return {"action": action, "stream": stream, "size": size, "frames": frames}
+
+    collectives = "/x/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py"
+    snapshot = {"device_traces": [[
+        event("segment_map", 0, 2 << 20, "/x/torch/nn/functional.py", "/r/trainer/step.py"),
+        event("segment_map", 0, 6 << 20, "/x/torch/nn/functional.py", "/r/trainer/step.py"),
+        event("alloc", 0, 1 << 30, "/r/trainer/step.py"),  # served from a segment: no growth
+        event("segment_alloc", 77, 4 << 20, "/x/torch/cuda/memory.py", collectives),
+        event("segment_map", 0, 1 << 20, "/x/site/unknown.py"),
+        event("segment_free", 77, 4 << 20, collectives),
+    ]]}  # fmt: skip
+    causes = reserve_causes(snapshot)
+    assert causes["0"] == [
+        {"site": "trainer/step.py:7 fn", "bytes": 8 << 20},
+        {"site": "site/unknown.py:7 fn", "bytes": 1 << 20},
+    ]
+    assert causes["77"] == [{"site": "_fully_shard/_fsdp_collectives.py:7 fn", "bytes": 4 << 20}]
