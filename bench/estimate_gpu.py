@@ -246,7 +246,7 @@ def reserve_causes(snapshot: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
 
 
 def _site(frames: list[dict[str, Any]]) -> str:
-    """`dir/file.py:line function` of the innermost frame in oomless, torch.distributed,
+    """The file name, line and function of the innermost frame in oomless, torch.distributed,
     torch.optim or transformers (frames run innermost first); else of the innermost frame."""
     picked = next(
         (f for f in frames if any(k in f.get("filename", "") for k in _OWN_FRAMES)),
@@ -254,7 +254,7 @@ def _site(frames: list[dict[str, Any]]) -> str:
     )
     if picked is None:
         return "?"
-    where = "/".join(picked.get("filename", "?").split("/")[-2:])
+    where = Path(picked.get("filename", "?")).name
     return f"{where}:{picked.get('line', '?')} {picked.get('name', '?')}"
 
 

@@ -81,12 +81,12 @@ def test_reserve_causes_sum_what_each_stream_mapped_by_the_frame_that_asked():
         event("segment_map", 0, 6 << 20, "/x/torch/nn/functional.py", "/r/trainer/step.py"),
         event("alloc", 0, 1 << 30, "/r/trainer/step.py"),  # served from a segment: no growth
         event("segment_alloc", 77, 4 << 20, "/x/torch/cuda/memory.py", collectives),
-        event("segment_map", 0, 1 << 20, "/x/site/unknown.py"),
+        event("segment_map", 0, 1 << 20, "/x/site/functional.py"),
         event("segment_free", 77, 4 << 20, collectives),
     ]]}  # fmt: skip
     causes = reserve_causes(snapshot)
     assert causes["0"] == [
-        {"site": "trainer/step.py:7 fn", "bytes": 8 << 20},
-        {"site": "site/unknown.py:7 fn", "bytes": 1 << 20},
+        {"site": "step.py:7 fn", "bytes": 8 << 20},
+        {"site": "functional.py:7 fn", "bytes": 1 << 20},
     ]
-    assert causes["77"] == [{"site": "_fully_shard/_fsdp_collectives.py:7 fn", "bytes": 4 << 20}]
+    assert causes["77"] == [{"site": "_fsdp_collectives.py:7 fn", "bytes": 4 << 20}]
