@@ -89,9 +89,11 @@ def measure(
             peak = torch.cuda.max_memory_allocated()
         seconds = time.perf_counter() - start
     dense = packed and attention in ("sdpa", "eager")
+    flash = device.type == "cuda" and not packed and attention == "sdpa"  # SDPA's flash kernel
     spec = StepSpec("single", 1, 1, seq, "full", device=device.type, packed=dense,
                     block_mask=packed and attention == "flex_attention", chunked_loss=True,
-                    offload_activations=offload, tiled_mlp=True)  # fmt: skip
+                    offload_activations=offload, tiled_mlp=True,
+                    flash_attention=flash)  # fmt: skip
     est = estimate(shape_of(json.dumps(config, sort_keys=True)), spec)
     offloaded = levers.offload.offloaded_bytes
     del model, optimizer, levers

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from launcher.estimate.attention_kernels import flash_backward_bytes
 from launcher.estimate.layer_fits import compute_mode
 from launcher.estimate.methods import adapter_terms
 from launcher.estimate.shape import ModelShape
@@ -56,6 +57,7 @@ class Micro:
     mlp_chunk: int | None = None  # tiled MLP: tokens of each sequence per chunk
     block_mask: bool = False  # flex_attention on packed windows: a sparse block mask
     ops: bool = False  # op-level checkpointing: a checkpointed layer keeps its matmuls' outputs
+    flash: bool = False  # FlashAttention-2's backward buffers (attention_kernels.py)
 
     @property
     def whole_seq(self) -> int:  # attention's sequence: the whole one under Ulysses
@@ -331,12 +333,9 @@ def micro_for(spec: StepSpec, shape: ModelShape) -> Micro:
     adapters = adapter_terms(shape, ft, c, private)
     tile = (spec.mlp_chunk_tokens or shape.hidden_size) if spec.tiled_mlp else None
     if spec.checkpoint_ops and shape.activations is not None:
-        raise ConfigError(
-            "memory.selective",
-            f"ops: op-level checkpointing is modelled for Llama-style blocks, not "
-            f"{shape.model_type}'s",
-            "use memory.selective=layers, or auto",
-        )
+        kind = shape.model_type
+        why = f"ops: op-level checkpointing is modelled for Llama-style blocks, not {kind}'s"
+        raise ConfigError("memory.selective", why, "use memory.selective=layers, or auto")
     return Micro(
         b=spec.num_sequences,
         s=spec.local_seq_len,
@@ -356,6 +355,7 @@ def micro_for(spec: StepSpec, shape: ModelShape) -> Micro:
         mlp_chunk=tile,
         block_mask=spec.block_mask,
         ops=spec.checkpoint_ops,
+        flash=spec.flash_attention and shape.activations is None,  # the analytic block's heads
     )
 
 
@@ -485,10 +485,11 @@ def micro_activations(shape: ModelShape, m: Micro) -> MicroActivations:
         forward=_forward_saved(shape, m, m.ckpt),
         head=_head(shape, m),
         final=final_bytes(shape, m),
-        # in backward the all-to-alls move attention's gradients after the MLP's are freed
+        # attention's backward: the all-to-alls (the MLP's gradients freed), flash's buffers
         layer_backward=max(
             layer_backward_bytes(shape, m),
             all_to_all_bytes(shape, m) + 4 * m.tokens * shape.hidden_size,
+            flash_backward_bytes(shape, m.b, m.s, m.c, m.r, m.sp) if m.flash else 0,
         ),
         forward_transient=transient,
         layer_transient=max(all_to_all_bytes(shape, m), mlp_chunk_bytes(shape, m)),

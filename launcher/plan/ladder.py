@@ -188,6 +188,7 @@ def job_step(
         mlp_chunk_tokens=cfg.memory.mlp_chunk_tokens,
         sequences_per_example=2 if cfg.objective.preference else 1,
         reference=REFERENCE_SOURCES.get((cfg.objective.type, cfg.finetune.method)),
+        flash_attention=runs_flash(cfg, hw.device),
     )
 
 
@@ -195,6 +196,15 @@ def planned_attention(configured: str) -> str:
     """The attention implementation a plan runs where the planner does not choose: the
     config's, `auto` being sdpa."""
     return "sdpa" if configured == "auto" else configured
+
+
+def runs_flash(cfg: JobConfig, device: str) -> bool:
+    """Whether FlashAttention-2 attends: flash-attn's `flash_attention_2`, or SDPA's flash
+    kernel, which torch picks on CUDA for 16-bit attention without a mask (unpacked windows)."""
+    if device != "cuda" or cfg.precision == "fp32":
+        return False
+    attention = planned_attention(cfg.model.attn_implementation)
+    return attention == "flash_attention_2" or (attention == "sdpa" and not cfg.data.pack)
 
 
 def scaled_estimate(shape: ModelShape, spec: StepSpec, memory_scale: float) -> Estimate:

@@ -251,7 +251,8 @@ def frugal_steps(
     auto = cfg.model.attn_implementation == "auto" and hw.device == "cuda" and cfg.data.pack
     if auto and shape.model_type in MODELLED_TYPES:  # at long context auto drops the dense mask
         flex = maskless_attention() == "flex_attention"
-        base = replace(base, packed=False, block_mask=flex)
+        flash = not flex and cfg.precision != "fp32"
+        base = replace(base, packed=False, block_mask=flex, flash_attention=flash)
     return [replace(base, strategy=rung.name) for rung in rungs]
 
 

@@ -162,6 +162,9 @@ class StepSpec:
     checkpointed_layers: int | None = None  # selective: how many (None: every other layer)
     # selective at op level: every layer, its matmuls' and attention's outputs saved
     checkpoint_ops: bool = False
+    # FlashAttention-2 attends (SDPA's flash kernel on CUDA in 16-bit without a mask, or
+    # flash-attn's): its backward allocates buffers (launcher/estimate/attention_kernels.py)
+    flash_attention: bool = False
 
     @property
     def row(self) -> Strategy:
