@@ -22,11 +22,6 @@ from tests.cli_worker import DONE
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# One intra-op thread per process (set before any test imports torch; subprocesses inherit it).
-# The suite's models are tiny, and on a 2-core machine two OpenMP threads that share their cores
-# with the background op build or another rank wait at every barrier: the preference fixture's
-# SFT trained at ~500 tok/s in CI beside the op build, 15,000-30,000 with one thread.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # What the suite compiles outlives the checkout, in a per-user cache that later runs reuse.
 # DeepSpeed JIT-builds its CPU ops (CPU Adam, shared-memory collectives) with the venv's include
@@ -118,6 +113,14 @@ def oomless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
+def _one_thread(env: dict[str, str]) -> dict[str, str]:
+    """One intra-op thread (unless the environment sets one) for a process of tiny-model runs.
+    Two OpenMP threads that share a core with other work wait at every barrier: the preference
+    fixture's SFT trained at ~500 tok/s in CI beside the background op build (150-200 s for the
+    fixture), where one thread trains at 15,000-30,000 (18 s here, with or without the build)."""
+    return {"OMP_NUM_THREADS": "1", **env}
+
+
 def train_in_one_process(
     jobs: list[tuple[list[str], Path]], timeout_per_run_s: float = 300
 ) -> None:
@@ -132,7 +135,7 @@ def train_in_one_process(
     try:
         r = run_bounded(
             [PYTHON, str(REPO / "tests" / "cli_worker.py"), str(spec)],
-            timeout=timeout_per_run_s * len(jobs), env=python_env(), cwd=REPO,
+            timeout=timeout_per_run_s * len(jobs), env=_one_thread(python_env()), cwd=REPO,
         )  # fmt: skip
     finally:
         spec.unlink()
