@@ -113,12 +113,13 @@ def oomless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
-def _one_thread(env: dict[str, str]) -> dict[str, str]:
-    """One intra-op thread (unless the environment sets one) for a process of tiny-model runs.
-    Two OpenMP threads that share a core with other work wait at every barrier: the preference
-    fixture's SFT trained at ~500 tok/s in CI beside the background op build (150-200 s for the
-    fixture), where one thread trains at 15,000-30,000 (18 s here, with or without the build)."""
-    return {"OMP_NUM_THREADS": "1", **env}
+def _one_thread_while_ops_build(env: dict[str, str]) -> dict[str, str]:
+    """One intra-op thread (unless the environment sets one) for a process of tiny-model runs
+    while DeepSpeed's ops build in the background: two OpenMP threads that share a core with the
+    build wait at every barrier (the preference fixture's SFT trained at ~500 tok/s in CI beside
+    it, 150-200 s for the fixture, against 15,000-30,000 tok/s and 18 s here). Once the ops are
+    built, two threads are faster for the slow tier's runs."""
+    return {"OMP_NUM_THREADS": "1", **env} if _prebuild_pids() else env
 
 
 def train_in_one_process(
@@ -135,7 +136,8 @@ def train_in_one_process(
     try:
         r = run_bounded(
             [PYTHON, str(REPO / "tests" / "cli_worker.py"), str(spec)],
-            timeout=timeout_per_run_s * len(jobs), env=_one_thread(python_env()), cwd=REPO,
+            timeout=timeout_per_run_s * len(jobs), cwd=REPO,
+            env=_one_thread_while_ops_build(python_env()),
         )  # fmt: skip
     finally:
         spec.unlink()
