@@ -153,9 +153,7 @@ def measure(
         free, total = torch.cuda.mem_get_info()
         context_bytes = total - free
         if cap_bytes is not None:
-            torch.cuda.set_per_process_memory_fraction(
-                min(1.0, cap_bytes / total), torch.cuda.current_device()
-            )
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
         if history:
             torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     else:
