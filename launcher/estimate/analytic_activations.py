@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.estimate.attention_kernels import flash_backward_bytes
+from launcher.estimate.attention_kernels import block_mask_bytes, flash_backward_bytes
+from launcher.estimate.compiled_layers import counts_compiled, recomputed_bytes
 from launcher.estimate.layer_fits import compute_mode
 from launcher.estimate.methods import adapter_terms
 from launcher.estimate.shape import ModelShape
@@ -58,6 +59,7 @@ class Micro:
     block_mask: bool = False  # flex_attention on packed windows: a sparse block mask
     ops: bool = False  # op-level checkpointing: a checkpointed layer keeps its matmuls' outputs
     flash: bool = False  # FlashAttention-2's backward buffers (attention_kernels.py)
+    compiled: bool = False  # train.compile: the partition's saved set (compiled_layers.py)
 
     @property
     def whole_seq(self) -> int:  # attention's sequence: the whole one under Ulysses
@@ -79,10 +81,11 @@ class Micro:
 def layer_activation_bytes(shape: ModelShape, m: Micro) -> int:
     """What autograd keeps for one decoder layer that is not checkpointed, its input included:
     the analytic block where it describes the model, else what `launcher/estimate/activations.py`
-    measured from the model's own code (or bounded)."""
+    measured from the model's own code (or bounded); compiled, less what it recomputes."""
     if shape.activations is not None:
         return shape.activations.layer_bytes(mode_of(m), m.b, m.s)
-    return analytic_layer_bytes(shape, m)
+    less = recomputed_bytes(shape, m.tokens, m.c, m.autocast, m.frozen_base) if m.compiled else 0
+    return analytic_layer_bytes(shape, m) - less
 
 
 def layer_backward_bytes(shape: ModelShape, m: Micro) -> int:
@@ -156,16 +159,6 @@ def _layer_parts(shape: ModelShape, m: Micro) -> dict[str, int]:
 # saves, per token and hidden unit: its fp32 normalised input (fp32 stream: its fp32 product),
 # less the 16-bit input it keeps where that is a tensor of its own (traced: 4 bytes either way)
 NORM_RECOMPUTED = 4
-FLEX_BLOCK = 128  # torch's flex_attention block: a BlockMask keeps indices per pair of blocks
-
-
-def block_mask_bytes(micro: int, seq: int) -> int:
-    """flex_attention's BlockMask of `micro` packed windows of `seq` tokens (the whole sequence
-    under Ulysses), as transformers builds it (`create_block_mask`, compiled: no dense mask on
-    the way): int32 block indices for every pair of 128-token blocks, partial and full, by
-    rows and transposed for backward."""
-    blocks = -(-seq // FLEX_BLOCK)
-    return 4 * 4 * micro * blocks * blocks
 
 
 def mlp_chunk_bytes(shape: ModelShape, m: Micro) -> int:
@@ -195,8 +188,9 @@ def all_to_all_bytes(shape: ModelShape, m: Micro) -> int:
 def first_layer_unsaved(shape: ModelShape, m: Micro) -> int:
     """LoRA: the first block's input needs no gradient, so nothing before its first adapter is
     saved: the first norm's fp32 input, then (adapters from o_proj on) the attention's tensors,
-    (from gate/up on) the second norm's, (down_proj only) the MLP's."""
-    if m.first_adapter_stage < 0:
+    (from gate/up on) the second norm's, (down_proj only) the MLP's. Compiled: not checked,
+    counted as saved."""
+    if m.first_adapter_stage < 0 or m.compiled:
         return 0
     t, h = m.tokens, shape.hidden_size
     parts = _layer_parts(shape, m)
@@ -288,12 +282,12 @@ def pinned_activation_bytes(shape: ModelShape, m: Micro, ckpt: frozenset[int]) -
     """Pinned host memory activation offload holds per rank on a GPU: each saved tensor of
     `offloaded_activation_bytes` in a block of its own, rounded up as `pinned_bytes` says (a
     checkpointed layer saves only its input). Blocks the analytic model does not know: their
-    measured bytes, doubled (each tensor rounds up by less than itself)."""
+    measured bytes, doubled (each tensor rounds up by less than itself); so compiled ones."""
     num_ckpt = len(ckpt)
     kept = num_ckpt * pinned_bytes(checkpoint_kept(shape, m)[0])
     if shape.num_layers == num_ckpt:
         return kept
-    if shape.activations is not None:
+    if shape.activations is not None or m.compiled:
         return kept + 2 * (shape.num_layers - num_ckpt) * layer_activation_bytes(shape, m)
     plain = sum(pinned_bytes(n) for n in _layer_tensors(shape, m))
     return kept + (shape.num_layers - num_ckpt) * plain
@@ -356,6 +350,7 @@ def micro_for(spec: StepSpec, shape: ModelShape) -> Micro:
         block_mask=spec.block_mask,
         ops=spec.checkpoint_ops,
         flash=spec.flash_attention and shape.activations is None,  # the analytic block's heads
+        compiled=counts_compiled(spec, shape),
     )
 
 

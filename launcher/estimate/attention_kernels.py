@@ -9,7 +9,8 @@ gradient, [b, s, heads, head_dim] (`dq_accum`); the softmax's row terms, fp32 [b
 head in the compute dtype, summed per key/value head afterwards (`dk_expanded`,
 `dv_expanded`). The CPU trace runs SDPA's CPU flash kernel, whose own buffers fake tensors do
 not see either, so the estimate adds these where FlashAttention-2 runs (measured on an H200:
-docs/gpu.md, long context).
+docs/gpu.md, long context). flex_attention on packed windows keeps a sparse block mask instead
+of a dense one.
 """
 
 from __future__ import annotations
@@ -31,3 +32,15 @@ def flash_backward_bytes(shape: ModelShape, b: int, s: int, c: int, r: int, sp: 
     if kv < q:  # grouped-query attention: k/v gradients per query head first
         buffers += 2 * c * t * q
     return grads + buffers
+
+
+FLEX_BLOCK = 128  # torch's flex_attention block: a BlockMask keeps indices per pair of blocks
+
+
+def block_mask_bytes(micro: int, seq: int) -> int:
+    """flex_attention's BlockMask of `micro` packed windows of `seq` tokens (the whole sequence
+    under Ulysses), as transformers builds it (`create_block_mask`, compiled: no dense mask on
+    the way): int32 block indices for every pair of 128-token blocks, partial and full, by
+    rows and transposed for backward."""
+    blocks = -(-seq // FLEX_BLOCK)
+    return 4 * 4 * micro * blocks * blocks

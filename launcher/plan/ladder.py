@@ -189,6 +189,7 @@ def job_step(
         sequences_per_example=2 if cfg.objective.preference else 1,
         reference=REFERENCE_SOURCES.get((cfg.objective.type, cfg.finetune.method)),
         flash_attention=runs_flash(cfg, hw.device),
+        compiled_layers=cfg.train.compile,
     )
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import replace
 
-from launcher.estimate.analytic_activations import MODELLED_TYPES, block_mask_bytes
+from launcher.estimate.analytic_activations import MODELLED_TYPES
+from launcher.estimate.attention_kernels import block_mask_bytes
 from launcher.estimate.shape import ModelShape
 from launcher.plan.hardware import Hardware
 from launcher.plan.ladder import (

@@ -165,6 +165,8 @@ class StepSpec:
     # FlashAttention-2 attends (SDPA's flash kernel on CUDA in 16-bit without a mask, or
     # flash-attn's): its backward allocates buffers (launcher/estimate/attention_kernels.py)
     flash_attention: bool = False
+    # train.compile: the decoder layers run torch.compiled (launcher/estimate/compiled_layers.py)
+    compiled_layers: bool = False
 
     @property
     def row(self) -> Strategy:

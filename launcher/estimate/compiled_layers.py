@@ -1,0 +1,55 @@
+"""What `train.compile: true` changes in what a decoder layer saves for its backward.
+
+The engine compiles each decoder layer (`trainer/model/build.py` `apply_compile`); AOTAutograd
+splits the compiled layer into a forward and a backward graph with its min-cut partitioner, which
+saves the outputs of the matrix products and attention and recomputes cheap elementwise work in
+backward instead of keeping its results. For the Llama-style block (llama, mistral, qwen2 as
+transformers writes them) that is exactly, per token: one of the SwiGLU's four intermediates
+(silu(gate), recomputed from the gate) and the norms' fp32 intermediates; under autocast also
+the residual stream's fp32 copy and two 16-bit casts. Checked against torch's own partitioner on
+real layers in tests/launcher/test_compiled_layers.py. A checkpointed layer recomputes its
+compiled forward in backward, so the layer in flight saves the same less.
+
+Where the partition has not been checked (other blocks; LoRA's fp32 adapters on a 16-bit base,
+whose inputs peft casts once per adapter and compile once per input; op-level checkpointing,
+tiled MLP, Ulysses), the estimate counts the eager layer: at most an over-count.
+"""
+
+from __future__ import annotations
+
+from launcher.estimate.shape import ModelShape
+from trainer.core.step_spec import StepSpec
+
+# blocks whose compiled partition the estimate counts (checked per op against torch's partitioner)
+COMPILED_TYPES = ("llama", "mistral", "qwen2")
+
+
+def counts_compiled(spec: StepSpec, shape: ModelShape) -> bool:
+    """Whether the estimate counts `spec`'s layers as compiled: the engine compiles them (every
+    rung but DeepSpeed's, whose parameter gathering dynamo cannot trace) and the partition of
+    this block and setting is a checked one."""
+    adapters_in_compute_dtype = spec.precision in ("bf16_pure", "fp32")
+    checked = (
+        shape.model_type in COMPILED_TYPES
+        and shape.activations is None
+        and (not spec.finetune.adapters or adapters_in_compute_dtype)
+        and not spec.checkpoint_ops
+        and not spec.tiled_mlp
+        and spec.sequence_parallel == 1
+    )
+    return spec.compiled_layers and spec.row.engine != "deepspeed" and checked
+
+
+def recomputed_bytes(
+    shape: ModelShape, tokens: int, c: int, autocast: bool, adapters: bool = False
+) -> int:
+    """What one compiled layer saves less than the eager one for `tokens` tokens (c: compute
+    dtype bytes): silu(gate) and the norms' fp32 intermediates (a frozen 16-bit block with
+    LoRA's adapters keeps one [t, h] fp32 tensor less, an fp32 one none); under autocast the
+    stream's fp32 copy and two 16-bit casts too."""
+    h = shape.hidden_size
+    if adapters:
+        norms = 4 * h if c < 4 else 0
+    else:
+        norms = 8 * h + ((4 + 2 * c) * h if autocast else 0)
+    return tokens * (c * shape.intermediate_size + norms)
