@@ -239,7 +239,7 @@ def test_the_interval_resamples_sessions_when_rounds_share_a_process():
 
 # bench.published: the estimate against the published record (docs/memory.md "The published
 # record"); pure arithmetic, about 2 s.
-PUBLISHED_WITHIN_BAND = 28  # the count docs/memory.md shows; a regression of the estimate fails it
+PUBLISHED_WITHIN_BAND = 29  # the count docs/memory.md shows; a regression of the estimate fails it
 
 
 def test_published_bench_prints_its_table_and_holds_the_documented_count(capsys, tmp_path):
