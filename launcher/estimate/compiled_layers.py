@@ -53,3 +53,18 @@ def recomputed_bytes(
     else:
         norms = 8 * h + ((4 + 2 * c) * h if autocast else 0)
     return tokens * (c * shape.intermediate_size + norms)
+
+
+def compiled_reason(spec: StepSpec, shape: ModelShape) -> str:
+    """How the plan counts `train.compile`'s layers, in words."""
+    if spec.row.engine == "deepspeed":
+        return f"train.compile is not applied under {spec.strategy}: its layers run eagerly"
+    if counts_compiled(spec, shape):
+        return (
+            "train.compile: each compiled layer counts what AOTAutograd's partition saves "
+            "(silu(gate) and the norms' fp32 intermediates recomputed in backward)"
+        )
+    return (
+        "train.compile: the layers are counted as eager ones (the compiled partition of this "
+        "block, method or lever is not checked), at most an over-count"
+    )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.estimate.activations import with_activations
+from launcher.estimate.compiled_layers import compiled_reason
 from launcher.estimate.methods import why_not_on
 from launcher.estimate.peak import Estimate
 from launcher.estimate.shape import ModelShape, model_shape
@@ -192,6 +193,8 @@ def make_plan(
     reasons += long_context_reasons(shape, chosen.spec, memory_scale, longest, memory_longest)
     if attention != "sdpa" and "sdpa" in climbs:  # `auto` chose another
         reasons.append(attention_reason(cfg, chosen, attention, climbs["sdpa"]))
+    if chosen.spec.compiled_layers:
+        reasons.append(compiled_reason(chosen.spec, shape))
     return Plan.of(chosen.spec, hw, chosen.estimate, chosen.time_s, reasons, alternatives,
                    chosen.reduce_every_micro, longest, memory_longest, attention)  # fmt: skip
 

@@ -65,7 +65,9 @@ def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, 
         levers = Levers(row.chunked_loss, row.offload_activations)
         step = job_step(cfg, hw, rung, row.micro_batch_size, row.activation_checkpointing,
                         levers=levers)  # fmt: skip
-        spec = replace(step, grad_accum=grad_accum)
+        # torch.compile does not run under the tracker: the layers are traced, and compared,
+        # eager (what compile saves less is checked against torch's partitioner in the tests)
+        spec = replace(step, grad_accum=grad_accum, compiled_layers=False)
         traced = trace_step(hf_config, spec, attn_implementation=cfg.model.attn_implementation)
         analytic = estimate(shape, spec)
         out[row.strategy] = {

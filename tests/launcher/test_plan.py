@@ -297,3 +297,21 @@ def test_op_level_checkpointing_is_planned_where_it_is_fastest():
     assert "(matmul and attention outputs saved)" in render_plan(plan, 1, 1, [])
     layers = make_plan(_job("llama-3.1-8b", memory={"selective": "layers"}), hw)
     assert layers.step_time_s > plan.step_time_s
+
+
+def test_a_compiled_plan_says_how_its_layers_are_counted():
+    """train.compile: the partition's saved set where it is checked (Llama, full fine-tuning),
+    eager layers where not (LoRA's fp32 adapters on a 16-bit base), and DeepSpeed runs eagerly."""
+    hw = _hw({"devices": 8, "device_memory": "80GiB", "host": "1TiB"})
+    reason = {
+        "full": "each compiled layer counts what AOTAutograd's partition saves",
+        "lora": "the layers are counted as eager ones",
+    }
+    for method, words in reason.items():
+        cfg = _job("llama-3.1-8b", train={"global_batch_size": 64, "compile": True},
+                   finetune={"method": method}, strategy="fsdp",
+                   memory={"activation_checkpointing": "full"})  # fmt: skip
+        assert any(words in r for r in make_plan(cfg, hw).reasons), method
+    zero3 = make_plan(_job("llama-3.1-8b", train={"global_batch_size": 64, "compile": True},
+                           strategy="zero3"), hw)  # fmt: skip
+    assert "train.compile is not applied under zero3" in zero3.reasons[-1]
