@@ -14,15 +14,16 @@ probabilities, said so in the plan's reasons.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 from dataclasses import replace
 from pathlib import Path
 
 from launcher.estimate.analytic_activations import MODELLED_TYPES, Micro, analytic_layer_bytes
+from launcher.estimate.compiled_layers import closed_form
+from launcher.estimate.compiled_trace import compiled_saving
 from launcher.estimate.layer_fits import BOUND_FACTOR, Fit, LayerActivations
+from launcher.estimate.measure_cache import cache_file, write_cache
 from launcher.estimate.shape import ModelShape, transformers_version
 from launcher.estimate.traced_activations import MODES, trace_layer_activations
 from trainer.core.config import JobConfig, ModelConfig
@@ -49,14 +50,20 @@ def with_activations(
 ):
     """`shape` with the activations of its layers attached, where the analytic model does not
     know its block type: measured (cached), or a conservative bound where tracing fails or
-    `measure` is False (a forced plan: `oomless train` starts without tracing anything)."""
-    if analytic(shape.model_type) or shape.activations is not None:
-        return shape
-    if not measure:
-        bound = bound_activations(shape, cfg.data.seq_len, cfg.precision, NOT_MEASURED)
-        return replace(shape, activations=bound)
-    acts = layer_activations(shape, cfg.model, cfg.data.seq_len, cfg.precision, cache_dir=cache_dir)
-    return replace(shape, activations=acts)
+    `measure` is False (a forced plan: `oomless train` starts without tracing anything). Under
+    `train.compile`, what a compiled layer saves less, measured where no closed form knows it
+    (launcher/estimate/compiled_trace.py; not measured: counted as eager layers)."""
+    if not analytic(shape.model_type) and shape.activations is None:
+        if not measure:
+            bound = bound_activations(shape, cfg.data.seq_len, cfg.precision, NOT_MEASURED)
+            return replace(shape, activations=bound)
+        acts = layer_activations(shape, cfg.model, cfg.data.seq_len, cfg.precision, cache_dir)
+        shape = replace(shape, activations=acts)
+    traced = shape.activations is None or shape.activations.source == "traced"
+    if measure and cfg.train.compile and traced and not closed_form(shape):
+        fits = compiled_saving(cfg.model, cfg.data.seq_len, cfg.precision, cache_dir)
+        shape = replace(shape, compiled_saving=fits)
+    return shape
 
 
 def layer_activations(
@@ -70,20 +77,8 @@ def layer_activations(
     config_json = json.dumps(
         hf_config_dict(model_cfg.config, model_cfg.name_or_path), sort_keys=True
     )
-    key = "\n".join(
-        map(
-            str,
-            (
-                ACTIVATIONS_CACHE_VERSION,
-                transformers_version(),
-                config_json,
-                seq_len,
-                precision,
-                model_cfg.attn_implementation,
-            ),
-        )
-    )
-    path = (cache_dir or _default_cache_dir()) / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+    path = cache_file(ACTIVATIONS_CACHE_VERSION, transformers_version(), config_json, seq_len,
+                      precision, model_cfg.attn_implementation, cache_dir=cache_dir)  # fmt: skip
     try:
         return LayerActivations.from_json(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError, KeyError):
@@ -103,19 +98,8 @@ def layer_activations(
         log.warning("%s: activations bounded, the trace failed (%s)", shape.model_type, note)
         why = f"its forward could not be traced ({note})"
         return bound_activations(shape, seq_len, precision, why)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(acts.to_json()))
-        tmp.replace(path)
-    except OSError as e:
-        log.debug("activation cache not written: %s", e)
+    write_cache(path, acts.to_json())
     return acts
-
-
-def _default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "oomless" / "activations"
 
 
 def bound_activations(shape: ModelShape, seq_len: int, precision: str, note: str):

@@ -82,9 +82,9 @@ def layer_activation_bytes(shape: ModelShape, m: Micro) -> int:
     """What autograd keeps for one decoder layer that is not checkpointed, its input included:
     the analytic block where it describes the model, else what `launcher/estimate/activations.py`
     measured from the model's own code (or bounded); compiled, less what it recomputes."""
+    less = recomputed_bytes(shape, m.b, m.s, m.c, m.autocast, m.frozen_base) if m.compiled else 0
     if shape.activations is not None:
-        return shape.activations.layer_bytes(mode_of(m), m.b, m.s)
-    less = recomputed_bytes(shape, m.tokens, m.c, m.autocast, m.frozen_base) if m.compiled else 0
+        return shape.activations.layer_bytes(mode_of(m), m.b, m.s) - less
     return analytic_layer_bytes(shape, m) - less
 
 

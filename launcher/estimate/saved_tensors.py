@@ -27,18 +27,20 @@ def structure(kind: tuple) -> tuple:
     return (cls, modules, num_params)
 
 
-def saved_point(hf_config, mode, precision, attn_implementation, b, s):
+def saved_point(hf_config, mode, precision, attn_implementation, b, s, compiled=False):
     """`_saved_per_layer` with MoE experts traceable under fake tensors (`moe_fake_kernels`)."""
     from launcher.estimate.trace import moe_fake_kernels
 
     with moe_fake_kernels():
-        return _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s)
+        return _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s, compiled)
 
 
-def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s):
+def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s, compiled=False):
     """(kind of layer -> bytes one layer of that kind saves for backward, bytes of the inputs all
     layers share that they save, bytes saved after the last layer until the logits) for a
-    forward."""
+    forward; `compiled`: the counted layers' forward torch.compiled with inductor's partition
+    (`aot_eager_decomp_partition`: its decompositions and min-cut partitioner, no kernels),
+    as `train.compile` runs them."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -60,6 +62,12 @@ def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s):
         model.to_empty(device="cpu")
         if hasattr(model, "tie_weights"):
             model.tie_weights()
+        if compiled:
+            torch._dynamo.reset()  # each measurement compiles its own layers afresh
+            for i in kinds.values():
+                layers[i].forward = torch.compile(
+                    layers[i].forward, backend="aot_eager_decomp_partition", dynamic=False
+                )
         hooks = [_SavedBytes(layers[i], i, counted, shared) for i in kinds.values()]
         final = _SavedAfter(model, layers[-1])
         batch = packed_batch(hf_config["vocab_size"], b, s)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.estimate.analytic_shape import analytic_shape_fields, counts_analytically
-from launcher.estimate.layer_fits import LayerActivations
+from launcher.estimate.layer_fits import Fit, LayerActivations
 from trainer.core.config import ModelConfig
 from trainer.core.hf_config import PRESETS, hf_config_dict, model_positions, preset_index
 
@@ -52,6 +52,9 @@ class ModelShape:
     # measured (or bounded) activations for block types the analytic model does not know;
     # attached by launcher.estimate.activations.with_activations, never cached with the shape
     activations: LayerActivations | None = None
+    # under train.compile, what one compiled layer saves less per compute mode, measured for
+    # blocks without a closed form (launcher/estimate/compiled_trace.py); attached likewise
+    compiled_saving: dict[str, Fit] | None = None
 
     @property
     def num_embedding_params(self) -> int:
@@ -117,10 +120,11 @@ def _unscaled_shape(config: dict[str, Any], cache_dir: Path | None, shipped: boo
 
 
 def shape_record(shape: ModelShape) -> dict[str, Any]:
-    """The shape as cached and shipped: without attached activations, and the MoE fields only
+    """The shape as cached and shipped: without attached measurements, and the MoE fields only
     for MoE models (dense shapes read as before they existed)."""
     record = asdict(shape)
     record.pop("activations")
+    record.pop("compiled_saving")
     for key in ("num_experts", "experts_per_token", "num_active_params"):
         if not record[key]:
             record.pop(key)

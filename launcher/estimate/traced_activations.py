@@ -191,7 +191,7 @@ def _saved_jobs(hf_config, precision, attn_implementation, s) -> list[tuple]:
     return [
         ("saved", hf_config, mode, precision, attn_implementation, b, seq)
         for mode in MODES[precision]
-        for b, seq in _points(s)
+        for b, seq in points(s)
     ]
 
 
@@ -200,7 +200,7 @@ def _saved_fits(results: list, precision: str, seq_len: int, kinds: list[tuple])
     over the model's layers (`kinds`, each layer's kind)."""
     s = _even(seq_len)
     parts: dict[str, dict[str, Fit]] = {part: {} for part in PARTS}
-    points_per_mode = len(_points(s))
+    points_per_mode = len(points(s))
     for k, mode in enumerate(MODES[precision]):
         mine = results[k * points_per_mode : (k + 1) * points_per_mode]
         means = [sum(per_kind[kind] for kind in kinds) / len(kinds) for per_kind, _, _ in mine]
@@ -223,13 +223,13 @@ def _with_transients(
     s = _even(acts.seq_len)
     shape = replace(shape_of(json.dumps(hf_config, sort_keys=True)), activations=acts)
     fits: dict[str, dict[str, Fit]] = {"backward": {}, "forward": {}}
-    for (mode, part), points in peaks.items():
+    for (mode, part), at_points in peaks.items():
         strategy, world = _TRANSIENT_RUNG[mode == "lowp"]
         ckpt, _, phase = _TRANSIENT_PHASE[part]
         transients = [
             max(peak.values())
             - estimate(shape, StepSpec(strategy, world, b, seq, ckpt, precision)).phases[phase]
-            for peak, (b, seq) in zip(points, _points(s), strict=True)
+            for peak, (b, seq) in zip(at_points, points(s), strict=True)
         ]
         fits[part][mode] = Fit.through(*transients, s)
     return replace(acts, backward=fits["backward"], forward=fits["forward"])
@@ -244,7 +244,7 @@ _TRANSIENT_PHASE = {
 }
 
 
-def _points(s: int) -> tuple[tuple[int, int], ...]:
+def points(s: int) -> tuple[tuple[int, int], ...]:
     """The (micro-batch, sequence) points every fit goes through."""
     return ((1, s // 2), (2, s // 2), (1, s))
 
@@ -256,7 +256,7 @@ def _peak_jobs(
     keys = [
         (mode, part, point)
         for mode in MODES[precision]
-        for point in _points(s)
+        for point in points(s)
         for part in _TRANSIENT_PHASE
     ]
     jobs = [
@@ -267,7 +267,7 @@ def _peak_jobs(
 
 
 def _peaks(keys: list[tuple], results: list[dict[int, int]]):
-    """(mode, "backward" | "forward") -> at each of `_points`, the traced step's peak in each
+    """(mode, "backward" | "forward") -> at each of `points`, the traced step's peak in each
     layer's phase of that part (layer index -> bytes)."""
     out: dict[tuple[str, str], list[dict[int, int]]] = {}
     for (mode, part, _), peaks in zip(keys, results, strict=True):

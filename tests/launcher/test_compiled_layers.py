@@ -11,10 +11,13 @@ import pytest
 import torch
 import transformers
 
+from launcher.estimate.activations import with_activations
 from launcher.estimate.compiled_layers import recomputed_bytes
+from launcher.estimate.compiled_trace import measure_compiled_saving
 from launcher.estimate.peak import estimate
+from launcher.estimate.saved_tensors import saved_point
 from launcher.estimate.shape import model_shape
-from trainer.core.config import FinetuneConfig, LoraConfig, ModelConfig
+from trainer.core.config import FinetuneConfig, LoraConfig, ModelConfig, build_config
 from trainer.core.step_spec import Finetune, StepSpec
 from trainer.model.finetune import apply_finetune
 
@@ -88,7 +91,7 @@ def test_recomputed_bytes_are_what_torchs_partitioner_recomputes(model_type, mod
     saved = _saved_bytes(compiled, x, rotary, mask, autocast)
     c = 4 if mode == "fp32" else 2
     shape = replace(_llama_1b(), hidden_size=HIDDEN, intermediate_size=INTERMEDIATE)
-    less = recomputed_bytes(shape, b * s, c, autocast, adapters=method != "full")
+    less = recomputed_bytes(shape, b, s, c, autocast, adapters=method != "full")
     assert eager - saved == less
 
 
@@ -100,7 +103,7 @@ def test_a_compiled_job_is_estimated_with_the_compiled_layers_saved_set():
     spec = StepSpec("single", 1, 2, 1024, "none", precision="bf16_pure")
     eager = estimate(shape, spec)
     compiled = estimate(shape, replace(spec, compiled_layers=True))
-    less = recomputed_bytes(shape, 2 * 1024, 2, False)
+    less = recomputed_bytes(shape, 2, 1024, 2, False)
     acts = eager.device_breakdown["activations"] - compiled.device_breakdown["activations"]
     assert acts == shape.num_layers * less
     assert compiled.peak_tensor_bytes < eager.peak_tensor_bytes
@@ -113,3 +116,41 @@ def test_a_compiled_job_is_estimated_with_the_compiled_layers_saved_set():
     ):
         as_compiled = estimate(shape, replace(other, compiled_layers=True))
         assert as_compiled.peak_tensor_bytes == estimate(shape, other).peak_tensor_bytes
+
+
+TINY = {
+    "vocab_size": 64, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+}  # fmt: skip
+
+
+def test_the_measured_saving_is_the_closed_form_where_both_exist():
+    """The measurement for blocks without a closed form (forwards under fake tensors, eager and
+    compiled) gives Llama's closed form exactly, at points it was not fitted at too."""
+    fits = measure_compiled_saving({**TINY, "model_type": "llama"}, 48, "fp32")
+    shape = replace(_llama_1b(), hidden_size=64, intermediate_size=160)
+    for b, s in ((1, 24), (3, 40), (2, 256)):
+        assert fits["fp32"].bytes(b, s) == recomputed_bytes(shape, b, s, 4, False)
+
+
+def test_a_block_without_a_closed_form_is_measured_and_counted(tmp_path):
+    """gemma's compiled partition differs from Llama's (its GeLU, its norms' 1 + weight): the
+    plan measures it once (cached) and every layer of the estimate saves that much less."""
+    gemma = {**TINY, "model_type": "gemma", "head_dim": 16}
+    cfg = build_config({
+        "model": {"config": gemma}, "data": {"path": "x", "seq_len": 48},
+        "train": {"global_batch_size": 2, "compile": True}, "precision": "fp32",
+    })  # fmt: skip
+    shape = with_activations(model_shape(cfg.model), cfg, cache_dir=tmp_path)
+    fit = shape.compiled_saving["fp32"]
+    eager = saved_point(gemma, "fp32", "fp32", "sdpa", 3, 40)[0]
+    compiled = saved_point(gemma, "fp32", "fp32", "sdpa", 3, 40, compiled=True)[0]
+    (kind,) = eager  # its two layers are of one kind
+    assert fit.bytes(3, 40) == eager[kind] - compiled[kind]  # a point the fit did not go through
+    llama_of_its_sizes = recomputed_bytes(replace(shape, model_type="llama"), 3, 40, 4, False)
+    assert fit.bytes(3, 40) > llama_of_its_sizes
+    spec = StepSpec("single", 1, 3, 40, "none", precision="fp32")
+    acts = estimate(shape, spec).device_breakdown["activations"]
+    as_compiled = estimate(shape, replace(spec, compiled_layers=True))
+    assert acts - as_compiled.device_breakdown["activations"] == 2 * fit.bytes(3, 40)
+    assert list(tmp_path.glob("*.json"))  # measured once: the next plan reads it

@@ -304,7 +304,7 @@ def test_a_compiled_plan_says_how_its_layers_are_counted():
     eager layers where not (LoRA's fp32 adapters on a 16-bit base), and DeepSpeed runs eagerly."""
     hw = _hw({"devices": 8, "device_memory": "80GiB", "host": "1TiB"})
     reason = {
-        "full": "each compiled layer counts what AOTAutograd's partition saves",
+        "full": "each layer counts what AOTAutograd's partition saves (silu(gate)",
         "lora": "the layers are counted as eager ones",
     }
     for method, words in reason.items():
