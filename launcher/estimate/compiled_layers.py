@@ -52,13 +52,14 @@ def counts_compiled(spec: StepSpec, shape: ModelShape) -> bool:
 def recomputed_bytes(
     shape: ModelShape, b: int, s: int, c: int, autocast: bool, adapters: bool = False
 ) -> int:
-    """What one compiled layer saves less than the eager one for `b` sequences of `s` tokens
-    (c: compute dtype bytes). In closed form: silu(gate) and the norms' fp32 intermediates (a
-    frozen 16-bit block with LoRA's adapters keeps one [t, h] fp32 tensor less, an fp32 one
-    none); under autocast the stream's fp32 copy and two 16-bit casts too. Otherwise measured."""
+    """What one compiled layer saves less than the eager one (more where negative) for `b`
+    sequences of `s` tokens (c: compute dtype bytes). In closed form: silu(gate) and the norms'
+    fp32 intermediates (a frozen 16-bit block with LoRA's adapters keeps one [t, h] fp32 tensor
+    less, an fp32 one none); under autocast the stream's fp32 copy and two 16-bit casts too.
+    Otherwise measured."""
     if not closed_form(shape):
         fit = (shape.compiled_saving or {}).get(compute_mode(c, autocast))
-        return max(0, fit.bytes(b, s)) if fit else 0
+        return fit.bytes(b, s) if fit else 0  # negative where compile saves more (gpt-oss)
     h = shape.hidden_size
     if adapters:
         norms = 4 * h if c < 4 else 0
