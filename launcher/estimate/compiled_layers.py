@@ -13,9 +13,9 @@ compiled forward in backward, so the layer in flight saves the same less.
 Any other block is measured for full fine-tuning (`launcher/estimate/compiled_trace.py`: the
 same forwards under fake tensors, eager and compiled, fitted). Where the partition has not been
 checked (adapters on other blocks; LoRA's fp32 adapters on a 16-bit base, whose inputs peft
-casts once per adapter and compile once per input; op-level checkpointing, tiled MLP, Ulysses;
-a block dynamo cannot compile under fake tensors), the estimate counts the eager layer: at most
-an over-count.
+casts once per adapter and compile once per input; adapter dropout, whose masks compile
+regenerates; op-level checkpointing, tiled MLP, Ulysses; a block dynamo cannot compile under
+fake tensors), the estimate counts the eager layer: at most an over-count.
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ def counts_compiled(spec: StepSpec, shape: ModelShape) -> bool:
     """Whether the estimate counts `spec`'s layers as compiled: the engine compiles them (every
     rung but DeepSpeed's, whose parameter gathering dynamo cannot trace) and the partition of
     this block and setting is a checked one: Llama's in closed form (with adapters in the
-    compute dtype too), any other block's measured for full fine-tuning."""
-    adapters_in_compute_dtype = spec.precision in ("bf16_pure", "fp32")
-    if spec.finetune.adapters:
-        known = closed_form(shape) and adapters_in_compute_dtype
+    compute dtype too, without dropout, whose masks compile regenerates), any other block's
+    measured for full fine-tuning."""
+    ft = spec.finetune
+    if ft.adapters:
+        in_compute_dtype = spec.precision in ("bf16_pure", "fp32")
+        known = closed_form(shape) and in_compute_dtype and ft.dropout == 0
     else:
         known = closed_form(shape) or shape.compiled_saving is not None
     checked = (

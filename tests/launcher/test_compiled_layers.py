@@ -97,8 +97,8 @@ def test_recomputed_bytes_are_what_torchs_partitioner_recomputes(model_type, mod
 
 def test_a_compiled_job_is_estimated_with_the_compiled_layers_saved_set():
     """Without checkpointing every layer saves less, with 16-bit adapters too; DeepSpeed's rungs
-    run eagerly, and fp32 adapters on a 16-bit base (peft's casts) are counted as eager layers
-    (an over-count), so neither changes."""
+    run eagerly, and fp32 adapters on a 16-bit base (peft's casts) and adapter dropout are
+    counted as eager layers (an over-count), so none of those changes."""
     shape = _llama_1b()
     spec = StepSpec("single", 1, 2, 1024, "none", precision="bf16_pure")
     eager = estimate(shape, spec)
@@ -113,6 +113,7 @@ def test_a_compiled_job_is_estimated_with_the_compiled_layers_saved_set():
     for other in (
         replace(spec, strategy="zero3", world_size=2, precision="bf16"),
         replace(lora, precision="bf16"),
+        replace(lora, finetune=Finetune(method="lora", dropout=0.05)),
     ):
         as_compiled = estimate(shape, replace(other, compiled_layers=True))
         assert as_compiled.peak_tensor_bytes == estimate(shape, other).peak_tensor_bytes
