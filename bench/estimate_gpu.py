@@ -48,6 +48,7 @@ class Run:
     activation_checkpointing: str
     grad_accum: int = 2
     precision: str = "bf16"
+    compile: bool = False  # train.compile: the estimate counts the compiled layers' saved set
 
 
 # >= 12 real runs: two sizes, micro-batch 1..4, seq 1024..4096, every checkpointing level,
@@ -66,6 +67,9 @@ GPU_GRID = (
     Run("llama-3b", "single", 1, 1024, "full"),
     Run("llama-3b", "fsdp", 2, 2048, "full"),
     Run("llama-3b", "zero3_offload", 2, 4096, "full"),
+    # the first runs again with train.compile (launcher/estimate/compiled_layers.py)
+    Run("llama-1b", "single", 1, 2048, "none", compile=True),
+    Run("llama-1b", "fsdp", 1, 4096, "none", compile=True),
 )
 CPU_SMOKE_GRID = (
     Run("llama-tiny", "single", 2, 128, "none"),
@@ -93,6 +97,7 @@ def estimate_for(run: Run, device_type: str, device_memory_bytes: int) -> dict[s
             precision=run.precision,
             device=device_type,
             grad_accum=run.grad_accum,
+            compiled_layers=run.compile,
         ),
     )
     return {
@@ -116,6 +121,7 @@ def _job(run: Run, device_type: str, tmp: Path) -> Any:
             "train": {
                 "global_batch_size": run.micro_batch_size * run.grad_accum,
                 "micro_batch_size": run.micro_batch_size,
+                "compile": run.compile,
             },
             "precision": run.precision,
             "memory": {"activation_checkpointing": run.activation_checkpointing},
@@ -338,11 +344,12 @@ def table(results: list[dict[str, Any]]) -> str:
         return f"{x:+7.1%}" if x is not None else "    n/a"
 
     lines = [
-        f"{'#':>2} {'model':<10} {'strategy':<14}{'mb':>3}{'seq':>6} {'ckpt':<10}"
+        f"{'#':>2} {'model':<10} {'strategy':<14}{'mb':>3}{'seq':>6} {'ckpt':<13}"
         f"{'est peak':>9}{'alloc':>8}{'err':>8}{'est tot':>9}{'resv+ctx':>9}{'err':>8}",
     ]
     for r in results:
         k, run = r["index"], r["run"]
+        compiled = "+compile" if run.get("compile") else ""
         est, got = r.get("estimate") or {}, r.get("measured") or {}
         err = errors(r)
         reserved = got.get("max_reserved_bytes")
@@ -350,7 +357,7 @@ def table(results: list[dict[str, Any]]) -> str:
             reserved += got["context_bytes"]
         line = (
             f"{k:>2} {run['model']:<10} {run['strategy']:<14}{run['micro_batch_size']:>3}"
-            f"{run['seq_len']:>6} {run['activation_checkpointing']:<10}"
+            f"{run['seq_len']:>6} {run['activation_checkpointing'] + compiled:<13}"
             f"{gib(est.get('peak_tensor_bytes'))} {gib(got.get('max_allocated_bytes'))}"
             f"{pct(err['peak'])} {gib(est.get('total_bytes'))}  {gib(reserved)}{pct(err['total'])}"
         )
