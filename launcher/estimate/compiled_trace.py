@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ def compiled_saving(
         note = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
         log.warning("train.compile: %s's layers counted eager (%s)", hf_config["model_type"], note)
         return None
-    write_cache(path, {mode: fit.__dict__ for mode, fit in fits.items()})
+    write_cache(path, {mode: asdict(fit) for mode, fit in fits.items()})
     return fits
 
 
@@ -74,12 +75,13 @@ def measure_compiled_saving(
         for compiled in (False, True)
     ]
     results = on_two_cores(jobs, _saved, lambda job: 2 if job[-1] else 1)
+    per_mode = 2 * len(points(s))  # eager and compiled at each point
     fits = {}
     for k, mode in enumerate(MODES[precision]):
-        pairs = results[2 * len(points(s)) * k : 2 * len(points(s)) * (k + 1)]
-        less = [
+        mine = results[k * per_mode : (k + 1) * per_mode]
+        less = [  # a layer's mean over the model's layers, as the saved tensors' fits
             sum(eager[kind] - compiled[kind] for kind in kinds) / len(kinds)
-            for eager, compiled in zip(pairs[0::2], pairs[1::2], strict=True)
+            for eager, compiled in zip(mine[0::2], mine[1::2], strict=True)
         ]
         fits[mode] = Fit.through(*less, s)
     return fits
