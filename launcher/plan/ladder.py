@@ -338,6 +338,12 @@ def _best_on(walk: _Walk, rung: Strategy) -> tuple[Candidate | None, str]:
             best = Candidate(rung, spec, est, t, every)
             if not weigh_all:
                 break
+    if smallest is None:  # every step was ruled out above: op-level checkpointing cannot run
+        why = "memory.selective=ops " + (
+            "is not run on DeepSpeed's rungs" if rung.engine == "deepspeed"
+            else "keeps its outputs on the device: not with memory.offload_activations=true"
+        )  # fmt: skip
+        return None, why
     why = "" if best else (shortfall(smallest, hw, cfg.memory.headroom) or "does not fit")
     return best, why
 

@@ -315,3 +315,14 @@ def test_a_compiled_plan_says_how_its_layers_are_counted():
     zero3 = make_plan(_job("llama-3.1-8b", train={"global_batch_size": 64, "compile": True},
                            strategy="zero3"), hw)  # fmt: skip
     assert "train.compile is not applied under zero3" in zero3.reasons[-1]
+
+
+def test_op_level_checkpointing_rules_out_deepspeed_and_says_why():
+    """memory.selective=ops forced: DeepSpeed's rungs are not tried with it, and say so, instead
+    of the plan failing as if the model could not be estimated."""
+    hw = _hw({"devices": 8, "device_memory": "80GiB", "host": "1TiB"})
+    ops = {"activation_checkpointing": "selective", "selective": "ops"}
+    plan = make_plan(_job("llama-3.1-8b", memory=ops), hw)
+    assert plan.strategy in ("ddp", "fsdp", "fsdp_offload")
+    why = {a.strategy: a.why_not for a in plan.alternatives if not a.fits}
+    assert why["zero3"] == "memory.selective=ops is not run on DeepSpeed's rungs"
