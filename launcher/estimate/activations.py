@@ -59,8 +59,8 @@ def with_activations(
             return replace(shape, activations=bound)
         acts = layer_activations(shape, cfg.model, cfg.data.seq_len, cfg.precision, cache_dir)
         shape = replace(shape, activations=acts)
-    traced = shape.activations is None or shape.activations.source == "traced"
-    if measure and cfg.train.compile and traced and not closed_form(shape):
+    bounded = shape.activations is not None and shape.activations.source == "bound"
+    if measure and cfg.train.compile and not bounded and not closed_form(shape):
         fits = compiled_saving(cfg.model, cfg.data.seq_len, cfg.precision, cache_dir)
         shape = replace(shape, compiled_saving=fits)
     return shape

@@ -24,7 +24,13 @@ from launcher.estimate.measure_cache import cache_file, write_cache
 from launcher.estimate.saved_tensors import kind_sequence, saved_point
 from launcher.estimate.shape import transformers_version
 from launcher.estimate.trace_pool import on_two_cores
-from launcher.estimate.traced_activations import MODES, at_depth, points, reduced_depth
+from launcher.estimate.traced_activations import (
+    MODES,
+    at_depth,
+    even_seq_len,
+    points,
+    reduced_depth,
+)
 from trainer.core.config import ModelConfig
 from trainer.core.hf_config import hf_config_dict
 
@@ -67,7 +73,7 @@ def measure_compiled_saving(
     kinds = kind_sequence(hf_config, attn_implementation)
     depth = reduced_depth(hf_config, attn_implementation, kinds=kinds)
     config = at_depth(hf_config, depth) if depth else hf_config
-    s = max(2, seq_len - seq_len % 2)
+    s = even_seq_len(seq_len)
     jobs = [
         (config, mode, precision, attn_implementation, b, seq, compiled)
         for mode in MODES[precision]

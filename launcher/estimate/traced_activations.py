@@ -63,7 +63,7 @@ def _measure(hf_config, kinds, depth, seq_len, precision, attn_implementation):
     """(the saved fits with their transients, what each kind saved at each point and mode),
     from the model cut to `depth` layers (0: the whole model)."""
     config = at_depth(hf_config, depth) if depth else hf_config
-    s = _even(seq_len)
+    s = even_seq_len(seq_len)
     saved_jobs = _saved_jobs(config, precision, attn_implementation, s)
     keys, peak_jobs = _peak_jobs(config, precision, attn_implementation, s)
     results = _on_two_cores([*saved_jobs, *peak_jobs])
@@ -160,7 +160,7 @@ def saved_activations(
     hf_config: dict[str, Any], seq_len: int, precision: str, attn_implementation: str = "sdpa"
 ) -> LayerActivations:
     """What each part keeps for backward (layers, shared inputs, final), fitted per mode."""
-    jobs = _saved_jobs(hf_config, precision, attn_implementation, _even(seq_len))
+    jobs = _saved_jobs(hf_config, precision, attn_implementation, even_seq_len(seq_len))
     kinds = kind_sequence(hf_config, attn_implementation)
     return _saved_fits([_run(job) for job in jobs], precision, seq_len, kinds)
 
@@ -182,7 +182,8 @@ def calibrate_transients(
     return acts
 
 
-def _even(seq_len: int) -> int:
+def even_seq_len(seq_len: int) -> int:
+    """The sequence the fits are measured at: even, so that its half is a whole point."""
     return max(2, seq_len - seq_len % 2)
 
 
@@ -198,7 +199,7 @@ def _saved_jobs(hf_config, precision, attn_implementation, s) -> list[tuple]:
 def _saved_fits(results: list, precision: str, seq_len: int, kinds: list[tuple]):
     """The saved tensors' fits from `_saved_jobs`' results, in their order, a layer's the mean
     over the model's layers (`kinds`, each layer's kind)."""
-    s = _even(seq_len)
+    s = even_seq_len(seq_len)
     parts: dict[str, dict[str, Fit]] = {part: {} for part in PARTS}
     points_per_mode = len(points(s))
     for k, mode in enumerate(MODES[precision]):
@@ -220,7 +221,7 @@ def _with_transients(
     """`acts` with the transients fitted from the layer peaks traced on `hf_config` (the whole
     model or its copy): the largest layer peak less the estimate of the same phase for the same
     depth, without transients, at each point."""
-    s = _even(acts.seq_len)
+    s = even_seq_len(acts.seq_len)
     shape = replace(shape_of(json.dumps(hf_config, sort_keys=True)), activations=acts)
     fits: dict[str, dict[str, Fit]] = {"backward": {}, "forward": {}}
     for (mode, part), at_points in peaks.items():
