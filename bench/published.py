@@ -196,10 +196,12 @@ def _job_words(row: Row) -> str:
     j = row.job
     hw_world = j.get("hardware.nodes", 1) * j.get("hardware.devices_per_node", 1)
     method = j.get("finetune.method", "full")
+    micro = j.get("train.micro_batch_size", 1)
+    accum = j.get("train.global_batch_size", micro * hw_world) // (micro * hw_world)
     parts = [
         f"{j.get('strategy', 'single')} x{hw_world}",
         method if method == "full" else f"{method} r{j.get('finetune.lora.r', 16)}",
-        f"b{j.get('train.micro_batch_size', 1)} s{j.get('data.seq_len', 2048)}",
+        f"b{micro} s{j.get('data.seq_len', 2048)}" + (f" x{accum} accum." if accum > 1 else ""),
         f"AC {j.get('memory.activation_checkpointing', 'none')}"
         + (" (ops)" if j.get("memory.selective") == "ops" else ""),
         j.get("precision", "bf16"),
