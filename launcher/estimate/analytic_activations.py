@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.estimate.attention_kernels import block_mask_bytes, flash_backward_bytes
+from launcher.estimate.attention_kernels import block_mask_bytes, layer_flash_bytes
 from launcher.estimate.compiled_layers import counts_compiled, recomputed_bytes
 from launcher.estimate.layer_fits import compute_mode
 from launcher.estimate.methods import adapter_terms
@@ -349,7 +349,7 @@ def micro_for(spec: StepSpec, shape: ModelShape) -> Micro:
         mlp_chunk=tile,
         block_mask=spec.block_mask,
         ops=spec.checkpoint_ops,
-        flash=spec.flash_attention and shape.activations is None,  # the analytic block's heads
+        flash=spec.flash_attention,
         compiled=counts_compiled(spec, shape),
     )
 
@@ -484,7 +484,7 @@ def micro_activations(shape: ModelShape, m: Micro) -> MicroActivations:
         layer_backward=max(
             layer_backward_bytes(shape, m),
             all_to_all_bytes(shape, m) + 4 * m.tokens * shape.hidden_size,
-            flash_backward_bytes(shape, m.b, m.s, m.c, m.r, m.sp) if m.flash else 0,
+            layer_flash_bytes(shape, m.b, m.s, m.c, m.r, m.sp) if m.flash else 0,
         ),
         forward_transient=transient,
         layer_transient=max(all_to_all_bytes(shape, m), mlp_chunk_bytes(shape, m)),

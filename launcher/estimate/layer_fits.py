@@ -50,6 +50,9 @@ class LayerActivations:
     # forward beyond what it saves; calibrated against traced steps, per mode
     backward: dict[str, Fit] = field(default_factory=dict)
     forward: dict[str, Fit] = field(default_factory=dict)
+    # the attention calls PyTorch's flash kernel takes on a GPU, unpacked in 16 bits: [query
+    # heads, key/value heads, head size] (saved_tensors.flash_attention_calls)
+    flash_calls: list[list[int]] = field(default_factory=list)
 
     def layer_bytes(self, mode: str, b: int, s: int) -> int:
         return _at(self.fits, mode, b, s)

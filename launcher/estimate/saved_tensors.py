@@ -80,6 +80,73 @@ def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s, comp
     return {kind: counted[i] for kind, i in kinds.items()}, sum(shared.values()), final.bytes
 
 
+# The largest head size PyTorch's flash kernel takes on the GPUs oomless plans for (sm80 on)
+FLASH_MAX_HEAD_DIM = 256
+
+
+def flash_attention_calls(hf_config, precision, attn_implementation, s) -> list[list[int]]:
+    """The attention calls of one unpacked forward in 16 bits that PyTorch's flash kernel would
+    take on a GPU: `scaled_dot_product_attention` without a mask, over queries, keys and values
+    of one head size up to FLASH_MAX_HEAD_DIM, each as [query heads, key/value heads, head
+    size], once. Sliding windows the sequence outruns, attention biases and masked layers call
+    it with a mask; sinks and soft-capping do not call it at all."""
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
+
+    from launcher.estimate.trace import moe_fake_kernels
+    from trainer.backends.common import COMPUTE_DTYPES
+    from trainer.model.build import HFModelFactory
+
+    model_cfg = ModelConfig(config=dict(hf_config), attn_implementation=attn_implementation)
+    model = HFModelFactory(model_cfg, seed=0).build("meta")
+    model.to(COMPUTE_DTYPES[precision])
+    calls: set[tuple[int, int, int]] = set()
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:
+                q, k, v = args[:3]
+                mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+                sizes = {q.shape[-1], k.shape[-1], v.shape[-1]}
+                if mask is None and len(sizes) == 1 and q.shape[-1] <= FLASH_MAX_HEAD_DIM:
+                    calls.add((q.shape[-3], k.shape[-3], q.shape[-1]))
+            return func(*args, **kwargs)
+
+    with FakeTensorMode(allow_non_fake_inputs=True), moe_fake_kernels(), _masks_as_for_real():
+        model.to_empty(device="cpu")
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+        with Watch(), torch.no_grad():
+            model(input_ids=torch.zeros(1, s, dtype=torch.long), use_cache=False)
+    return [list(call) for call in sorted(calls)]
+
+
+@contextlib.contextmanager
+def _masks_as_for_real():
+    """transformers' mask builders decide as for the real, unpadded and unpacked input: they
+    build a mask whenever an input is a fake tensor, whose values they cannot read (to find
+    padding, or documents packed by position ids), where for the real input they leave causal
+    attention to SDPA's flag."""
+    from transformers import masking_utils
+    from transformers.utils import import_utils
+
+    patches = {
+        "is_tracing": lambda tensor=None: import_utils.is_tracing(),
+        "find_packed_sequence_indices": lambda position_ids: None,  # one document
+    }
+    originals = {n: getattr(masking_utils, n) for n in patches if hasattr(masking_utils, n)}
+    for name in originals:
+        setattr(masking_utils, name, patches[name])
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(masking_utils, name, original)
+
+
 def _layer_signature(model, layers, i: int) -> tuple:
     layer = layers[i]
     config = getattr(model, "config", None)

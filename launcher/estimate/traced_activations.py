@@ -29,7 +29,12 @@ from typing import Any
 
 from launcher.estimate.layer_fits import PARTS, Fit, LayerActivations
 from launcher.estimate.peak import estimate
-from launcher.estimate.saved_tensors import kind_sequence, saved_point, structure
+from launcher.estimate.saved_tensors import (
+    flash_attention_calls,
+    kind_sequence,
+    saved_point,
+    structure,
+)
 from launcher.estimate.shape import shape_of
 from launcher.estimate.trace_pool import on_two_cores
 from trainer.core.step_spec import StepSpec
@@ -66,10 +71,13 @@ def _measure(hf_config, kinds, depth, seq_len, precision, attn_implementation):
     s = even_seq_len(seq_len)
     saved_jobs = _saved_jobs(config, precision, attn_implementation, s)
     keys, peak_jobs = _peak_jobs(config, precision, attn_implementation, s)
-    results = _on_two_cores([*saved_jobs, *peak_jobs])
+    flash_jobs = _flash_jobs(config, precision, attn_implementation, s)
+    results = _on_two_cores([*saved_jobs, *peak_jobs, *flash_jobs])
     saved = results[: len(saved_jobs)]
     acts = _saved_fits(saved, precision, seq_len, kinds)
-    peaks = _peaks(keys, results[len(saved_jobs) :])
+    peaks = _peaks(keys, results[len(saved_jobs) : len(saved_jobs) + len(peak_jobs)])
+    flash = results[len(saved_jobs) + len(peak_jobs) :]
+    acts = replace(acts, flash_calls=flash[0] if flash else [])
     return _with_transients(acts, config, precision, peaks), [r[0] for r in saved]
 
 
@@ -196,6 +204,14 @@ def _saved_jobs(hf_config, precision, attn_implementation, s) -> list[tuple]:
     ]
 
 
+def _flash_jobs(hf_config, precision, attn_implementation, s) -> list[tuple]:
+    """Where flash can attend (`sdpa` in 16 bits): one forward that records the attention calls
+    PyTorch's flash kernel takes (`flash_attention_calls`)."""
+    if precision == "fp32" or attn_implementation != "sdpa":
+        return []
+    return [("flash", hf_config, precision, attn_implementation, s)]
+
+
 def _saved_fits(results: list, precision: str, seq_len: int, kinds: list[tuple]):
     """The saved tensors' fits from `_saved_jobs`' results, in their order, a layer's the mean
     over the model's layers (`kinds`, each layer's kind)."""
@@ -277,15 +293,22 @@ def _peaks(keys: list[tuple], results: list[dict[int, int]]):
 
 
 def _run(job: tuple) -> Any:
-    """One measurement: `layer_phase_peaks(*job)`, or a saved-tensor forward ("saved", ...)."""
+    """One measurement: `layer_phase_peaks(*job)`, a saved-tensor forward ("saved", ...) or the
+    flash probe ("flash", ...)."""
     if job[0] == "saved":
         return saved_point(*job[1:])
+    if job[0] == "flash":  # it refines a GPU term only: where it fails, no flash buffers
+        try:
+            return flash_attention_calls(*job[1:])
+        except Exception as err:
+            log.debug("flash attention calls not found: %s", err)
+            return []
     return layer_phase_peaks(*job)
 
 
 def _cost(job: tuple) -> int:
     """A measurement's relative time: a traced backward costs about three forwards."""
-    return 3 if job[0] != "saved" and job[2] == "backward" else 1
+    return 3 if job[0] not in ("saved", "flash") and job[2] == "backward" else 1
 
 
 def _on_two_cores(jobs: list[tuple]) -> list[Any]:

@@ -216,3 +216,53 @@ def test_the_cut_copies_keep_the_config_classes_spelling_of_depth_and_per_layer_
                           "layer_types": mixed["layer_types"] * 2}, "sdpa") == 6  # fmt: skip
     assert reduced_depth(mixed, "sdpa", by_structure=True) == 3  # one structure: period 1
     assert reduced_depth(NEOX, "sdpa") == 0  # 2 layers: the whole model
+
+
+# A qwen3 block (q/k norms: traced, not analytic) and the llama block with its attention's sizes
+QWEN3 = {"model_type": "qwen3", "hidden_size": 256, "intermediate_size": 32, "num_hidden_layers": 2,
+         "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512,
+         "max_position_embeddings": 8192}  # fmt: skip
+SLIDING = {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 32,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 32, "vocab_size": 512, "sliding_window": 64,
+           "layer_types": ["sliding_attention"] * 2}  # fmt: skip
+
+
+def test_the_trace_finds_the_attention_calls_the_flash_kernel_takes():
+    """An unpacked 16-bit forward, as on a GPU: grouped-query SDPA without a mask is flash's
+    (query heads, key/value heads, head size); soft-capped attention (gemma2, eager) and a
+    sliding window the sequence outruns (a mask) are not."""
+    from launcher.estimate.saved_tensors import flash_attention_calls
+
+    assert flash_attention_calls(QWEN3, "bf16", "sdpa", 256) == [[8, 2, 32]]
+    softcapped = {**SLIDING, "model_type": "gemma2", "layer_types": None}
+    assert flash_attention_calls(softcapped, "bf16", "sdpa", 32) == []
+    assert flash_attention_calls(SLIDING, "bf16", "sdpa", 32) == [[4, 2, 32]]
+    assert flash_attention_calls(SLIDING, "bf16", "sdpa", 128) == []
+
+
+def test_a_traced_block_counts_flashs_backward_buffers_as_the_analytic_block_does():
+    """FlashAttention-2's backward buffers (checked on an H200 for the analytic block:
+    test_estimate.py) are counted for a traced block whose attention calls the flash kernel,
+    sized by its trace's call: the same bytes as the llama block of the same attention, and
+    the qwen3 job's estimate on a GPU rises by them where they decide a layer's backward."""
+    from dataclasses import replace
+
+    from launcher.estimate.attention_kernels import layer_flash_bytes
+    from launcher.estimate.peak import estimate
+    from trainer.core.step_spec import StepSpec
+
+    acts = calibrate_transients(QWEN3, 64, "bf16")
+    assert acts.flash_calls == [[8, 2, 32]]
+    qwen3 = replace(shape_of(json.dumps(QWEN3, sort_keys=True)), activations=acts)
+    same_attention = {**LLAMA, "hidden_size": 256, "num_attention_heads": 8}  # head size 32
+    llama = shape_of(json.dumps(same_attention, sort_keys=True))
+    for b, s in ((1, 4096), (2, 1024)):
+        assert layer_flash_bytes(qwen3, b, s, 2, 2) == layer_flash_bytes(llama, b, s, 2, 2) > 0
+
+    def backward(flash: bool) -> int:
+        spec = StepSpec("single", 1, 1, 4096, "full", device="cuda", packed=False,
+                        flash_attention=flash)  # fmt: skip
+        return estimate(qwen3, spec).phases["backward_layers"]
+
+    assert backward(True) - backward(False) > layer_flash_bytes(qwen3, 1, 4096, 2, 4) // 4
