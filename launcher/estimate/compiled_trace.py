@@ -21,7 +21,7 @@ from typing import Any
 
 from launcher.estimate.layer_fits import Fit
 from launcher.estimate.measure_cache import cache_file, write_cache
-from launcher.estimate.saved_tensors import kind_sequence, saved_point
+from launcher.estimate.saved_tensors import kind_sequence, saved_point, traced_attention
 from launcher.estimate.shape import transformers_version
 from launcher.estimate.trace_pool import on_two_cores
 from launcher.estimate.traced_activations import (
@@ -57,7 +57,7 @@ def compiled_saving(
     log.info("measuring what torch.compile's partition saves in %s's decoder layers (cached in %s)",
              hf_config["model_type"], path.parent)  # fmt: skip
     try:
-        fits = measure_compiled_saving(hf_config, seq_len, precision, attn)
+        fits = measure_compiled_saving(hf_config, seq_len, precision, traced_attention(attn))
     except Exception as err:  # dynamo or the model's code failed under fake tensors
         note = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
         log.warning("train.compile: %s's layers counted eager (%s)", hf_config["model_type"], note)

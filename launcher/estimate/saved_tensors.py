@@ -82,14 +82,28 @@ def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s, comp
 
 # The largest head size PyTorch's flash kernel takes on the GPUs oomless plans for (sm80 on)
 FLASH_MAX_HEAD_DIM = 256
+# flash-attn's kernels run on a GPU with the package only; PyTorch's SDPA saves what they save
+# for backward (queries, keys, values, the output, the log-sum-exp), so a block configured with
+# them is traced under `sdpa`, which stands in for them
+TRACED_AS = {"flash_attention_2": "sdpa", "flash_attention_3": "sdpa"}
+
+
+def traced_attention(attn_implementation: str) -> str:
+    """The attention implementation a block configured with `attn_implementation` is traced
+    under (TRACED_AS)."""
+    return TRACED_AS.get(attn_implementation, attn_implementation)
 
 
 def flash_attention_calls(hf_config, precision, attn_implementation, s) -> list[list[int]]:
-    """The attention calls of one unpacked forward in 16 bits that PyTorch's flash kernel would
-    take on a GPU: `scaled_dot_product_attention` without a mask, over queries, keys and values
-    of one head size up to FLASH_MAX_HEAD_DIM, each as [query heads, key/value heads, head
-    size], once. Sliding windows the sequence outruns, attention biases and masked layers call
+    """The attention calls of one unpacked forward in 16 bits that a flash kernel would take on
+    a GPU: under `sdpa`, PyTorch's, `scaled_dot_product_attention` without a mask, over
+    queries, keys and values of one head size up to FLASH_MAX_HEAD_DIM; under flash-attn
+    (TRACED_AS), every such call with or without a mask (its kernels take sliding windows and
+    packed documents themselves). Each as [query heads, key/value heads, head size], once.
+    Under `sdpa`, sliding windows the sequence outruns, attention biases and masked layers call
     it with a mask; sinks and soft-capping do not call it at all."""
+    any_mask = attn_implementation in TRACED_AS
+    attn_implementation = traced_attention(attn_implementation)
     import torch
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -111,11 +125,17 @@ def flash_attention_calls(hf_config, precision, attn_implementation, s) -> list[
                 q, k, v = args[:3]
                 mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
                 sizes = {q.shape[-1], k.shape[-1], v.shape[-1]}
-                if mask is None and len(sizes) == 1 and q.shape[-1] <= FLASH_MAX_HEAD_DIM:
+                unmasked = mask is None or any_mask
+                if unmasked and len(sizes) == 1 and q.shape[-1] <= FLASH_MAX_HEAD_DIM:
                     calls.add((q.shape[-3], k.shape[-3], q.shape[-1]))
             return func(*args, **kwargs)
 
-    with FakeTensorMode(allow_non_fake_inputs=True), moe_fake_kernels(), _masks_as_for_real():
+    with (
+        FakeTensorMode(allow_non_fake_inputs=True),
+        moe_fake_kernels(),
+        _masks_as_for_real(),
+        _grouped_query_kept() if any_mask else contextlib.nullcontext(),
+    ):
         model.to_empty(device="cpu")
         if hasattr(model, "tie_weights"):
             model.tie_weights()
@@ -145,6 +165,25 @@ def _masks_as_for_real():
     finally:
         for name, original in originals.items():
             setattr(masking_utils, name, original)
+
+
+@contextlib.contextmanager
+def _grouped_query_kept():
+    """transformers' SDPA path hands SDPA its key/value heads ungrouped even with a mask, as its
+    flash-attn path does with any (where SDPA's kernels take no mask, it repeats them first)."""
+    try:
+        from transformers.integrations import sdpa_attention
+    except ImportError:
+        yield
+        return
+    original = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
+    if original is not None:
+        sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        if original is not None:
+            sdpa_attention.use_gqa_in_sdpa = original
 
 
 def _layer_signature(model, layers, i: int) -> tuple:

@@ -34,6 +34,7 @@ from launcher.estimate.saved_tensors import (
     kind_sequence,
     saved_point,
     structure,
+    traced_attention,
 )
 from launcher.estimate.shape import shape_of
 from launcher.estimate.trace_pool import on_two_cores
@@ -53,25 +54,28 @@ def trace_layer_activations(
     traced steps all run at once, over two cores where there are two. A copy a structure's
     period deep stands for kinds of one structure only where those kinds saved the same bytes;
     otherwise the copy is traced again a kinds' period deep."""
+    configured, attn_implementation = attn_implementation, traced_attention(attn_implementation)
     kinds = kind_sequence(hf_config, attn_implementation)
     depth = reduced_depth(hf_config, attn_implementation, by_structure=True, kinds=kinds)
-    acts, per_kind = _measure(hf_config, kinds, depth, seq_len, precision, attn_implementation)
+    acts, per_kind = _measure(hf_config, kinds, depth, seq_len, precision, configured)
     if not _same_bytes_per_structure(per_kind):
         by_kinds = reduced_depth(hf_config, attn_implementation, kinds=kinds)
         if by_kinds != depth:  # the copy merged kinds that differ: trace one that keeps them
             log.debug("kinds of one structure saved different bytes: %d layers deep", by_kinds)
-            acts, _ = _measure(hf_config, kinds, by_kinds, seq_len, precision, attn_implementation)
+            acts, _ = _measure(hf_config, kinds, by_kinds, seq_len, precision, configured)
     return acts
 
 
-def _measure(hf_config, kinds, depth, seq_len, precision, attn_implementation):
+def _measure(hf_config, kinds, depth, seq_len, precision, configured):
     """(the saved fits with their transients, what each kind saved at each point and mode),
-    from the model cut to `depth` layers (0: the whole model)."""
+    from the model cut to `depth` layers (0: the whole model), its attention `configured` and
+    traced as `traced_attention` of it."""
     config = at_depth(hf_config, depth) if depth else hf_config
     s = even_seq_len(seq_len)
+    attn_implementation = traced_attention(configured)
     saved_jobs = _saved_jobs(config, precision, attn_implementation, s)
     keys, peak_jobs = _peak_jobs(config, precision, attn_implementation, s)
-    flash_jobs = _flash_jobs(config, precision, attn_implementation, s)
+    flash_jobs = _flash_jobs(config, precision, configured, s)
     results = _on_two_cores([*saved_jobs, *peak_jobs, *flash_jobs])
     saved = results[: len(saved_jobs)]
     acts = _saved_fits(saved, precision, seq_len, kinds)
@@ -185,7 +189,7 @@ def calibrate_transients(
     forward (no checkpointing) and backward (full checkpointing) beyond the estimate's same
     phase without them, at the three points, per mode (single for autocast and fp32, fsdp x4
     for 16-bit parameters), on the whole model or its copy `depth` layers deep."""
-    kinds = kind_sequence(hf_config, attn_implementation)
+    kinds = kind_sequence(hf_config, traced_attention(attn_implementation))
     acts, _ = _measure(hf_config, kinds, depth, seq_len, precision, attn_implementation)
     return acts
 
@@ -204,12 +208,12 @@ def _saved_jobs(hf_config, precision, attn_implementation, s) -> list[tuple]:
     ]
 
 
-def _flash_jobs(hf_config, precision, attn_implementation, s) -> list[tuple]:
-    """Where flash can attend (`sdpa` in 16 bits): one forward that records the attention calls
-    PyTorch's flash kernel takes (`flash_attention_calls`)."""
-    if precision == "fp32" or attn_implementation != "sdpa":
+def _flash_jobs(hf_config, precision, configured, s) -> list[tuple]:
+    """Where flash can attend (`sdpa` or flash-attn, in 16 bits): one forward that records the
+    attention calls a flash kernel takes (`flash_attention_calls`)."""
+    if precision == "fp32" or traced_attention(configured) != "sdpa":
         return []
-    return [("flash", hf_config, precision, attn_implementation, s)]
+    return [("flash", hf_config, precision, configured, s)]
 
 
 def _saved_fits(results: list, precision: str, seq_len: int, kinds: list[tuple]):

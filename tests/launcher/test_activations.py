@@ -239,6 +239,20 @@ def test_the_trace_finds_the_attention_calls_the_flash_kernel_takes():
     assert flash_attention_calls(softcapped, "bf16", "sdpa", 32) == []
     assert flash_attention_calls(SLIDING, "bf16", "sdpa", 32) == [[4, 2, 32]]
     assert flash_attention_calls(SLIDING, "bf16", "sdpa", 128) == []
+    # flash-attn's kernels take the sliding window themselves
+    assert flash_attention_calls(SLIDING, "bf16", "flash_attention_2", 128) == [[4, 2, 32]]
+
+
+def test_a_block_configured_with_flash_attn_is_traced_with_sdpa_standing_in():
+    """flash-attn's kernels need a GPU and the package; SDPA saves what they save, so the block
+    is measured as under `sdpa` (not bounded at twice a llama block) and flash's buffers are
+    counted for it."""
+    from launcher.estimate.traced_activations import trace_layer_activations
+
+    flash = trace_layer_activations(QWEN3, 64, "bf16", "flash_attention_2")
+    sdpa = trace_layer_activations(QWEN3, 64, "bf16", "sdpa")
+    assert flash.source == "traced" and flash.flash_calls == sdpa.flash_calls == [[8, 2, 32]]
+    assert flash.fits == sdpa.fits and flash.backward == sdpa.backward
 
 
 def test_a_traced_block_counts_flashs_backward_buffers_as_the_analytic_block_does():
