@@ -84,7 +84,7 @@ def layer_activation_bytes(shape: ModelShape, m: Micro) -> int:
     measured from the model's own code (or bounded); compiled, less what it recomputes."""
     less = recomputed_bytes(shape, m.b, m.s, m.c, m.autocast, m.frozen_base) if m.compiled else 0
     if shape.activations is not None:
-        return shape.activations.layer_bytes(mode_of(m), m.b, m.s) - less
+        return shape.activations.layer_bytes(mode_of(m), m.b, m.s, m.masked) - less
     return analytic_layer_bytes(shape, m) - less
 
 

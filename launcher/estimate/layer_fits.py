@@ -53,9 +53,12 @@ class LayerActivations:
     # the attention calls PyTorch's flash kernel takes on a GPU, unpacked in 16 bits: [query
     # heads, key/value heads, head size] (saved_tensors.flash_attention_calls)
     flash_calls: list[list[int]] = field(default_factory=list)
+    # `fits` where attention runs without a mask (one document a row, or flash-attn): grouped
+    # key/value heads are saved as they are, not repeated for SDPA's masked kernels (SDPA only)
+    unmasked: dict[str, Fit] = field(default_factory=dict)
 
-    def layer_bytes(self, mode: str, b: int, s: int) -> int:
-        return _at(self.fits, mode, b, s)
+    def layer_bytes(self, mode: str, b: int, s: int, masked: bool = True) -> int:
+        return _at(self.fits if masked or not self.unmasked else self.unmasked, mode, b, s)
 
     def shared_bytes(self, mode: str, b: int, s: int) -> int:
         return _at(self.shared, mode, b, s)
@@ -93,7 +96,7 @@ class LayerActivations:
         return cls(**{**d, **fits})
 
 
-PARTS = ("fits", "shared", "final", "backward", "forward")
+PARTS = ("fits", "shared", "final", "backward", "forward", "unmasked")
 
 
 def _at(fits: dict[str, Fit], mode: str, b: int, s: int) -> int:

@@ -27,20 +27,25 @@ def structure(kind: tuple) -> tuple:
     return (cls, modules, num_params)
 
 
-def saved_point(hf_config, mode, precision, attn_implementation, b, s, compiled=False):
-    """`_saved_per_layer` with MoE experts traceable under fake tensors (`moe_fake_kernels`)."""
+def saved_point(hf_config, mode, precision, attn_implementation, b, s, compiled=False,
+                packed=True):  # fmt: skip
+    """`_saved_per_layer` with MoE experts traceable under fake tensors (`moe_fake_kernels`);
+    `packed=False`: each row one document, its mask decided as for the real input (none for
+    causal attention: SDPA takes grouped key/value heads as they are instead of repeated)."""
     from launcher.estimate.trace import moe_fake_kernels
 
-    with moe_fake_kernels():
-        return _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s, compiled)
+    masks = contextlib.nullcontext() if packed else _masks_as_for_real()
+    with moe_fake_kernels(), masks:
+        return _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s, compiled,
+                                packed)  # fmt: skip
 
 
-def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s, compiled=False):
+def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s, compiled, packed):
     """(kind of layer -> bytes one layer of that kind saves for backward, bytes of the inputs all
     layers share that they save, bytes saved after the last layer until the logits) for a
-    forward; `compiled`: the counted layers' forward torch.compiled with inductor's partition
-    (`aot_eager_decomp_partition`: its decompositions and min-cut partitioner, no kernels),
-    as `train.compile` runs them."""
+    forward of packed windows, or of one document a row; `compiled`: the counted layers'
+    forward torch.compiled with inductor's partition (`aot_eager_decomp_partition`: its
+    decompositions and min-cut partitioner, no kernels), as `train.compile` runs them."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -71,9 +76,10 @@ def _saved_per_layer(hf_config, mode, precision, attn_implementation, b, s, comp
         hooks = [_SavedBytes(layers[i], i, counted, shared) for i in kinds.values()]
         final = _SavedAfter(model, layers[-1])
         batch = packed_batch(hf_config["vocab_size"], b, s)
+        positions = batch["position_ids"] if packed else torch.arange(s).repeat(b, 1)
         try:
             with compute(), torch.enable_grad():
-                model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+                model(input_ids=batch["input_ids"], position_ids=positions)
         finally:
             for hook in [*hooks, final]:
                 hook.remove()

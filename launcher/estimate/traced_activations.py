@@ -74,14 +74,20 @@ def _measure(hf_config, kinds, depth, seq_len, precision, configured):
     s = even_seq_len(seq_len)
     attn_implementation = traced_attention(configured)
     saved_jobs = _saved_jobs(config, precision, attn_implementation, s)
+    # without a mask (SDPA on one document a row, flash-attn): grouped key/value heads kept
+    unmasked_jobs = _saved_jobs(config, precision, attn_implementation, s, packed=False)
+    unmasked_jobs = unmasked_jobs if attn_implementation == "sdpa" else []
     keys, peak_jobs = _peak_jobs(config, precision, attn_implementation, s)
     flash_jobs = _flash_jobs(config, precision, configured, s)
-    results = _on_two_cores([*saved_jobs, *peak_jobs, *flash_jobs])
-    saved = results[: len(saved_jobs)]
+    results = iter(_on_two_cores([*saved_jobs, *unmasked_jobs, *peak_jobs, *flash_jobs]))
+    saved, unmasked, peak_results, flash = (
+        [next(results) for _ in jobs] for jobs in (saved_jobs, unmasked_jobs, peak_jobs, flash_jobs)
+    )
     acts = _saved_fits(saved, precision, seq_len, kinds)
-    peaks = _peaks(keys, results[len(saved_jobs) : len(saved_jobs) + len(peak_jobs)])
-    flash = results[len(saved_jobs) + len(peak_jobs) :]
+    if unmasked:
+        acts = replace(acts, unmasked=_saved_fits(unmasked, precision, seq_len, kinds).fits)
     acts = replace(acts, flash_calls=flash[0] if flash else [])
+    peaks = _peaks(keys, peak_results)
     return _with_transients(acts, config, precision, peaks), [r[0] for r in saved]
 
 
@@ -199,10 +205,11 @@ def even_seq_len(seq_len: int) -> int:
     return max(2, seq_len - seq_len % 2)
 
 
-def _saved_jobs(hf_config, precision, attn_implementation, s) -> list[tuple]:
-    """One forward per mode and point, counting what each layer saves (`saved_point`)."""
+def _saved_jobs(hf_config, precision, attn_implementation, s, packed=True) -> list[tuple]:
+    """One forward per mode and point, counting what each layer saves (`saved_point`), of
+    packed windows or of one document a row."""
     return [
-        ("saved", hf_config, mode, precision, attn_implementation, b, seq)
+        ("saved", hf_config, mode, precision, attn_implementation, b, seq, False, packed)
         for mode in MODES[precision]
         for b, seq in points(s)
     ]

@@ -255,7 +255,12 @@ def test_a_block_configured_with_flash_attn_is_traced_with_sdpa_standing_in():
     assert flash.fits == sdpa.fits and flash.backward == sdpa.backward
 
 
-def test_a_traced_block_counts_flashs_backward_buffers_as_the_analytic_block_does():
+@pytest.fixture(scope="module")
+def qwen3_acts():
+    return calibrate_transients(QWEN3, 64, "bf16")
+
+
+def test_a_traced_block_counts_flashs_backward_buffers_as_the_analytic_block_does(qwen3_acts):
     """FlashAttention-2's backward buffers (checked on an H200 for the analytic block:
     test_estimate.py) are counted for a traced block whose attention calls the flash kernel,
     sized by its trace's call: the same bytes as the llama block of the same attention, and
@@ -266,7 +271,7 @@ def test_a_traced_block_counts_flashs_backward_buffers_as_the_analytic_block_doe
     from launcher.estimate.peak import estimate
     from trainer.core.step_spec import StepSpec
 
-    acts = calibrate_transients(QWEN3, 64, "bf16")
+    acts = qwen3_acts
     assert acts.flash_calls == [[8, 2, 32]]
     qwen3 = replace(shape_of(json.dumps(QWEN3, sort_keys=True)), activations=acts)
     same_attention = {**LLAMA, "hidden_size": 256, "num_attention_heads": 8}  # head size 32
@@ -280,3 +285,30 @@ def test_a_traced_block_counts_flashs_backward_buffers_as_the_analytic_block_doe
         return estimate(qwen3, spec).phases["backward_layers"]
 
     assert backward(True) - backward(False) > layer_flash_bytes(qwen3, 1, 4096, 2, 4) // 4
+
+
+def test_without_a_mask_a_traced_block_saves_its_grouped_key_value_heads_as_they_are(qwen3_acts):
+    """Packed windows give SDPA a mask: transformers repeats grouped key/value heads for it and
+    SDPA keeps a 16-bit copy of the mask per layer (a term in s squared). One document a row
+    (or flash-attn) has neither: the block is traced that way too, and the estimate of an
+    unpacked job reads those fits."""
+    from dataclasses import replace
+
+    from launcher.estimate.peak import estimate
+    from trainer.core.step_spec import StepSpec
+
+    repeated = 2 * (8 - 2) * 32 * 2  # keys and values of 6 more heads, 16-bit, per token
+    for mode, packed in qwen3_acts.fits.items():
+        one_document = qwen3_acts.unmasked[mode]
+        assert one_document.per_token_sq == 0 < packed.per_token_sq, mode
+        assert packed.per_token - one_document.per_token == repeated, mode
+    shape = replace(shape_of(json.dumps(QWEN3, sort_keys=True)), activations=qwen3_acts)
+
+    def activations(packed: bool) -> int:
+        spec = StepSpec("single", 1, 1, 1024, "none", packed=packed)
+        return estimate(shape, spec).device_breakdown["activations"]
+
+    per_layer = qwen3_acts.layer_bytes("autocast", 1, 1024) - qwen3_acts.layer_bytes(
+        "autocast", 1, 1024, masked=False
+    )
+    assert activations(True) - activations(False) >= QWEN3["num_hidden_layers"] * per_layer > 0
