@@ -71,6 +71,7 @@ class Row:
     job: dict[str, Any]
     cannot: str | None = None
     note: str | None = None
+    out_of_band: str | None = None  # why an expressible row is out of band (docs/memory.md)
 
     @property
     def published_bytes(self) -> int:
@@ -142,6 +143,7 @@ def load_rows(path: Path = ROWS_FILE) -> list[Row]:
                 job=job,
                 cannot=r.get("cannot"),
                 note=r.get("note"),
+                out_of_band=r.get("out_of_band"),
             )
         )
     return rows
@@ -234,7 +236,8 @@ def render(results: list[Result]) -> str:
             got, ratio, within = "—", "—", f"cannot: {row.cannot}"
         else:
             got = f"{r.oomless_bytes / GIB:.2f} GiB"
-            ratio, within = f"{r.ratio:.2f}", "yes" if r.within else "no"
+            ratio = f"{r.ratio:.2f}"
+            within = "yes" if r.within else f"no: {row.out_of_band}" if row.out_of_band else "no"
         lines.append(
             f"| {row.id} | {row.source['name']} | {model} | {_job_words(row)} | {row.kind} | "
             f"{published} | {got} | {ratio} | {within} |"
@@ -268,6 +271,7 @@ def to_json(results: list[Result]) -> dict[str, Any]:
             "job": row.job,
             "cannot": row.cannot,
             "note": row.note,
+            "out_of_band": row.out_of_band,
         }
         if r.estimate is not None:
             entry |= {

@@ -262,6 +262,10 @@ def test_published_bench_prints_its_table_and_holds_the_documented_count(capsys,
             assert f"cannot: {row['cannot']}" in next(p for p in printed if row["id"] in p)
         else:
             assert row["oomless_bytes"] > 0 and row["ratio"] > 0, row["id"]
+            # every expressible row out of band says why, and only those do: a row a change
+            # brings into band must drop its reason
+            assert (row["out_of_band"] is None) == row["within_band"], row["id"]
+            assert row["within_band"] or len(row["out_of_band"]) > 20, row["id"]
     within = [r["id"] for r in rows if r.get("within_band")]
     assert summary["within_band"] == len(within) >= PUBLISHED_WITHIN_BAND
     assert printed[-1].startswith(f"{len(within)} of {summary['expressible']} expressible rows")
