@@ -228,6 +228,11 @@ SLIDING = {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 
            "layer_types": ["sliding_attention"] * 2}  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def qwen3_acts():
+    return calibrate_transients(QWEN3, 64, "bf16")
+
+
 def test_the_trace_finds_the_attention_calls_the_flash_kernel_takes():
     """An unpacked 16-bit forward, as on a GPU: grouped-query SDPA without a mask is flash's
     (query heads, key/value heads, head size); soft-capped attention (gemma2, eager) and a
@@ -243,21 +248,16 @@ def test_the_trace_finds_the_attention_calls_the_flash_kernel_takes():
     assert flash_attention_calls(SLIDING, "bf16", "flash_attention_2", 128) == [[4, 2, 32]]
 
 
-def test_a_block_configured_with_flash_attn_is_traced_with_sdpa_standing_in():
+def test_a_block_configured_with_flash_attn_is_traced_with_sdpa_standing_in(qwen3_acts):
     """flash-attn's kernels need a GPU and the package; SDPA saves what they save, so the block
     is measured as under `sdpa` (not bounded at twice a llama block) and flash's buffers are
     counted for it."""
     from launcher.estimate.traced_activations import trace_layer_activations
 
     flash = trace_layer_activations(QWEN3, 64, "bf16", "flash_attention_2")
-    sdpa = trace_layer_activations(QWEN3, 64, "bf16", "sdpa")
+    sdpa = qwen3_acts  # the 2-layer model is traced whole either way
     assert flash.source == "traced" and flash.flash_calls == sdpa.flash_calls == [[8, 2, 32]]
     assert flash.fits == sdpa.fits and flash.backward == sdpa.backward
-
-
-@pytest.fixture(scope="module")
-def qwen3_acts():
-    return calibrate_transients(QWEN3, 64, "bf16")
 
 
 def test_a_traced_block_counts_flashs_backward_buffers_as_the_analytic_block_does(qwen3_acts):
