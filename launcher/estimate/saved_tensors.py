@@ -108,8 +108,6 @@ def flash_attention_calls(hf_config, precision, attn_implementation, s) -> list[
     packed documents themselves). Each as [query heads, key/value heads, head size], once.
     Under `sdpa`, sliding windows the sequence outruns, attention biases and masked layers call
     it with a mask; sinks and soft-capping do not call it at all."""
-    any_mask = attn_implementation in TRACED_AS
-    attn_implementation = traced_attention(attn_implementation)
     import torch
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -119,6 +117,8 @@ def flash_attention_calls(hf_config, precision, attn_implementation, s) -> list[
     from trainer.backends.common import COMPUTE_DTYPES
     from trainer.model.build import HFModelFactory
 
+    any_mask = attn_implementation in TRACED_AS
+    attn_implementation = traced_attention(attn_implementation)
     model_cfg = ModelConfig(config=dict(hf_config), attn_implementation=attn_implementation)
     model = HFModelFactory(model_cfg, seed=0).build("meta")
     model.to(COMPUTE_DTYPES[precision])
@@ -150,7 +150,6 @@ def flash_attention_calls(hf_config, precision, attn_implementation, s) -> list[
     return [list(call) for call in sorted(calls)]
 
 
-@contextlib.contextmanager
 def _masks_as_for_real():
     """transformers' mask builders decide as for the real, unpadded and unpacked input: they
     build a mask whenever an input is a fake tensor, whose values they cannot read (to find
@@ -159,37 +158,33 @@ def _masks_as_for_real():
     from transformers import masking_utils
     from transformers.utils import import_utils
 
-    patches = {
-        "is_tracing": lambda tensor=None: import_utils.is_tracing(),
-        "find_packed_sequence_indices": lambda position_ids: None,  # one document
-    }
-    originals = {n: getattr(masking_utils, n) for n in patches if hasattr(masking_utils, n)}
+    return _patched(
+        masking_utils,
+        is_tracing=lambda tensor=None: import_utils.is_tracing(),
+        find_packed_sequence_indices=lambda position_ids: None,  # one document
+    )
+
+
+def _grouped_query_kept():
+    """transformers' SDPA path hands SDPA its key/value heads ungrouped even with a mask, as its
+    flash-attn path does with any (where SDPA's kernels take no mask, it repeats them first)."""
+    from transformers.integrations import sdpa_attention
+
+    return _patched(sdpa_attention, use_gqa_in_sdpa=lambda *args, **kwargs: True)
+
+
+@contextlib.contextmanager
+def _patched(module, **replacements):
+    """`module`'s attributes replaced while the context runs, those it has (transformers'
+    names differ between versions)."""
+    originals = {n: getattr(module, n) for n in replacements if hasattr(module, n)}
     for name in originals:
-        setattr(masking_utils, name, patches[name])
+        setattr(module, name, replacements[name])
     try:
         yield
     finally:
         for name, original in originals.items():
-            setattr(masking_utils, name, original)
-
-
-@contextlib.contextmanager
-def _grouped_query_kept():
-    """transformers' SDPA path hands SDPA its key/value heads ungrouped even with a mask, as its
-    flash-attn path does with any (where SDPA's kernels take no mask, it repeats them first)."""
-    try:
-        from transformers.integrations import sdpa_attention
-    except ImportError:
-        yield
-        return
-    original = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
-    if original is not None:
-        sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: True
-    try:
-        yield
-    finally:
-        if original is not None:
-            sdpa_attention.use_gqa_in_sdpa = original
+            setattr(module, name, original)
 
 
 def _layer_signature(model, layers, i: int) -> tuple:

@@ -75,8 +75,11 @@ def _measure(hf_config, kinds, depth, seq_len, precision, configured):
     attn_implementation = traced_attention(configured)
     saved_jobs = _saved_jobs(config, precision, attn_implementation, s)
     # without a mask (SDPA on one document a row, flash-attn): grouped key/value heads kept
-    unmasked_jobs = _saved_jobs(config, precision, attn_implementation, s, packed=False)
-    unmasked_jobs = unmasked_jobs if attn_implementation == "sdpa" else []
+    unmasked_jobs = (
+        _saved_jobs(config, precision, attn_implementation, s, packed=False)
+        if attn_implementation == "sdpa"
+        else []
+    )
     keys, peak_jobs = _peak_jobs(config, precision, attn_implementation, s)
     flash_jobs = _flash_jobs(config, precision, configured, s)
     results = iter(_on_two_cores([*saved_jobs, *unmasked_jobs, *peak_jobs, *flash_jobs]))
