@@ -10,7 +10,7 @@ the CLI on a shape no preset ships and no cache holds (the 70B config with 79 la
 start is the CLI on a block type the analytic model does not know (a 1.0B gpt_neox: 16 layers,
 hidden 2048, seq 4096, bf16) with an empty cache: its activations are measured by tracing
 (launcher/estimate/activations.py), on a copy of 3 layers. With `--moe` (the default) it
-also plans bench/cold_plan's gpt-oss-20b and Qwen3-235B-A22B shapes cold, once each (~16 s).
+also plans bench/cold_plan's shapes cold, once each (DeepSeek-V3, traced whole, ~100 s).
 """
 
 from __future__ import annotations
@@ -85,12 +85,12 @@ def traced_cold_cli_seconds(repeats: int) -> list[float]:
     return _empty_cache_seconds(job, repeats)
 
 
-COLD_PLANS = Path("bench/cold_plan")  # MoE shapes no preset ships: #34's 10 s target
+COLD_PLANS = Path("bench/cold_plan")  # shapes no preset ships: docs/planner.md's table
 
 
 def moe_cold_cli_seconds() -> dict[str, float]:
-    """Per config under bench/cold_plan (gpt-oss-20b, Qwen3-235B-A22B): one cold CLI plan, in
-    its own hardware, with an empty cache."""
+    """Per config under bench/cold_plan (gpt-oss-20b, Qwen3-235B-A22B, gemma-3-27b, DeepSeek-V3):
+    one cold CLI plan, on its own hardware, with an empty cache."""
     out = {}
     for path in sorted(COLD_PLANS.glob("*.yaml")):
         job = yaml.safe_load(path.read_text())
@@ -149,7 +149,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=50, help="in-process make_plan calls")
     p.add_argument("--traced-repeats", type=int, default=1, help="traced cold CLI runs")
     p.add_argument("--moe", action=argparse.BooleanOptionalAction, default=True,
-                   help="cold plans of bench/cold_plan's MoE shapes (~16 s)")  # fmt: skip
+                   help="cold plans of bench/cold_plan's shapes (~2 min)")  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     cli, plan = cli_seconds(args.repeats)

@@ -31,7 +31,7 @@ from trainer.core.hf_config import hf_config_dict
 
 log = logging.getLogger(__name__)
 
-ACTIVATIONS_CACHE_VERSION = 6  # bump when what is measured or how it is fitted changes
+ACTIVATIONS_CACHE_VERSION = 7  # bump when what is measured or how it is fitted changes
 
 
 def analytic(model_type: str) -> bool:

@@ -26,17 +26,17 @@ from launcher.estimate.shape import transformers_version
 from launcher.estimate.trace_pool import on_two_cores
 from launcher.estimate.traced_activations import (
     MODES,
-    at_depth,
+    at_layers,
+    copy_layers,
     even_seq_len,
     points,
-    reduced_depth,
 )
 from trainer.core.config import ModelConfig
 from trainer.core.hf_config import hf_config_dict
 
 log = logging.getLogger(__name__)
 
-COMPILED_CACHE_VERSION = 1  # bump when what is measured or how it is fitted changes
+COMPILED_CACHE_VERSION = 2  # bump when what is measured or how it is fitted changes
 
 
 def compiled_saving(
@@ -71,8 +71,8 @@ def measure_compiled_saving(
 ) -> dict[str, Fit]:
     """The fits of the module doc, per mode of `precision`."""
     kinds = kind_sequence(hf_config, attn_implementation)
-    depth = reduced_depth(hf_config, attn_implementation, kinds=kinds)
-    config = at_depth(hf_config, depth) if depth else hf_config
+    layers = copy_layers(hf_config, attn_implementation, kinds)
+    config = at_layers(hf_config, layers) if layers is not None else hf_config
     s = even_seq_len(seq_len)
     jobs = [
         (config, mode, precision, attn_implementation, b, seq, compiled)

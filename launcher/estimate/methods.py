@@ -147,6 +147,7 @@ class MethodSizes:
     # of `frozen`, what ZeRO-3 does not partition: QLoRA's quantisation states (absmax, code
     # tables), which stay whole on each parameter of every rank
     unpartitioned: int = 0
+    frozen_top: int = 0  # frozen bytes of the largest block (what a sharded rung gathers)
 
 
 def method_sizes(shape: Any, ft: Finetune, c: int, p: int = 4) -> MethodSizes:
@@ -159,18 +160,17 @@ def method_sizes(shape: Any, ft: Finetune, c: int, p: int = 4) -> MethodSizes:
                            adam_state_bytes(tensors, ft.optimizer, p), 0)  # fmt: skip
     adapters = adapter_tensors(shape, ft)
     optimizer = adam_state_bytes(layers * adapters, ft.optimizer, p)
-    frozen_layer = c * shape.num_layer_params
+    frozen_layer, frozen_top = c * shape.num_layer_params, c * shape.top_layer_params
     dequant = states = 0
     if ft.method == "qlora":
         linears = [a * b for a, b in layer_linears(shape).values()]
-        frozen_layer = sum(nf4_bytes(n) for n in linears) + c * (
-            shape.num_layer_params - sum(linears)
-        )
+        quantised = sum(nf4_bytes(n) for n in linears) - c * sum(linears)
+        frozen_layer, frozen_top = frozen_layer + quantised, frozen_top + quantised
         dequant = c * max(linears)
         states = layers * sum(nf4_bytes(n) - packed_nf4_bytes(n) for n in linears)
     frozen = layers * frozen_layer + c * shape.num_root_params
     return MethodSizes(frozen, frozen_layer, layers * sum(adapters), sum(adapters), optimizer,
-                       dequant, states)  # fmt: skip
+                       dequant, states, frozen_top)  # fmt: skip
 
 
 # Where each linear reads its input: 0 the first norm's output (attention projections), 1 the

@@ -172,7 +172,8 @@ class Sizes:
     n: int  # all parameters
     w: int  # ranks
     c: int  # compute dtype bytes
-    layer_n: int
+    layer_n: int  # a decoder layer, the layers' mean
+    top_n: int  # the largest decoder layer (gathered, its gradients made, at the peak)
     root_n: int
     head_n: int  # lm_head (or the tied embedding) + final norm
     lm_head_n: int  # lm_head alone
@@ -190,6 +191,7 @@ class Sizes:
             w=w,
             c=c,
             layer_n=shape.num_layer_params,
+            top_n=shape.top_layer_params,
             root_n=shape.num_root_params,
             head_n=shape.num_head_params + shape.hidden_size,
             lm_head_n=shape.num_head_params,
@@ -217,7 +219,7 @@ def _replicated_states(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: b
     first = GradFlow(
         held=0,
         per_layer=p * z.layer_n,
-        in_layer=p * z.layer_n,
+        in_layer=p * z.top_n,
         head=p * z.head_n,
         root_at_embedding=p * z.head_n + p * untied_embed + 2 * p * z.tied_embed,
     )
@@ -249,20 +251,20 @@ def _fsdp_states(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool):
         per_layer=on_device["grads"] and p * layer_n // w,
         head=c * z.head_n,
         root_at_embedding=root_unsharded,
-        in_layer=c * layer_n,  # its 16-bit unsharded grads, before the reduce-scatter
+        in_layer=c * z.top_n,  # its 16-bit unsharded grads, before the reduce-scatter
         released_per_layer=p * layer_n if z.accumulating else 0,
         reduce_root=reduce_scatter_bytes(root_n, c, w, p),
-        pending_reduce=p * layer_n,
+        pending_reduce=p * z.top_n,
     )
     no_sync = GradFlow(  # unsharded fp32 gradient accumulation on every rank
         per_layer=p * layer_n,
-        in_layer=p * layer_n,
+        in_layer=p * z.top_n,
         head=p * z.head_n,
         root_at_embedding=p * root_n + root_unsharded,
     )
     # the gathered layer: unsharded params + the all-gather output; the root (embeddings,
     # norm, lm_head) stays unsharded through forward and backward
-    return _fsdp_model_states(on_device, on_host, sync, no_sync, z, fsdp_every, 2 * c * layer_n)
+    return _fsdp_model_states(on_device, on_host, sync, no_sync, z, fsdp_every, 2 * c * z.top_n)
 
 
 def _zero_states(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool):
@@ -279,12 +281,12 @@ def _zero_states(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool):
     )
     on_device = {k: dev[k] for k in ("params", "grads", "optimizer")}
     if row.needs_nvme:  # states on NVMe; the host keeps swap buffers
-        host = {"nvme_buffers": 2 * 16 * z.layer_n}
+        host = {"nvme_buffers": 2 * 16 * z.top_n}
     # a layer's fp32 grads live until DeepSpeed's hooks copy them into the bucket
-    flow = GradFlow(in_layer=4 * z.layer_n, root_at_embedding=4 * z.embed_n)
+    flow = GradFlow(in_layer=4 * z.top_n, root_at_embedding=4 * z.embed_n)
     gather_layer = gather_root = 0
     if row.zero_stage == 3:  # the gathered fp32 layer and the prefetched one; root matrices
-        gather_layer = 4 * z.layer_n + min(z.bucket, 4 * z.layer_n)
+        gather_layer = 4 * z.top_n + min(z.bucket, 4 * z.top_n)
         gather_root = 4 * shape.num_head_params
     return ModelStates(
         on_device,
@@ -411,7 +413,7 @@ def _fsdp_adapters(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool,
         pending_reduce=reduce_scatter_bytes(a_layer, c, w, p),
     )
     no_sync = GradFlow(per_layer=p * a_layer, in_layer=p * a_layer)
-    gather_layer = 2 * (s.frozen_layer + c * a_layer)
+    gather_layer = 2 * (s.frozen_top + c * a_layer)
     return _fsdp_model_states(on_device, on_host, sync, no_sync, z, fsdp_every, gather_layer)
 
 
@@ -442,12 +444,12 @@ def _zero_adapters(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool,
     else:
         host["params"] = host.get("params", 0) + frozen
     if row.needs_nvme:
-        host = {"nvme_buffers": 2 * 16 * a_layer + 2 * s.frozen_layer}
+        host = {"nvme_buffers": 2 * 16 * a_layer + 2 * s.frozen_top}
     bucket = 4 * min(DEEPSPEED_BUCKET_ELEMENTS, a)
     flow = GradFlow(in_layer=4 * a_layer)
     gather_layer = gather_root = 0
     if row.zero_stage == 3:  # the gathered layer and the prefetched one; the output layer
-        layer = s.frozen_layer - s.unpartitioned // shape.num_layers + 4 * a_layer
+        layer = s.frozen_top - s.unpartitioned // shape.num_layers + 4 * a_layer
         gather_layer = layer + min(bucket, layer)
         gather_root = z.c * shape.num_head_params
     return ModelStates(

@@ -19,14 +19,6 @@ def kind_sequence(hf_config: dict[str, Any], attn_implementation: str) -> list[t
     return _kind_of_each_layer(model, decoder_layers(model))
 
 
-def structure(kind: tuple) -> tuple:
-    """A kind of layer less its attention type: what its modules and parameters are. Sliding and
-    full attention layers of one structure run the same operations on the same shapes (the
-    masks that tell them apart are inputs all layers share)."""
-    cls, _, modules, num_params = kind
-    return (cls, modules, num_params)
-
-
 def saved_point(hf_config, mode, precision, attn_implementation, b, s, compiled=False,
                 packed=True):  # fmt: skip
     """`_saved_per_layer` with MoE experts traceable under fake tensors (`moe_fake_kernels`);

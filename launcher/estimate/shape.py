@@ -25,7 +25,7 @@ from trainer.core.config import ModelConfig
 from trainer.core.hf_config import PRESETS, hf_config_dict, model_positions, preset_index
 
 log = logging.getLogger(__name__)
-SHAPE_CACHE_VERSION = 1  # bump when what a shape holds or how it is counted changes
+SHAPE_CACHE_VERSION = 2  # bump when what a shape holds or how it is counted changes
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class ModelShape:
     vocab_size: int
     tied_embeddings: bool
     max_positions: int
-    num_layer_params: int  # one decoder layer
+    num_layer_params: int  # a decoder layer: the layers' parameters over their number
     num_root_params: int  # embeddings, final norm, lm_head (not in any layer)
     # Mixture of experts: experts per MoE layer, how many each token is routed to, and the
     # parameters one token's forward uses (every dense one, top-k of each layer's experts);
@@ -55,6 +55,9 @@ class ModelShape:
     # under train.compile, what one compiled layer saves less per compute mode, measured for
     # blocks without a closed form (launcher/estimate/compiled_trace.py); attached likewise
     compiled_saving: dict[str, Fit] | None = None
+    # the largest decoder layer where layers differ in size (DeepSeek's dense layers below its
+    # MoE ones, Llama 4's alternating ones); 0 where every layer has num_layer_params
+    largest_layer_params: int = 0
 
     @property
     def num_embedding_params(self) -> int:
@@ -72,6 +75,12 @@ class ModelShape:
         return max(
             self.vocab_size * h, self.intermediate_size * h, self.num_heads * self.head_dim * h
         )
+
+    @property
+    def top_layer_params(self) -> int:
+        """The largest decoder layer: what a sharded rung gathers, and what one layer's
+        backward makes gradients for, at the step's peak."""
+        return self.largest_layer_params or self.num_layer_params
 
     @property
     def num_compute_params(self) -> int:
@@ -120,12 +129,12 @@ def _unscaled_shape(config: dict[str, Any], cache_dir: Path | None, shipped: boo
 
 
 def shape_record(shape: ModelShape) -> dict[str, Any]:
-    """The shape as cached and shipped: without attached measurements, and the MoE fields only
-    for MoE models (dense shapes read as before they existed)."""
+    """The shape as cached and shipped: without attached measurements, and the MoE fields and
+    the largest layer only where they apply (other shapes read as before they existed)."""
     record = asdict(shape)
     record.pop("activations")
     record.pop("compiled_saving")
-    for key in ("num_experts", "experts_per_token", "num_active_params"):
+    for key in ("num_experts", "experts_per_token", "num_active_params", "largest_layer_params"):
         if not record[key]:
             record.pop(key)
     return record
@@ -181,7 +190,9 @@ def shape_of(config_json: str) -> ModelShape:
 
     layers = decoder_layers(model)
     num_params = sum(p.numel() for p in model.parameters())
-    num_layer_params = sum(p.numel() for p in layers[0].parameters())
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    in_layers = {id(p): p.numel() for layer in layers for p in layer.parameters()}  # shared once
+    num_layer_params = sum(in_layers.values()) // len(layers)
     hidden = config.hidden_size
     heads = config.num_attention_heads
     text = getattr(config, "get_text_config", lambda: config)()
@@ -204,6 +215,7 @@ def shape_of(config_json: str) -> ModelShape:
         num_experts=num_experts if top_k else 0,
         experts_per_token=top_k,
         num_active_params=active,
+        largest_layer_params=max(per_layer) if max(per_layer) != num_layer_params else 0,
     )
 
 

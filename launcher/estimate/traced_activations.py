@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -33,7 +34,6 @@ from launcher.estimate.saved_tensors import (
     flash_attention_calls,
     kind_sequence,
     saved_point,
-    structure,
     traced_attention,
 )
 from launcher.estimate.shape import shape_of
@@ -49,28 +49,29 @@ def trace_layer_activations(
     hf_config: dict[str, Any], seq_len: int, precision: str, attn_implementation: str = "sdpa"
 ) -> LayerActivations:
     """Measure one layer of each kind in every compute mode of `precision` (see the module doc):
-    what it saves, then its transients against traced steps, on a copy of the model cut to
-    `reduced_depth` layers where that is exact. The forwards that count saved tensors and the
-    traced steps all run at once, over two cores where there are two. A copy a structure's
-    period deep stands for kinds of one structure only where those kinds saved the same bytes;
-    otherwise the copy is traced again a kinds' period deep."""
+    what it saves, then its transients against traced steps, on a copy of the model that keeps
+    a few of its layers where that is exact. The forwards that count saved tensors and the
+    traced steps all run at once, over two cores where there are two. Kinds of layer of one
+    size are traced on the copy `copy_layers` keeps, which holds each kind once, where they
+    saved the same bytes; otherwise on a copy a period of kinds deep (`period_layers`)."""
     configured, attn_implementation = attn_implementation, traced_attention(attn_implementation)
     kinds = kind_sequence(hf_config, attn_implementation)
-    depth = reduced_depth(hf_config, attn_implementation, by_structure=True, kinds=kinds)
-    acts, per_kind = _measure(hf_config, kinds, depth, seq_len, precision, configured)
-    if not _same_bytes_per_structure(per_kind):
-        by_kinds = reduced_depth(hf_config, attn_implementation, kinds=kinds)
-        if by_kinds != depth:  # the copy merged kinds that differ: trace one that keeps them
-            log.debug("kinds of one structure saved different bytes: %d layers deep", by_kinds)
-            acts, _ = _measure(hf_config, kinds, by_kinds, seq_len, precision, configured)
-    return acts
+    if _one_size(kinds) and (layers := copy_layers(hf_config, attn_implementation, kinds)):
+        acts, per_kind = _measure(hf_config, kinds, layers, seq_len, precision, configured)
+        if all(len(set(point.values())) == 1 for point in per_kind):
+            return acts
+        log.debug("kinds of one size saved different bytes: traced a period of kinds deep")
+    layers = period_layers(hf_config, attn_implementation, kinds)
+    return _measure(hf_config, kinds, layers, seq_len, precision, configured)[0]
 
 
-def _measure(hf_config, kinds, depth, seq_len, precision, configured):
+def _measure(hf_config, kinds, layers, seq_len, precision, configured):
     """(the saved fits with their transients, what each kind saved at each point and mode),
-    from the model cut to `depth` layers (0: the whole model), its attention `configured` and
-    traced as `traced_attention` of it."""
-    config = at_depth(hf_config, depth) if depth else hf_config
+    from the copy of the model that keeps `layers` (None: the whole model), its attention
+    `configured` and traced as `traced_attention` of it. Each kind's bytes are its first
+    layer's in the copy, weighted by the model's `kinds` (the copy keeps their shares, or they
+    saved the same bytes), the transients the copy's traced peaks less its estimate."""
+    config = at_layers(hf_config, layers) if layers is not None else hf_config
     s = even_seq_len(seq_len)
     attn_implementation = traced_attention(configured)
     saved_jobs = _saved_jobs(config, precision, attn_implementation, s)
@@ -90,33 +91,25 @@ def _measure(hf_config, kinds, depth, seq_len, precision, configured):
     if unmasked:
         acts = replace(acts, unmasked=_saved_fits(unmasked, precision, seq_len, kinds).fits)
     acts = replace(acts, flash_calls=flash[0] if flash else [])
-    peaks = _peaks(keys, peak_results)
-    return _with_transients(acts, config, precision, peaks), [r[0] for r in saved]
+    transients = _transients(acts, config, precision, _peaks(keys, peak_results))
+    return replace(acts, **transients), [r[0] for r in saved]
 
 
-def _same_bytes_per_structure(per_kind: list[dict[tuple, int]]) -> bool:
-    """Whether every kind of layer saved what the other kinds of its structure saved."""
-    for point in per_kind:
-        by_structure: dict[tuple, set[int]] = {}
-        for kind, saved in point.items():
-            by_structure.setdefault(structure(kind), set()).add(saved)
-        if any(len(values) > 1 for values in by_structure.values()):
-            return False
-    return True
-
-
-# The depth of the copy traced instead of a deep model with one kind of layer. What a layer saves
-# does not depend on the depth, and nor do its transients (the traced step's largest layer peak
-# less the estimate's same phase for the same depth) from 3 layers on, but for the allocator's
-# rounding of a layer's small tensors: 24 B to 8 KB a layer in bench.models_trace's nine types
-# (copies of 3, 4 and 8 layers), 0.03 MiB for gpt-oss-20b's shape, 0 for Qwen3-235B-A22B's.
-# 2 layers is a special case under FSDP: its backward transient is 6 KB there against 336 KB
-# from 3 layers on (gpt_neox hidden 128, seq 256). Kinds that repeat with a period p (gpt-oss's
-# sliding and full attention: p = 2) take a copy p times as deep, so every kind keeps its share
-# and its bottom, second and top layers; kinds of one structure (sliding and full attention over
-# the same modules) count as one where they save the same bytes.
+# The copy traced instead of a deep model. What a layer saves does not depend on the depth, and
+# nor do its transients (the traced step's largest layer peak less the estimate's same phase for
+# the same copy) from 3 layers on, but for the allocator's rounding of a layer's small tensors:
+# 24 B to 8 KB a layer in bench.models_trace's nine types (copies of 3, 4 and 8 layers), 0.03 MiB
+# for gpt-oss-20b's shape, 0 for Qwen3-235B-A22B's. 2 layers is a special case under FSDP: its
+# backward transient is 6 KB there against 336 KB from 3 layers on (gpt_neox hidden 128, seq
+# 256). Kinds of layer of one size that save the same bytes (sliding and full attention over the
+# same modules: gpt-oss, gemma3's one full layer in six) are copied with the first layer of each
+# kind and the top layer, where the model's shares of kinds do not matter. Kinds that differ
+# (Qwen3-Next's linear and full attention, dense and MoE layers) take a copy whole periods deep,
+# which keeps their shares: the estimate adds one transient to a mean layer, and a copy with
+# other shares would fit it to another mean (-9% to -18% of the traced peak for a 12-layer
+# Qwen3-Next copied with one layer of each kind, -0.2% to -0.7% whole).
 REDUCED_DEPTH = 3
-MAX_PERIOD = 4  # a longer pattern of kinds traces the whole model
+MAX_PERIOD = 4  # a longer pattern of kinds of different sizes traces the whole model
 _DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
@@ -130,51 +123,81 @@ def _depth_key(hf_config: dict[str, Any]) -> str:
     return next((k for k in (mapped, *_DEPTH_KEYS) if k in hf_config), mapped)
 
 
-def at_depth(hf_config: dict[str, Any], depth: int) -> dict[str, Any]:
-    """A copy of the config with `depth` layers, per-layer lists (`layer_types`, any list as
-    long as the model is deep) cut to their first `depth` entries."""
-    layers = shape_of(json.dumps(hf_config, sort_keys=True)).num_layers
+def at_layers(hf_config: dict[str, Any], layers: Sequence[int]) -> dict[str, Any]:
+    """A copy of the config that keeps `layers` of the model (indices, bottom to top): per-layer
+    lists (`layer_types`, any list as long as the model is deep) keep those layers' entries."""
+    depth = shape_of(json.dumps(hf_config, sort_keys=True)).num_layers
     out = {
-        k: v[:depth] if isinstance(v, list) and len(v) == layers else v
+        k: [v[i] for i in layers] if isinstance(v, list) and len(v) == depth else v
         for k, v in hf_config.items()
     }
-    out[_depth_key(hf_config)] = depth
+    out[_depth_key(hf_config)] = len(layers)
     return out
 
 
-def reduced_depth(
-    hf_config: dict[str, Any],
-    attn_implementation: str,
-    by_structure: bool = False,
-    kinds: list[tuple] | None = None,
-) -> int:
-    """The depth of the copy traced for this model: `REDUCED_DEPTH` times the period of its
-    kinds of layer (of their structures, `by_structure`, where the copy holds every kind),
-    where the model is deeper, its depth is whole periods and the copy builds with exactly the
-    first layers of the model; 0 to trace the whole model (a kind pattern that does not repeat,
-    such as DeepSeek's first dense layers, could take another share in a cut copy)."""
+def at_depth(hf_config: dict[str, Any], depth: int) -> dict[str, Any]:
+    """A copy of the config with its first `depth` layers."""
+    return at_layers(hf_config, range(depth))
+
+
+def copy_layers(
+    hf_config: dict[str, Any], attn_implementation: str, kinds: list[tuple] | None = None
+) -> list[int] | None:
+    """The layers of the model its traced copy keeps, or None to trace the whole model: at least
+    REDUCED_DEPTH, every kind of layer, the top layer's kind on top. The shortest of the first
+    layers that does (a kind that does not repeat, such as DeepSeek's first dense layers, keeps
+    its place), or the first layer of each kind, the top layer and the first others up to
+    REDUCED_DEPTH (gemma3's one full-attention layer in six); whichever is shorter and builds
+    with exactly those layers' kinds (a key other than a per-layer list, such as
+    `first_k_dense_replace`, keeps the first layers only)."""
     kinds = kinds or kind_sequence(hf_config, attn_implementation)
-    layers = len(kinds)
-    period = _period(kinds)
-    if by_structure and period is not None:
-        period = _period([structure(k) for k in kinds])
-        if set(kinds[: REDUCED_DEPTH * period]) != set(kinds):
-            period = _period(kinds)
-    if period is None or layers % period or layers <= REDUCED_DEPTH * period:
-        return 0
-    depth = REDUCED_DEPTH * period
-    try:
-        cut = kind_sequence(at_depth(hf_config, depth), attn_implementation)
-    except Exception as err:  # a config whose copy does not build: trace the whole model
-        log.debug("no %d-layer copy of %s: %s", depth, hf_config["model_type"], err)
-        return 0
-    return depth if cut == kinds[:depth] else 0
+    depth = len(kinds)
+    prefix = next(
+        (
+            list(range(d))
+            for d in range(REDUCED_DEPTH, depth)
+            if set(kinds[:d]) == set(kinds) and kinds[d - 1] == kinds[-1]
+        ),
+        None,
+    )
+    picked = {kinds.index(kind) for kind in set(kinds)} | {depth - 1}
+    picked |= set(sorted(set(range(depth)) - picked)[: max(0, REDUCED_DEPTH - len(picked))])
+    candidates = [c for c in (prefix, sorted(picked)) if c is not None and len(c) < depth]
+    for layers in sorted(candidates, key=len):  # the first layers where as short
+        if _builds(hf_config, attn_implementation, kinds, layers):
+            return layers
+    return None
 
 
-def _period(kinds: list[tuple]) -> int | None:
-    """The shortest period, up to MAX_PERIOD, with which `kinds` repeat from the first layer."""
+def period_layers(
+    hf_config: dict[str, Any], attn_implementation: str, kinds: list[tuple]
+) -> list[int] | None:
+    """The first REDUCED_DEPTH periods of layers where the kinds repeat with a period of up to
+    MAX_PERIOD from the first layer, the model is whole periods deep and the copy builds with
+    exactly those layers' kinds, so that every kind keeps its share; None (the whole model)
+    otherwise (DeepSeek's first dense layers, a longer pattern)."""
+    depth = len(kinds)
     periods = range(1, MAX_PERIOD + 1)
-    return next((p for p in periods if all(k == kinds[i % p] for i, k in enumerate(kinds))), None)
+    period = next((p for p in periods if all(k == kinds[i % p] for i, k in enumerate(kinds))), 0)
+    if not period or depth % period or depth <= REDUCED_DEPTH * period:
+        return None
+    layers = list(range(REDUCED_DEPTH * period))
+    return layers if _builds(hf_config, attn_implementation, kinds, layers) else None
+
+
+def _builds(hf_config, attn_implementation, kinds, layers) -> bool:
+    """Whether the copy of the model that keeps `layers` builds with exactly their kinds."""
+    try:
+        copy = kind_sequence(at_layers(hf_config, layers), attn_implementation)
+    except Exception as err:  # a config whose copy does not build: trace the whole model
+        log.debug("no copy of %s's layers %s: %s", hf_config["model_type"], layers, err)
+        return False
+    return copy == [kinds[i] for i in layers]
+
+
+def _one_size(kinds: list[tuple]) -> bool:
+    """Whether every kind of layer has as many parameters (a kind's last field)."""
+    return len({kind[-1] for kind in kinds}) == 1
 
 
 def saved_activations(
@@ -191,16 +214,16 @@ def calibrate_transients(
     seq_len: int,
     precision: str,
     attn_implementation: str = "sdpa",
-    depth: int = 0,
+    layers: Sequence[int] | None = None,
 ) -> LayerActivations:
     """The saved fits with each layer's forward and backward transients: what the traced step
     (the engine's step under fake tensors, launcher/estimate/trace.py) peaks at in a layer's
     forward (no checkpointing) and backward (full checkpointing) beyond the estimate's same
     phase without them, at the three points, per mode (single for autocast and fp32, fsdp x4
-    for 16-bit parameters), on the whole model or its copy `depth` layers deep."""
+    for 16-bit parameters), on the whole model or its copy that keeps `layers`."""
     kinds = kind_sequence(hf_config, traced_attention(attn_implementation))
-    acts, _ = _measure(hf_config, kinds, depth, seq_len, precision, attn_implementation)
-    return acts
+    layers = None if layers is None else list(layers)
+    return _measure(hf_config, kinds, layers, seq_len, precision, attn_implementation)[0]
 
 
 def even_seq_len(seq_len: int) -> int:
@@ -242,15 +265,15 @@ def _saved_fits(results: list, precision: str, seq_len: int, kinds: list[tuple])
                             shared=parts["shared"], final=parts["final"])  # fmt: skip
 
 
-def _with_transients(
+def _transients(
     acts: LayerActivations,
     hf_config: dict[str, Any],
     precision: str,
     peaks: dict[tuple[str, str], list[dict[int, int]]],
-) -> LayerActivations:
-    """`acts` with the transients fitted from the layer peaks traced on `hf_config` (the whole
-    model or its copy): the largest layer peak less the estimate of the same phase for the same
-    depth, without transients, at each point."""
+) -> dict[str, dict[str, Fit]]:
+    """The backward and forward transients fitted from the layer peaks traced on `hf_config`
+    (the whole model or its copy): the largest layer peak less the estimate of the same phase
+    for the same layers with the saved fits `acts`, without transients, at each point."""
     s = even_seq_len(acts.seq_len)
     shape = replace(shape_of(json.dumps(hf_config, sort_keys=True)), activations=acts)
     fits: dict[str, dict[str, Fit]] = {"backward": {}, "forward": {}}
@@ -263,7 +286,7 @@ def _with_transients(
             for peak, (b, seq) in zip(at_points, points(s), strict=True)
         ]
         fits[part][mode] = Fit.through(*transients, s)
-    return replace(acts, backward=fits["backward"], forward=fits["forward"])
+    return fits
 
 
 # (strategy, world size) the transients are traced on: single, or fsdp x4 for 16-bit weights

@@ -71,3 +71,30 @@ def test_an_unknown_hub_id_says_what_would_work(tmp_path):
     with pytest.raises(ConfigError) as e:
         model_shape(ModelConfig(name_or_path="someone/unknown-model"), cache_dir=tmp_path)
     assert "model.name_or_path" in str(e.value) and "meta-llama/Llama-3.1-8B" in str(e.value)
+
+
+def test_layers_of_different_sizes_count_as_their_mean_with_the_largest_kept(tmp_path):
+    """DeepSeek-V3's first dense layers below its MoE ones: a layer counts as the layers' mean,
+    so that the root (never sharded per layer, gathered whole by FSDP) is the embeddings, the
+    final norm and the head alone, and the largest layer is what a sharded rung gathers. (The
+    first layer counted as every layer made DeepSeek-V3's root 634B of its 671B parameters.)"""
+    import torch
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from trainer.model.build import decoder_layers
+
+    config = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 128,
+              "moe_intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "n_routed_experts": 16, "num_experts_per_tok": 2,
+              "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16,
+              "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+              "v_head_dim": 16, "vocab_size": 256}  # fmt: skip
+    shape = model_shape(ModelConfig(config=config), cache_dir=tmp_path, shipped=False)
+    assert shape.num_root_params == 2 * 256 * 64 + 64  # embeddings, head, final norm
+    assert shape.num_layers * shape.num_layer_params + shape.num_root_params == shape.num_params
+    params = {k: v for k, v in config.items() if k != "model_type"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(DeepseekV3Config(**params))
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
+    assert sizes[0] < sizes[1] == shape.top_layer_params  # a dense layer, then MoE ones
+    assert model_shape(ModelConfig(config=config), cache_dir=tmp_path) == shape  # cached as is
