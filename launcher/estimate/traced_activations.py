@@ -49,28 +49,35 @@ def trace_layer_activations(
     hf_config: dict[str, Any], seq_len: int, precision: str, attn_implementation: str = "sdpa"
 ) -> LayerActivations:
     """Measure one layer of each kind in every compute mode of `precision` (see the module doc):
-    what it saves, then its transients against traced steps, on a copy of the model that keeps
+    what it saves, then its transients against traced steps, on copies of the model that keep
     a few of its layers where that is exact. The forwards that count saved tensors and the
     traced steps all run at once, over two cores where there are two. Kinds of layer of one
-    size are traced on the copy `copy_layers` keeps, which holds each kind once, where they
-    saved the same bytes; otherwise on a copy a period of kinds deep (`period_layers`)."""
+    size that save the same bytes are traced on the copy `copy_layers` keeps (each kind once,
+    the top layer on top); kinds that differ count their saved tensors there and trace their
+    steps on a copy of each kind alone (`kind_layers`), else on a copy whole periods of kinds
+    deep (`period_layers`) or the whole model."""
     configured, attn_implementation = attn_implementation, traced_attention(attn_implementation)
     kinds = kind_sequence(hf_config, attn_implementation)
-    if _one_size(kinds) and (layers := copy_layers(hf_config, attn_implementation, kinds)):
+    layers = copy_layers(hf_config, attn_implementation, kinds)
+    if layers is not None and _one_size(kinds):
         acts, per_kind = _measure(hf_config, kinds, layers, seq_len, precision, configured)
         if all(len(set(point.values())) == 1 for point in per_kind):
             return acts
-        log.debug("kinds of one size saved different bytes: traced a period of kinds deep")
-    layers = period_layers(hf_config, attn_implementation, kinds)
-    return _measure(hf_config, kinds, layers, seq_len, precision, configured)[0]
+        log.debug("kinds of one size saved different bytes: each kind traced alone")
+    alone = kind_layers(hf_config, attn_implementation, kinds) if layers is not None else None
+    if alone is None:
+        layers, alone = period_layers(hf_config, attn_implementation, kinds), None
+    return _measure(hf_config, kinds, layers, seq_len, precision, configured, alone)[0]
 
 
-def _measure(hf_config, kinds, layers, seq_len, precision, configured):
+def _measure(hf_config, kinds, layers, seq_len, precision, configured, alone=None):
     """(the saved fits with their transients, what each kind saved at each point and mode),
     from the copy of the model that keeps `layers` (None: the whole model), its attention
     `configured` and traced as `traced_attention` of it. Each kind's bytes are its first
     layer's in the copy, weighted by the model's `kinds` (the copy keeps their shares, or they
-    saved the same bytes), the transients the copy's traced peaks less its estimate."""
+    saved the same bytes), the transients the copy's traced peaks less its estimate; with
+    `alone` (kind -> the layers of a copy of that kind alone), each kind's own transients
+    from its copy, combined as `_combined` says."""
     config = at_layers(hf_config, layers) if layers is not None else hf_config
     s = even_seq_len(seq_len)
     attn_implementation = traced_attention(configured)
@@ -81,7 +88,11 @@ def _measure(hf_config, kinds, layers, seq_len, precision, configured):
         if attn_implementation == "sdpa"
         else []
     )
-    keys, peak_jobs = _peak_jobs(config, precision, attn_implementation, s)
+    steps = {None: config} if alone is None else {
+        kind: at_layers(hf_config, kept) for kind, kept in alone.items()
+    }  # fmt: skip
+    keyed = {kind: _peak_jobs(c, precision, attn_implementation, s) for kind, c in steps.items()}
+    peak_jobs = [job for _, jobs in keyed.values() for job in jobs]
     flash_jobs = _flash_jobs(config, precision, configured, s)
     results = iter(_on_two_cores([*saved_jobs, *unmasked_jobs, *peak_jobs, *flash_jobs]))
     saved, unmasked, peak_results, flash = (
@@ -91,11 +102,35 @@ def _measure(hf_config, kinds, layers, seq_len, precision, configured):
     if unmasked:
         acts = replace(acts, unmasked=_saved_fits(unmasked, precision, seq_len, kinds).fits)
     acts = replace(acts, flash_calls=flash[0] if flash else [])
-    transients = _transients(acts, config, precision, _peaks(keys, peak_results))
+    peaks = iter(peak_results)
+    own = {}
+    for kind, (keys, jobs) in keyed.items():
+        mine = _saved_fits(saved, precision, seq_len, kinds if kind is None else [kind])
+        traced = _peaks(keys, [next(peaks) for _ in jobs])
+        own[kind] = (mine, _transients(mine, steps[kind], precision, traced))
+    transients = own[None][1] if alone is None else _combined(acts, own)
     return replace(acts, **transients), [r[0] for r in saved]
 
 
-# The copy traced instead of a deep model. What a layer saves does not depend on the depth, and
+def _combined(acts: LayerActivations, own: dict) -> dict[str, dict[str, Fit]]:
+    """The transients of the estimate's mean layer (`acts`) from each kind's own (kind -> its
+    saved fits and transients, each traced on a copy of that kind alone): room for the kind
+    whose saved bytes and transient together are the largest, less the mean layer's saved
+    bytes, at each point. The layers below the top one hold what the mean layer says."""
+    s = even_seq_len(acts.seq_len)
+    out: dict[str, dict[str, Fit]] = {"backward": {}, "forward": {}}
+    for part, fits in out.items():
+        for mode, mean in acts.fits.items():
+            at = [
+                max(m.fits[mode].bytes(b, q) + t[part][mode].bytes(b, q) for m, t in own.values())
+                - mean.bytes(b, q)
+                for b, q in points(s)
+            ]
+            fits[mode] = Fit.through(*at, s)
+    return out
+
+
+# The copies traced instead of a deep model. What a layer saves does not depend on the depth, and
 # nor do its transients (the traced step's largest layer peak less the estimate's same phase for
 # the same copy) from 3 layers on, but for the allocator's rounding of a layer's small tensors:
 # 24 B to 8 KB a layer in bench.models_trace's nine types (copies of 3, 4 and 8 layers), 0.03 MiB
@@ -103,13 +138,14 @@ def _measure(hf_config, kinds, layers, seq_len, precision, configured):
 # backward transient is 6 KB there against 336 KB from 3 layers on (gpt_neox hidden 128, seq
 # 256). Kinds of layer of one size that save the same bytes (sliding and full attention over the
 # same modules: gpt-oss, gemma3's one full layer in six) are copied with the first layer of each
-# kind and the top layer, where the model's shares of kinds do not matter. Kinds that differ
-# (Qwen3-Next's linear and full attention, dense and MoE layers) take a copy whole periods deep,
-# which keeps their shares: the estimate adds one transient to a mean layer, and a copy with
-# other shares would fit it to another mean (-9% to -18% of the traced peak for a 12-layer
-# Qwen3-Next copied with one layer of each kind, -0.2% to -0.7% whole).
+# kind and the top layer: the model's shares of kinds do not matter there. Kinds that differ
+# (Qwen3-Next's linear and full attention, dense and MoE layers) would fit the estimate's one
+# transient over a mean layer to that copy's mean (-9% to -18% of the traced peak for a 12-layer
+# Qwen3-Next under full checkpointing): each is traced alone instead, and the mean layer's
+# transient makes room for the largest (`_combined`; -0.6% to +3.6% there, the whole model's own
+# trace -0.7% to +3.5%).
 REDUCED_DEPTH = 3
-MAX_PERIOD = 4  # a longer pattern of kinds of different sizes traces the whole model
+MAX_PERIOD = 4  # kinds that differ, repeat and cannot be copied alone: a copy 3p deep
 _DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
@@ -124,15 +160,25 @@ def _depth_key(hf_config: dict[str, Any]) -> str:
 
 
 def at_layers(hf_config: dict[str, Any], layers: Sequence[int]) -> dict[str, Any]:
-    """A copy of the config that keeps `layers` of the model (indices, bottom to top): per-layer
-    lists (`layer_types`, any list as long as the model is deep) keep those layers' entries."""
+    """A copy of the config that keeps `layers` of the model (indices, bottom to top; one may
+    repeat): per-layer lists (`layer_types`, any list as long as the model is deep) keep those
+    layers' entries, lists of layer indices (`mlp_only_layers`, `moe_layers`) and
+    `first_k_dense_replace` (the first k layers dense) are renumbered to the kept ones."""
     depth = shape_of(json.dumps(hf_config, sort_keys=True)).num_layers
     out = {
         k: [v[i] for i in layers] if isinstance(v, list) and len(v) == depth else v
         for k, v in hf_config.items()
     }
+    for key in _INDEX_LISTS:
+        if isinstance(out.get(key), list) and len(out[key]) != depth:
+            out[key] = [j for j, i in enumerate(layers) if i in set(hf_config[key])]
+    if isinstance(out.get("first_k_dense_replace"), int):
+        out["first_k_dense_replace"] = sum(i < hf_config["first_k_dense_replace"] for i in layers)
     out[_depth_key(hf_config)] = len(layers)
     return out
+
+
+_INDEX_LISTS = ("mlp_only_layers", "moe_layers")  # layer indices, not one entry per layer
 
 
 def at_depth(hf_config: dict[str, Any], depth: int) -> dict[str, Any]:
@@ -183,6 +229,22 @@ def period_layers(
         return None
     layers = list(range(REDUCED_DEPTH * period))
     return layers if _builds(hf_config, attn_implementation, kinds, layers) else None
+
+
+def kind_layers(
+    hf_config: dict[str, Any], attn_implementation: str, kinds: list[tuple]
+) -> dict[tuple, list[int]] | None:
+    """For each kind of layer, REDUCED_DEPTH layers of that kind alone (its last ones, one
+    repeated where the model has fewer), whose copy builds with exactly that kind; None where
+    one does not (a kind decided by a key `at_layers` cannot renumber)."""
+    out = {}
+    for kind in dict.fromkeys(kinds):
+        mine = [i for i, k in enumerate(kinds) if k == kind]
+        layers = sorted((mine * REDUCED_DEPTH)[-REDUCED_DEPTH:])
+        if not _builds(hf_config, attn_implementation, kinds, layers):
+            return None
+        out[kind] = layers
+    return out
 
 
 def _builds(hf_config, attn_implementation, kinds, layers) -> bool:
