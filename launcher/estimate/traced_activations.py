@@ -181,11 +181,6 @@ def at_layers(hf_config: dict[str, Any], layers: Sequence[int]) -> dict[str, Any
 _INDEX_LISTS = ("mlp_only_layers", "moe_layers")  # layer indices, not one entry per layer
 
 
-def at_depth(hf_config: dict[str, Any], depth: int) -> dict[str, Any]:
-    """A copy of the config with its first `depth` layers."""
-    return at_layers(hf_config, range(depth))
-
-
 def copy_layers(
     hf_config: dict[str, Any], attn_implementation: str, kinds: list[tuple] | None = None
 ) -> list[int] | None:

@@ -15,7 +15,6 @@ from launcher.estimate.shape import shape_of
 from launcher.estimate.traced_activations import (
     _on_two_cores,
     _one_size,
-    at_depth,
     at_layers,
     calibrate_transients,
     copy_layers,
@@ -242,7 +241,8 @@ def test_kinds_of_different_sizes_are_traced_each_on_a_copy_of_its_own():
 def test_the_traces_split_over_two_processes_give_the_numbers_of_one_after_the_other():
     """The calibration's traces run half in a forked child where there is a second core (CI
     has two): each result must land at its job's place, as when traced one after the other."""
-    jobs = [(at_depth({**NEOX, "num_hidden_layers": 6}, d), mode, part, b, 32, "bf16", "sdpa")
+    deep = {**NEOX, "num_hidden_layers": 6}
+    jobs = [(at_layers(deep, range(d)), mode, part, b, 32, "bf16", "sdpa")
             for d in (3, 4) for mode in ("autocast", "lowp") for b in (1, 2)
             for part in ("backward", "forward")]  # fmt: skip
     serial = [layer_phase_peaks(*job) for job in jobs]
@@ -255,7 +255,7 @@ def test_a_child_that_does_not_answer_in_time_has_its_traces_run_again_here(monk
     traces runs in the planner's own process, with the same numbers."""
     import launcher.estimate.trace_pool as pool
 
-    jobs = [(at_depth({**NEOX, "num_hidden_layers": 6}, 3), "autocast", part, b, 32, "bf16",
+    jobs = [(at_layers({**NEOX, "num_hidden_layers": 6}, range(3)), "autocast", part, b, 32, "bf16",
              "sdpa") for b in (1, 2) for part in ("backward", "forward")]  # fmt: skip
     serial = [layer_phase_peaks(*job) for job in jobs]
     monkeypatch.setattr(pool, "CHILD_TIMEOUT_S", 0)
@@ -264,11 +264,12 @@ def test_a_child_that_does_not_answer_in_time_has_its_traces_run_again_here(monk
 
 def test_the_cut_copies_keep_the_config_classes_spelling_of_depth_and_per_layer_lists():
     gpt2 = {"model_type": "gpt2", "n_layer": 6, "n_embd": 32, "n_head": 4, "vocab_size": 45}
-    assert at_depth(gpt2, 3)["n_layer"] == 3 and "num_hidden_layers" not in at_depth(gpt2, 3)
+    assert at_layers(gpt2, [0, 1, 2])["n_layer"] == 3
+    assert "num_hidden_layers" not in at_layers(gpt2, [0, 1, 2])
     assert copy_layers(gpt2, "sdpa") == [0, 1, 2]
     qwen3 = {**NEOX, "model_type": "qwen3", "num_hidden_layers": 6, "num_key_value_heads": 2,
              "layer_types": ["full_attention"] * 6}  # fmt: skip
-    assert at_depth(qwen3, 4)["layer_types"] == ["full_attention"] * 4
+    assert at_layers(qwen3, range(4))["layer_types"] == ["full_attention"] * 4
     assert copy_layers(qwen3, "sdpa") == [0, 1, 2]
     # sliding and global layers alternating: two kinds with a period of 2
     mixed = {**qwen3, "sliding_window": 16, "use_sliding_window": True, "max_window_layers": 3,
