@@ -44,7 +44,9 @@ def test_gpu_validate_cpu_smoke_prints_the_table_and_writes_out(tmp_path):
     else:
         assert estimate[1] == "missing" and "not found" in estimate[3]
     for name, label in PARTS.items():
-        assert rows[label][1] == "ok", table
+        log = out / f"{name}.log"
+        tail = log.read_text()[-3000:] if log.exists() else "(no log)"
+        assert rows[label][1] == "ok", f"{name}: {rows[label][1]}; its log ends:\n{tail}"
         assert (out / f"{name}.json").exists() and (out / f"{name}.log").exists()
 
     single = json.loads((out / "single.json").read_text())

@@ -66,3 +66,20 @@ def test_the_locks_are_looked_for_where_torch_builds_the_ops(tmp_path, monkeypat
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     wait_for_build_locks(max_age_s=60, progress_s=1)
     assert not stale.exists()
+
+
+def test_a_rung_waits_only_for_the_builds_of_ops_it_loads(tmp_path):
+    """async_io builds last (tests/prebuild_ops.py) and only zero3_nvme loads it: its live lock
+    held every other DeepSpeed rung for the whole build, past a 300 s part limit in CI."""
+    from threading import Thread
+
+    building = tmp_path / "async_io" / "lock"
+    building.parent.mkdir()
+    building.touch()
+    start = time.monotonic()
+    wait_for_build_locks(tmp_path, max_age_s=600, progress_s=0.5, skip=("async_io",))
+    assert time.monotonic() - start < 1 and building.exists()
+
+    Thread(target=lambda: (time.sleep(1), building.unlink()), daemon=True).start()
+    wait_for_build_locks(tmp_path, max_age_s=600, progress_s=0.5)  # zero3_nvme's wait
+    assert 0.5 <= time.monotonic() - start < 30

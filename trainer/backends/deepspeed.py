@@ -25,7 +25,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -62,7 +62,8 @@ class DeepSpeedBackend:
         import deepspeed
 
         ctx = self.ctx
-        wait_for_build_locks()
+        # async_io is built last and only zero3_nvme loads it: no other rung waits for its build
+        wait_for_build_locks(skip=() if self.rung.needs_nvme else ("async_io",))
         if self.rung.needs_nvme:
             _require_async_io()
         if ctx.cfg.train.compile and ctx.rank == 0:
@@ -399,8 +400,10 @@ STALE_BUILD_LOCK_S = 900  # far longer than DeepSpeed's op builds take (1-5 minu
 BUILD_LOCK_PROGRESS_S = 30
 
 
-def _build_locks(root: Path) -> list[Path]:
-    return [*root.glob("*/lock"), *root.glob("*/*/lock")]
+def _build_locks(root: Path, skip: Collection[str] = ()) -> list[Path]:
+    """Each op's build lock, `root/<op>/lock` (or `root/py311_cpu/<op>/lock`), but `skip`'s."""
+    locks = [*root.glob("*/lock"), *root.glob("*/*/lock")]
+    return [lock for lock in locks if lock.parent.name not in skip]
 
 
 def _age_s(path: Path) -> float | None:
@@ -443,8 +446,10 @@ def wait_for_build_locks(
     root: Path | None = None,
     max_age_s: float = STALE_BUILD_LOCK_S,
     progress_s: float = BUILD_LOCK_PROGRESS_S,
+    skip: Collection[str] = (),
 ) -> None:
     """Wait, saying so, while a younger build lock exists; remove it once it is `max_age_s` old.
+    `skip` names ops (their build dirs) not waited on: ones this process will not load.
 
     A young lock is a build running in another process, or one a Ctrl-C cut off a moment ago:
     which one cannot be told from the file. So wait with a progress line that names the lock and
@@ -454,7 +459,7 @@ def wait_for_build_locks(
     clear_stale_build_locks(root, max_age_s)
     start = time.monotonic()
     next_note_s = min(5.0, progress_s)  # a build that is about to end needs no line
-    while locks := [lock for lock in _build_locks(root) if lock.exists()]:
+    while locks := [lock for lock in _build_locks(root, skip) if lock.exists()]:
         waited_s = time.monotonic() - start
         if waited_s >= next_note_s:
             ages = [a for a in map(_age_s, locks) if a is not None]
