@@ -66,7 +66,7 @@ def trace_layer_activations(
         log.debug("kinds of one size saved different bytes: each kind traced alone")
     alone = kind_layers(hf_config, attn_implementation, kinds) if layers is not None else None
     if alone is None:
-        layers, alone = period_layers(hf_config, attn_implementation, kinds), None
+        layers = period_layers(hf_config, attn_implementation, kinds)
     return _measure(hf_config, kinds, layers, seq_len, precision, configured, alone)[0]
 
 
@@ -171,7 +171,8 @@ def at_layers(hf_config: dict[str, Any], layers: Sequence[int]) -> dict[str, Any
     }
     for key in _INDEX_LISTS:
         if isinstance(out.get(key), list) and len(out[key]) != depth:
-            out[key] = [j for j, i in enumerate(layers) if i in set(hf_config[key])]
+            listed = set(hf_config[key])
+            out[key] = [j for j, i in enumerate(layers) if i in listed]
     if isinstance(out.get("first_k_dense_replace"), int):
         out["first_k_dense_replace"] = sum(i < hf_config["first_k_dense_replace"] for i in layers)
     out[_depth_key(hf_config)] = len(layers)
