@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 
-import psutil
 import pytest
 
-from tests.conftest import oomless
+from tests.conftest import live_children, oomless
 from tests.test_cli_train import DEMO, metrics
 
 pytestmark = pytest.mark.slow
@@ -29,7 +28,7 @@ COMMON = [
 
 
 def test_persistent_oom_climbs_the_ladder_and_learns_the_same(tmp_path):
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = {p.pid for p in live_children()}
     run_dir, ref_dir = tmp_path / "escalated", tmp_path / "reference"
     r = oomless(
         "train",
@@ -67,7 +66,7 @@ def test_persistent_oom_climbs_the_ladder_and_learns_the_same(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     reference = metrics(ref_dir)
     assert abs(lines[-1]["loss"] - reference[-1]["loss"]) <= 1e-4 * reference[-1]["loss"]
-    left = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    left = {p.pid for p in live_children()} - before
     assert not left, f"processes left behind: {left}"
 
 

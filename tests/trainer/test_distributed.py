@@ -17,13 +17,13 @@ import json
 import shutil
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from tests.conftest import (
     PYTHON,
     REPO,
+    live_children,
     python_env,
     run_bounded,
     train_in_one_process,
@@ -99,7 +99,7 @@ def runs(tmp_path_factory) -> Path:
     (work / "pairs.jsonl").write_text("".join(pairs))  # dist_runs.py DPO: one global batch
     one_process = [run for run in RUNS if run.world_size == 1]
     _single_runs(base, work, [run for run in one_process if run.copy_from is None])
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = {p.pid for p in live_children()}
     skip = [] if async_io_builds() else NVME_RUNS
     r = run_bounded(
         [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -108,7 +108,7 @@ def runs(tmp_path_factory) -> Path:
         env=python_env(), cwd=REPO, timeout=1200,
     )  # fmt: skip
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
-    left = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    left = {p.pid for p in live_children()} - before
     assert not left, f"processes left behind: {left}"
     resumed = [run for run in one_process if run.copy_from is not None]
     for run in resumed:  # checkpoints of two-process runs resumed on one process

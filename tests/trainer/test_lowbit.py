@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from tests.conftest import (
     PYTHON,
     REPO,
+    live_children,
     oomless,
     python_env,
     run_bounded,
@@ -108,7 +108,7 @@ def runs(tmp_path_factory) -> Path:
             _single(base, work / "single_bf16_pure_8bit", *ODD_8BIT, "precision=bf16_pure"),
         ]
     )
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = {p.pid for p in live_children()}
     r = run_bounded(
         [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(REPO / "tests" / "trainer" / "lowbit_worker.py"), str(base), str(work)],
@@ -116,7 +116,7 @@ def runs(tmp_path_factory) -> Path:
     )  # fmt: skip
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     (work / "launch.log").write_text(r.stderr)
-    assert not {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not {p.pid for p in live_children()} - before
     assert all((work / name / "metrics.jsonl").is_file() for name in RUNS)
     # the two ranks' 8-bit shards gathered onto one process
     resume, resume_odd = (
