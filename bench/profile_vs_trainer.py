@@ -26,8 +26,9 @@ import torch
 
 from bench.common import make_batches, resolve_device
 from bench.engine_vs_plain import HFTrainerStepper, OomlessSingle, PlainLoop
+from trainer.core.contract import trace_path
 from trainer.observe.phases import MARKER
-from trainer.observe.profile import ProfileWindow, trace_path
+from trainer.observe.profile import ProfileWindow
 
 _STEP = "oomless: optimizer step "
 

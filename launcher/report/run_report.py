@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.core.config import ConfigError
-from trainer.core.contract import METRICS_FILE, PLAN_FILE
+from trainer.core.contract import METRICS_FILE, PLAN_FILE, trace_path
 from trainer.core.files import read_json_object, read_jsonl, umask_mode, write_atomic
 from trainer.core.units import GIB
 
@@ -43,8 +43,6 @@ def report_command(run_dir: str) -> int:
     if plan_path.is_file():
         plan = read_json_object(plan_path)
         written += _drawn(lambda: plot_memory(plan, records, root / "memory.png"), plan_path)
-    from trainer.observe.profile import trace_path
-
     if trace_path(root, 0).is_file():  # a run with debug.profile
         from launcher.report.timeline import plot_memory_timeline
 

@@ -20,11 +20,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.core.contract import CONFIG_FILE
+from trainer.core.contract import CONFIG_FILE, trace_path
 from trainer.core.files import umask_mode, write_atomic
 from trainer.core.units import MIB
 from trainer.observe.phases import MARKER, OPTIMIZER
-from trainer.observe.profile import trace_path
 
 log = logging.getLogger(__name__)
 

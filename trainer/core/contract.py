@@ -5,6 +5,8 @@ Torch-free: the launcher, the engine and the tests all read these names from her
 
 from __future__ import annotations
 
+from pathlib import Path
+
 # Exit codes
 EXIT_OK = 0
 EXIT_USAGE = 2  # invalid config, data or usage: one line on stderr
@@ -39,3 +41,8 @@ TORCHRUN_LOG = "torchrun.log"  # torchrun's own lines and failure reports, kept 
 HANG_DIR = "hang"
 HANG_REPORT_FILE = "report.json"
 PROFILE_DIR = "profile"  # debug.profile: rank{N}.trace.json, rank{N}.memory_snapshot.pickle
+
+
+def trace_path(run_dir: Path, rank: int) -> Path:
+    """debug.profile's Chrome trace of one rank in a run directory."""
+    return run_dir / PROFILE_DIR / f"rank{rank}.trace.json"

@@ -20,15 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.core.contract import PROFILE_DIR
+from trainer.core.contract import trace_path
 from trainer.core.files import umask_mode, write_by_name
 from trainer.observe.phases import STEP, mark_in_profile, phase_markers
 
 log = logging.getLogger(__name__)
-
-
-def trace_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / PROFILE_DIR / f"rank{rank}.trace.json"
 
 
 class ProfileWindow:
