@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -57,8 +58,20 @@ def on_two_cores(
 def _run_into(jobs: list[tuple], run: Callable[[tuple], Any], send: Any) -> None:
     """The forked child's half: its results, or its exception (then the parent runs them)."""
     try:
+        _one_thread()
         send.send([run(job) for job in jobs])
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which retries
         send.send(repr(err))
     finally:
         send.close()
+
+
+def _one_thread() -> None:
+    """torch on one thread in the forked child: libgomp is not fork-safe, so where the parent
+    ran an OpenMP parallel region before the fork (a real op on a large tensor: a traced step's
+    batch, a QLoRA base), the child's first parallel region waits for ever on the parent's team,
+    which the fork did not copy. On one thread torch runs no parallel region; the traces are
+    Python on one core anyway."""
+    torch = sys.modules.get("torch")
+    if torch is not None:  # else the parent started no team
+        torch.set_num_threads(1)

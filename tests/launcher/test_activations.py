@@ -4,9 +4,11 @@ when their code cannot be traced, and trained as configured when nothing can be 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
+import torch
 
 from launcher.cli import main
 from launcher.estimate.analytic_activations import Micro, analytic_layer_bytes
@@ -260,6 +262,31 @@ def test_a_child_that_does_not_answer_in_time_has_its_traces_run_again_here(monk
     serial = [layer_phase_peaks(*job) for job in jobs]
     monkeypatch.setattr(pool, "CHILD_TIMEOUT_S", 0)
     assert _on_two_cores(jobs) == serial
+
+
+def test_a_child_forked_after_the_parent_computed_in_parallel_answers(monkeypatch):
+    """libgomp is not fork-safe: where the planner's process had run an OpenMP parallel region
+    (a real op on a large tensor) before it forked, a child that computed in parallel waited for
+    ever on the parent's team, and its half ran again here after the timeout. The child now
+    computes on one thread, and answers."""
+    import launcher.estimate.trace_pool as pool
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: the traces run one after the other, no child is forked")
+    monkeypatch.setattr(pool, "CHILD_TIMEOUT_S", 60)
+
+    def job(_: int) -> int:
+        torch.rand(2048, 2048).max(dim=1)  # a parallel region on two threads
+        return os.getpid()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        job(0)  # the parent's OpenMP team
+        pids = pool.on_two_cores([1, 2, 3, 4], job, lambda _: 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert set(pids) - {os.getpid()}, "the child did not answer: every job ran here"
 
 
 def test_the_cut_copies_keep_the_config_classes_spelling_of_depth_and_per_layer_lists():
