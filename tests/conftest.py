@@ -3,6 +3,7 @@ subprocesses; and the session's last check: no process a test started is still a
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import hashlib
 import json
@@ -111,6 +112,22 @@ def oomless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return run_bounded(
         [PYTHON, "-m", "launcher.cli", *args], timeout=timeout, env=python_env(), cwd=REPO
     )
+
+
+def oomless_two_at_a_time(
+    jobs: dict[str, list[str]], timeout: float = 300
+) -> dict[str, subprocess.CompletedProcess]:
+    """`oomless ARGS` for each job, two processes at a time, each on one intra-op thread: for
+    runs of one CPU rank whose processes are under test. Two such runs share the two cores
+    without waiting on each other; runs of two ranks would, at every collective."""
+    env = {**python_env(), "OMP_NUM_THREADS": "1"}
+
+    def run(args: list[str]) -> subprocess.CompletedProcess:
+        argv = [PYTHON, "-m", "launcher.cli", *args]
+        return run_bounded(argv, timeout=timeout, env=env, cwd=REPO)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return dict(zip(jobs, pool.map(run, jobs.values()), strict=True))
 
 
 def _one_thread_while_ops_build(env: dict[str, str]) -> dict[str, str]:

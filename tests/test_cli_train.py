@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import PYTHON, REPO, kill_tree, oomless, python_env
+from tests.conftest import PYTHON, REPO, kill_tree, oomless, oomless_two_at_a_time, python_env
 
 DEMO = REPO / "configs" / "demo.yaml"
 FIELDS = {
@@ -106,30 +106,52 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert not run_dir.exists()
 
 
+# The out-of-memory runs: `oomless train` processes of one CPU rank each (the process, its exit
+# code and its files are under test), independent of each other, run two at a time once for the
+# module. Each test below names its runs.
+_BACKOFF = ["train.steps=5", "train.global_batch_size=8", "train.eval_every=0",
+            "run.save_final=false", "precision=fp32", "hardware.device=cpu"]  # fmt: skip
+_LEVERS = ["train.steps=5", "train.global_batch_size=4", "train.eval_every=0",
+           "run.save_final=false", "precision=fp32", "hardware.device=cpu",
+           "memory.activation_checkpointing=none"]  # fmt: skip
+_OOM_RUNS = {
+    "backoff": [*_BACKOFF, "train.micro_batch_size=8",
+                "debug.inject_oom={step: 3, times: 1, where: backward}"],
+    "backoff_reference": [*_BACKOFF, "train.micro_batch_size=4"],
+    "levers": [*_LEVERS, "train.micro_batch_size=2",
+               "debug.inject_oom={step: 3, times: 5, where: backward}"],
+    "levers_reference": [*_LEVERS, "train.micro_batch_size=1"],
+    "setup": ["train.steps=3", "train.eval_every=0", "run.save_final=false", "hardware.device=cpu",
+              "debug.inject_oom={step: 0, where: setup, strategies: [single]}"],
+    "forced": ["strategy=single", "train.steps=3", "train.eval_every=0", "run.checkpoint_every=1",
+               "run.save_final=false", "hardware.device=cpu",
+               "debug.inject_oom={step: 2, times: 0, where: forward, strategies: [single]}"],
+    "persistent": ["strategy=single", "train.steps=4", "train.global_batch_size=4",
+                   "train.micro_batch_size=2", "hardware.device=cpu", "escalation.enabled=false",
+                   "debug.inject_oom={step: 2, times: 0, where: forward}"],
+    "eval": ["strategy=single", "train.steps=2", "train.global_batch_size=4",
+             "train.micro_batch_size=2", "train.eval_every=1", "run.save_final=false",
+             "hardware.device=cpu", "escalation.enabled=false",
+             "debug.inject_oom={step: 1, times: 0, where: eval}"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def oom_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """name -> (the finished `oomless train`, its run.dir) for each of `_OOM_RUNS`."""
+    root = tmp_path_factory.mktemp("oom")
+    jobs = {name: ["train", str(DEMO), *args, f"run.dir={root / name}"]
+            for name, args in _OOM_RUNS.items()}  # fmt: skip
+    return {name: (r, root / name) for name, r in oomless_two_at_a_time(jobs).items()}
+
+
 @pytest.mark.slow  # `oomless train` processes, out of memory and after: `make test` only
-def test_injected_oom_backs_off_and_learns_the_same(tmp_path):
+def test_injected_oom_backs_off_and_learns_the_same(oom_runs):
     """Half the micro-batch after an OOM at step 3: same losses as micro 4 from the start."""
-    common = [
-        "train.steps=5",
-        "train.global_batch_size=8",
-        "train.eval_every=0",
-        "run.save_final=false",
-        "precision=fp32",
-        "hardware.device=cpu",
-    ]
-    a, b = tmp_path / "backoff", tmp_path / "small"
-    r = oomless(
-        "train",
-        str(DEMO),
-        *common,
-        f"run.dir={a}",
-        "train.micro_batch_size=8",
-        "debug.inject_oom={step: 3, times: 1, where: backward}",
-    )
+    (r, a), (reference, b) = oom_runs["backoff"], oom_runs["backoff_reference"]
     assert r.returncode == 0, r.stderr[-3000:]
     assert "out of memory in backward; retrying with micro-batch 4" in r.stderr
-    r = oomless("train", str(DEMO), *common, f"run.dir={b}", "train.micro_batch_size=4")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert reference.returncode == 0, reference.stderr[-3000:]
     ma, mb = metrics(a), metrics(b)
     assert [m["micro_batch_size"] for m in ma] == [8, 8, 4, 4, 4]
     for x, y in zip(ma, mb, strict=True):
@@ -137,36 +159,18 @@ def test_injected_oom_backs_off_and_learns_the_same(tmp_path):
 
 
 @pytest.mark.slow  # `oomless train` processes, out of memory and after: `make test` only
-def test_at_micro_batch_1_the_back_off_pulls_the_exact_levers_and_learns_the_same(tmp_path):
+def test_at_micro_batch_1_the_back_off_pulls_the_exact_levers_and_learns_the_same(oom_runs):
     """OOMs at step 3 five times: micro-batch 2 -> 1, then chunked loss, activation offload,
     and checkpointing none -> selective -> full, on the running model; the losses equal a run at
     micro-batch 1 without any of them."""
-    common = [
-        "train.steps=5",
-        "train.global_batch_size=4",
-        "train.eval_every=0",
-        "run.save_final=false",
-        "precision=fp32",
-        "hardware.device=cpu",
-        "memory.activation_checkpointing=none",
-    ]
-    a, b = tmp_path / "backoff", tmp_path / "small"
-    r = oomless(
-        "train",
-        str(DEMO),
-        *common,
-        f"run.dir={a}",
-        "train.micro_batch_size=2",
-        "debug.inject_oom={step: 3, times: 5, where: backward}",
-    )
+    (r, a), (reference, b) = oom_runs["levers"], oom_runs["levers_reference"]
     assert r.returncode == 0, r.stderr[-3000:]
     assert "retrying with micro-batch 1 x accumulation 4" in r.stderr
     assert "at micro-batch 1; retrying with chunked loss on" in r.stderr
     assert "at micro-batch 1; retrying with activation offload on" in r.stderr
     assert "retrying with activation checkpointing selective (was none)" in r.stderr
     assert "retrying with activation checkpointing full (was selective)" in r.stderr
-    r = oomless("train", str(DEMO), *common, f"run.dir={b}", "train.micro_batch_size=1")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert reference.returncode == 0, reference.stderr[-3000:]
     ma, mb = metrics(a), metrics(b)
     assert [m["micro_batch_size"] for m in ma] == [2, 2, 1, 1, 1]
     assert [m["activation_checkpointing"] for m in ma] == ["none"] * 2 + ["full"] * 3
@@ -178,20 +182,10 @@ def test_at_micro_batch_1_the_back_off_pulls_the_exact_levers_and_learns_the_sam
 
 
 @pytest.mark.slow  # `oomless train` processes, out of memory and after: `make test` only
-def test_an_oom_while_setting_up_climbs_a_rung(tmp_path):
+def test_an_oom_while_setting_up_climbs_a_rung(oom_runs):
     """Out of memory before the first step (sharding, optimizer state, loading a checkpoint):
     reported and escalated like one in a step; the next rung trains."""
-    run_dir = tmp_path / "run"
-    r = oomless(
-        "train",
-        str(DEMO),
-        "train.steps=3",
-        "train.eval_every=0",
-        "run.save_final=false",
-        "hardware.device=cpu",
-        f"run.dir={run_dir}",
-        "debug.inject_oom={step: 0, where: setup, strategies: [single]}",
-    )
+    r, run_dir = oom_runs["setup"]
     assert r.returncode == 0, r.stderr[-3000:]
     lines = (run_dir / "escalations.jsonl").read_text().splitlines()
     (escalation,) = [json.loads(line) for line in lines]
@@ -201,22 +195,10 @@ def test_an_oom_while_setting_up_climbs_a_rung(tmp_path):
 
 
 @pytest.mark.slow  # `oomless train` processes, out of memory and after: `make test` only
-def test_a_forced_strategy_is_where_escalation_starts(tmp_path):
+def test_a_forced_strategy_is_where_escalation_starts(oom_runs):
     """`strategy: single` that runs out of memory for good climbs to a higher rung (same math)
     and says that it left the forced rung; the run ends where it would have ended."""
-    run_dir = tmp_path / "run"
-    r = oomless(
-        "train",
-        str(DEMO),
-        "strategy=single",
-        "train.steps=3",
-        "train.eval_every=0",
-        "run.checkpoint_every=1",
-        "run.save_final=false",
-        "hardware.device=cpu",
-        f"run.dir={run_dir}",
-        "debug.inject_oom={step: 2, times: 0, where: forward, strategies: [single]}",
-    )
+    r, run_dir = oom_runs["forced"]
     assert r.returncode == 0, r.stderr[-3000:]
     lines = (run_dir / "escalations.jsonl").read_text().splitlines()
     (escalation,) = [json.loads(x) for x in lines]
@@ -228,21 +210,9 @@ def test_a_forced_strategy_is_where_escalation_starts(tmp_path):
 
 
 @pytest.mark.slow  # `oomless train` processes, out of memory and after: `make test` only
-def test_persistent_oom_without_escalation_exits_75_with_a_report(tmp_path):
+def test_persistent_oom_without_escalation_exits_75_with_a_report(oom_runs):
     """escalation.enabled=false: a forced rung that runs out of memory stops there."""
-    run_dir = tmp_path / "run"
-    r = oomless(
-        "train",
-        str(DEMO),
-        "strategy=single",
-        "train.steps=4",
-        "train.global_batch_size=4",
-        "train.micro_batch_size=2",
-        f"run.dir={run_dir}",
-        "hardware.device=cpu",
-        "escalation.enabled=false",
-        "debug.inject_oom={step: 2, times: 0, where: forward}",
-    )
+    r, run_dir = oom_runs["persistent"]
     assert r.returncode == 75, r.stderr[-3000:]
     report = json.loads((run_dir / "oom-report.json").read_text())
     assert report["step"] == 2 and report["phase"] == "forward"
@@ -254,15 +224,9 @@ def test_persistent_oom_without_escalation_exits_75_with_a_report(tmp_path):
 
 
 @pytest.mark.slow  # `oomless train` processes, out of memory and after: `make test` only
-def test_an_oom_in_evaluation_at_eval_batch_1_exits_75_with_a_report(tmp_path):
+def test_an_oom_in_evaluation_at_eval_batch_1_exits_75_with_a_report(oom_runs):
     """Evaluation backs off like a step (eval batch 2 -> 1) and then gives up like one."""
-    run_dir = tmp_path / "run"
-    r = oomless(
-        "train", str(DEMO), "strategy=single", "train.steps=2", "train.global_batch_size=4",
-        "train.micro_batch_size=2", "train.eval_every=1", "run.save_final=false",
-        f"run.dir={run_dir}", "hardware.device=cpu", "escalation.enabled=false",
-        "debug.inject_oom={step: 1, times: 0, where: eval}",
-    )  # fmt: skip
+    r, run_dir = oom_runs["eval"]
     assert r.returncode == 75, r.stderr[-3000:]
     assert "eval: out of memory; eval batch halved to 1" in r.stderr
     report = json.loads((run_dir / "oom-report.json").read_text())
