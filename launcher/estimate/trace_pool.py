@@ -6,10 +6,13 @@ measures the activations of unknown blocks this way)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # How long the second process may take over its half of the traces before its half is traced
 # again here (a child that hangs must not hang the plan).
@@ -41,14 +44,16 @@ def on_two_cores(
     child.start()
     send.close()
     ours = [run(jobs[i]) for i in mine]
-    answer: Any = None
+    answer: Any = f"silent for {CHILD_TIMEOUT_S} s"
     with contextlib.suppress(EOFError, OSError):
         if receive.poll(CHILD_TIMEOUT_S):
+            answer = "ended without an answer"
             answer = receive.recv()
     child.join(timeout=5)
     if child.is_alive():
         child.kill()
     if not isinstance(answer, list):  # the child failed: its traces again, here
+        log.warning("the second trace process %s: its %d traces run here", answer, len(theirs))
         answer = [run(job) for job in theirs]
     merged: dict[int, Any] = dict(zip(mine, ours, strict=True))
     merged |= dict(zip(others, answer, strict=True))
@@ -56,12 +61,12 @@ def on_two_cores(
 
 
 def _run_into(jobs: list[tuple], run: Callable[[tuple], Any], send: Any) -> None:
-    """The forked child's half: its results, or its exception (then the parent runs them)."""
+    """The forked child's half: its results, or what it raised (then the parent runs them)."""
     try:
         _one_thread()
         send.send([run(job) for job in jobs])
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which retries
-        send.send(repr(err))
+        send.send(f"raised {err!r}")
     finally:
         send.close()
 

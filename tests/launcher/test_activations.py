@@ -252,9 +252,10 @@ def test_the_traces_split_over_two_processes_give_the_numbers_of_one_after_the_o
     assert _on_two_cores(jobs) == serial
 
 
-def test_a_child_that_does_not_answer_in_time_has_its_traces_run_again_here(monkeypatch):
+def test_a_child_that_does_not_answer_in_time_has_its_traces_run_again_here(monkeypatch, caplog):
     """A forked child that hangs must not hang the plan: past the timeout its half of the
-    traces runs in the planner's own process, with the same numbers."""
+    traces runs in the planner's own process, with the same numbers, and the plan says why it
+    took longer."""
     import launcher.estimate.trace_pool as pool
 
     jobs = [(at_layers({**NEOX, "num_hidden_layers": 6}, range(3)), "autocast", part, b, 32, "bf16",
@@ -262,9 +263,11 @@ def test_a_child_that_does_not_answer_in_time_has_its_traces_run_again_here(monk
     serial = [layer_phase_peaks(*job) for job in jobs]
     monkeypatch.setattr(pool, "CHILD_TIMEOUT_S", 0)
     assert _on_two_cores(jobs) == serial
+    if len(os.sched_getaffinity(0)) > 1:  # else no child was forked
+        assert "the second trace process silent for 0 s: its 2 traces run here" in caplog.text
 
 
-def test_a_child_forked_after_the_parent_computed_in_parallel_answers(monkeypatch):
+def test_a_child_forked_after_the_parent_computed_in_parallel_answers(monkeypatch, caplog):
     """libgomp is not fork-safe: where the planner's process had run an OpenMP parallel region
     (a real op on a large tensor) before it forked, a child that computed in parallel waited for
     ever on the parent's team, and its half ran again here after the timeout. The child now
@@ -287,6 +290,7 @@ def test_a_child_forked_after_the_parent_computed_in_parallel_answers(monkeypatc
     finally:
         torch.set_num_threads(threads)
     assert set(pids) - {os.getpid()}, "the child did not answer: every job ran here"
+    assert "second trace process" not in caplog.text
 
 
 def test_the_cut_copies_keep_the_config_classes_spelling_of_depth_and_per_layer_lists():
