@@ -106,11 +106,13 @@ def run_bounded(argv: list[str], timeout: float, **kwargs) -> subprocess.Complet
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
-def oomless(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """The CLI as a user runs it, from this checkout; on a timeout its whole process tree is
-    killed."""
+def oomless(
+    *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """The CLI as a user runs it, from this checkout (in `env`, by default `python_env()`); on a
+    timeout its whole process tree is killed."""
     return run_bounded(
-        [PYTHON, "-m", "launcher.cli", *args], timeout=timeout, env=python_env(), cwd=REPO
+        [PYTHON, "-m", "launcher.cli", *args], timeout=timeout, env=env or python_env(), cwd=REPO
     )
 
 
@@ -121,13 +123,9 @@ def oomless_two_at_a_time(
     runs of one CPU rank whose processes are under test. Two such runs share the two cores
     without waiting on each other; runs of two ranks would, at every collective."""
     env = {**python_env(), "OMP_NUM_THREADS": "1"}
-
-    def run(args: list[str]) -> subprocess.CompletedProcess:
-        argv = [PYTHON, "-m", "launcher.cli", *args]
-        return run_bounded(argv, timeout=timeout, env=env, cwd=REPO)
-
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        return dict(zip(jobs, pool.map(run, jobs.values()), strict=True))
+        done = pool.map(lambda args: oomless(*args, timeout=timeout, env=env), jobs.values())
+        return dict(zip(jobs, done, strict=True))
 
 
 def _one_thread_while_ops_build(env: dict[str, str]) -> dict[str, str]:

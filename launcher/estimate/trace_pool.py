@@ -47,7 +47,7 @@ def on_two_cores(
     answer: Any = f"silent for {CHILD_TIMEOUT_S} s"
     with contextlib.suppress(EOFError, OSError):
         if receive.poll(CHILD_TIMEOUT_S):
-            answer = "ended without an answer"
+            answer = "ended without an answer"  # kept where recv finds the pipe closed
             answer = receive.recv()
     child.join(timeout=5)
     if child.is_alive():
