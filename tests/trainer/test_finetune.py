@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from tests.conftest import TINY_LLAMA, oomless, train_in_one_process, write_demo_job
+from tests.trainer.adapter_checkpoints import engine_model, logits
 from trainer.core import methods, strategies
 
 pytestmark = pytest.mark.slow
@@ -212,26 +213,6 @@ def test_a_resume_on_another_base_is_refused_in_one_line(tmp_path):
     assert "adapters trained on another base" in r.stderr
 
 
-def _engine_model(ckpt: Path) -> torch.nn.Module:
-    """The model the engine trained, rebuilt from the checkpoint's config and adapter weights."""
-    from trainer.checkpoint.layout import read_full_weights
-    from trainer.core.config import load_config
-    from trainer.model.build import HFModelFactory
-    from trainer.model.finetune import FinetuneFactory
-
-    cfg = load_config(ckpt / "config.yaml", [])
-    model = FinetuneFactory(HFModelFactory(cfg.model, cfg.train.seed), cfg).build("cpu")
-    missing, _ = model.load_state_dict(read_full_weights(ckpt), strict=False)
-    assert not [n for n in missing if ".lora_" in n]
-    return model.eval()
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    ids = torch.arange(40).reshape(2, 20) % 45
-    with torch.no_grad():
-        return model(input_ids=ids).logits.float()
-
-
 def test_export_writes_a_peft_adapter_dir_and_merge_a_plain_model(runs, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -240,20 +221,20 @@ def test_export_writes_a_peft_adapter_dir_and_merge_a_plain_model(runs, tmp_path
     from trainer.model.build import HFModelFactory
 
     ckpt = runs / "lora" / "checkpoints" / "step_4"
-    want = _logits(_engine_model(ckpt))
+    want = logits(engine_model(ckpt))
     r = oomless("export", str(ckpt), str(tmp_path / "adapter"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
     cfg = load_config(ckpt / "config.yaml", [])
     base = HFModelFactory(cfg.model, cfg.train.seed).build("cpu")
-    got = _logits(PeftModel.from_pretrained(base, tmp_path / "adapter").eval())
+    got = logits(PeftModel.from_pretrained(base, tmp_path / "adapter").eval())
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
     r = oomless("export", str(ckpt), str(tmp_path / "merged"), "--merge")
     assert r.returncode == 0, r.stderr[-2000:]
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert not any(".lora_" in n for n, _ in merged.named_parameters())
-    got = _logits(merged.eval())
+    got = logits(merged.eval())
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     # the run's own final/ is the adapter dir of the last step
     assert (runs / "lora" / "final" / "adapter_model.safetensors").is_file()

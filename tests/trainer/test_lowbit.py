@@ -22,6 +22,7 @@ from tests.conftest import (
     train_in_one_process,
     write_demo_job,
 )
+from tests.trainer.adapter_checkpoints import engine_model, logits
 from tests.trainer.saved_model import PRETRAINED_LINEAR_PARAMS, save_pretrained_model
 from trainer.core import methods
 from trainer.core.config import ConfigError, load_config
@@ -358,25 +359,6 @@ def test_rank0_quantising_its_shard_grows_by_less_than_the_shard_plus_one_tensor
     assert growth <= load["held_bytes"] + load["largest_tensor_bytes"], load
 
 
-def _engine_qlora(ckpt: Path) -> torch.nn.Module:
-    """The model the engine trained: its quantised base, the checkpoint's adapters."""
-    from trainer.checkpoint.layout import read_full_weights
-    from trainer.model.build import HFModelFactory
-    from trainer.model.finetune import FinetuneFactory
-
-    cfg = load_config(ckpt / "config.yaml", [])
-    model = FinetuneFactory(HFModelFactory(cfg.model, cfg.train.seed), cfg).build("cpu")
-    missing, _ = model.load_state_dict(read_full_weights(ckpt), strict=False)
-    assert not [n for n in missing if ".lora_" in n]
-    return model.eval()
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    ids = torch.arange(40).reshape(2, 20) % 45
-    with torch.no_grad():
-        return model(input_ids=ids).logits.float()
-
-
 def test_a_sharded_qlora_checkpoint_exports_an_adapter_peft_loads(runs, tmp_path):
     """`oomless export` of the two ranks' checkpoint: peft puts the adapter on the same 4-bit
     base and gives the engine's logits; --merge writes the unquantised base with the adapters
@@ -388,7 +370,7 @@ def test_a_sharded_qlora_checkpoint_exports_an_adapter_peft_loads(runs, tmp_path
     from trainer.model.finetune import QLORA_COMPUTE_DTYPE, quantize_decoder_linears
 
     ckpt = runs / "fsdp_qlora/checkpoints/step_4"
-    want = _logits(_engine_qlora(ckpt))
+    want = logits(engine_model(ckpt))
     r = oomless("export", str(ckpt), str(tmp_path / "adapter"))
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = load_config(ckpt / "config.yaml", [])
@@ -397,7 +379,7 @@ def test_a_sharded_qlora_checkpoint_exports_an_adapter_peft_loads(runs, tmp_path
     for p in base.parameters():
         if p.is_floating_point():
             p.data = p.data.to(QLORA_COMPUTE_DTYPE)
-    got = _logits(PeftModel.from_pretrained(base, tmp_path / "adapter").eval())
+    got = logits(PeftModel.from_pretrained(base, tmp_path / "adapter").eval())
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
     r = oomless("export", str(ckpt), str(tmp_path / "merged"), "--merge")
@@ -406,6 +388,6 @@ def test_a_sharded_qlora_checkpoint_exports_an_adapter_peft_loads(runs, tmp_path
     assert not any(".lora_" in n for n, _ in merged.named_parameters())
     full = HFModelFactory(cfg.model, cfg.train.seed).build("cpu")
     peft_merged = PeftModel.from_pretrained(full, tmp_path / "adapter").merge_and_unload()
-    want_merged = _logits(peft_merged.eval())
-    got = _logits(merged)
+    want_merged = logits(peft_merged.eval())
+    got = logits(merged)
     assert (got - want_merged).abs().max() <= 1e-4 * want_merged.abs().max()
