@@ -253,6 +253,31 @@ def add_step_args(parser: Any, rounds: int) -> None:
     parser.add_argument("--json", type=Path)
 
 
+def step_run_result(
+    args: Any, device: torch.device, world: int, num_params: int, times: dict[str, list[float]]
+) -> dict[str, Any]:
+    """The head of a timed-step bench's JSON (`add_step_args`' options): the machine, the job,
+    every round's step times and each contender's median and tokens per second."""
+    med = medians(times)
+    tokens = args.micro * args.accum * args.seq * world
+    return {
+        "machine": machine(),
+        "model": args.model,
+        "num_params": num_params,
+        "world_size": world,
+        "device": device.type,
+        "precision": args.precision,
+        "micro_batch_size": args.micro,
+        "grad_accum": args.accum,
+        "seq_len": args.seq,
+        "rounds": args.rounds,
+        "omp_threads": os.environ.get("OMP_NUM_THREADS"),
+        "step_s": times,
+        "median_step_s": med,
+        "tokens_per_s": {name: tokens / s for name, s in med.items()},
+    }
+
+
 def init_torchrun_rank(device_name: str, cuda_backend: str) -> tuple[torch.device, int, int]:
     """(device, rank, world size) of a torchrun worker, its process group initialised
     (`cuda_backend` on GPUs, gloo on CPU)."""

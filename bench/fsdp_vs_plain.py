@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -29,11 +28,10 @@ from bench.common import (
     build_hf_model,
     init_torchrun_rank,
     job_config,
-    machine,
     make_batches,
-    medians,
     mfu,
     num_parameters,
+    step_run_result,
     timed,
 )
 from bench.engine_vs_plain import OPTIM
@@ -120,25 +118,9 @@ def report(
     num_params: int,
     times: dict[str, list[float]],
 ) -> dict[str, Any]:
-    med = medians(times)
-    tokens = args.micro * args.accum * args.seq * world
-    result: dict[str, Any] = {
-        "machine": machine(),
-        "model": args.model,
-        "num_params": num_params,
-        "world_size": world,
-        "device": device.type,
-        "precision": args.precision,
-        "micro_batch_size": args.micro,
-        "grad_accum": args.accum,
-        "seq_len": args.seq,
-        "rounds": args.rounds,
-        "omp_threads": os.environ.get("OMP_NUM_THREADS"),
-        "step_s": times,
-        "median_step_s": med,
-        "tokens_per_s": {name: tokens / s for name, s in med.items()},
-        "oomless_over": {"plain": med["oomless"] / med["plain"]},
-    }
+    result = step_run_result(args, device, world, num_params, times)
+    med = result["median_step_s"]
+    result["oomless_over"] = {"plain": med["oomless"] / med["plain"]}
     result |= mfu(args.model, num_params, args.seq, device, result["tokens_per_s"], world)
     print(
         f"fsdp x{world} {args.precision}, {num_params / 1e6:.1f}M params: oomless "

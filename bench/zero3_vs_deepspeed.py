@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -41,10 +40,9 @@ from bench.common import (
     init_torchrun_rank,
     job_config,
     largest_model_that_fits,
-    machine,
     make_batches,
-    medians,
     num_parameters,
+    step_run_result,
     timed,
 )
 from bench.engine_vs_plain import OPTIM
@@ -158,25 +156,11 @@ def main() -> None:
         args.rounds,
     )
     if rank == 0:
-        med = medians(times)
-        tokens = args.micro * args.accum * args.seq * world
         num_params = num_parameters(args.model)
-        result = {
-            "machine": machine(),
-            "model": args.model,
-            "num_params": num_params,
-            "world_size": world,
-            "device": device.type,
-            "precision": args.precision,
-            "micro_batch_size": args.micro,
-            "grad_accum": args.accum,
-            "seq_len": args.seq,
-            "rounds": args.rounds,
-            "omp_threads": os.environ.get("OMP_NUM_THREADS"),
+        result = step_run_result(args, device, world, num_params, times)
+        med, tokens = result["median_step_s"], args.micro * args.accum * args.seq * world
+        result |= {
             "hand_config": hand_config(args, world, device),
-            "step_s": times,
-            "median_step_s": med,
-            "tokens_per_s": {name: tokens / s for name, s in med.items()},
             "oomless_over": {"deepspeed": med["oomless"] / med["deepspeed"]},
         }
         if args.bandwidth:
