@@ -242,15 +242,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def add_step_args(parser: Any, rounds: int) -> None:
-    """The options every timed-step bench takes: model, rounds, batch geometry, precision."""
+def add_step_args(parser: Any, rounds: int, precisions: tuple[str, ...] = ("bf16", "fp32")) -> None:
+    """The options every timed-step bench takes: rounds, batch geometry, precision, device and
+    where its JSON goes."""
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--accum", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--precision", default="bf16", choices=list(precisions))
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=Path, help="write the raw numbers here")
 
 
 def step_run_result(

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import (
+    add_step_args,
     build_hf_model,
     count_parameters,
     job_config,
@@ -265,13 +266,8 @@ def build_hf_trainer(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-20m")
-    p.add_argument("--rounds", type=int, default=10)
+    add_step_args(p, rounds=10, precisions=("bf16", "fp16", "fp32"))
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per contender per round")
-    p.add_argument("--micro", type=int, default=4)
-    p.add_argument("--accum", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--no-trainer", action="store_true", help="leave the HF Trainer out")
     p.add_argument(
         "--compile",
@@ -279,7 +275,6 @@ def main() -> None:
         help="also oomless with train.compile and the Trainer with torch_compile",
     )
     add_sessions_arg(p)
-    p.add_argument("--json", type=Path, help="write the raw numbers here")
     args = p.parse_args()
     device = resolve_device(args.device)
     builds: dict[str, Any] = {

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from bench.common import (
+    add_step_args,
     build_hf_model,
     job_config,
     machine,
@@ -96,14 +97,9 @@ def build_peft_trainer(args: argparse.Namespace, device: torch.device) -> Conten
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-20m")
-    p.add_argument("--rounds", type=int, default=10)
+    add_step_args(p, rounds=10)
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per contender per round")
-    p.add_argument("--micro", type=int, default=4)
-    p.add_argument("--accum", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128)
     p.add_argument("--r", type=int, default=16, help="LoRA rank (alpha = 2r)")
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument(
         "--no-control",
         action="store_true",
@@ -111,7 +107,6 @@ def main() -> None:
         "contenders' medians differ in this run)",
     )
     add_sessions_arg(p)
-    p.add_argument("--json", type=Path, help="write the raw numbers here")
     args = p.parse_args()
     device = resolve_device(args.device)
     builds = {
