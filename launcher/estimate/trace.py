@@ -362,22 +362,53 @@ def _optimizer(model: nn.Module, spec: StepSpec) -> torch.optim.Optimizer:
 
 @contextlib.contextmanager
 def moe_fake_kernels():
-    """MoE experts under fake tensors: transformers' grouped_mm experts call torch's grouped_mm,
-    whose meta kernel accepts bf16 only (its CUDA kernel's restriction), so fp32 experts cannot
-    be traced through it; its own fallback op (a loop over experts, registered with a fake
-    kernel) takes every dtype and saves the same tensors for backward (input, weight, offsets).
-    A no-op for dense models or without transformers' MoE integration."""
+    """MoE experts under fake tensors. transformers' grouped experts multiply through its
+    `_grouped_mm`: torch's grouped_mm, whose meta kernel accepts bf16 only (its CUDA kernel's
+    restriction), or its own fallback op, a loop over experts whose backward reads the offsets'
+    values before transformers 5.23 (a fake tensor has none). On fake tensors the multiply is
+    `_GroupedMatmul`, which allocates what that fallback allocates and reads no values; real
+    tensors (QLoRA and 8-bit traces) take the fallback, which takes every dtype. A no-op for
+    dense models or without transformers' MoE integration."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     try:
         from transformers.integrations import moe
     except ImportError:
         yield
         return
-    original = moe._can_use_grouped_mm
-    moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    if not hasattr(moe, "_grouped_mm"):
+        yield
+        return
+    original, can_use = moe._grouped_mm, moe._can_use_grouped_mm
+
+    def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor):
+        if isinstance(input, FakeTensor):
+            return _GroupedMatmul.apply(input.to(weight.dtype), weight, offs)
+        return original(input, weight, offs)
+
+    moe._grouped_mm, moe._can_use_grouped_mm = grouped_mm, lambda *args, **kwargs: False
     try:
         yield
     finally:
-        moe._can_use_grouped_mm = original
+        moe._grouped_mm, moe._can_use_grouped_mm = original, can_use
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """(S, in) rows sorted by expert times (E, in, out) expert weights -> (S, out), by sizes
+    only: the output, the input and weights saved for backward and their gradients, as
+    transformers' fallback allocates them (no per-expert temporaries: its products write into
+    slices of those)."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor):
+        ctx.save_for_backward(input, weight)
+        ctx.offs = offs  # kept beside, as the fallback keeps it
+        return input.new_empty(input.size(0), weight.size(2))
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor):
+        input, weight = ctx.saved_tensors
+        return torch.empty_like(input), torch.empty_like(weight), None
 
 
 @contextlib.contextmanager

@@ -47,3 +47,33 @@ def test_an_moe_shape_counts_every_expert_for_memory_and_the_routed_ones_for_com
     experts = shape.num_params - shape.num_compute_params  # the half a token does not use
     # 2 layers x 4 experts x (gate, up, down) x hidden 64 x moe width 64; 2 of 4 unused
     assert experts == 2 * 4 * 3 * 64 * 64 // 2
+
+
+@pytest.mark.parametrize("rung,precision", [(("single", 1), "fp32"), (("fsdp", 2), "bf16")])
+def test_the_experts_multiply_traces_as_transformers_fallback_allocates(
+    monkeypatch, rung, precision
+):
+    """Fake experts multiply through a stand-in that reads no values: before transformers 5.23
+    the fallback's backward loops over the offsets' values, which a fake tensor has none of,
+    and every MoE trace failed. A gpt-oss step traced with it peaks, phase by phase, where one
+    traced through transformers' own fallback op does (on releases whose op has a fake
+    backward, as this one)."""
+    from transformers.integrations import moe
+
+    from launcher.estimate import trace
+    from trainer.core.step_spec import StepSpec
+
+    if not hasattr(moe, "_grouped_mm_fallback_backward_fake"):
+        pytest.skip("transformers' fallback has no fake backward here to compare with")
+    config = sized_config("gpt_oss", "small")
+    spec = StepSpec(*rung, 2, 64, "none", precision)
+    calls = []
+    apply = trace._GroupedMatmul.apply
+    monkeypatch.setattr(trace._GroupedMatmul, "apply", lambda *a: calls.append(1) or apply(*a))
+    ours = trace.trace_step(config, spec, attn_implementation="eager")
+    assert len(calls) == 4  # 2 layers, each an up and a down projection
+    monkeypatch.setattr(moe, "_can_use_grouped_mm", lambda *a, **k: False)
+    monkeypatch.setattr(trace, "moe_fake_kernels", trace.contextlib.nullcontext)
+    theirs = trace.trace_step(config, spec, attn_implementation="eager")
+    assert len(calls) == 4  # the stand-in was left out
+    assert (ours.peak_bytes, ours.phases) == (theirs.peak_bytes, theirs.phases)

@@ -209,11 +209,13 @@ class _UlyssesAttention:
         if kind not in self._masks:
             build = create_sliding_window_causal_mask if sliding_window else create_causal_mask
             shape_only = query.new_empty((query.size(0), positions.size(1), 0))
+            # config, inputs, attention mask, no cache: positional, as the cache's keyword is
+            # `past_key_values` before transformers 5.24 and `cache` from it
             self._masks[kind] = build(
-                config=self.mask_config,
-                inputs_embeds=shape_only,
-                attention_mask=None,
-                cache=None,
+                self.mask_config,
+                shape_only,
+                None,
+                None,
                 position_ids=positions if self._mask_positions else None,
             )
         return self._masks[kind]
