@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast lint bench
+.PHONY: setup demo test test-fast test-floor lint bench
 $(BIN)/oomless: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -22,6 +22,16 @@ test: setup
 # in-process hostile cases and one 2-rank smoke; `make test` (CI) runs these and the slow tier
 test-fast: setup
 	$(BIN)/python -m pytest -q --durations=15 -m "not slow" tests
+
+# the fast tier again on the lowest transformers pyproject.toml allows (the GPU machines run it),
+# in a venv of its own; not part of CI
+FLOOR := .venv-floor
+test-floor:
+	$(PY) -m venv $(FLOOR)
+	$(FLOOR)/bin/pip install -q --upgrade pip
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(FLOOR)/bin/pip install -q torch==2.13.0; fi
+	$(FLOOR)/bin/pip install -q -e '.[dev]' transformers==$$(sed -n 's/.*"transformers>=\([0-9.]*\),.*/\1/p' pyproject.toml)
+	$(FLOOR)/bin/python -m pytest -q --durations=15 -m "not slow" tests
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
