@@ -109,6 +109,7 @@ def trace_step(
     with contextlib.ExitStack() as stack:
         model, backend, dims = _traced_model(hf_config, spec, attn_implementation,
                                              reshard_after_forward, stack)  # fmt: skip
+        stack.enter_context(_untracked_sharding_propagation())
         batch = packed_batch(hf_config["vocab_size"], spec.num_sequences, spec.seq_len)
         if dims.sequence > 1:  # rank 0's slice of every sequence, as the engine splits it
             doc_ids = (batch["position_ids"] == 0).cumsum(dim=1) - 1
@@ -358,6 +359,29 @@ def _optimizer(model: nn.Module, spec: StepSpec) -> torch.optim.Optimizer:
     if spec.precision == "bf16_pure":
         kind["bf16_pure"] = True
     return build_optimizer(list(model.parameters()), replace(_SPEC, **kind))
+
+
+@contextlib.contextmanager
+def _untracked_sharding_propagation():
+    """DTensor's sharding propagation out of the tracker's sight: to find an op's output shape
+    it runs the op on fake arguments of the global shapes, outside any real computation (a run
+    of the engine allocates nothing for it). Under the tracker those would count as live bytes
+    wherever its cache misses: every fused AdamW step under torch 2.11, four fp32 copies of the
+    whole model. Here it runs with the dispatch modes set aside, on a fake mode of its own."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def untracked(self: Any, op_schema: Any) -> Any:
+        with _disable_current_modes():
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = untracked
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
 
 
 @contextlib.contextmanager
