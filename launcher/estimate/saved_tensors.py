@@ -150,7 +150,9 @@ def _masks_as_for_real():
     from transformers import masking_utils
     from transformers.utils import import_utils
 
-    return _patched(
+    from launcher.estimate.trace import patched
+
+    return patched(
         masking_utils,
         is_tracing=lambda tensor=None: import_utils.is_tracing(),
         find_packed_sequence_indices=lambda position_ids: None,  # one document
@@ -162,21 +164,9 @@ def _grouped_query_kept():
     flash-attn path does with any (where SDPA's kernels take no mask, it repeats them first)."""
     from transformers.integrations import sdpa_attention
 
-    return _patched(sdpa_attention, use_gqa_in_sdpa=lambda *args, **kwargs: True)
+    from launcher.estimate.trace import patched
 
-
-@contextlib.contextmanager
-def _patched(module, **replacements):
-    """`module`'s attributes replaced while the context runs, those it has (transformers'
-    names differ between versions)."""
-    originals = {n: getattr(module, n) for n in replacements if hasattr(module, n)}
-    for name in originals:
-        setattr(module, name, replacements[name])
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(module, name, original)
+    return patched(sdpa_attention, use_gqa_in_sdpa=lambda *args, **kwargs: True)
 
 
 def _layer_signature(model, layers, i: int) -> tuple:

@@ -362,6 +362,20 @@ def _optimizer(model: nn.Module, spec: StepSpec) -> torch.optim.Optimizer:
 
 
 @contextlib.contextmanager
+def patched(module, **replacements):
+    """`module`'s attributes replaced while the context runs, those it has (transformers'
+    names differ between versions)."""
+    originals = {n: getattr(module, n) for n in replacements if hasattr(module, n)}
+    for name in originals:
+        setattr(module, name, replacements[name])
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(module, name, original)
+
+
+@contextlib.contextmanager
 def _untracked_sharding_propagation():
     """DTensor's sharding propagation out of the tracker's sight: to find an op's output shape
     it runs the op on fake arguments of the global shapes, outside any real computation (a run
@@ -377,11 +391,8 @@ def _untracked_sharding_propagation():
         with _disable_current_modes():
             return original(self, op_schema)
 
-    ShardingPropagator._propagate_tensor_meta_non_cached = untracked
-    try:
+    with patched(ShardingPropagator, _propagate_tensor_meta_non_cached=untracked):
         yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = original
 
 
 @contextlib.contextmanager
@@ -398,23 +409,19 @@ def moe_fake_kernels():
     try:
         from transformers.integrations import moe
     except ImportError:
-        yield
-        return
+        moe = None
     if not hasattr(moe, "_grouped_mm"):
         yield
         return
-    original, can_use = moe._grouped_mm, moe._can_use_grouped_mm
+    original = moe._grouped_mm
 
     def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor):
         if isinstance(input, FakeTensor):
             return _GroupedMatmul.apply(input.to(weight.dtype), weight, offs)
         return original(input, weight, offs)
 
-    moe._grouped_mm, moe._can_use_grouped_mm = grouped_mm, lambda *args, **kwargs: False
-    try:
+    with patched(moe, _grouped_mm=grouped_mm, _can_use_grouped_mm=lambda *a, **k: False):
         yield
-    finally:
-        moe._grouped_mm, moe._can_use_grouped_mm = original, can_use
 
 
 class _GroupedMatmul(torch.autograd.Function):
