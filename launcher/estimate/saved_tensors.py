@@ -24,7 +24,7 @@ def saved_point(hf_config, mode, precision, attn_implementation, b, s, compiled=
     """`_saved_per_layer` with MoE experts traceable under fake tensors (`moe_fake_kernels`);
     `packed=False`: each row one document, its mask decided as for the real input (none for
     causal attention: SDPA takes grouped key/value heads as they are instead of repeated)."""
-    from launcher.estimate.trace import moe_fake_kernels
+    from launcher.estimate.trace_patches import moe_fake_kernels
 
     masks = contextlib.nullcontext() if packed else _masks_as_for_real()
     with moe_fake_kernels(), masks:
@@ -105,7 +105,7 @@ def flash_attention_calls(hf_config, precision, attn_implementation, s) -> list[
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.overrides import TorchFunctionMode
 
-    from launcher.estimate.trace import moe_fake_kernels
+    from launcher.estimate.trace_patches import moe_fake_kernels
     from trainer.backends.common import COMPUTE_DTYPES
     from trainer.model.build import HFModelFactory
 
@@ -150,7 +150,7 @@ def _masks_as_for_real():
     from transformers import masking_utils
     from transformers.utils import import_utils
 
-    from launcher.estimate.trace import patched
+    from launcher.estimate.trace_patches import patched
 
     return patched(
         masking_utils,
@@ -164,7 +164,7 @@ def _grouped_query_kept():
     flash-attn path does with any (where SDPA's kernels take no mask, it repeats them first)."""
     from transformers.integrations import sdpa_attention
 
-    from launcher.estimate.trace import patched
+    from launcher.estimate.trace_patches import patched
 
     return patched(sdpa_attention, use_gqa_in_sdpa=lambda *args, **kwargs: True)
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from launcher.estimate.trace_patches import moe_fake_kernels, untracked_sharding_propagation
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
 from trainer.backends.common import COMPUTE_DTYPES, attach, clip_and_step
 from trainer.backends.fsdp import apply_fsdp
@@ -109,7 +110,7 @@ def trace_step(
     with contextlib.ExitStack() as stack:
         model, backend, dims = _traced_model(hf_config, spec, attn_implementation,
                                              reshard_after_forward, stack)  # fmt: skip
-        stack.enter_context(_untracked_sharding_propagation())
+        stack.enter_context(untracked_sharding_propagation())
         batch = packed_batch(hf_config["vocab_size"], spec.num_sequences, spec.seq_len)
         if dims.sequence > 1:  # rank 0's slice of every sequence, as the engine splits it
             doc_ids = (batch["position_ids"] == 0).cumsum(dim=1) - 1
@@ -359,87 +360,6 @@ def _optimizer(model: nn.Module, spec: StepSpec) -> torch.optim.Optimizer:
     if spec.precision == "bf16_pure":
         kind["bf16_pure"] = True
     return build_optimizer(list(model.parameters()), replace(_SPEC, **kind))
-
-
-@contextlib.contextmanager
-def patched(module, **replacements):
-    """`module`'s attributes replaced while the context runs, those it has (transformers'
-    names differ between versions)."""
-    originals = {n: getattr(module, n) for n in replacements if hasattr(module, n)}
-    for name in originals:
-        setattr(module, name, replacements[name])
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(module, name, original)
-
-
-@contextlib.contextmanager
-def _untracked_sharding_propagation():
-    """DTensor's sharding propagation out of the tracker's sight: to find an op's output shape
-    it runs the op on fake arguments of the global shapes, outside any real computation (a run
-    of the engine allocates nothing for it). Under the tracker those would count as live bytes
-    wherever its cache misses: every fused AdamW step under torch 2.11, four fp32 copies of the
-    whole model. Here it runs with the dispatch modes set aside, on a fake mode of its own."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    original = ShardingPropagator._propagate_tensor_meta_non_cached
-
-    def untracked(self: Any, op_schema: Any) -> Any:
-        with _disable_current_modes():
-            return original(self, op_schema)
-
-    with patched(ShardingPropagator, _propagate_tensor_meta_non_cached=untracked):
-        yield
-
-
-@contextlib.contextmanager
-def moe_fake_kernels():
-    """MoE experts under fake tensors. transformers' grouped experts multiply through its
-    `_grouped_mm`: torch's grouped_mm, whose meta kernel accepts bf16 only (its CUDA kernel's
-    restriction), or its own fallback op, a loop over experts whose backward reads the offsets'
-    values before transformers 5.23 (a fake tensor has none). On fake tensors the multiply is
-    `_GroupedMatmul`, which allocates what that fallback allocates and reads no values; real
-    tensors (QLoRA and 8-bit traces) take the fallback, which takes every dtype. A no-op for
-    dense models or without transformers' MoE integration."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    try:
-        from transformers.integrations import moe
-    except ImportError:
-        moe = None
-    if not hasattr(moe, "_grouped_mm"):
-        yield
-        return
-    original = moe._grouped_mm
-
-    def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor):
-        if isinstance(input, FakeTensor):
-            return _GroupedMatmul.apply(input.to(weight.dtype), weight, offs)
-        return original(input, weight, offs)
-
-    with patched(moe, _grouped_mm=grouped_mm, _can_use_grouped_mm=lambda *a, **k: False):
-        yield
-
-
-class _GroupedMatmul(torch.autograd.Function):
-    """(S, in) rows sorted by expert times (E, in, out) expert weights -> (S, out), by sizes
-    only: the output, the input and weights saved for backward and their gradients, as
-    transformers' fallback allocates them (no per-expert temporaries: its products write into
-    slices of those)."""
-
-    @staticmethod
-    def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor):
-        ctx.save_for_backward(input, weight)
-        ctx.offs = offs  # kept beside, as the fallback keeps it
-        return input.new_empty(input.size(0), weight.size(2))
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor):
-        input, weight = ctx.saved_tensors
-        return torch.empty_like(input), torch.empty_like(weight), None
 
 
 @contextlib.contextmanager

@@ -1,14 +1,18 @@
 """Independent traces run over two cores: half the time's worth of them in a forked child process
 where there is a second core. Tracing under fake tensors is pure Python, so threads would not
 help; the same numbers come out as one after the other (launcher/estimate/traced_activations.py
-measures the activations of unknown blocks this way)."""
+measures the activations of unknown blocks this way). A forked child whose backward cannot run
+(`_backward_runs`) runs its half in a fresh interpreter instead (`serve_afresh`)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import pickle
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +68,8 @@ def _run_into(jobs: list[tuple], run: Callable[[tuple], Any], send: Any) -> None
     """The forked child's half: its results, or what it raised (then the parent runs them)."""
     try:
         _one_thread()
+        if not _backward_runs():
+            _afresh(jobs, run, send)  # does not return
         send.send([run(job) for job in jobs])
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which retries
         send.send(f"raised {err!r}")
@@ -80,3 +86,47 @@ def _one_thread() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:  # else the parent started no team
         torch.set_num_threads(1)
+
+
+def _backward_runs() -> bool:
+    """Whether this process's autograd engine runs a backward. Once the parent's engine started
+    its device threads (any backward where a GPU is present; under torch 2.11, one on fake
+    tensors), a child forked after raises on its first."""
+    torch = sys.modules.get("torch")
+    if torch is None:  # the parent never imported it, so never ran a backward
+        return True
+    try:
+        torch.ones(1, requires_grad=True).sum().backward()
+    except RuntimeError as err:
+        if "fork" not in str(err):
+            raise
+        return False
+    return True
+
+
+def _afresh(jobs: list[tuple], run: Callable[[tuple], Any], send: Any) -> None:
+    """This child becomes a fresh interpreter (same pid, same pipe to the parent) that runs the
+    half: it imports what it runs by name (seconds), while the parent runs its own half. What
+    it runs goes through a file only this user can read, which it deletes on reading."""
+    fd, payload = tempfile.mkstemp(prefix="oomless-traces-", suffix=".pickle")
+    with os.fdopen(fd, "wb") as file:
+        pickle.dump((jobs, run), file)
+    os.set_inheritable(send.fileno(), True)
+    code = "import sys; from launcher.estimate.trace_pool import serve_afresh; serve_afresh()"
+    argv = [sys.executable, "-c", code, json.dumps(sys.path), payload, str(send.fileno())]
+    try:
+        os.execv(sys.executable, argv)
+    finally:  # reached only where the exec failed
+        os.unlink(payload)
+
+
+def serve_afresh() -> None:
+    """`_afresh`'s interpreter: the parent's import path, then the half, as a forked child."""
+    from multiprocessing.connection import Connection
+
+    path, payload, fd = sys.argv[1:]
+    sys.path[:0] = [p for p in json.loads(path) if p not in sys.path]
+    with open(payload, "rb") as file:
+        jobs, run = pickle.load(file)  # written by this process before its exec
+    os.unlink(payload)
+    _run_into(jobs, run, Connection(int(fd), readable=False))

@@ -284,19 +284,50 @@ def test_a_child_forked_after_the_parent_computed_in_parallel_answers(monkeypatc
         pytest.skip("one core: the traces run one after the other, no child is forked")
     monkeypatch.setattr(pool, "CHILD_TIMEOUT_S", 60)
 
-    def job(_: int) -> int:
-        torch.rand(2048, 2048).max(dim=1)  # a parallel region on two threads
-        return os.getpid()
-
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        job(0)  # the parent's OpenMP team
-        pids = pool.on_two_cores([1, 2, 3, 4], job, lambda _: 1)
+        _parallel_pid(0)  # the parent's OpenMP team
+        pids = pool.on_two_cores([1, 2, 3, 4], _parallel_pid, lambda _: 1)
     finally:
         torch.set_num_threads(threads)
     assert set(pids) - {os.getpid()}, "the child did not answer: every job ran here"
     assert "second trace process" not in caplog.text
+
+
+@pytest.mark.parametrize("forced", [False, True], ids=["fake_backward_first", "forced"])
+def test_a_child_that_cannot_run_backward_after_a_fork_answers_from_a_fresh_interpreter(
+    monkeypatch, caplog, forced
+):
+    """Once the autograd engine started its device threads (a backward where a GPU is present;
+    under torch 2.11, one on fake tensors), a forked child's backward raises, and its half of
+    the traces ran here again, one after the other. Such a child now becomes a fresh
+    interpreter that runs its half. `forced`: the forked child finds its backward refused (the
+    fresh interpreter imports the module afresh), as on those machines, which CI is not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import launcher.estimate.trace_pool as pool
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: the traces run one after the other, no child is started")
+    monkeypatch.setattr(pool, "CHILD_TIMEOUT_S", 120)
+    if forced:
+        monkeypatch.setattr(pool, "_backward_runs", lambda: False)
+    with FakeTensorMode():
+        torch.ones(3, requires_grad=True).sum().backward()
+    pids = pool.on_two_cores([1, 2, 3, 4], _pid, lambda _: 1)
+    assert set(pids) - {os.getpid()}, "no child answered: every job ran here"
+    assert "second trace process" not in caplog.text
+
+
+def _parallel_pid(_job: int) -> int:
+    torch.rand(2048, 2048).max(dim=1)  # a parallel region on two threads
+    return os.getpid()
+
+
+def _pid(_job: int) -> int:
+    """A job for a fresh interpreter, which imports what it runs by name."""
+    return os.getpid()
 
 
 def test_the_cut_copies_keep_the_config_classes_spelling_of_depth_and_per_layer_lists():
