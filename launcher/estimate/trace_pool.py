@@ -112,7 +112,7 @@ def _afresh(jobs: list[tuple], run: Callable[[tuple], Any], send: Any) -> None:
     with os.fdopen(fd, "wb") as file:
         pickle.dump((jobs, run), file)
     os.set_inheritable(send.fileno(), True)
-    code = "import sys; from launcher.estimate.trace_pool import serve_afresh; serve_afresh()"
+    code = "from launcher.estimate.trace_pool import serve_afresh; serve_afresh()"
     argv = [sys.executable, "-c", code, json.dumps(sys.path), payload, str(send.fileno())]
     try:
         os.execv(sys.executable, argv)
