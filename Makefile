@@ -29,8 +29,7 @@ FLOOR := .venv-floor
 test-floor:
 	$(PY) -m venv $(FLOOR)
 	$(FLOOR)/bin/pip install -q --upgrade pip
-	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(FLOOR)/bin/pip install -q torch==2.13.0; fi
-	$(FLOOR)/bin/pip install -q -e '.[dev]' transformers==$$(sed -n 's/.*"transformers>=\([0-9.]*\),.*/\1/p' pyproject.toml)
+	$(FLOOR)/bin/pip install -q -e '.[dev]' $$(sed -n 's/^ *"\(torch\|transformers\)>=\([0-9.]*\),.*/\1==\2/p' pyproject.toml)
 	$(FLOOR)/bin/python -m pytest -q --durations=15 -m "not slow" tests
 
 lint: setup
