@@ -123,9 +123,22 @@ def _print_last_metrics(run_dir: Path) -> None:
         print(json.dumps(records[-1]), flush=True)
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, flags and KEY=VALUE overrides in any order after CONFIG
+    (docs/interface.md): argparse stops a positional list at the first flag, so what it leaves
+    over that is not a flag joins the overrides."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    flags = [arg for arg in extra if arg.startswith("-")]
+    if flags or not hasattr(args, "overrides"):
+        parser.error(f"unrecognized arguments: {' '.join(flags or extra)}")
+    args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     try:
         return _dispatch(args)
     except ConfigError as err:

@@ -114,3 +114,24 @@ def test_the_oomless_command_flushes_its_plan_and_exit_code_before_leaving_early
                          text=True, timeout=120, env=buffered)  # fmt: skip
     assert bad.returncode == 2 and bad.stdout == ""
     assert len(bad.stderr.strip().splitlines()) == 1 and "config file not found" in bad.stderr
+
+
+def test_flags_and_overrides_come_in_any_order_after_the_config(capsys):
+    """docs/interface.md: `plan job.yaml --json hardware.device=cpu` is the same command as
+    `plan job.yaml hardware.device=cpu --json`; an unknown flag is still one line, exit 2."""
+    plans = []
+    for args in (
+        ["--json", "hardware.device=cpu", "train.global_batch_size=4"],
+        ["hardware.device=cpu", "--json", "train.global_batch_size=4"],
+        ["hardware.device=cpu", "train.global_batch_size=4", "--json"],
+    ):
+        rc, out, err = _plan(capsys, "configs/demo.yaml", *args)
+        assert rc == 0, err
+        plans.append(json.loads(out))
+    assert plans[0] == plans[1] == plans[2]
+    assert plans[0]["micro_batch_size"] * plans[0]["grad_accum"] == 4  # the override after --json
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "configs/demo.yaml", "--json", "--bogus", "train.steps=2"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--bogus" in err
