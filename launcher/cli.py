@@ -129,6 +129,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     over that is not a flag joins the overrides."""
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    if not extra:
+        return args
     flags = [arg for arg in extra if arg.startswith("-")]
     if flags or not hasattr(args, "overrides"):
         parser.error(f"unrecognized arguments: {' '.join(flags or extra)}")

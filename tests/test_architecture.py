@@ -25,6 +25,7 @@ LAUNCHER_RUNS_ENGINE = {
     ("launcher.run.preflight", "trainer.checkpoint.checkpointer"),
     ("launcher.run.preflight", "trainer.checkpoint.store"),
     ("launcher.run.preflight", "trainer.data"),  # ... and the data tokenised once, before launch
+    ("launcher.run.preflight", "trainer.model.build"),  # model.rope_scaling by transformers' check
     # the traced step runs the engine's own model, backends, levers and step functions
     ("launcher.estimate.trace", "trainer.backends"),
     ("launcher.estimate.trace", "trainer.backends.common"),

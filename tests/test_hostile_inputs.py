@@ -233,6 +233,35 @@ CASES = [
     Case("lr=quoted-inf", config('train.lr="inf"'), BAD, "train.lr: is inf"),
     Case("betas-nan", config("train.betas=[0.9, .nan]"), BAD, "train.betas[1]: is nan"),
     Case("model-config-inf", plan("model.config.rope_theta=.inf"), BAD, "rope_theta: is inf"),
+    # a rope type's own keys, by transformers' check, before config.yaml or plan.json is written
+    Case(
+        "rope-llama3-without-its-keys",
+        train_with(lambda s: ["model.rope_scaling={rope_type: llama3, factor: 8}"]),
+        BAD,
+        "model.rope_scaling: transformers refuses it (Missing required keys",
+    ),
+    Case(
+        "rope-yarn-unknown-key",
+        train_with(lambda s: ["model.rope_scaling={rope_type: yarn, factor: 2, beta_fast: x}"]),
+        BAD,
+        "model.rope_scaling: transformers refuses it",
+    ),
+    Case(
+        "rope-factor-1e308",
+        config("model.rope_scaling={rope_type: yarn, factor: 1e308}"),
+        BAD,
+        "model.rope_scaling: factor 1e+308 x",
+        process=True,
+    ),
+    Case("rope-factor-nan", plan("model.rope_scaling={rope_type: linear, factor: .nan}"), BAD,
+         "factor: is nan"),  # fmt: skip
+    Case(
+        "rope-original-huge",
+        estimate(f"model.rope_scaling={{rope_type: yarn, factor: 2, "
+                 f"original_max_position_embeddings: {10**30}}}"),  # fmt: skip
+        BAD,
+        "model.rope_scaling: factor 2 x",
+    ),
     Case("memory-1e400", plan("hardware.device_memory=1e400"), BAD, "device_memory: is inf"),
     Case("memory-400-digits", plan(f"hardware.device_memory={'9' * 400}.0GiB"), BAD, "memory"),
     Case("deepspeed-inf", config("deepspeed.overrides.x=-.inf"), BAD, "overrides.x: is -inf"),

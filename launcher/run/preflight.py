@@ -114,6 +114,27 @@ def check_model(cfg: JobConfig) -> None:
     _check_sizes({name: getattr(text, name, None) for name in _DIMENSIONS})
 
 
+def check_rope_scaling(cfg: JobConfig) -> None:
+    """`model.rope_scaling` checked by transformers' own rope validation on the model's config
+    (offline: inline, local dir or shipped preset), so a rope type's missing key is one line
+    here, not a KeyError in every rank after the run's files were written."""
+    if cfg.model.rope_scaling is None:
+        return
+    from transformers import CONFIG_MAPPING
+
+    from trainer.core.hf_config import hf_config_dict
+    from trainer.model.build import apply_rope_scaling
+
+    try:
+        params = dict(hf_config_dict(cfg.model.config, cfg.model.name_or_path))
+    except ConfigError:  # a hub id without a shipped preset: checked when the model loads
+        return
+    model_type = params.pop("model_type", None)
+    if model_type not in CONFIG_MAPPING:
+        return  # remote code: its own config class checks it when the model loads
+    apply_rope_scaling(CONFIG_MAPPING[model_type](**params), cfg.model.rope_scaling)
+
+
 def _check_sizes(sizes: dict) -> None:
     for name in _DIMENSIONS:
         value = sizes.get(name)
@@ -127,6 +148,7 @@ def tokenize_data(cfg: JobConfig) -> None:
     from trainer.data import build_tokenizer, split_eval, tokenize_all
 
     check_model(cfg)
+    check_rope_scaling(cfg)
     start = time.perf_counter()
     tokenizer = build_tokenizer(cfg.model)
     train_docs, eval_docs = split_eval(cfg, *tokenize_all(cfg, tokenizer))

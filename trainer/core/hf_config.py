@@ -9,6 +9,7 @@ The config validator (positions), the launcher (shape, estimate) and the engine 
 from __future__ import annotations
 
 import json
+import math
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -70,6 +71,8 @@ def preset_index() -> dict[str, str]:
 
 # model.rope_scaling: the rotary scalings transformers' config takes for context extension
 ROPE_TYPES = ("yarn", "linear", "dynamic", "llama3")
+# the most positions a scaling may yield: position ids are int32 in every kernel that takes them
+MAX_POSITIONS = 2**31 - 1
 # blocks whose positions are learned embeddings or ALiBi biases: no rotary to scale
 NOT_ROTARY = ("gpt2", "gpt_bigcode", "opt", "biogpt", "bloom", "mpt", "xglm", "gpt_neo")
 
@@ -104,7 +107,12 @@ def rope_update(hf: dict[str, Any], rope_scaling: dict[str, Any]) -> dict[str, A
         raise ConfigError(key, f"rope_type {rope_type!r} is not one of {', '.join(ROPE_TYPES)}",
                           "set e.g. model.rope_scaling={rope_type: yarn, factor: 4.0}")  # fmt: skip
     factor = rope_scaling.get("factor")
-    if isinstance(factor, bool) or not isinstance(factor, int | float) or factor < 1:
+    if (
+        isinstance(factor, bool)
+        or not isinstance(factor, int | float)
+        or not math.isfinite(factor)
+        or factor < 1
+    ):
         raise ConfigError(key, f"factor {factor!r} is not a number >= 1",
                           "set model.rope_scaling.factor, e.g. 4.0")  # fmt: skip
     own = int(text.get("max_position_embeddings") or 0)
@@ -112,6 +120,10 @@ def rope_update(hf: dict[str, Any], rope_scaling: dict[str, Any]) -> dict[str, A
     if isinstance(original, bool) or not isinstance(original, int) or original < 1:
         what = f"original_max_position_embeddings {original!r} is not a positive whole number"
         raise ConfigError(key, what, f"set it to the model's positions ({own})")
+    if original > MAX_POSITIONS or factor * original > MAX_POSITIONS:
+        raise ConfigError(key, f"factor {factor!r} x {original} positions is more than "
+                          f"{MAX_POSITIONS} positions",
+                          "set a smaller model.rope_scaling.factor")  # fmt: skip
     own_rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     theta = text.get("rope_theta", own_rope.get("rope_theta"))
     params = {k: v for k, v in rope_scaling.items() if k != "type"}

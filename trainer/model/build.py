@@ -47,8 +47,34 @@ def apply_rope_scaling(config: Any, rope_scaling: dict[str, Any]) -> None:
     update = rope_update(text.to_dict(), rope_scaling)
     text.rope_parameters = update["rope_parameters"]
     text.max_position_embeddings = update["max_position_embeddings"]
+    _validate_rope(text)
     log.info("model.rope_scaling: %s, %d positions", update["rope_parameters"]["rope_type"],
              update["positions"])  # fmt: skip
+
+
+def _validate_rope(text_config: Any) -> None:
+    """transformers' own check of the rotary parameters (each rope type's required keys), as a
+    one-line ConfigError instead of a KeyError where the model first computes its rotary."""
+    validate = getattr(text_config, "validate_rope", None)
+    if validate is None:  # transformers before RotaryEmbeddingConfigMixin
+        from transformers.modeling_rope_utils import rope_config_validation
+
+        validate = partial(rope_config_validation, text_config)
+    said_by_transformers = logging.getLogger("transformers.modeling_rope_utils")
+    quiet = logging.Filter("nothing")  # its warnings would make a user's one error line two
+    said_by_transformers.addFilter(quiet)
+    try:
+        validate()
+    except (KeyError, ValueError, TypeError) as err:
+        said = str(err.args[0] if err.args else err)  # a KeyError's str() is quoted
+        raise ConfigError(
+            "model.rope_scaling",
+            f"transformers refuses it ({said})",
+            "give the keys its rope_type needs (docs/long-context.md), e.g. llama3: factor, "
+            "low_freq_factor, high_freq_factor, original_max_position_embeddings",
+        ) from None
+    finally:
+        said_by_transformers.removeFilter(quiet)
 
 
 _SAID_EAGER: set[type] = set()
