@@ -253,12 +253,18 @@ CASES = [
         "model.rope_scaling: factor 1e+308 x",
         process=True,
     ),
-    Case("rope-factor-nan", plan("model.rope_scaling={rope_type: linear, factor: .nan}"), BAD,
-         "factor: is nan"),  # fmt: skip
+    Case(
+        "rope-factor-nan",
+        plan("model.rope_scaling={rope_type: linear, factor: .nan}"),
+        BAD,
+        "factor: is nan",
+    ),
     Case(
         "rope-original-huge",
-        estimate(f"model.rope_scaling={{rope_type: yarn, factor: 2, "
-                 f"original_max_position_embeddings: {10**30}}}"),  # fmt: skip
+        estimate(
+            f"model.rope_scaling={{rope_type: yarn, factor: 2, "
+            f"original_max_position_embeddings: {10**30}}}"
+        ),  # fmt: skip
         BAD,
         "model.rope_scaling: factor 2 x",
     ),
@@ -296,13 +302,13 @@ CASES = [
         train_with(lambda s: ["model.attn_implementation=flex_attention"]),
         BAD,
         "flex_attention needs a CUDA GPU for its backward",
-    ),  # fmt: skip
+    ),
     Case(
         "two-nodes-outside-slurm",
         train_with(lambda s: ["hardware.nodes=2", "strategy=fsdp"]),
         BAD,
         "hardware.nodes: 2 nodes: `oomless train` starts processes on this machine only",
-    ),  # fmt: skip
+    ),
     Case("override-alias-bomb", config(f"model.config.x={_flow_bomb()}"), BAD, "expands to"),
     Case("override-deep", config("model.config.x=" + "[" * 1500 + "]" * 1500), BAD, "too deep"),
     Case("override-5000-parts", config("a." * 5000 + "b=1"), BAD, "more than 32 dotted parts"),
