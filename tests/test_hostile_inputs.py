@@ -264,7 +264,7 @@ CASES = [
         estimate(
             f"model.rope_scaling={{rope_type: yarn, factor: 2, "
             f"original_max_position_embeddings: {10**30}}}"
-        ),  # fmt: skip
+        ),
         BAD,
         "model.rope_scaling: factor 2 x",
     ),
