@@ -15,7 +15,7 @@ from launcher.plan.hardware import Hardware
 from launcher.plan.ladder import climb
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig, apply_overrides, build_config
-from trainer.core.units import GIB
+from trainer.core.units import GIB, size_words
 
 # The opt-in changes, least change to what is learned first: 8-bit moments and bf16 weights
 # (with the step in backward where gradients must not all exist at once) still train every
@@ -58,7 +58,7 @@ class MethodAlternative:
         where = self.strategy + (f" x{self.world_size}" if self.world_size > 1 else "")
         return (
             f"{self.change} would fit on {where} ({self.device_total_bytes / GIB:.1f} GiB of "
-            f"{self.device_memory_bytes / GIB:.0f} GiB)"
+            f"{size_words(self.device_memory_bytes)})"
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -16,7 +16,6 @@ from typing import Any
 
 from launcher.estimate.activations import with_activations
 from launcher.estimate.compiled_layers import compiled_reason
-from launcher.estimate.methods import why_not_on
 from launcher.estimate.peak import Estimate
 from launcher.estimate.shape import ModelShape, model_shape
 from launcher.plan.alternatives import MethodAlternative, method_alternatives
@@ -26,7 +25,6 @@ from launcher.plan.ladder import (
     SIMPLER_RUNG_MARGIN,
     Alternative,
     Candidate,
-    climb,
     job_step,
     planned_attention,
     reduce_variants,
@@ -34,23 +32,18 @@ from launcher.plan.ladder import (
     shortfall,
 )
 from launcher.plan.long_context import (
-    attention_choices,
     attention_reason,
     climb_long,
     long_context_reasons,
-    longest_sequences,
-    mask_words,
     max_seq_len,
     max_seq_len_memory,
-    with_attention,
-    with_flash_attention,
 )
+from launcher.plan.no_fit import what_would_fit
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
 from trainer.core.step_spec import (
     NO_LEVERS,
     SHORT,
-    Finetune,
     Levers,
     LongContext,
     StepSpec,
@@ -172,7 +165,7 @@ def make_plan(
         return _forced_plan(cfg, hw, shape, forced, per_rank, rejected, memory_scale)
     if not ranked:
         changes = method_alternatives(cfg, hw, shape, exclude, memory_scale)
-        raise NoFitError(_what_would_fit(cfg, hw, shape, rejected, changes), changes)
+        raise NoFitError(what_would_fit(cfg, hw, shape, changes), changes)
     chosen = ranked[0]
     alternatives = [
         Alternative(
@@ -208,8 +201,8 @@ def _reasons(cfg: JobConfig, hw: Hardware, ranked: list[Candidate], memory_scale
     reasons = [
         f"{chosen.rung.name} fits: {est.device_total_bytes / GIB:.1f} GiB of "
         f"{hw.device_memory_bytes / GIB:.1f} GiB per device (headroom {cfg.memory.headroom:.0%})"
-        f", {est.host_total_bytes / GIB:.1f} GiB of {hw.host_memory_bytes / GIB:.0f}"
-        " GiB host per node",
+        f", {est.host_total_bytes / GIB:.1f} GiB of {hw.host_memory_bytes / GIB:.1f} GiB host"
+        " per node",
         f"micro-batch {chosen.micro} x accumulation {per_rank // chosen.micro} x {world} "
         + ("ranks" if world == hw.world_size else "data-parallel groups")
         + f" = global batch {cfg.train.global_batch_size}; activation checkpointing "
@@ -315,109 +308,6 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
     time_s = step_time_s(shape, spec, hw, links, est.offloaded_bytes)
     return Plan.of(spec, hw, est, time_s, reasons, [*rejected, *changes], every,
                    attention=planned_attention(cfg.model.attn_implementation))  # fmt: skip
-
-
-def _what_would_fit(cfg: JobConfig, hw: Hardware, shape: ModelShape, rejected, changes) -> str:
-    """One line: the host RAM, or the number of devices, with which the job would fit; then
-    the opt-in method/optimizer `changes` that would fit here."""
-    cfg = with_attention(cfg, attention_choices(cfg, hw, shape)[-1])  # `auto`: the one it would use
-    per_rank = cfg.train.global_batch_size // hw.world_size
-    base = (
-        f"does not fit on {hw.world_size} x {hw.device_memory_bytes / GIB:.0f} GiB "
-        f"{hw.device} with {hw.host_memory_bytes / GIB:.0f} GiB host memory per node on any "
-        "strategy"
-    )
-    offers = []
-    finetune = Finetune.of(cfg)
-    runs = [r for r in strategies.rows() if why_not_on(r, finetune, cfg.precision) is None]
-
-    def smallest_micro(world: int) -> int:  # the step in backward: one micro-batch per step
-        return max(1, cfg.train.global_batch_size // world) if finetune.in_backward else 1
-
-    for rung in [r for r in runs if r.engine == "deepspeed" and r.offloads and not r.needs_nvme]:
-        micro = smallest_micro(hw.world_size)
-        est = scaled_estimate(shape, job_step(cfg, hw, rung, micro, "full"), 1.0)
-        device_ok = est.device_total_bytes <= hw.device_memory_bytes * (1 - cfg.memory.headroom)
-        need = est.host_total_bytes / (1 - cfg.memory.headroom)
-        # more host memory than the node has: anything less is not what stands in the way
-        if device_ok and per_rank >= 1 and need > hw.host_memory_bytes:
-            offers.append(f"{rung.name} would fit with {need / GIB:.0f} GiB host memory per node")
-            break
-    fsdp = next(r for r in strategies.rows() if r.engine == "fsdp" and not r.offloads)
-    for world_mult in (2, 4, 8, 16, 32, 64, 128) if fsdp in runs else ():
-        bigger = Hardware(
-            hw.device,
-            hw.nodes * world_mult,
-            hw.devices_per_node,
-            hw.device_memory_bytes,
-            hw.host_memory_bytes,
-            hw.device_name,
-            hw.peak_flops,
-        )
-        if cfg.train.global_batch_size % bigger.world_size:
-            continue
-        micro = smallest_micro(bigger.world_size)
-        spec = job_step(cfg, bigger, fsdp, micro, "full", reduce_every_micro=True)
-        est = scaled_estimate(shape, spec, 1.0)
-        if shortfall(est, bigger, cfg.memory.headroom) is None:
-            offers.append(
-                f"{fsdp.name} would fit on {bigger.world_size} such devices "
-                f"({bigger.nodes} nodes x {bigger.devices_per_node})"
-            )
-            break
-    if finetune.in_backward:
-        offers.append(_without_step_in_backward(cfg, hw, shape, per_rank))
-    offers += _with_varlen_attention(cfg, hw, shape)
-    offers += [alt.words() for alt in changes]
-    if not offers:  # a shorter sequence is a change of what is learned: only when nothing else
-        rungs = [r for r in runs if not r.needs_nvme]
-        offers += longest_sequences(cfg, hw, shape, rungs, smallest_micro(hw.world_size))
-    return base + ("; " + "; or ".join(offers) if offers else "")
-
-
-def _fits_words(climbed: Any, hw: Hardware) -> str:
-    best = climbed.ranked[0]
-    return (
-        f"{best.rung.name} ({best.estimate.device_total_bytes / GIB:.1f} GiB of "
-        f"{hw.device_memory_bytes / GIB:.0f} GiB)"
-    )
-
-
-def _with_varlen_attention(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[str]:
-    """Flash attention, where it makes the job fit (see `with_flash_attention`)."""
-    flash = with_flash_attention(cfg, hw)
-    if flash is None:
-        return []
-    rungs = [r for r in strategies.rows() if cfg.strategy in ("auto", r.name)]
-    climbed, _, _, _ = climb_long(flash, hw, shape, rungs)
-    if not climbed.ranked:
-        return []
-    return [
-        f"model.attn_implementation=flash_attention_2 would fit on {_fits_words(climbed, hw)}: "
-        + mask_words(cfg.model.attn_implementation)
-    ]
-
-
-def _without_step_in_backward(
-    cfg: JobConfig, hw: Hardware, shape: ModelShape, per_rank: int
-) -> str:
-    """What `train.optimizer_in_backward` costs this job, and where it fits without it."""
-    why = (
-        "train.optimizer_in_backward allows no accumulation, so each rank's "
-        f"{per_rank} sequences are one micro-batch"
-    )
-    train = cfg.train.model_copy(update={"optimizer_in_backward": False})
-    without = cfg.model_copy(update={"train": train})
-    rungs = [r for r in strategies.rows() if cfg.strategy in ("auto", r.name)]
-    ranked = climb(without, hw, shape, rungs).ranked
-    if not ranked:
-        return why
-    best = ranked[0]
-    return (
-        f"train.optimizer_in_backward=false would fit on {best.rung.name} "
-        f"({best.estimate.device_total_bytes / GIB:.1f} GiB of "
-        f"{hw.device_memory_bytes / GIB:.0f} GiB): {why}"
-    )
 
 
 def apply_plan(cfg: JobConfig, plan: Plan, hw: Hardware) -> JobConfig:

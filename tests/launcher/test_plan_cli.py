@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -135,3 +136,36 @@ def test_flags_and_overrides_come_in_any_order_after_the_config(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--bogus" in err
+
+
+HINT = re.compile(
+    r"would fit with (?:(?P<device>[\d.]+ [MG]iB) per device)?(?: and )?"
+    r"(?:(?P<host>[\d.]+ [MG]iB) host memory per node)?"
+)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        ["hardware.host_memory=3GiB"],  # 3.36 GiB needed: was "would fit with 3 GiB"
+        ["hardware.host_memory=2GiB"],
+        ["hardware.host_memory=1GiB"],  # was no hint at all
+        ["hardware.device_memory=512MiB"],  # was "1 x 0 GiB cpu"
+        ["hardware.device_memory=512MiB", "hardware.host_memory=1GiB"],
+        ["hardware.device_memory=1.1GiB", "hardware.host_memory=3.1GiB"],
+    ],
+)
+def test_an_exit_3_names_memory_with_which_the_plan_then_fits(capsys, sizes):
+    """The exit-3 line always offers something, its sizes are rounded up, and following it
+    gives a plan (docs/interface.md, exit 3); a size under 1 GiB prints in MiB."""
+    job = ["configs/demo.yaml", "hardware.device=cpu", *sizes]
+    rc, out, err = _plan(capsys, *job)
+    assert rc == 3, err
+    line = err.strip().splitlines()[-1]
+    assert " 0 GiB" not in line and ("512 MiB" in line) == ("device_memory=512MiB" in sizes[0])
+    hint = HINT.search(line)
+    assert hint and (hint["device"] or hint["host"]), line
+    follow = [f"hardware.{key}_memory={hint[key].replace(' ', '')}" for key in ("device", "host")
+              if hint[key]]  # fmt: skip
+    rc, out, err = _plan(capsys, *job, *follow, "--json")
+    assert rc == 0, (line, err)

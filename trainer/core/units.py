@@ -44,3 +44,15 @@ def parse_size(value: int | float | str) -> int:
     if size <= 0:
         raise ValueError("must be positive")
     return size
+
+
+def size_words(num_bytes: float, up: bool = False) -> str:
+    """A size as a person reads it: '512 MiB' under 1 GiB, '3.4 GiB' under 10, '80 GiB' above.
+    With `up`, rounded up at the precision printed, so that a size said to be enough is."""
+    rounded = math.ceil if up else round
+    if num_bytes < GIB:
+        return f"{rounded(num_bytes / MIB)} MiB"
+    if num_bytes < 10 * GIB:
+        tenths = rounded(num_bytes * 10 / GIB)
+        return f"{tenths // 10} GiB" if tenths % 10 == 0 else f"{tenths / 10:.1f} GiB"
+    return f"{rounded(num_bytes / GIB)} GiB"
