@@ -29,6 +29,7 @@ from launcher.plan.ladder import (
     shortfall,
     uneven_batch,
 )
+from trainer.core import strategies
 from trainer.core.config import JobConfig
 from trainer.core.parallel_dims import (
     AttentionShape,
@@ -62,10 +63,36 @@ def sequence_parallel_sizes(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> 
         check_sequence_parallel(dims, attention, cfg.data.seq_len, batch)
         return [cfg.sequence_parallel]
     sizes = sequence_sizes(hw.world_size, attention, cfg.data.seq_len, batch)
-    if sizes and sizes[0] > 1:  # only a sequence split shares the batch: the user's choice
+    # Only a sequence split shares the batch: that is the user's choice where one sequence a
+    # rank would fit unsplit; where it would not, the sequence needs splitting anyway.
+    if sizes and sizes[0] > 1 and fits_unsplit(cfg, hw, shape):
         raise uneven_batch(cfg.train.global_batch_size, hw.world_size, splits=sizes)
     # not split first, always: where nothing shares the batch over the ranks the ladder says so
     return sizes or [1]
+
+
+def fits_unsplit(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> bool:
+    """Whether one whole sequence on each rank, as many as the ranks, fits some rung at its
+    smallest footprint (one sequence a micro-batch, the MLP tiled where the config allows)."""
+    one_each = cfg.train.model_copy(
+        update={"global_batch_size": hw.world_size, "micro_batch_size": 1}
+    )
+    unsplit = cfg.model_copy(update={"train": one_each})
+    long = LongContext(1, cfg.memory.tiled_mlp is not False)
+    return bool(climb(unsplit, hw, shape, strategies.rows(), long=long).ranked)
+
+
+def frugal_sequence_parallel(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> int:
+    """The sequence group the config leaves the planner at its largest (the smallest share of
+    each sequence a rank holds): the config's own size, 1 for preference pairs."""
+    if isinstance(cfg.sequence_parallel, int):
+        return cfg.sequence_parallel
+    if cfg.objective.preference:  # a pair's log-probs are sums over whole sequences
+        return 1
+    attention = AttentionShape(shape.num_heads, shape.num_kv_heads)
+    sizes = sequence_sizes(hw.world_size, attention, hw.world_size * 1024,
+                           Batch(cfg.train.global_batch_size))  # fmt: skip
+    return max(sizes or [1])
 
 
 def long_context_choices(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[LongContext]:
@@ -232,12 +259,7 @@ def frugal_steps(
 ) -> list[StepSpec]:
     """`chosen` on each of `rungs` with the smallest footprint the config leaves open, its
     sequence a multiple of the group (`max_seq_len_memory`)."""
-    sp = cfg.sequence_parallel
-    if not isinstance(sp, int):
-        attention = AttentionShape(shape.num_heads, shape.num_kv_heads)
-        sizes = sequence_sizes(hw.world_size, attention, hw.world_size * 1024,
-                               Batch(cfg.train.global_batch_size))  # fmt: skip
-        sp = max(sizes or [1])
+    sp = frugal_sequence_parallel(cfg, hw, shape)
     mem = cfg.memory
     ac = mem.activation_checkpointing if mem.activation_checkpointing != "auto" else "full"
     lever = lever_variants(mem.chunked_loss, mem.offload_activations, hw.device)[-1]
@@ -345,8 +367,8 @@ def longest_sequence(
     """The longest data.seq_len (a multiple of 1024 from 2048 on) that some rung fits here with
     full checkpointing and every lever the config allows, and that rung."""
     levers = lever_variants(cfg.memory.chunked_loss, cfg.memory.offload_activations, hw.device)[-1]
-    long = LongContext.of(cfg)
-    long = replace(long, tiled_mlp=cfg.memory.tiled_mlp is not False)  # `auto`: the smaller
+    # `auto`: the smaller footprint, the most split sequence and the tiled MLP
+    long = LongContext(frugal_sequence_parallel(cfg, hw, shape), cfg.memory.tiled_mlp is not False)
     specs = [(r, job_step(cfg, hw, r, micro, "full", levers=levers, long=long)) for r in rungs]
 
     def fits(tokens: int) -> Strategy | None:

@@ -46,7 +46,9 @@ def what_would_fit(
     )
     finetune = Finetune.of(cfg)
     runs = [r for r in strategies.rows() if why_not_on(r, finetune, cfg.precision) is None]
-    offers = [*_more_memory(cfg, hw, shape, runs), *_more_devices(cfg, hw, shape, runs)]
+    more_memory = _more_memory(cfg, hw, shape, runs)
+    offers = [o for o in more_memory if "per device" not in o]  # host memory: cheap to add
+    offers += _more_devices(cfg, hw, shape, runs)
     if finetune.in_backward:
         offers.append(_without_step_in_backward(cfg, hw, shape, per_rank))
     offers += _with_varlen_attention(cfg, hw, shape)
@@ -54,6 +56,8 @@ def what_would_fit(
     if not offers:  # a shorter sequence is a change of what is learned: only when nothing else
         rungs = [r for r in runs if not r.needs_nvme]
         offers += longest_sequences(cfg, hw, shape, rungs, _smallest_micro(cfg, hw.world_size))
+    if not offers:  # larger devices: the last resort, and always something said
+        offers += more_memory
     return base + ("; " + "; or ".join(offers) if offers else "")
 
 

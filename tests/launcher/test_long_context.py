@@ -18,7 +18,7 @@ from launcher.plan.hardware import Hardware
 from launcher.plan.job import resolve_plan
 from launcher.plan.ladder import shortfall
 from launcher.plan.long_context import max_seq_len
-from launcher.plan.planner import make_plan
+from launcher.plan.planner import NoFitError, make_plan
 from tests.launcher.test_estimate_trace import hf_config
 from trainer.core.config import ConfigError, build_config, load_config
 from trainer.core.step_spec import StepSpec
@@ -224,3 +224,35 @@ def test_a_sequence_split_the_planner_chooses_is_what_the_ranks_run(tmp_path):
     assert "sequence parallel 2 (a sequence over 2 ranks)" in r.stdout + r.stderr
     losses = [json.loads(line).get("loss") for line in (tmp_path / "metrics.jsonl").open()]
     assert any(loss is not None and loss > 0 for loss in losses)
+
+
+YARN_32 = {"name_or_path": "meta-llama/Llama-3.1-8B",
+           "rope_scaling": {"rope_type": "yarn", "factor": 32.0}}  # fmt: skip
+
+
+def test_a_sequence_that_fits_only_split_is_split_before_the_batch_is_judged():
+    """One 2M-token sequence on 8 GPUs: the batch of 1 splits over no data ranks, but the
+    sequence needs splitting to fit anyway, so the planner splits it (it was exit 2 on the
+    batch). A sequence that fits whole still leaves sharing the batch to the user."""
+    job = _job(2097152, model=YARN_32, train={"global_batch_size": 1})
+    plan = make_plan(job, _hw(8))
+    assert plan.long.sequence_parallel == 8
+    assert plan.micro_batch_size * plan.grad_accum == 1
+    with pytest.raises(ConfigError, match="or split each sequence over ranks: sequence_parallel"):
+        make_plan(_job(4096, train={"global_batch_size": 1}), _hw(8))
+
+
+def test_the_longest_sequence_memory_allows_is_the_longest_that_plans():
+    """`max_seq_len_memory` at 128k is a length that plans on the same hardware, and one
+    group's slice more does not; the exit 3 beyond it names the same limit (it named 262,144,
+    from an unsplit sequence)."""
+    hw = _hw(8)
+    longest = make_plan(_job(131072, model=YARN_32), hw).max_seq_len_memory
+    assert longest > 131072
+    plan = make_plan(_job(longest, model=YARN_32), hw)
+    sp = plan.long.sequence_parallel
+    with pytest.raises(NoFitError) as err:
+        make_plan(_job(longest + sp, model=YARN_32), hw)
+    offered = int(str(err.value).split("data.seq_len=")[1].split()[0])
+    assert longest - 1024 < offered <= longest
+    make_plan(_job(offered, model=YARN_32), hw)  # the offer plans
