@@ -154,3 +154,22 @@ def test_readme_and_docs_name_no_commits() -> None:
 def test_the_benchmarks_page_is_under_2500_words() -> None:
     words = len((REPO / "docs" / "benchmarks.md").read_text().split())
     assert words < 2500, f"docs/benchmarks.md has {words} words"
+
+
+def test_the_rungs_config_md_names_for_each_opt_in_are_those_that_run_it() -> None:
+    """docs/config.md's rows for `finetune.method: qlora` and `train.optimizer: adamw_8bit`
+    list exactly the rungs trainer/core/methods.py lets run them (QLoRA on zero3 was missing)."""
+    from trainer.core.methods import supported_rungs
+
+    rows = {
+        line.split("|")[1].strip(" `"): line
+        for line in (REPO / "docs" / "config.md").read_text().splitlines()
+        if line.startswith("| `")
+    }
+    for key, (opt_in, rungs) in {
+        "method": ("`qlora` (", supported_rungs("qlora")),
+        "optimizer": ("`adamw_8bit` (", supported_rungs("full", "adamw_8bit")),
+    }.items():
+        said = rows[key].split(opt_in)[1].split(")")[0]
+        named = [word.strip("`") for word in said.split("; ")[-1].split(", ")]
+        assert named == list(rungs), (key, named, rungs)
