@@ -64,7 +64,9 @@ from trainer.core.config import (
     write_config,
 )
 from trainer.core.errors import disk_full, no_space
+from trainer.core.methods import reference_source
 from trainer.model.finetune import base_pointer, check_same_base
+from trainer.objectives.reference_key import base_identity, check_same_reference
 from trainer.optim import fp32_moments
 from trainer.runtime.dist import (
     after_rank0,
@@ -110,6 +112,7 @@ class Checkpointer:
         self.rank = rank
         self._pending: tuple[Any, int, Path, dict[str, Any], HashingFileSystem] | None = None
         self.base: dict[str, Any] | None = None  # lora/qlora: the base pointer, once computed
+        self.reference: dict[str, Any] | None = None  # dpo: the reference's base, once hashed
         self._group: Any = None  # for background writes, made at the first
         self._needed_bytes = 0  # the size of the state being saved, for a full disk's line
 
@@ -194,6 +197,10 @@ class Checkpointer:
             if cfg.finetune.method != "full":  # adapters only: say which base they belong to
                 state["base"] = self.base or base_pointer(cfg.model)
                 self.base = state["base"]
+            if reference_source(cfg.objective.type, cfg.finetune.method) is not None:
+                # DPO: the base its reference comes from, by content (a resume checks it)
+                self.reference = self.reference or base_identity(cfg.model)
+                state["reference"] = self.reference
             write_json_durably(tmp / STATE_FILE, state)
             crash("trainer state written")
             if final.exists():
@@ -321,8 +328,9 @@ def check_resumable(
     announce: bool = False,
 ) -> dict[str, Any]:
     """The checkpoint's trainer state, or a ConfigError when resuming it with `cfg` would change
-    what is learned: a MATH_KEYS value (each named with both values) or the training data's
-    content (`data_fingerprint`, a callable is only called when the checkpoint holds one).
+    what is learned: a MATH_KEYS value (each named with both values), the training data's
+    content (`data_fingerprint`, a callable is only called when the checkpoint holds one), or
+    (DPO) the base its reference comes from, by every byte (`reference` in the state).
     Other changes are allowed; with `announce` they are logged."""
     state = json.loads((path / STATE_FILE).read_text())
     saved = (
@@ -348,6 +356,8 @@ def check_resumable(
             )
     if cfg.finetune.method != "full":
         check_same_base(state.get("base"), cfg.model, path)
+    if reference_source(cfg.objective.type, cfg.finetune.method) is not None:
+        check_same_reference(state.get("reference"), cfg.model, path)
     if other and announce:
         log.info("resuming %s with changed settings that keep the math: %s", path, "; ".join(other))
     return state
