@@ -74,6 +74,10 @@ def runs(tmp_path_factory) -> Path:
         run={"save_final": True, "checkpoint_every": 0},
     )
     base = work / "sft" / "final"
+    # 15 pairs and one whose prompt fills seq_len: no answer token is left of it
+    cut = work / "pairs_cut.jsonl"
+    long_prompt = json.dumps({"prompt": "1234567890+1234567890=", "chosen": "1", "rejected": "2"})
+    cut.write_text("".join(open(DEMO / "pairs_train.jsonl").readlines()[:15]) + long_prompt + "\n")
     dpo = _preference_job(work, "dpo", base, pairs)
     dpo_lora = _preference_job(work, "dpo_lora", base, pairs, finetune=LORA)
     resume = f"run.resume={work / 'dpo/checkpoints/step_6'}"
@@ -92,6 +96,15 @@ def runs(tmp_path_factory) -> Path:
             _args(dpo_lora, work / "dpo_lora", "train.lr=5e-3"),
             _args(dpo, work / "orpo", "objective.type=orpo", "train.lr=3e-3"),
             _args(dpo, work / "simpo", "objective.type=simpo", "objective.beta=2.0"),
+            _args(
+                dpo,
+                work / "orpo_cut",
+                "objective.type=orpo",
+                f"data.path={cut}",
+                "train.global_batch_size=8",
+                "train.micro_batch_size=8",
+                "train.steps=2",
+            ),
         ]
     )
     return work
@@ -231,6 +244,44 @@ def test_orpo_and_simpo_train_without_a_reference(runs, name):
     assert "reference:" not in (runs / name / "log.txt").read_text()
 
 
+def _strict(line: str) -> dict:
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_a_pair_whose_prompt_fills_seq_len_is_dropped_and_orpo_stays_finite(runs):
+    """Before: exit 0 with `loss nan` on every step and a bare NaN in metrics.jsonl."""
+    log = (runs / "orpo_cut" / "log.txt").read_text()
+    dropped = [line for line in log.splitlines() if "dropped 1 preference pair" in line]
+    assert len(dropped) == 1 and "pairs_cut.jsonl row 16" in dropped[0], log[-3000:]
+    records = [_strict(x) for x in (runs / "orpo_cut" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records), records
+
+
+def test_metrics_are_strict_json_and_orpo_is_finite_on_a_certain_answer(tmp_path, caplog):
+    """A NaN or infinite metric is null (said once in the log); ORPO's log odds of an answer
+    whose mean log-probability is exactly 0 are large, not infinite."""
+    import torch
+
+    from trainer.objectives.preference import PreferenceObjective
+    from trainer.observe.metrics import MetricsLog
+
+    metrics = MetricsLog(tmp_path, 2, enabled=True)
+    for step, loss in ((1, float("nan")), (2, float("inf"))):
+        record = {"step": step, "loss": loss, "lr": 1e-3, "grad_norm": float("nan")}
+        metrics.write({**record, "tokens_per_s": 1.0, "reward_margin": 0.0, "reward_accuracy": 0.0})
+    records = [_strict(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["loss"], r["grad_norm"]) for r in records] == [(None, None), (None, None)]
+    assert sum("not finite" in r.message for r in caplog.records) == 1
+    orpo = PreferenceObjective(_config(tmp_path, objective={"type": "orpo"}).objective)
+    logp = torch.tensor([0.0, -3.0], requires_grad=True)  # chosen certain, rejected not
+    losses, _ = orpo.pair_losses(logp, torch.tensor([2, 2]), None)
+    losses.sum().backward()
+    assert torch.isfinite(losses).all() and torch.isfinite(logp.grad).all(), (losses, logp.grad)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input: one line, naming the key or the row and field
 
@@ -302,3 +353,40 @@ def test_chat_pairs_mask_the_prompt_and_train_on_each_answer(tmp_path):
         ids, targets = docs.doc(i)
         learned, given = tokenizer.decode(ids[targets]), tokenizer.decode(ids[~targets])
         assert answer in learned and "1+1=" in given and "1+1=" not in learned, (learned, given)
+
+
+def _tokenised(cfg, tmp_path: Path):
+    from trainer.data import build_tokenizer
+    from trainer.data.documents import tokenize_source
+
+    tokenizer = build_tokenizer(cfg.model)
+    return tokenize_source(cfg.data.path, "data.path", cfg.data, tokenizer, tmp_path / "cache")
+
+
+def test_pairs_whose_answers_are_all_cut_off_are_one_line(tmp_path):
+    rows = '{"prompt": "123456789+123456789=", "chosen": "1", "rejected": "2"}\n' * 2
+    cfg = _config(tmp_path, rows=rows, data={"seq_len": 8})
+    with pytest.raises(ConfigError) as err:
+        _tokenised(cfg, tmp_path)
+    said = str(err.value)
+    assert "data.seq_len=8 cuts off the answers of every pair" in said and "row 1" in said, said
+    assert "\n" not in said
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"prompt": "", "chosen": "2", "rejected": "3"},
+        {"prompt": " ", "chosen": "2", "rejected": "3"},
+        {"prompt": [], "chosen": [{"role": "assistant", "content": "2"}],
+         "rejected": [{"role": "assistant", "content": "3"}]},
+        {"prompt": "", "chosen": [{"role": "assistant", "content": "2"}],
+         "rejected": [{"role": "assistant", "content": "3"}]},
+    ],
+)  # fmt: skip
+def test_an_empty_prompt_is_a_pair_of_answers_alone(tmp_path, row):
+    """docs/preference.md: only an empty answer is refused (before: "field 'prompt' is empty")."""
+    cfg = _config(tmp_path, rows=json.dumps(row) + "\n")
+    check_rows(cfg.data)
+    docs = _tokenised(cfg, tmp_path)
+    assert docs.num_docs == 2 and all(docs.doc(i)[1][1:].any() for i in range(2))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,23 @@ from trainer.core.contract import METRICS_FILE
 from trainer.core.files import append_line, link_refused, write_atomic
 
 log = logging.getLogger(__name__)
+
+
+def finite(value: Any) -> Any:
+    """`value` with every NaN and infinity (in dicts and lists too) made None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def strict_json(obj: Any, **kwargs: Any) -> str:
+    """JSON every parser reads: NaN and infinities written as null (json.dumps alone writes a bare
+    NaN, which is not JSON)."""
+    return json.dumps(finite(obj), allow_nan=False, **kwargs)
 
 
 class MetricsLog:
@@ -27,6 +45,7 @@ class MetricsLog:
         self._first_step: int | None = None
         self._profiled_s = 0.0  # profiled steps' time (profiler overhead): not in the ETA
         self._num_profiled = 0
+        self._said_not_finite = False  # a NaN or infinite metric, said once
 
     def truncate_after(self, step: int) -> None:
         """Keep the lines of steps <= `step` (a resumed run rewrites what came after).
@@ -62,8 +81,12 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        append_line(self.path, json.dumps(record), durable=False)
+        append_line(self.path, strict_json(record), durable=False)
         step = record["step"]
+        bad = sorted(k for k, v in record.items() if finite(v) is None and v is not None)
+        if bad and not self._said_not_finite:
+            self._said_not_finite = True
+            log.warning("step %d: %s not finite (null in %s)", step, ", ".join(bad), METRICS_FILE)
         if self._first_step is None:
             self._first_step = step
             self._start = time.perf_counter() - record.get("step_time_s", 0.0)
