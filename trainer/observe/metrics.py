@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.core.config import ConfigError
 from trainer.core.contract import METRICS_FILE
 from trainer.core.files import append_line, link_refused, write_atomic
 
@@ -33,6 +32,17 @@ def strict_json(obj: Any, **kwargs: Any) -> str:
     return json.dumps(finite(obj), allow_nan=False, **kwargs)
 
 
+def step_of(line: str) -> int | None:
+    """The step of a metrics.jsonl line oomless wrote; None for anything else (not JSON, not an
+    object, no whole-number `step`)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 class MetricsLog:
     """Appends JSON lines on rank 0 and prints a progress line with an ETA."""
 
@@ -50,32 +60,38 @@ class MetricsLog:
     def truncate_after(self, step: int) -> None:
         """Keep the lines of steps <= `step` (a resumed run rewrites what came after).
 
-        A crash or a full disk can leave the last line cut off: it is dropped with a warning.
-        The file is replaced in one rename, so a crash here loses nothing either. A symbolic
-        link at its name is refused (one line, exit 2), never read or written through.
+        A crash or a full disk can leave the last line cut off, and a user may add a line of
+        their own (a note): a line that is not a step's record is dropped, with one warning. The
+        file is replaced in one rename, so a crash here loses nothing either. A symbolic link at
+        its name is refused (one line, exit 2), never read or written through.
         """
         if self.path.is_symlink():
             raise link_refused(self.path)
         if not self.path.exists():
             return
-        lines = self.path.read_text().splitlines(keepends=True)
-        kept = []
-        for i, line in enumerate(lines):
+        lines = self.path.read_bytes().decode("utf-8", errors="replace").splitlines(keepends=True)
+        kept, dropped = [], []
+        for num, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                if i < len(lines) - 1:
-                    raise ConfigError(
-                        str(self.path),
-                        f"line {i + 1} is not JSON",
-                        "repair or remove that line, or start a new run.dir",
-                    ) from None
-                log.warning("%s: dropped an incomplete last line (%d bytes)", self.path, len(line))
-                continue
-            if record["step"] <= step:
+            record_step = step_of(line)
+            if record_step is None:
+                dropped.append(num)
+            elif record_step <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
+        if dropped == [len(lines)] and not lines[-1].endswith("\n"):
+            log.warning("%s: dropped an incomplete last line (%d bytes)", self.path, len(lines[-1]))
+        elif dropped:
+            shown = ", ".join(map(str, dropped[:5])) + (" ..." if len(dropped) > 5 else "")
+            log.warning(
+                "%s: dropped %d line%s that %s not a step's record (line %s: a note, or cut off "
+                "by a kill); the run goes on",
+                self.path,
+                len(dropped),
+                "" if len(dropped) == 1 else "s",
+                "is" if len(dropped) == 1 else "are",
+                shown,
+            )
         write_atomic(self.path, "".join(kept))
 
     def write(self, record: dict[str, Any]) -> None:
