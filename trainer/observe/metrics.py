@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.core.contract import METRICS_FILE
+from trainer.core.errors import disk_full
 from trainer.core.files import append_line, link_refused, write_atomic
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class MetricsLog:
         self._profiled_s = 0.0  # profiled steps' time (profiler overhead): not in the ETA
         self._num_profiled = 0
         self._said_not_finite = False  # a NaN or infinite metric, said once
+        self._said_full = False  # a full disk, said once
 
     def truncate_after(self, step: int) -> None:
         """Keep the lines of steps <= `step` (a resumed run rewrites what came after).
@@ -97,7 +99,16 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        append_line(self.path, strict_json(record), durable=False)
+        try:
+            append_line(self.path, strict_json(record), durable=False)
+        except OSError as err:  # rank 0 alone: raising here would leave the others waiting
+            if disk_full(err) is None:
+                raise
+            if not self._said_full:
+                self._said_full = True
+                log.warning("%s: %s; step %d's line was not written (said once); training goes "
+                            "on (its next checkpoint says what to do)", self.path, err.strerror,
+                            record["step"])  # fmt: skip
         step = record["step"]
         bad = sorted(k for k, v in record.items() if finite(v) is None and v is not None)
         if bad and not self._said_not_finite:
