@@ -118,7 +118,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _print_last_metrics(run_dir: Path) -> None:
     """The finished run's last metrics.jsonl record, one JSON line on stdout."""
-    records = read_jsonl(run_dir / METRICS_FILE)
+    records = [r for r in read_jsonl(run_dir / METRICS_FILE) if isinstance(r.get("step"), int)]
     if records:
         print(json.dumps(records[-1]), flush=True)
 

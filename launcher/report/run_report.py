@@ -1,6 +1,7 @@
 """`oomless report RUN_DIR`: pictures of a run — loss curves and where the memory goes.
 
-Writes `loss.png` (training loss per step, eval loss where measured), when the run has a
+Writes `loss.png` (training loss per step, eval loss where measured, labelled by the objective;
+a preference run adds a panel of its reward accuracy and margin), when the run has a
 plan `memory.png` (the estimate's per-device breakdown beside the measured peak), and when it
 was profiled (`debug.profile`) `memory_timeline.png` (live bytes over one step by phase, the
 estimate's per-phase prediction over it: launcher/report/timeline.py) into the run directory.
@@ -14,8 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.core.config import ConfigError
-from trainer.core.contract import METRICS_FILE, PLAN_FILE, trace_path
+import yaml
+
+from trainer.core.config import ConfigError, YamlLimitError, read_yaml
+from trainer.core.contract import CONFIG_FILE, METRICS_FILE, PLAN_FILE, trace_path
 from trainer.core.files import read_json_object, read_jsonl, umask_mode, write_atomic
 from trainer.core.units import GIB
 
@@ -38,7 +41,7 @@ def report_command(run_dir: str) -> int:
         raise ConfigError(
             "RUN_DIR", f"'{metrics_path}' holds no complete step", "report after a step is done"
         )
-    written = [plot_loss(records, root / "loss.png")]
+    written = [plot_loss(records, root / "loss.png", objective_of(root, records))]
     plan_path = root / PLAN_FILE
     if plan_path.is_file():
         plan = read_json_object(plan_path)
@@ -72,10 +75,44 @@ def _drawn(draw: Callable[[], Path], source: Path) -> list[Path]:
         return []
 
 
-def plot_loss(records: list[dict[str, Any]], out: Path) -> Path:
+def objective_of(root: Path, records: list[dict[str, Any]]) -> str:
+    """The run's `objective.type` from its config.yaml; without one readable, `preference` when
+    its records carry rewards, else `sft`."""
+    try:
+        tree = read_yaml((root / CONFIG_FILE).read_text())
+        objective = tree["objective"]["type"]
+        if isinstance(objective, str):
+            return objective
+    except (OSError, UnicodeDecodeError, YamlLimitError, yaml.YAMLError, KeyError, TypeError):
+        pass
+    return "preference" if any("reward_accuracy" in r for r in records) else "sft"
+
+
+def loss_label(objective: str) -> str:
+    """What `loss` is a mean of, for the y axis (docs/preference.md, docs/interface.md)."""
+    if objective == "sft":
+        return "loss (token-weighted mean)"
+    name = objective.upper() if objective in ("dpo", "orpo", "simpo") else objective
+    return f"{name} loss (mean over pairs)"
+
+
+def plot_loss(records: list[dict[str, Any]], out: Path, objective: str = "sft") -> Path:
+    return save_figure(loss_figure(records, objective), out)
+
+
+def loss_figure(records: list[dict[str, Any]], objective: str = "sft") -> Any:
+    """The loss per step (eval loss and exact match where measured); for a run with rewards a
+    second panel of reward accuracy and margin."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    rewards = [r for r in records if _is_number(r.get("reward_accuracy"))]
+    if rewards:
+        fig, (ax, below) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True)
+        _plot_rewards(
+            below, rewards, [r for r in records if _is_number(r.get("eval_reward_accuracy"))]
+        )
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4))
     steps = [r["step"] for r in records]
     ax.plot(steps, [r["loss"] for r in records], label="train loss", linewidth=1.2)
     evals = [r for r in records if _is_number(r.get("eval_loss"))]
@@ -87,30 +124,56 @@ def plot_loss(records: list[dict[str, Any]], out: Path) -> Path:
             label="eval loss",
             markersize=4,
         )
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (token-weighted mean)")
+    if not rewards:
+        ax.set_xlabel("optimizer step")
+    ax.set_ylabel(loss_label(objective))
     last = records[-1]
     ax.set_title(
         f"{last.get('strategy')} x {last.get('world_size')}, micro-batch "
         f"{last.get('micro_batch_size')} x accumulation {last.get('grad_accum')}"
     )
     if evals and all(_is_number(r.get("eval_exact_match")) for r in evals):
-        twin = ax.twinx()
-        twin.plot(
-            [r["step"] for r in evals],
-            [100 * r["eval_exact_match"] for r in evals],
-            "s--",
-            color="tab:green",
-            label="eval exact match (%)",
-            markersize=4,
-        )
-        twin.set_ylabel("eval exact match (%)")
-        twin.set_ylim(0, 100)
-        twin.legend(loc="center right")
+        _plot_exact_match(ax, evals)
     ax.legend(loc="upper right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    return save_figure(fig, out)
+    return fig
+
+
+def _plot_exact_match(ax: Any, evals: list[dict[str, Any]]) -> None:
+    twin = ax.twinx()
+    twin.plot(
+        [r["step"] for r in evals],
+        [100 * r["eval_exact_match"] for r in evals],
+        "s--",
+        color="tab:green",
+        label="eval exact match (%)",
+        markersize=4,
+    )
+    twin.set_ylabel("eval exact match (%)")
+    twin.set_ylim(0, 100)
+    twin.legend(loc="center right")
+
+
+def _plot_rewards(ax: Any, records: list[dict[str, Any]], evals: list[dict[str, Any]]) -> None:
+    """Reward accuracy (%, left) and reward margin (right) per step; held-out ones as markers."""
+    steps = [r["step"] for r in records]
+    ax.plot(steps, [100 * r["reward_accuracy"] for r in records], color="tab:blue",
+            label="reward accuracy (%)", linewidth=1.2)  # fmt: skip
+    if evals:
+        ax.plot([r["step"] for r in evals], [100 * r["eval_reward_accuracy"] for r in evals],
+                "o", color="tab:blue", label="eval reward accuracy (%)", markersize=4)  # fmt: skip
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("reward accuracy (%)")
+    ax.set_xlabel("optimizer step")
+    ax.grid(alpha=0.3)
+    twin = ax.twinx()
+    margins = [r for r in records if _is_number(r.get("reward_margin"))]
+    twin.plot([r["step"] for r in margins], [r["reward_margin"] for r in margins],
+              color="tab:orange", label="reward margin", linewidth=1.2)  # fmt: skip
+    twin.set_ylabel("reward margin (chosen - rejected)")
+    ax.legend(loc="upper left")
+    twin.legend(loc="lower right")
 
 
 def plot_memory(plan: dict[str, Any], records: list[dict[str, Any]], out: Path) -> Path:

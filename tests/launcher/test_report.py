@@ -42,3 +42,27 @@ def test_report_on_a_dir_without_metrics_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "metrics.jsonl" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_preference_run_is_labelled_by_its_objective_with_a_rewards_panel(tmp_path):
+    """Before: "loss (token-weighted mean)" and no reward accuracy or margin anywhere."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from launcher.report.run_report import loss_figure, objective_of
+
+    records = [
+        {"step": s, "loss": 0.69 - s / 100, "reward_accuracy": s / 10, "reward_margin": s / 50}
+        | ({"eval_loss": 0.7, "eval_reward_accuracy": 0.5} if s == 5 else {})
+        for s in range(1, 6)
+    ]
+    (tmp_path / "config.yaml").write_text("objective: {type: dpo, beta: 0.1}\n")
+    assert objective_of(tmp_path, records) == "dpo"
+    fig = loss_figure(records, "dpo")
+    labels = [ax.get_ylabel() for ax in fig.axes]
+    assert labels[0] == "DPO loss (mean over pairs)" and "token-weighted" not in str(labels)
+    assert "reward accuracy (%)" in labels and "reward margin (chosen - rejected)" in labels
+    drawn = {line.get_label() for ax in fig.axes for line in ax.get_lines()}
+    assert {"reward accuracy (%)", "reward margin", "eval reward accuracy (%)"} <= drawn, drawn
+    sft = loss_figure([{"step": 1, "loss": 3.0}], "sft")
+    assert [ax.get_ylabel() for ax in sft.axes] == ["loss (token-weighted mean)"]

@@ -27,13 +27,16 @@ class Run:
     # `against` from step 3 on), "resume" (steps 5-10 and the moments equal `against`'s),
     # "levers" (the memory levers on: losses within 1e-6 of the same rung with them off),
     # "pretrained" (step 1's loss within 1e-5 of `against`'s),
-    # "learns" (the loss falls: QLoRA, whose 4-bit base no other run shares)
+    # "learns" (the loss falls: QLoRA, whose 4-bit base no other run shares),
+    # "full_disk" (each rank's outcome_rank{R}.json: the same one-line ConfigError)
     check: str | None = None
     against: str = "single_fp32"
     exact: bool = False  # resume: bit-identical losses
     copy_from: str | None = None  # one-process resume: the checkpoint copied in from this run
     resume_at: int = RESUME_AT  # resume: the step of the checkpoint it starts from
     needs_nvme: bool = False  # DeepSpeed's async_io op (libaio)
+    # full_disk: ENOSPC injected on this rank (after `slow_s`) inside its DCP shard of step_4
+    full_disk: tuple[int, float] | None = None
 
 
 def _resume(name: str, source: str, strategy: str, against: str, at: int = RESUME_AT, **kw) -> Run:
@@ -193,6 +196,15 @@ RUNS: tuple[Run, ...] = (
     _resume("single_from_fsdp", "fsdp_fp32", "single", against="fsdp_fp32", world_size=1),
     _resume("fsdp1_from_fsdp2", "fsdp_fp32", "fsdp", against="fsdp_fp32", world_size=1),
     _resume("single_from_zero3", "zero3_fp32", "single", against="zero3_fp32", world_size=1),
+    # last (a path where the ranks disagree would leave the process group unusable): a full
+    # disk at step_4 on one rank, inside torch.save (the error DCP passes on has lost its
+    # cause), that rank slowed or not; every rank must leave with the same one line
+    *(
+        Run(f"fsdp_full_disk_rank{rank}_slow{slow_s:g}", ("strategy=fsdp", "train.steps=4",
+            "run.checkpoint_every=2", "run.keep_checkpoints=5", "dist.timeout_s=60"),
+            check="full_disk", full_disk=(rank, slow_s))
+        for rank, slow_s in ((1, 0.0), (1, 2.0), (0, 2.0))
+    ),
 )  # fmt: skip
 
 

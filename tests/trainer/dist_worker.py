@@ -8,7 +8,12 @@ their metrics.jsonl files and checkpoints afterwards.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
+import os
 import sys
+import time
 from pathlib import Path
 
 from tests.trainer.dist_runs import RUNS
@@ -28,6 +33,9 @@ def main() -> int:
             continue
         overrides = [o.replace("{work}", str(work)) for o in run.overrides]
         cfg = load_config(base, [*overrides, f"run.dir={work / run.name}"])
+        if run.full_disk is not None:
+            train_on_a_full_disk(cfg, run.full_disk, work / run.name)
+            continue
         code = run_training(cfg)
         if code != 0:
             return code
@@ -36,11 +44,58 @@ def main() -> int:
     return 0
 
 
+class _FullAfter:
+    """A file that takes `room` bytes, then (after `slow_s`) raises ENOSPC, as a full disk."""
+
+    def __init__(self, raw, room: int, slow_s: float):
+        self.raw, self.room, self.slow_s = raw, room, slow_s
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        if size > self.room:
+            time.sleep(self.slow_s)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= size
+        return self.raw.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.raw, name)
+
+
+def train_on_a_full_disk(cfg, full_disk: tuple[int, float], run_dir: Path) -> None:
+    """`run_training` with the disk full for one rank's DCP shard of step_4: a write past its
+    first KiB (inside torch.save's zip writer, which turns the OSError into "unexpected pos")
+    fails. Every rank writes what it raised to RUN_DIR/outcome_rank{R}.json."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from trainer.core.config import ConfigError
+    from trainer.engine import run_training
+
+    rank, (full_rank, slow_s) = int(os.environ["RANK"]), full_disk
+    original = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with original(self, path, mode) as stream:
+            shard = "step_4.tmp" in str(path) and str(path).endswith(".distcp")
+            yield _FullAfter(stream, 1024, slow_s) if shard and rank == full_rank else stream
+
+    FileSystem.create_stream = create_stream
+    try:
+        run_training(cfg)
+        outcome = {"raised": None}
+    except ConfigError as err:
+        outcome = {"raised": "ConfigError", "line": str(err)}
+    except BaseException as err:  # noqa: BLE001 - what a rank left with is the result
+        outcome = {"raised": type(err).__name__, "line": str(err)[-2000:]}
+    finally:
+        FileSystem.create_stream = original
+    (run_dir / f"outcome_rank{rank}.json").write_text(json.dumps(outcome))
+
+
 def probe_deepspeed_state_split(base: str, work: Path) -> None:
     """What each rank keeps of the canonical state a ZeRO-3 checkpoint gathers (the full tensors
     of its own parameters only), written to WORK_DIR/zero3_split_rank{R}.json."""
-    import json
-
     import torch
 
     from trainer.backends import BackendContext, build_backend

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, TINY_LLAMA, oomless
+from tests.conftest import REPO, TINY_LLAMA, oomless, write_demo_job
 from trainer.core.config import ConfigError, load_config, parse_size
 
 TOKENIZER = str(REPO / "configs" / "demo" / "tokenizer")
@@ -297,3 +297,20 @@ def test_the_keys_a_resume_may_not_change_are_marked_on_the_schema():
                 "precision", "finetune.method", "finetune.lora", "objective"}  # fmt: skip
     expected |= {f"data.{k}" for k in data} | {f"train.{k}" for k in train}
     assert set(MATH_KEYS) == expected and len(MATH_KEYS) == len(expected)
+
+
+def test_a_resume_may_swap_adamw_8bit_and_paged_adamw_8bit(tmp_path):
+    """The same math and checkpoint (docs/finetune.md): the swap is logged, not refused; a change
+    to or from fp32 moments still is."""
+    from trainer.core.config import resume_differences, semantic_hash
+
+    job = write_demo_job(tmp_path / "job.yaml")
+    cfgs = {o: load_config(job, [f"train.optimizer={o}"]) for o in ("adamw", "adamw_8bit",
+                                                                   "paged_adamw_8bit")}  # fmt: skip
+    for old, new in (("adamw_8bit", "paged_adamw_8bit"), ("paged_adamw_8bit", "adamw_8bit")):
+        math, other = resume_differences(cfgs[old].to_dict(), cfgs[new])
+        assert math == [] and other == [f'train.optimizer: "{old}" -> "{new}"'], (math, other)
+        assert semantic_hash(cfgs[old]) == semantic_hash(cfgs[new])
+    for old, new in (("adamw", "paged_adamw_8bit"), ("adamw_8bit", "adamw")):
+        math, _ = resume_differences(cfgs[old].to_dict(), cfgs[new])
+        assert math == [f'train.optimizer: "{old}" -> "{new}"'], math

@@ -284,3 +284,24 @@ def test_moment_comparison_catches_a_wrong_mapping(runs):
     wrong[f"{a}/exp_avg"], wrong[f"{b}/exp_avg"] = state[f"{b}/exp_avg"], state[f"{a}/exp_avg"]
     assert len(moment_mismatches(wrong, state, tol=1e-6)) == 2
     assert not moment_mismatches(state, state, tol=1e-6)
+
+
+@pytest.mark.parametrize("run", checked("full_disk"), ids=lambda run: run.name)
+def test_a_full_disk_on_one_rank_is_one_line_on_every_rank(runs, run):
+    """ENOSPC on one rank inside its shard of step_4, that rank slowed or not: every rank
+    leaves with the same one-line error, step_4.tmp is gone and `latest` names step_2 (before:
+    the error DCP passed on had lost its cause, so the ranks raised tracebacks, exit 1, and the
+    .tmp stayed)."""
+    from trainer.checkpoint.store import checkpoint_damage
+
+    run_dir = runs / run.name
+    outcomes = [json.loads((run_dir / f"outcome_rank{r}.json").read_text()) for r in (0, 1)]
+    assert [o["raised"] for o in outcomes] == ["ConfigError", "ConfigError"], outcomes
+    line = outcomes[0]["line"]
+    assert outcomes[1]["line"] == line and "\n" not in line, outcomes
+    assert line.startswith("config error: run.dir: could not write checkpoint step_4"), line
+    assert "No space left on device" in line and "step_2 is kept" in line, line
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_2"]
+    assert (checkpoints / "latest").read_text().strip() == "step_2"
+    assert checkpoint_damage(checkpoints / "step_2") is None

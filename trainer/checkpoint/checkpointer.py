@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,9 @@ from trainer.core.config import (
     write_config,
 )
 from trainer.core.errors import disk_full, no_space
+from trainer.core.methods import reference_source
 from trainer.model.finetune import base_pointer, check_same_base
+from trainer.objectives.reference_key import base_identity, check_same_reference
 from trainer.optim import fp32_moments
 from trainer.runtime.dist import (
     after_rank0,
@@ -75,6 +77,7 @@ from trainer.runtime.dist import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 # A one-process run saves and loads without a process group (no_dist) on purpose; torch warns
 # on every save that it assumes so.
 warnings.filterwarnings(
@@ -110,6 +113,7 @@ class Checkpointer:
         self.rank = rank
         self._pending: tuple[Any, int, Path, dict[str, Any], HashingFileSystem] | None = None
         self.base: dict[str, Any] | None = None  # lora/qlora: the base pointer, once computed
+        self.reference: dict[str, Any] | None = None  # dpo: the reference's base, once hashed
         self._group: Any = None  # for background writes, made at the first
         self._needed_bytes = 0  # the size of the state being saved, for a full disk's line
 
@@ -127,21 +131,24 @@ class Checkpointer:
         with _disk_full_is_one_line(self.root, step, tmp, self._needed_bytes):
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            _agree_on_full_disk(_full_disk_in(lambda: _make_tmp(tmp, self.rank)))
+            together(lambda: _make_tmp(tmp, self.rank))
             rng = tmp / "rng" / f"rank_{self.rank}.safetensors"
-            _agree_on_full_disk(_full_disk_in(lambda: _write_bytes(rng, save(rng_state()))))
+            together(lambda: _write_bytes(rng, save(rng_state())))
             writer = dcp.FileSystemWriter(str(tmp))
             writer.fs = fs = HashingFileSystem()  # checksums for the manifest, while writing
             if asynchronous:
-                future = dcp.async_save(
-                    flat,
-                    storage_writer=writer,
-                    process_group=self._background_group(),
-                    no_dist=not is_distributed(),
+                group = self._background_group()
+                future = together(
+                    lambda: dcp.async_save(
+                        flat, storage_writer=writer, process_group=group, no_dist=group is None
+                    ),
+                    fs,
                 )
                 self._pending = (future, step, tmp, trainer_state, fs)
                 return self.root / f"step_{step}"
-            dcp.save(flat, storage_writer=writer, no_dist=not is_distributed())
+            together(
+                lambda: dcp.save(flat, storage_writer=writer, no_dist=not is_distributed()), fs
+            )
             return self._complete(step, tmp, trainer_state, fs)
 
     def _background_group(self) -> Any:
@@ -164,10 +171,9 @@ class Checkpointer:
             return
         future, step, tmp, trainer_state, fs = self._pending
         self._pending = None
+        what = f"the background write of checkpoint step_{step}"
         with _disk_full_is_one_line(self.root, step, tmp, self._needed_bytes):
-            wait_for_future(
-                future, f"the background write of checkpoint step_{step}", self.cfg.dist.timeout_s
-            )
+            together(lambda: wait_for_future(future, what, self.cfg.dist.timeout_s), fs)
             self._complete(step, tmp, trainer_state, fs)
 
     def _complete(
@@ -177,7 +183,9 @@ class Checkpointer:
         final = self.root / f"step_{step}"
         crash("shards and rng written")
         mine = [Path(p) for p in fs.written] + [tmp / "rng" / f"rank_{self.rank}.safetensors"]
-        parts = _gather(digests_of(tmp, (p for p in mine if p.is_file()), fs.written))
+        parts = _gather(
+            together(lambda: digests_of(tmp, [p for p in mine if p.is_file()], fs.written))
+        )
 
         def complete_on_rank0() -> None:  # the others wait on it, not on dist.timeout_s
             slow_down(cfg, "checkpoint_s")
@@ -194,6 +202,10 @@ class Checkpointer:
             if cfg.finetune.method != "full":  # adapters only: say which base they belong to
                 state["base"] = self.base or base_pointer(cfg.model)
                 self.base = state["base"]
+            if reference_source(cfg.objective.type, cfg.finetune.method) is not None:
+                # DPO: the base its reference comes from, by content (a resume checks it)
+                self.reference = self.reference or base_identity(cfg.model)
+                state["reference"] = self.reference
             write_json_durably(tmp / STATE_FILE, state)
             crash("trainer state written")
             if final.exists():
@@ -211,7 +223,7 @@ class Checkpointer:
             lambda: _full_disk_in(complete_on_rank0),
             clock_s=cfg.dist.timeout_s,
         )
-        _agree_on_full_disk(full)
+        together(lambda: _raise(full))
         return final
 
 
@@ -260,18 +272,41 @@ def _full_disk_in(work: Callable[[], Any]) -> OSError | None:
     return None
 
 
-def _agree_on_full_disk(full: OSError | None) -> None:
-    """Every rank learns whether any found the disk full (a collective in place of a barrier)
-    and all raise it together, so none is left waiting in the next collective."""
+def _raise(err: BaseException | None) -> None:
+    if err is not None:
+        raise err
+
+
+def together(work: Callable[[], T], fs: HashingFileSystem | None = None) -> T:
+    """`work` on every rank, then one collective in which the ranks agree on how it went, so
+    that a failure on one rank never leaves another in a collective it has left:
+    - a full disk on any rank (in `work`'s error, or met by `fs` on this rank: DCP hands the
+      other ranks its errors without their cause) is raised on every rank, as that OSError;
+    - another error is raised by the ranks that had it; the others stop (SystemExit(1), their
+      log naming the rank whose error says why);
+    - else `work`'s result."""
+    result: Any = None
+    err: BaseException | None = None
+    try:
+        result = work()
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        err = e
+    full = disk_full(err) or (fs.full if fs is not None and err is not None else None)
+    mine = None if err is None else (full.errno, full.strerror) if full else repr(err)[:300]
+    parts = [mine]
     if is_distributed():
-        mine = None if full is None else (full.errno, full.strerror)
-        parts: list[Any] = [None] * dist.get_world_size()
+        parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
-        first = next((p for p in parts if p is not None), None)
-        if full is None and first is not None:
-            full = OSError(*first)
-    if full is not None:
-        raise full
+    first_full = next((p for p in parts if isinstance(p, tuple)), None)
+    if first_full is not None:
+        raise full or OSError(*first_full)
+    if err is not None:
+        raise err
+    failed = next((rank for rank, p in enumerate(parts) if p is not None), None)
+    if failed is not None:
+        log.info("rank %d failed while writing a checkpoint: %s; stopping", failed, parts[failed])
+        raise SystemExit(1)
+    return result
 
 
 @contextmanager
@@ -285,33 +320,39 @@ def _disk_full_is_one_line(root: Path, step: int, tmp: Path, needed_bytes: int) 
         full = disk_full(err)
         if full is None:
             raise
-        rank0 = not is_distributed() or dist.get_rank() == 0
-        if rank0:
+        problem, fix = [None], [None]
+        if not is_distributed() or dist.get_rank() == 0:  # the others are not in the dir now
             shutil.rmtree(tmp, ignore_errors=True)
-        complete = sorted(
-            (p for p in root.glob("step_*") if p.is_dir() and is_complete(p)),
-            key=step_of,
-            reverse=True,
-        )
-        previous = complete[0].name if complete else None
-        if complete:  # the checkpoint before is about the size this one needs
-            on_disk = sum(f.stat().st_size for f in complete[0].rglob("*") if f.is_file())
-            needed_bytes = max(needed_bytes, on_disk)
-        kept = f"; {previous} is kept" if previous else "; there is no earlier checkpoint"
-        again = f"resumes from {previous}" if previous else "starts over"
-        error = no_space(
-            "run.dir",
-            root,
-            f"checkpoint step_{step}",
-            needed_bytes,
-            full,
-            f"free space there (or set run.dir elsewhere) and run again: it {again}",
-            kept,
-        )
-        problem = [error.problem]
+            error = _no_space_line(root, step, needed_bytes, full)
+            problem, fix = [error.problem], [error.fix]
         if is_distributed():  # rank 0's line (its free bytes after the removal) on every rank
             dist.broadcast_object_list(problem, src=0)
-        raise ConfigError(error.key, problem[0], error.fix) from None
+            dist.broadcast_object_list(fix, src=0)
+        raise ConfigError("run.dir", problem[0], fix[0]) from None
+
+
+def _no_space_line(root: Path, step: int, needed_bytes: int, full: OSError) -> ConfigError:
+    """The one line of a checkpoint that did not fit: where, how much, what is kept."""
+    complete = sorted(
+        (p for p in root.glob("step_*") if p.is_dir() and is_complete(p)),
+        key=step_of,
+        reverse=True,
+    )
+    previous = complete[0].name if complete else None
+    if complete:  # the checkpoint before is about the size this one needs
+        on_disk = sum(f.stat().st_size for f in complete[0].rglob("*") if f.is_file())
+        needed_bytes = max(needed_bytes, on_disk)
+    kept = f"; {previous} is kept" if previous else "; there is no earlier checkpoint"
+    again = f"resumes from {previous}" if previous else "starts over"
+    return no_space(
+        "run.dir",
+        root,
+        f"checkpoint step_{step}",
+        needed_bytes,
+        full,
+        f"free space there (or set run.dir elsewhere) and run again: it {again}",
+        kept,
+    )
 
 
 def check_resumable(
@@ -321,8 +362,9 @@ def check_resumable(
     announce: bool = False,
 ) -> dict[str, Any]:
     """The checkpoint's trainer state, or a ConfigError when resuming it with `cfg` would change
-    what is learned: a MATH_KEYS value (each named with both values) or the training data's
-    content (`data_fingerprint`, a callable is only called when the checkpoint holds one).
+    what is learned: a MATH_KEYS value (each named with both values), the training data's
+    content (`data_fingerprint`, a callable is only called when the checkpoint holds one), or
+    (DPO) the base its reference comes from, by every byte (`reference` in the state).
     Other changes are allowed; with `announce` they are logged."""
     state = json.loads((path / STATE_FILE).read_text())
     saved = (
@@ -348,6 +390,8 @@ def check_resumable(
             )
     if cfg.finetune.method != "full":
         check_same_base(state.get("base"), cfg.model, path)
+    if reference_source(cfg.objective.type, cfg.finetune.method) is not None:
+        check_same_reference(state.get("reference"), cfg.model, path)
     if other and announce:
         log.info("resuming %s with changed settings that keep the math: %s", path, "; ".join(other))
     return state

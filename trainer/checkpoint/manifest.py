@@ -23,6 +23,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from trainer.core.errors import disk_full
+
 MANIFEST_FILE = "manifest.json"
 STATE_FILE = "trainer_state.json"
 NOT_HASHED = (MANIFEST_FILE, STATE_FILE)  # the manifest itself; the state is JSON-checked
@@ -67,21 +69,29 @@ class _HashingStream:
 
 
 class HashingFileSystem(FileSystem):
-    """DCP's local file system, recording (size, digest) of every file it writes."""
+    """DCP's local file system, recording (size, digest) of every file it writes, and the first
+    disk-full error met while writing (`full`): DCP sends a rank's error to the others pickled,
+    which drops its cause (torch.save's "unexpected pos" RuntimeError over the OSError), so the
+    rank that met it keeps it here."""
 
     def __init__(self) -> None:
         super().__init__()
         self.written: dict[str, tuple[int, str]] = {}
+        self.full: OSError | None = None
         self._lock = threading.Lock()
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            hashing = _HashingStream(stream)
-            yield hashing
+        try:
+            with super().create_stream(path, mode) as stream:
+                if "w" not in mode:
+                    yield stream
+                    return
+                hashing = _HashingStream(stream)
+                yield hashing
+        except BaseException as err:
+            self.full = self.full or disk_full(err)
+            raise
         with self._lock:
             self.written[str(path)] = (hashing.num_bytes, hashing.digest.hexdigest())
 

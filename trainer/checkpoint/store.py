@@ -3,7 +3,6 @@ durable writes, pruning, and the branch a rollback abandons (docs/checkpoints.md
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -14,6 +13,7 @@ from typing import Any
 from trainer.checkpoint.layout import SafeFileSystemReader
 from trainer.checkpoint.manifest import MANIFEST_FILE, STATE_FILE, damage
 from trainer.core.config import ConfigError, JobConfig
+from trainer.observe.metrics import strict_json
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +165,9 @@ def abandon_later(path: Path, run_dir: Path) -> list[Path]:
 
 
 def write_json_durably(path: Path, obj: dict[str, Any]) -> None:
+    """Strict JSON (a NaN or infinity as null), fsynced."""
     with path.open("w") as f:
-        json.dump(obj, f, indent=2)
+        f.write(strict_json(obj, indent=2))
         f.flush()
         os.fsync(f.fileno())
 

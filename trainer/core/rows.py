@@ -227,9 +227,17 @@ def preference_pair(row: dict[str, Any], data: DataConfig) -> tuple[Turn, Turn, 
     messages (TRL's conversational form: the prompt's turns, then the chosen and the rejected
     answer's); raises ValueError naming the field that is wrong."""
     names = (data.prompt_field, data.chosen_field, data.rejected_field)
-    if "__invalid__" not in row and isinstance(row.get(names[0]), list):
-        return tuple(_turns(row, name, answer=i > 0) for i, name in enumerate(names))  # type: ignore[return-value]
-    return tuple(field(row, name) for name in names)  # type: ignore[return-value]
+    if "__invalid__" in row:
+        field(row, names[0])  # raises: not a JSON object
+    prompt = row.get(names[0])
+    empty = prompt == [] or (isinstance(prompt, str) and not prompt.strip())
+    if isinstance(prompt, list) or (empty and isinstance(row.get(names[1]), list)):
+        # an empty prompt: the answers' turns alone
+        turns = [] if empty else _turns(row, names[0], answer=False)
+        return (turns, _turns(row, names[1], True), _turns(row, names[2], True))  # type: ignore[return-value]
+    if not empty:
+        prompt = field(row, names[0])  # only an answer must not be empty (docs/preference.md)
+    return (prompt, field(row, names[1]), field(row, names[2]))  # type: ignore[return-value]
 
 
 def _turns(row: dict[str, Any], name: str, answer: bool) -> list[dict[str, str]]:

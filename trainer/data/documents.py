@@ -30,7 +30,7 @@ from trainer.core.rows import (
 
 log = logging.getLogger(__name__)
 
-_CACHE_VERSION = "2"
+_CACHE_VERSION = "3"  # 3: preference pairs cut off to no answer token are dropped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,6 +170,7 @@ def _tokenize_rows(path: str, key: str, data: DataConfig, tokenizer: Any) -> Doc
     targets: list[bool] = []
     offsets = [0]
     num_skipped = num_truncated = num_emptied = 0
+    cut_off: list[str] = []  # preference pairs whose answer seq_len cut off: dropped
     for num_rows, (source, row_number, row) in enumerate(read_rows(path, key, data), start=1):
         try:
             examples = _examples(row, data, tokenizer)
@@ -180,16 +181,26 @@ def _tokenize_rows(path: str, key: str, data: DataConfig, tokenizer: Any) -> Doc
                 raise bad_row_error(key, source, row_number, err) from None
             num_skipped += 1
             continue
+        examples, num_cut, emptied = _truncated(examples, data.seq_len, data.format)
+        num_truncated += num_cut
+        num_emptied += emptied
+        # a half with no answer token left has no log-probability: the pair is dropped
+        if data.format == "preference" and not all(any(m[1:]) for _, m in examples):
+            cut_off.append(f"{source} row {row_number}")
+            continue
         for ids, mask in examples:
-            if data.format != "text" and len(ids) > data.seq_len:
-                ids, mask = ids[: data.seq_len], mask[: data.seq_len]
-                num_truncated += 1
-                num_emptied += not any(mask[1:])
             tokens += ids
             targets += mask
             offsets.append(len(tokens))
         if num_rows % 50_000 == 0:
             log.info("tokenised %d rows of %s", num_rows, path)
+    if len(offsets) == 1 and cut_off:
+        raise ConfigError(
+            key,
+            f"data.seq_len={data.seq_len} cuts off the answers of every pair of '{path}' "
+            f"(e.g. {cut_off[0]}): no pair is left to learn from",
+            "raise data.seq_len or shorten the prompts",
+        )
     if len(offsets) == 1:
         raise no_rows_error(key, path)
     docs = Documents(
@@ -198,8 +209,48 @@ def _tokenize_rows(path: str, key: str, data: DataConfig, tokenizer: Any) -> Doc
         np.asarray(offsets, dtype=np.int64),
     )
     check_targets(docs, key, path, data)  # before the warnings: an exit 2 is one line
+    _warn(path, data, num_skipped, num_truncated, num_emptied, cut_off)
+    return docs
+
+
+def _truncated(examples: list[Example], seq_len: int, fmt: str) -> tuple[list[Example], int, int]:
+    """(the examples cut at seq_len, how many were cut, how many of those kept no target token
+    past the first, which nothing predicts). Text documents are split into windows instead."""
+    if fmt == "text":
+        return examples, 0, 0
+    out, num_cut, emptied = [], 0, 0
+    for ids, mask in examples:
+        if len(ids) > seq_len:
+            ids, mask = ids[:seq_len], mask[:seq_len]
+            num_cut += 1
+            emptied += not any(mask[1:])
+        out.append((ids, mask))
+    return out, num_cut, emptied
+
+
+def _warn(
+    path: str,
+    data: DataConfig,
+    num_skipped: int,
+    num_truncated: int,
+    num_emptied: int,
+    cut_off: list[str],
+) -> None:
     if num_skipped:
         log.warning("%s: skipped %d malformed rows (data.on_bad_row=skip)", path, num_skipped)
+    if cut_off:
+        shown = ", ".join(cut_off[:3]) + (
+            f" and {len(cut_off) - 3} more" if len(cut_off) > 3 else ""
+        )
+        log.warning(
+            "%s: dropped %d preference pair%s with no answer token left within data.seq_len=%d "
+            "(%s); raise data.seq_len or shorten those prompts to keep them",
+            path,
+            len(cut_off),
+            "" if len(cut_off) == 1 else "s",
+            data.seq_len,
+            shown,
+        )
     if num_truncated:
         log.warning(
             "%s: %d examples longer than seq_len were truncated (%d of them to no target token)",
@@ -207,7 +258,6 @@ def _tokenize_rows(path: str, key: str, data: DataConfig, tokenizer: Any) -> Doc
             num_truncated,
             num_emptied,
         )
-    return docs
 
 
 def check_targets(docs: Documents, key: str, path: str, data: DataConfig) -> None:

@@ -34,7 +34,10 @@ STAT_NAMES = ("reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp"
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """log(1 - exp(x)) for x < 0, without cancellation on either side of -ln 2."""
+    """log(1 - exp(x)) for x < 0, without cancellation on either side of -ln 2. A mean
+    log-probability of exactly 0 (an answer the model is certain of, in floating point) is
+    taken as -1e-12 (log odds 27.6, no gradient), not as the infinite odds that make ORPO NaN."""
+    x = x.clamp(max=-1e-12)
     return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 

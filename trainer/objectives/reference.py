@@ -10,12 +10,13 @@ exact: the reference is the model training starts from.
   share of the pairs, joined over the ranks. The log-probs are cached beside the tokenised data
   (keyed by the data, the model's weights, seq_len, precision and seed) and read back by pair
   index, so a change of micro-batch, rung or world size, and a resume, read the same numbers.
+  The cache key holds everything the numbers depend on, the base's every byte included
+  (trainer/objectives/reference_key.py); a checkpoint keeps the base's identity and a resume
+  from another base is refused.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import os
@@ -34,7 +35,7 @@ from trainer.core.methods import reference_source
 from trainer.data.documents import data_cache_dir
 from trainer.data.pairs import PAIR_INDEX, PairWindows
 from trainer.loss import row_loss_sums
-from trainer.model.finetune import base_pointer
+from trainer.objectives.reference_key import reference_cache_key
 from trainer.runtime.dist import all_reduce_max, is_distributed
 
 log = logging.getLogger(__name__)
@@ -134,20 +135,15 @@ def _reference_pass(
 
 
 def _cache_path(cfg: JobConfig, data, sets: list[PairWindows]) -> Path:
-    """Beside the tokenised data, keyed by what the reference's numbers depend on."""
-    key = {
-        "data": data.fingerprint,
-        "eval": data.eval_fingerprint,
-        "pairs": [len(s) for s in sets],
-        "eval_fraction": cfg.data.eval_fraction,
-        "seq_len": cfg.data.seq_len,
-        "seed": cfg.train.seed,
-        "precision": cfg.precision,
-        "model": base_pointer(cfg.model),
-        "attn": cfg.model.attn_implementation,
-    }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode())
-    return data_cache_dir(cfg.data) / "reference" / f"{digest.hexdigest()[:24]}.npy"
+    """Beside the tokenised data, keyed by everything the reference's numbers depend on
+    (trainer/objectives/reference_key.py). Rank 0 hashes (the base's files, once per version,
+    cached) and tells the others."""
+    digest = [None]
+    if not is_distributed() or dist.get_rank() == 0:
+        digest[0] = reference_cache_key(cfg, data, [len(s) for s in sets])
+    if is_distributed():
+        dist.broadcast_object_list(digest, src=0)
+    return data_cache_dir(cfg.data) / "reference" / f"{digest[0]}.npy"
 
 
 def _save(path: Path, table: np.ndarray) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 from trainer.core.contract import CONFIG_FILE, ESCALATIONS_FILE, PLAN_FILE, TRACKERS_FILE
 from trainer.core.files import read_json_object, read_jsonl, write_atomic
+from trainer.observe.metrics import strict_json
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +318,7 @@ class Trackers:
     def _save_state(self) -> None:
         for worker in self.workers:
             self.state[worker.name] = dict(getattr(worker.tracker, "state", {}))
-        text = json.dumps(self.state, indent=2) + "\n"
+        text = strict_json(self.state, indent=2) + "\n"
         if self.workers and text != self._saved:
             write_atomic(self.run_dir / TRACKERS_FILE, text)
             self._saved = text

@@ -5,7 +5,8 @@ trainer/data/). Every other key may change and the change is logged: train.steps
 finished run; the schedule is then computed over the new total), strategy, world size,
 micro-batch, checkpointing, data.cache_dir, data.on_bad_row (a skipped row changes the data's
 fingerprint), model.attn_implementation, model.tokenizer's path (its tokens are in the
-fingerprint), eval and logging settings, run bookkeeping.
+fingerprint), eval and logging settings, run bookkeeping; and between values of a learned key
+that learn the same thing (`SAME_MATH`: adamw_8bit and paged_adamw_8bit).
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ def learned_keys(section: type[BaseModel] = JobConfig, prefix: str = "") -> tupl
 
 MATH_KEYS = learned_keys()
 _ABSENT = object()
+# values of a math key that learn the same thing and read the same checkpoint: a resume may
+# change one for the other (logged with the other changes). paged_adamw_8bit is adamw_8bit with
+# its states paged to the host by CUDA (docs/finetune.md).
+SAME_MATH = {"train.optimizer": {"paged_adamw_8bit": "adamw_8bit"}}
+
+
+def _math_value(key: str, value: Any) -> Any:
+    same = SAME_MATH.get(key, {})
+    return same.get(value, value) if isinstance(value, str) else value
 
 
 def _get_dotted(tree: Any, dotted: str) -> Any:
@@ -60,13 +70,15 @@ def resume_differences(saved: dict[str, Any], cfg: JobConfig) -> tuple[list[str]
     def show(key: str, old: Any, value: Any) -> str:
         return f"{key}: {json.dumps(old, default=str)} -> {json.dumps(value, default=str)}"
 
-    math = []
+    math, same_math = [], []
     for key in MATH_KEYS:
         old, value = _get_dotted(saved, key), _get_dotted(new, key)
-        if old is not _ABSENT and old != value:
-            math.append(show(key, old, value))
+        if old is _ABSENT or old == value:
+            continue
+        differs = _math_value(key, old) != _math_value(key, value)
+        (math if differs else same_math).append(show(key, old, value))
     old_leaves, new_leaves = _leaves(saved), _leaves(new)
-    other = [
+    other = same_math + [
         show(key, old_leaves[key], value)
         for key, value in new_leaves.items()
         if key not in MATH_KEYS
@@ -80,6 +92,6 @@ def resume_differences(saved: dict[str, Any], cfg: JobConfig) -> tuple[list[str]
 def semantic_hash(cfg: JobConfig) -> str:
     """Hash of what determines the learned result (MATH_KEYS; not where bytes live)."""
     d = cfg.to_dict()
-    picked = {key: _get_dotted(d, key) for key in MATH_KEYS}
+    picked = {key: _math_value(key, _get_dotted(d, key)) for key in MATH_KEYS}
     blob = json.dumps(picked, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
