@@ -1,7 +1,7 @@
 """The all-to-all of Ulysses sequence parallelism on CPU: seconds per exchange vs bytes.
 
 Two gloo ranks (one process each, on this machine) exchange a tensor with the engine's own
-`trainer.memory.sequence_parallel.all_to_all` (all_to_all_single in equal chunks), as each layer's
+`trainer.parallel.sequence.all_to_all` (all_to_all_single in equal chunks), as each layer's
 attention does four times forward and four times backward. The effective bandwidth is what
 the cost model's `hardware.intra_node_bandwidth` stands for (launcher/plan/cost.py: 2 GB/s for CPU
 ranks by default).
@@ -32,7 +32,7 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, world: int, port: int, repeats: int, out: dict) -> None:
-    from trainer.memory.sequence_parallel import all_to_all
+    from trainer.parallel.sequence import all_to_all
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

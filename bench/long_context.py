@@ -38,7 +38,7 @@ def _median_s(fn, rounds: int) -> float:
 def all_to_all(seq: int, rounds: int) -> dict:
     import torch.distributed as dist
 
-    from trainer.memory.sequence_parallel import all_to_all as exchange
+    from trainer.parallel.sequence import all_to_all as exchange
 
     dist.init_process_group("gloo")
     sp = dist.get_world_size()

@@ -32,6 +32,9 @@ LAUNCHER_RUNS_ENGINE = {
     ("launcher.estimate.trace", "trainer.backends.fsdp"),
     ("launcher.estimate.trace", "trainer.memory.levers"),
     ("launcher.estimate.trace", "trainer.model.build"),
+    # the engine's one order of changes to a model, and the groups it splits it over
+    ("launcher.estimate.trace", "trainer.parallel.mesh"),
+    ("launcher.estimate.trace", "trainer.parallel.parallelize"),
     (
         "launcher.estimate.trace",
         "trainer.observe.phases",
@@ -40,7 +43,7 @@ LAUNCHER_RUNS_ENGINE = {
     ("launcher.estimate.trace", "trainer.model.finetune"),  # LoRA / QLoRA as the engine builds them
     ("launcher.estimate.trace", "trainer.optim"),  # 8-bit AdamW as the engine builds it
     # one rank of a sequence group: the engine's Ulysses attention and tiled MLP
-    ("launcher.estimate.trace", "trainer.memory.sequence_parallel"),
+    ("launcher.estimate.trace", "trainer.parallel.sequence"),
     ("launcher.estimate.trace", "trainer.memory.tiled_mlp"),
     # the activations of a block the analytic model does not know: one traced forward
     ("launcher.estimate.saved_tensors", "trainer.backends.common"),
@@ -130,6 +133,68 @@ def test_a_rung_is_one_row_and_one_backend(monkeypatch, capsys):
     monkeypatch.setattr(strategies, "TABLE", strategies.TABLE[:-2])
     assert main(["plan", *preset, "strategy=fsdp_twin"]) == 2
     assert "'fsdp_twin' is not a strategy" in capsys.readouterr().err
+
+
+# What changes a model before it trains, applied by trainer/parallel/parallelize.py alone, in one
+# order (docs/adding-a-rung.md: a new dimension adds its step there)
+MODEL_CHANGES = ("apply_activation_checkpointing", "apply_compile", "apply_sequence_parallel")
+
+
+def _functions() -> dict[str, ast.FunctionDef]:
+    """Every function and method of launcher/ and trainer/ by `module:qualified name`."""
+    found = {}
+    for package in ("launcher", "trainer"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            tree = ast.parse(path.read_text())
+            for top in tree.body:
+                inner = top.body if isinstance(top, ast.ClassDef) else [top]
+                for node in inner:
+                    if isinstance(node, ast.FunctionDef):
+                        prefix = f"{top.name}." if isinstance(top, ast.ClassDef) else ""
+                        found[f"{module}:{prefix}{node.name}"] = node
+    return found
+
+
+def _called(node: ast.AST) -> set[str]:
+    """The names a function calls (`f(...)`, `x.f(...)`), in nested functions too."""
+    return {
+        call.func.id if isinstance(call.func, ast.Name) else call.func.attr
+        for call in ast.walk(node)
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name | ast.Attribute)
+    }
+
+
+def test_every_model_is_changed_through_the_one_function_of_trainer_parallel():
+    """Every backend of the ladder's rows builds its model through `trainer.parallel.parallelize`
+    (directly or through a helper that calls it), so does the estimate's trace, and the engine
+    reaches its model through the backend's `setup`; no other module applies checkpointing,
+    compile or the sequence split to a model."""
+    from trainer.core import strategies
+
+    functions = _functions()
+    reach = {"parallelize"}  # the names of functions that call it, closed under calls
+    while True:
+        more = {key.rpartition(".")[2].rpartition(":")[2] for key, node in functions.items()
+                if _called(node) & reach} - {"setup"} - reach  # fmt: skip
+        if not more:
+            break
+        reach |= more
+    backends = {row.backend for row in strategies.TABLE}
+    assert backends, strategies.TABLE
+    for backend in backends:
+        setup = functions[f"{backend}.setup"]
+        assert _called(setup) & reach, f"{backend}.setup builds its model without parallelize"
+    assert _called(functions["launcher.estimate.trace:_traced_model"]) & reach
+    engine_setup = _called(functions["trainer.engine:_setup"])
+    assert "setup" in engine_setup and not engine_setup & set(MODEL_CHANGES)
+    elsewhere = sorted(
+        f"{key} calls {name}"
+        for key, node in functions.items()
+        if not key.startswith("trainer.parallel.parallelize:")
+        for name in _called(node) & set(MODEL_CHANGES)
+    )
+    assert not elsewhere, elsewhere
 
 
 def _module_graph() -> tuple[dict[str, set[str]], list[str], list[str]]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +19,12 @@ import torch
 
 from trainer.backends import Backend, BackendContext
 from trainer.core.contract import EXIT_OOM, PLAN_FILE
-from trainer.core.parallel_dims import ParallelDims
 from trainer.core.strategies import AC_LEVELS
 from trainer.evaluate import evaluate
-from trainer.memory.levers import LEVER_NAMES, MemoryLevers
-from trainer.memory.sequence_parallel import split_sequence
+from trainer.memory.levers import LEVER_NAMES
 from trainer.model.build import set_activation_checkpointing
 from trainer.objectives import NEXT_TOKEN, Objective
+from trainer.parallel.split import BatchSplit
 from trainer.runtime.dist import all_reduce_max, all_reduce_sum
 from trainer.runtime.oom import (
     FaultInjector,
@@ -39,42 +37,6 @@ from trainer.runtime.oom import (
 from trainer.step import train_step
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class BatchSplit:
-    """How this rank's share of the global batch is cut: the share of its data rank (`dims` and
-    `rank`: which sequences, and the slice of every sequence it holds; `sequence_group`: the
-    process group its attention exchanges over), micro-batch x accumulation, and which layers
-    recompute their activations.
-
-    The OOM back-off changes the cut and the recomputation, never the share: what is learned
-    stays the same.
-    """
-
-    dims: ParallelDims
-    rank: int
-    sequence_group: Any  # None at sequence parallel 1
-    per_rank: int  # sequences of the data rank's share
-    micro_batch_size: int
-    activation_checkpointing: str = "none"
-    eval_batch_size: int = 0
-    levers: MemoryLevers | None = None  # chunked loss, activation offload: set once built
-
-    def __post_init__(self) -> None:
-        self.eval_batch_size = self.eval_batch_size or self.micro_batch_size
-
-    @property
-    def grad_accum(self) -> int:
-        return self.per_rank // self.micro_batch_size
-
-    @property
-    def data_rank(self) -> int:
-        return self.dims.coordinates(self.rank)[0]
-
-    def sliced(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's slice of every sequence of `batch` (the whole of each at sp=1)."""
-        return split_sequence(batch, self.dims, self.rank)
 
 
 class OutOfMemoryGaveUp(Exception):

@@ -18,7 +18,6 @@ import torch
 
 from trainer.backends import Backend, BackendContext, OptimizerSpec, build_backend
 from trainer.backoff import (
-    BatchSplit,
     OutOfMemoryGaveUp,
     evaluate_with_backoff,
     report_oom,
@@ -38,12 +37,6 @@ from trainer.core.logs import setup_logging
 from trainer.core.parallel_dims import ParallelDims
 from trainer.data import build_data, build_tokenizer
 from trainer.memory.levers import MemoryLevers, concrete_lever
-from trainer.memory.sequence_parallel import (
-    apply_sequence_parallel,
-    check_sequence_parallel,
-    concrete_sequence_parallel,
-    sequence_group,
-)
 from trainer.memory.tiled_mlp import apply_tiled_mlp, tiled_mlp_chunk_tokens
 from trainer.model.build import (
     HFModelFactory,
@@ -57,6 +50,9 @@ from trainer.objectives.reference import build_reference
 from trainer.observe.metrics import MetricsLog
 from trainer.observe.profile import ProfileWindow
 from trainer.observe.trackers import Trackers
+from trainer.parallel.mesh import ParallelMesh, build_mesh
+from trainer.parallel.sequence import check_sequence_parallel, concrete_sequence_parallel
+from trainer.parallel.split import BatchSplit
 from trainer.runtime.dist import (
     after_rank0,
     env_rank,
@@ -122,14 +118,12 @@ def _setup(cfg: JobConfig) -> _Run | int:
     device = resolve_device(cfg, local_rank)
     init_distributed(cfg, device)
     _seed_everything(cfg)
-    dims = ParallelDims(world_size, sp)
-    group = sequence_group(dims, rank)
-    apply_sequence_parallel(model_factory.hf_config, sp, group)  # its models attend over it
+    mesh = build_mesh(ParallelDims(world_size, sp), rank)  # the backend's model splits over it
     run_dir = Path(cfg.run.dir)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
 
-    ctx = _backend_context(cfg, device, rank, local_rank, dims)
+    ctx = _backend_context(cfg, device, rank, local_rank, mesh)
     micro = ctx.micro_batch_size
     tokenizer = build_tokenizer(cfg.model)
     data = build_data(cfg, tokenizer)
@@ -137,10 +131,10 @@ def _setup(cfg: JobConfig) -> _Run | int:
     backend = build_backend(cfg.strategy, ctx)
     faults = FaultInjector(cfg.debug.inject_oom, cfg.strategy, rank)
     split = BatchSplit(
-        dims,
+        mesh.dims,
         rank,
-        group,
-        cfg.train.global_batch_size // dims.data,
+        mesh.sequence_group,
+        cfg.train.global_batch_size // mesh.dims.data,
         micro,
         ctx.activation_checkpointing,
     )
@@ -174,12 +168,12 @@ def _setup(cfg: JobConfig) -> _Run | int:
 
 
 def _backend_context(
-    cfg: JobConfig, device: torch.device, rank: int, local_rank: int, dims: ParallelDims
+    cfg: JobConfig, device: torch.device, rank: int, local_rank: int, mesh: ParallelMesh
 ) -> BackendContext:
     """What every backend is told: the rank, the device, and the micro-batch x accumulation that
     makes up the global batch on the data ranks running (checked: after an elastic restart on
     fewer ranks the resolved micro-batch may not divide it)."""
-    micro = _concrete_micro_batch(cfg)
+    micro, dims = _concrete_micro_batch(cfg), mesh.dims
     if cfg.train.global_batch_size % (micro * dims.data):  # an elastic restart on fewer ranks
         raise ConfigError(
             "train.micro_batch_size",
@@ -197,6 +191,7 @@ def _backend_context(
         activation_checkpointing=_concrete_ac(cfg),
         micro_batch_size=micro,
         grad_accum=cfg.train.global_batch_size // (micro * dims.data),
+        mesh=mesh,
     )
 
 

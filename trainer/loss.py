@@ -24,7 +24,7 @@ def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tens
     the whole global batch, before any forward: no host sync here).
 
     Labels are aligned with input_ids (not shifted); position t predicts labels[t + 1]. A
-    batch split along the sequence (trainer/memory/sequence_parallel.py) carries its `targets`
+    batch split along the sequence (trainer/parallel/sequence.py) carries its `targets`
     instead, taken before the split.
     """
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids")}

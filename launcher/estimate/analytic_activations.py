@@ -174,7 +174,7 @@ def all_to_all_bytes(shape: ModelShape, m: Micro) -> int:
     """Ulysses: the all-to-all buffers of one layer's attention, transient: q, k and v sent
     and received (their send copies and receive buffers alive together), or in backward their
     gradients; 0 without sequence parallelism. k/v heads fewer than sp are sent as they are, in
-    rounds, to the ranks that share each (trainer/memory/sequence_parallel.py): what is sent is
+    rounds, to the ranks that share each (trainer/parallel/sequence.py): what is sent is
     kv heads' size, in backward twice that (the summed gradient and one round's part), what
     is received one head of the whole sequence, as many bytes as sp heads of the slice."""
     if m.sp == 1:

@@ -1,9 +1,10 @@
 """`oomless estimate --trace`: one real training step of our engine, traced without allocating.
 
 The step is the engine's own code: the HF model built on the meta device by `HFModelFactory`,
-activation checkpointing by `apply_activation_checkpointing`, `compute_loss`'s tensors (logits
-upcast to fp32), backward, grad-norm clipping, AdamW (`build_adamw` as on CUDA: fused, no foreach
-temporaries) and `zero_grad(set_to_none=True)`. It runs under `FakeTensorMode`, so tensors have
+changed as the engine's backends change it (`trainer.parallel.parallelize`: the sequence split,
+activation checkpointing, FSDP2), `compute_loss`'s tensors (logits upcast to fp32), backward,
+grad-norm clipping, AdamW (`build_adamw` as on CUDA: fused, no foreach temporaries) and
+`zero_grad(set_to_none=True)`. It runs under `FakeTensorMode`, so tensors have
 shapes and dtypes but no storage, and `MemTracker` (single) or `FSDPMemTracker` (fsdp, with
 FSDP2 `fully_shard` over a fake process group of any world size) counts the live tensor bytes of
 every operation. The peak of a steady-state step (optimizer state already present) is what
@@ -42,14 +43,12 @@ from trainer.core.methods import EIGHT_BIT_OPTIMIZERS
 from trainer.core.parallel_dims import ParallelDims
 from trainer.core.step_spec import FULL, Finetune, StepSpec
 from trainer.memory.levers import MemoryLevers
-from trainer.memory.sequence_parallel import (
-    apply_sequence_parallel,
-    sequence_group,
-    split_sequence,
-)
 from trainer.memory.tiled_mlp import apply_tiled_mlp
-from trainer.model.build import HFModelFactory, apply_activation_checkpointing
+from trainer.model.build import HFModelFactory
 from trainer.observe.phases import HEAD, OPTIMIZER, STEP, phase_markers
+from trainer.parallel.mesh import ParallelMesh, build_mesh
+from trainer.parallel.parallelize import ModelChanges, parallelize
+from trainer.parallel.sequence import split_sequence
 from trainer.step import accumulation_context, micro_batch_loss
 
 TRACEABLE = ("single", "fsdp")
@@ -141,18 +140,27 @@ def _traced_model(
     model_cfg = ModelConfig(config=dict(hf_config), attn_implementation=attn_implementation)
     factory = HFModelFactory(model_cfg, seed=0)
     sharded = spec.row.engine == "fsdp"
-    dims = _sequence_split(spec, factory.hf_config, sharded, stack)
-    model = apply_finetune(factory.build("cpu" if real else "meta"), spec.finetune, spec.precision)
-    if spec.precision == "bf16_pure" and not spec.finetune.adapters:
-        from trainer.model.finetune import params_to_bf16
+    mesh = _sequence_split(spec, sharded, stack)
 
-        params_to_bf16(model)  # as the engine's Bf16PureFactory builds it
-    apply_activation_checkpointing(
-        model, spec.activation_checkpointing, spec.checkpointed_layers, spec.checkpoint_ops
-    )
-    model.train()
-    if sharded:
-        apply_fsdp(model, precision=spec.precision, reshard_after_forward=reshard_after_forward)
+    def build() -> nn.Module:
+        model = apply_finetune(factory.build("cpu" if real else "meta"), spec.finetune,
+                               spec.precision)  # fmt: skip
+        if spec.precision == "bf16_pure" and not spec.finetune.adapters:
+            from trainer.model.finetune import params_to_bf16
+
+            params_to_bf16(model)  # as the engine's Bf16PureFactory builds it
+        return model
+
+    def wrap(model: nn.Module) -> nn.Module:
+        if sharded:
+            apply_fsdp(model, precision=spec.precision, reshard_after_forward=reshard_after_forward)
+        return model
+
+    changes = ModelChanges(
+        mesh=mesh, activation_checkpointing=spec.activation_checkpointing,
+        checkpointed_layers=spec.checkpointed_layers, checkpoint_ops=spec.checkpoint_ops,
+    )  # fmt: skip
+    model = parallelize(build, factory.hf_config, changes, wrap)
     stack.enter_context(moe_fake_kernels())
     if not real:
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
@@ -167,21 +175,17 @@ def _traced_model(
     if spec.tiled_mlp:  # after the backend's wrapping, as the engine does
         apply_tiled_mlp(model, spec.mlp_chunk_tokens)
     backend = build_backend(spec.strategy, _backend_context(spec, device))
-    return model, attach(backend, model, _optimizer(model, spec), _SPEC.grad_clip), dims
+    return model, attach(backend, model, _optimizer(model, spec), _SPEC.grad_clip), mesh.dims
 
 
-def _sequence_split(
-    spec: StepSpec, hf_config: Any, sharded: bool, stack: contextlib.ExitStack
-) -> ParallelDims:
+def _sequence_split(spec: StepSpec, sharded: bool, stack: contextlib.ExitStack) -> ParallelMesh:
     """The data x sequence world whose rank 0 is traced, over a fake process group (of the
     world for fsdp, of one sequence group for single), its model attending through the engine's
     Ulysses all-to-alls (which the fake group completes without moving data)."""
     sp = spec.sequence_parallel
     if sharded or sp > 1:
         stack.enter_context(fake_process_group(spec.world_size if sharded else sp))
-    dims = ParallelDims(spec.world_size if sharded else sp, sp)
-    apply_sequence_parallel(hf_config, sp, sequence_group(dims, 0))
-    return dims
+    return build_mesh(ParallelDims(spec.world_size if sharded else sp, sp), 0)
 
 
 def _backend_context(spec: StepSpec, device: torch.device) -> BackendContext:

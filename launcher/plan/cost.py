@@ -128,7 +128,7 @@ def _comm_s(shape: ModelShape, spec: StepSpec, hw: Hardware, links: Links) -> fl
 
 
 def all_to_all_s(shape: ModelShape, spec: StepSpec, links: Links) -> float:
-    """Ulysses' all-to-alls (trainer/memory/sequence_parallel.py): per layer and pass (forward,
+    """Ulysses' all-to-alls (trainer/parallel/sequence.py): per layer and pass (forward,
     backward, a checkpoint's recompute) q, k, v and the output, each rank sending (sp-1)/sp of
     its slice's; within a node while the sequence group fits in one, else over the network."""
     sp = spec.sequence_parallel

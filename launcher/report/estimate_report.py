@@ -18,8 +18,8 @@ from launcher.estimate.shape import ModelShape, model_shape
 from launcher.plan.hardware import Hardware, detect_hardware
 from launcher.plan.job import check_device_features
 from launcher.plan.ladder import best_for_rung, job_step, rung_world, shortfall
-from launcher.plan.long_context import sequence_parallel_sizes
 from launcher.plan.planner import model_reasons
+from launcher.plan.splits import sequence_parallel_sizes
 from trainer.core import strategies
 from trainer.core.config import JobConfig
 from trainer.core.hf_config import hf_config_dict

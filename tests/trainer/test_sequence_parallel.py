@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (trainer/memory/sequence_parallel.py) on CPU processes (gloo): the
+"""Ulysses sequence parallelism (trainer/parallel/sequence.py) on CPU processes (gloo): the
 per-step losses and eval losses of sequence_parallel=2 and 4 equal one process's, under ddp and
 fsdp, with activation checkpointing none and full, with LoRA, with the memory levers and the
 OOM back-off, on grouped-query attention with fewer key/value heads than ranks, on a second and a
@@ -27,7 +27,7 @@ from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env, run_bounded, wr
 from trainer.core.config import ConfigError
 from trainer.core.parallel_dims import ParallelDims
 from trainer.loss import IGNORE_INDEX
-from trainer.memory.sequence_parallel import (
+from trainer.parallel.sequence import (
     check_sequence_parallel,
     mask_follows_position_ids,
     split_sequence,
@@ -45,7 +45,7 @@ MISTRAL_WINDOW = (  # a sliding window of 4 tokens, shorter than most documents:
     "num_key_value_heads: 2, head_dim: 8, sliding_window: 4, max_position_embeddings: 256}"
 )
 # masks built without position ids (packed documents attend to each other on one process): the
-# split attends through the same plain causal mask (trainer/memory/sequence_parallel.py)
+# split attends through the same plain causal mask (trainer/parallel/sequence.py)
 OPT = (
     "model.config={model_type: opt, vocab_size: 45, hidden_size: 32, ffn_dim: 64, "
     "word_embed_proj_dim: 32, num_hidden_layers: 2, num_attention_heads: 4, dropout: 0.0, "
@@ -364,14 +364,14 @@ def _evaluate_half(rank: int, store_dir: str) -> None:
     import torch.distributed as dist
 
     from trainer.evaluate import evaluate
-    from trainer.memory.sequence_parallel import sequence_group
+    from trainer.parallel.mesh import build_mesh
 
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank,
                             world_size=2)  # fmt: skip
     dims = ParallelDims(2, 2)
     batches = [split_sequence(_row(), dims, rank)]
     result = evaluate(_NextInteger(), batches, contextlib.nullcontext, torch.device("cpu"),
-                      sequence_group=sequence_group(dims, rank))  # fmt: skip
+                      sequence_group=build_mesh(dims, rank).sequence_group)  # fmt: skip
     Path(store_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -426,7 +426,7 @@ def test_a_shared_key_value_head_is_sent_once_to_each_rank_not_repeated():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from launcher.estimate.trace import fake_process_group
-    from trainer.memory.sequence_parallel import shared_all_to_all
+    from trainer.parallel.sequence import shared_all_to_all
 
     slice_tokens, head_dim, sp, kv = 64, 16, 8, 2
     heads_bytes = 4 * kv * slice_tokens * head_dim

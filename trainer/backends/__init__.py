@@ -1,7 +1,8 @@
 """Backends: everything that differs between strategies, behind one small protocol.
 
 One file per backend, no inheritance between them; shared logic lives in free functions
-(`trainer.model.build`, `trainer.runtime.dist`). The engine talks only to `Backend` and never names
+(`trainer.backends.common`, `trainer.runtime.dist`); every backend changes its model through
+`trainer.parallel.parallelize`, in the one order. The engine talks only to `Backend` and never names
 a strategy.
 
 Gradient convention (what `backward` receives): `loss` is this micro-batch's contribution to the
@@ -26,6 +27,7 @@ from torch import nn
 from trainer.core import strategies
 from trainer.core.config import JobConfig
 from trainer.core.step_spec import OptimizerSpec
+from trainer.parallel.mesh import ParallelMesh
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class BackendContext:
     activation_checkpointing: str  # none | selective | full
     micro_batch_size: int
     grad_accum: int
+    mesh: ParallelMesh | None = None  # the dimensions' groups (trainer/parallel/mesh.py)
 
 
 class ModelFactory(Protocol):

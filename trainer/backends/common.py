@@ -12,12 +12,7 @@ import torch
 from torch import nn
 
 from trainer.backends import OptimizerSpec
-from trainer.model.build import (
-    apply_activation_checkpointing,
-    apply_compile,
-    checkpoint_count,
-    checkpoint_ops,
-)
+from trainer.model.build import checkpoint_count, checkpoint_ops
 from trainer.model.pretrained import canonical_name
 from trainer.optim import (
     FP32_MOMENTS,
@@ -27,6 +22,7 @@ from trainer.optim import (
     load_8bit_moments,
 )
 from trainer.optim import set_lr as set_optimizer_lr
+from trainer.parallel.parallelize import ModelChanges, parallelize
 from trainer.runtime.oom import OutOfMemoryInStep
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -211,17 +207,24 @@ def load_replica_state_dict(
         scaler.load_state_dict(state["scaler"])
 
 
-def build_replica(factory: Any, ctx: Any) -> nn.Module:
-    """The whole model on this rank's device, checkpointing (and compile) applied, in train
-    mode: what `single` runs and what `ddp` wraps."""
-    model = factory.build(ctx.device)
-    apply_activation_checkpointing(
-        model, ctx.activation_checkpointing, checkpoint_count(ctx.cfg), checkpoint_ops(ctx.cfg)
+def model_changes(ctx: Any, compile: bool = True) -> ModelChanges:
+    """What `trainer.parallel.parallelize` does to this backend's model: the context's groups and
+    checkpointing level, the job's checkpointed layers and op level, and `train.compile` (unless
+    the backend cannot run compiled layers: `compile` False)."""
+    return ModelChanges(
+        mesh=ctx.mesh,
+        activation_checkpointing=ctx.activation_checkpointing,
+        checkpointed_layers=checkpoint_count(ctx.cfg),
+        checkpoint_ops=checkpoint_ops(ctx.cfg),
+        compile=compile and ctx.cfg.train.compile,
     )
-    if ctx.cfg.train.compile:
-        apply_compile(model)
-    model.train()
-    return model
+
+
+def build_replica(factory: Any, ctx: Any, wrap: Any = None) -> nn.Module:
+    """The whole model on this rank's device, changed in the one order (`parallelize`), in train
+    mode: what `single` runs and what `ddp` wraps (`wrap`)."""
+    changes = model_changes(ctx)
+    return parallelize(lambda: factory.build(ctx.device), factory.hf_config, changes, wrap)
 
 
 def full_replica_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

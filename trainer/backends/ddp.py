@@ -25,12 +25,15 @@ class DdpBackend:
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.precision == "fp16")
 
     def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
-        inner = common.build_replica(factory, self.ctx)
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-        self.inner = inner
-        self.model = DistributedDataParallel(
-            inner, device_ids=device_ids, gradient_as_bucket_view=True
-        )
+
+        def wrap(inner: nn.Module) -> nn.Module:
+            return DistributedDataParallel(
+                inner, device_ids=device_ids, gradient_as_bucket_view=True
+            )
+
+        self.model = common.build_replica(factory, self.ctx, wrap)
+        self.inner = self.model.module
         self.optimizer = common.build_adamw(self.model.parameters(), optim)
         self.grad_clip = optim.grad_clip
         return self.model

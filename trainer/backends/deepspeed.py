@@ -27,6 +27,7 @@ import time
 import warnings
 from collections.abc import Collection, Iterator
 from contextlib import AbstractContextManager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +35,17 @@ import torch
 from torch import nn
 
 from trainer.backends import BackendContext, ModelFactory, OptimizerSpec
-from trainer.backends.common import device_memory_stats, reset_device_peak, trained_params
+from trainer.backends.common import (
+    device_memory_stats,
+    model_changes,
+    reset_device_peak,
+    trained_params,
+)
 from trainer.backends.deepspeed_config import build_deepspeed_config
 from trainer.core import strategies
 from trainer.core.config import ConfigError
-from trainer.model.build import apply_activation_checkpointing, checkpoint_count, checkpoint_ops
 from trainer.model.pretrained import load_per_rank, load_zero3_partitions
+from trainer.parallel.parallelize import parallelize
 from trainer.runtime.dist import after_rank0, all_reduce_max, all_reduce_sum
 
 log = logging.getLogger(__name__)
@@ -85,18 +91,18 @@ class DeepSpeedBackend:
         if ctx.cfg.deepspeed.overrides:
             log.info("deepspeed.overrides merged: %s", json.dumps(ctx.cfg.deepspeed.overrides))
         if self.stage == 3:
-            model = self._build_partitioned(factory, ds_config)
+            build = partial(self._build_partitioned, factory, ds_config)
         else:
-            model = factory.build(ctx.device)
-        apply_activation_checkpointing(
-            model, ctx.activation_checkpointing, checkpoint_count(ctx.cfg), checkpoint_ops(ctx.cfg)
-        )
-        model.train()
-        optimizer = self._optimizer(model, optim)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=ds_config
-        )
-        self.module = model
+            build = partial(factory.build, ctx.device)
+
+        def wrap(model: nn.Module) -> nn.Module:
+            self.module = model
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=self._optimizer(model, optim), config=ds_config
+            )
+            return self.engine
+
+        parallelize(build, factory.hf_config, model_changes(ctx, compile=False), wrap)
         self._init_optimizer_state()
         return self.engine
 

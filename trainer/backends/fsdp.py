@@ -43,16 +43,13 @@ from torch.distributed.fsdp import (
 
 from trainer.backends import BackendContext, ModelFactory, OptimizerSpec, common
 from trainer.core import strategies
-from trainer.model.build import (
-    apply_activation_checkpointing,
-    apply_compile,
-    checkpoint_count,
-    checkpoint_ops,
-    decoder_layers,
-)
+from trainer.core.parallel_dims import ParallelDims
+from trainer.model.build import decoder_layers
 from trainer.model.pretrained import canonical_name, load_fsdp_shards, load_per_rank, report_load
 from trainer.model.qlora_load import TensorSource, fill_4bit_shards, tensor_source
 from trainer.optim import load_sharded_8bit_state, sharded_8bit_state
+from trainer.parallel.mesh import hybrid_shard_mesh
+from trainer.parallel.parallelize import parallelize
 from trainer.runtime.dist import after_rank0
 
 log = logging.getLogger(__name__)
@@ -69,27 +66,31 @@ class FsdpBackend:
         ctx = self.ctx
         home = torch.device("cpu") if self.offload else ctx.device
         quantized = getattr(factory, "quantizes", False)
-        model, source = (
-            _build_qlora(factory, home, ctx.rank) if quantized else (factory.build("meta"), None)
-        )
-        apply_activation_checkpointing(
-            model, ctx.activation_checkpointing, checkpoint_count(ctx.cfg), checkpoint_ops(ctx.cfg)
-        )
-        if ctx.cfg.train.compile:
-            apply_compile(model)
-        apply_fsdp(
-            model,
-            precision=ctx.precision,
-            reshard_after_forward=ctx.cfg.fsdp.reshard_after_forward,
-            offload=self.offload,
-            pin_memory=ctx.device.type == "cuda",
-            mesh=_hybrid_mesh(ctx) if ctx.cfg.fsdp.hybrid else None,
-        )
+        built: dict[str, TensorSource | None] = {"source": None}
+
+        def build() -> nn.Module:
+            if not quantized:
+                return factory.build("meta")
+            model, built["source"] = _build_qlora(factory, home, ctx.rank)
+            return model
+
+        def wrap(model: nn.Module) -> nn.Module:
+            apply_fsdp(
+                model,
+                precision=ctx.precision,
+                reshard_after_forward=ctx.cfg.fsdp.reshard_after_forward,
+                offload=self.offload,
+                pin_memory=ctx.device.type == "cuda",
+                mesh=_hybrid_mesh(ctx) if ctx.cfg.fsdp.hybrid else None,
+            )
+            return model
+
+        model = parallelize(build, factory.hf_config, common.model_changes(ctx), wrap)
+        source = built["source"]
         if source is not None:
             self._quantise_into_shards(model, factory, source, home)
         elif not quantized:
             self._materialise(model, factory, home)
-        model.train()
         self.model = model
         # on the shards' device
         self.optimizer = common.build_adamw(model.parameters(), optim, ctx.grad_accum)
@@ -277,17 +278,9 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 
 
 def _hybrid_mesh(ctx: BackendContext) -> Any:
-    """HSDP: shard within a node, replicate across nodes (2-D mesh: replicate x shard)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    per_node = ctx.cfg.hardware.devices_per_node or 1
-    if ctx.world_size % per_node:
-        raise ValueError(f"world size {ctx.world_size} is not a multiple of {per_node} per node")
-    return init_device_mesh(
-        ctx.device.type,
-        (ctx.world_size // per_node, per_node),
-        mesh_dim_names=("replicate", "shard"),
-    )
+    """HSDP: shard within a node, replicate across nodes (trainer/parallel/mesh.py)."""
+    dims = ctx.mesh.dims if ctx.mesh is not None else ParallelDims(ctx.world_size)
+    return hybrid_shard_mesh(dims, ctx.cfg.hardware.devices_per_node or 1, ctx.device.type)
 
 
 def _sharded_scaler(ctx: BackendContext) -> Any:

@@ -2,7 +2,7 @@
 `ParallelDims`): the planner, the config's checks before launch and the engine's device mesh
 read the same arithmetic, so a split the planner offers is one the engine can run.
 
-Two dimensions now: data and sequence (Ulysses, trainer/memory/sequence_parallel.py). Rank r is
+Two dimensions now: data and sequence (Ulysses, trainer/parallel/sequence.py). Rank r is
 sequence rank r % sequence of data rank r // sequence: the ranks of a sequence group are
 neighbours, within a node as long as the group fits in one.
 """

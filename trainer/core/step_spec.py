@@ -149,7 +149,7 @@ class StepSpec:
     offload_activations: bool = False
     loss_chunk_tokens: int | None = None  # memory.loss_chunk_tokens (None: chosen by vocabulary)
     finetune: Finetune = FULL
-    # Ulysses (trainer/memory/sequence_parallel.py): each sequence split over this many ranks,
+    # Ulysses (trainer/parallel/sequence.py): each sequence split over this many ranks,
     # each holding seq_len / sequence_parallel tokens of it through every layer
     sequence_parallel: int = 1
     tiled_mlp: bool = False  # trainer/memory/tiled_mlp.py: MLP chunks, recomputed in backward

@@ -456,7 +456,7 @@ class JobConfig(_Section):
     precision: Annotated[Literal["bf16", "fp16", "fp32", "bf16_pure"], LEARNED] = "bf16"
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     strategy: str = "auto"  # auto or a row of trainer/core/strategies.py
-    # ranks that split each sequence (Ulysses, trainer/memory/sequence_parallel.py); auto: the
+    # ranks that split each sequence (Ulysses, trainer/parallel/sequence.py); auto: the
     # planner (1 in the engine until it chooses). Changes where tokens live, never what is learned.
     sequence_parallel: Literal["auto"] | int = "auto"
     hardware: HardwareConfig = Field(default_factory=HardwareConfig)

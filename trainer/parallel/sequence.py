@@ -1,13 +1,14 @@
 """Ulysses sequence parallelism: the ranks of a sequence group each hold seq_len / sp tokens of
 every sequence; around attention an all-to-all swaps that sequence split for a head split.
 
-The world is data x sequence (`ParallelDims`, trainer/core/parallel_dims.py): rank r is sequence
-rank r % sp of data rank r // sp. Every rank of a sequence group reads the same sequences (those
-of its data rank) and keeps its slice of each (`split_sequence`). The weights are replicated
-(ddp) or sharded (fsdp, ZeRO) over ALL ranks, as in DeepSpeed's ALST: a sequence group is also
-data-parallel for the weights, since each of its ranks computes the gradient of its own tokens.
-The sum of every rank's gradient is the gradient of the whole batch, which is the backends'
-convention already (trainer/backends), so no backend knows about sequence parallelism.
+The world is data x sequence (`ParallelDims`, trainer/core/parallel_dims.py; its process groups
+in trainer/parallel/mesh.py): rank r is sequence rank r % sp of data rank r // sp. Every rank of
+a sequence group reads the same sequences (those of its data rank) and keeps its slice of each
+(`split_sequence`). The weights are replicated (ddp) or sharded (fsdp, ZeRO) over ALL ranks, as
+in DeepSpeed's ALST: a sequence group is also data-parallel for the weights, since each of its
+ranks computes the gradient of its own tokens. The sum of every rank's gradient is the gradient
+of the whole batch, which is the backends' convention already (trainer/backends), so no backend
+knows about sequence parallelism: `trainer.parallel.parallelize` applies the split for them.
 
 Attention: every model whose attention goes through transformers' AttentionInterface (Llama,
 Qwen2/3, Mistral, Gemma, ...) runs under the name `oomless_ulysses` (registered here), whose
@@ -66,18 +67,6 @@ def check_sequence_parallel(sp: int, world_size: int, hf_config: Any, seq_len: i
     attention = AttentionShape(int(heads) if heads else None, int(kv_heads) if kv_heads else None)
     dims = ParallelDims(world_size, sp)
     check_parallel_dims(dims, attention, seq_len, Batch(global_size=dims.data))
-
-
-def sequence_group(dims: ParallelDims, rank: int) -> Any:
-    """This rank's sequence group as a process group (None at sp=1). Creates the group of every
-    sequence group: a collective, every rank calls it, in the same order."""
-    group = None
-    if dims.sequence > 1:
-        for ranks in dims.sequence_groups():
-            created = dist.new_group(ranks)
-            if rank in ranks:
-                group = created
-    return group
 
 
 def split_sequence(
@@ -330,7 +319,6 @@ __all__ = [
     "check_sequence_parallel",
     "concrete_sequence_parallel",
     "mask_follows_position_ids",
-    "sequence_group",
     "shared_all_to_all",
     "split_sequence",
 ]
