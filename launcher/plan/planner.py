@@ -103,6 +103,7 @@ class Plan:
 
     def to_json(self, hw: Hardware, headroom: float, command: list[str]) -> dict[str, Any]:
         """docs/interface.md's `plan --json`."""
+        sp = self.long.sequence_parallel
         return {
             "strategy": self.strategy,
             "world_size": self.world_size,
@@ -115,7 +116,8 @@ class Plan:
             "selective": self.selective,
             "chunked_loss": self.levers.chunked_loss,
             "offload_activations": self.levers.offload_activations,
-            "sequence_parallel": self.long.sequence_parallel,
+            "parallel": {"data": self.world_size // sp, "sequence": sp},
+            "sequence_parallel": sp,  # parallel.sequence's old name
             "tiled_mlp": self.long.tiled_mlp,
             "max_seq_len": self.max_seq_len,
             "max_seq_len_memory": self.max_seq_len_memory,
@@ -335,6 +337,7 @@ def apply_plan(cfg: JobConfig, plan: Plan, hw: Hardware) -> JobConfig:
                     "tiled_mlp": plan.long.tiled_mlp,
                 }
             ),
+            "parallel": cfg.parallel.model_copy(update={"sequence": plan.long.sequence_parallel}),
             "sequence_parallel": plan.long.sequence_parallel,
             "model": cfg.model.model_copy(update={"attn_implementation": plan.attention}),
             "hardware": cfg.hardware.model_copy(

@@ -120,6 +120,18 @@ def test_the_resolved_config_runs_what_was_planned_and_a_forced_split_is_kept(tm
     assert plan["micro_batch_size"] * plan["grad_accum"] == 8  # one data-parallel group
 
 
+def test_parallel_sequence_plans_what_its_old_name_sequence_parallel_plans(capsys, tmp_path):
+    """`parallel.sequence=2` and `sequence_parallel=2` are one key: the same plan, the degree of
+    each dimension beside the old key in the JSON, both in the resolved config every rank runs."""
+    job = (PRESET_8B, *LONG, *EIGHT_76, "hardware.host_memory=1TiB", SDPA)
+    new = _plan_json(capsys, *job, "parallel.sequence=2")
+    assert new == _plan_json(capsys, *job, "sequence_parallel=2")
+    assert new["parallel"] == {"data": 4, "sequence": 2} and new["sequence_parallel"] == 2
+    cfg = load_config(PRESET_8B, [*job[1:], "parallel.sequence=2", f"run.dir={tmp_path}"])
+    resolved, _ = resolve_plan(cfg)
+    assert resolved.parallel.sequence == resolved.sequence_parallel == 2
+
+
 def test_sequence_parallel_divides_the_activations_per_rank_but_not_the_model_states():
     shape = model_shape(_job(32768).model)
     base = StepSpec("fsdp", 8, 1, 32768, "none", packed=False)

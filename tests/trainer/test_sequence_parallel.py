@@ -83,7 +83,8 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "single_biogpt": ((*SINGLE, BIOGPT), 1, None),
     "ddp_sp2": (("strategy=ddp", "sequence_parallel=2", "run.save_final=true"), 2, "single"),
     "ddp_sp2_full": (("strategy=ddp", "sequence_parallel=2", FULL_AC), 2, "single"),
-    "fsdp_sp2": (("strategy=fsdp", "sequence_parallel=2"), 2, "single"),
+    # the new name of sequence_parallel: the same losses as the one-process run, as the old one
+    "fsdp_sp2": (("strategy=fsdp", "parallel.sequence=2"), 2, "single"),
     "fsdp_sp2_full": (
         ("strategy=fsdp", "sequence_parallel=2", FULL_AC, "run.checkpoint_every=3"),
         2,

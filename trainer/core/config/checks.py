@@ -125,10 +125,27 @@ def build_config(tree: dict[str, Any]) -> JobConfig:
     except ValidationError as err:
         raise _explain(err) from None
     check_no_secrets(cfg.to_dict())
+    _one_sequence_degree(cfg)
     _check_across_sections(cfg)
     _check_paths(cfg)
     _check_positions(cfg)
     return cfg
+
+
+def _one_sequence_degree(cfg: JobConfig) -> None:
+    """`parallel.sequence` and its old name `sequence_parallel` are one key: either sets both
+    (the code reads `sequence_parallel`); both set, they must agree."""
+    new, old = cfg.parallel.sequence, cfg.sequence_parallel
+    if new != "auto" and old != "auto" and new != old:
+        raise ConfigError(
+            "parallel.sequence",
+            f"{new} disagrees with sequence_parallel={old}, its old name",
+            "set one of them",
+        )
+    if new == "auto":
+        cfg.parallel.sequence = old
+    else:
+        cfg.sequence_parallel = new
 
 
 def _check_paths(cfg: JobConfig) -> None:

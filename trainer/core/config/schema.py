@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -446,6 +447,22 @@ class K8sConfig(_Section):
         return v
 
 
+def _a_degree(v: int | str) -> int | str:
+    if isinstance(v, int) and v < 1:
+        raise ValueError("must be >= 1 or auto")
+    return v
+
+
+# ranks that split something; auto: the planner's choice (1 in the engine until it chooses)
+Degree = Annotated[Literal["auto"] | int, AfterValidator(_a_degree)]
+
+
+class ParallelConfig(_Section):
+    # ranks that split each sequence (Ulysses, trainer/parallel/sequence.py); changes where
+    # tokens live, never what is learned (the degrees of trainer/core/parallel_dims.py)
+    sequence: Degree = "auto"
+
+
 class JobConfig(_Section):
     model: ModelConfig
     data: DataConfig
@@ -456,9 +473,8 @@ class JobConfig(_Section):
     precision: Annotated[Literal["bf16", "fp16", "fp32", "bf16_pure"], LEARNED] = "bf16"
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     strategy: str = "auto"  # auto or a row of trainer/core/strategies.py
-    # ranks that split each sequence (Ulysses, trainer/parallel/sequence.py); auto: the
-    # planner (1 in the engine until it chooses). Changes where tokens live, never what is learned.
-    sequence_parallel: Literal["auto"] | int = "auto"
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    sequence_parallel: Degree = "auto"  # parallel.sequence's old name (either sets both: checks.py)
     hardware: HardwareConfig = Field(default_factory=HardwareConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
     run: RunConfig = Field(default_factory=RunConfig)
@@ -469,13 +485,6 @@ class JobConfig(_Section):
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     k8s: K8sConfig = Field(default_factory=K8sConfig)
-
-    @field_validator("sequence_parallel")
-    @classmethod
-    def _positive_sequence_parallel(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and v < 1:
-            raise ValueError("must be >= 1 or auto")
-        return v
 
     @field_validator("strategy")
     @classmethod
