@@ -10,23 +10,34 @@ same names from them, so the command is torchrun with none of those options, and
 Sizes come from the plan: `numNodes`, `numProcPerNode`, `nvidia.com/gpu` = devices per node (none
 on CPU), memory = the plan's host estimate per node with `memory.headroom` (at least 16 GiB, at
 most `hardware.host_memory`). run.dir lives on the PersistentVolumeClaim `k8s.pvc`, mounted at
-/runs (run.dir in the pod: /runs/<run.dir's name>); /dev/shm is a memory-backed volume (a pod's
+/runs (run.dir in the pod: /runs/<the job's name>); /dev/shm is a memory-backed volume (a pod's
 default is 64 MiB, too small for NCCL and data loaders). The volumes travel as a `runtimePatches`
 entry, the TrainJob API's way to add volumes to the runtime's `node` container.
+
+The name is run.dir's last part as a Kubernetes name and 8 base-32 characters of the resolved
+run.dir's SHA-256: two run dirs never share a TrainJob or a directory on the claim (`runs/a/exp` and
+`runs/b/exp`, `runs/Exp_1` and `runs/exp-1`, `runs/2024-11-01` and `runs/2024-11-02`), and the
+same run.dir always names the same job, which `run.resume: auto` continues. Both documents are
+written by the YAML library; the one line of text around them, the first comment, refuses a
+control character in the path it names (it could start a document of its own).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import math
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from launcher.run.launch import allocator_env
+from launcher.run.launch import allocator_env, refuse_control_chars
 from launcher.slurm.submit import MIN_MEM_BYTES, host_bytes_needed
 from trainer.core.config import ConfigError, JobConfig, dump_config
+from trainer.core.files import absolute_path
 from trainer.core.units import GIB, parse_size
 
 API_VERSION = "trainer.kubeflow.org/v1alpha1"
@@ -43,11 +54,18 @@ MANIFEST_FILE = "trainjob.yaml"
 MAX_NAME_CHARS = 40
 
 
+DIGEST_CHARS = 8
+
+
 def job_name(run_dir: str) -> str:
-    """The TrainJob's name: run.dir's last part as a lowercase RFC 1035 label (or 'oomless')."""
-    name = re.sub(r"[^a-z0-9]+", "-", Path(run_dir).name.lower())
-    name = name.lstrip("-0123456789")[:MAX_NAME_CHARS].rstrip("-")
-    return name or "oomless"
+    """The TrainJob's name, a lowercase RFC 1035 label: run.dir's last part (or 'oomless'), then
+    8 base-32 characters of the resolved run.dir's SHA-256: distinct run dirs, distinct names."""
+    resolved = absolute_path(run_dir)
+    sha = hashlib.sha256(resolved.encode()).digest()
+    digest = base64.b32encode(sha).decode().lower()[:DIGEST_CHARS]  # 40 bits
+    name = re.sub(r"[^a-z0-9]+", "-", Path(resolved).name.lower())
+    name = name.lstrip("-0123456789")[: MAX_NAME_CHARS - DIGEST_CHARS - 1].rstrip("-")
+    return f"{name or 'oomless'}-{digest}"
 
 
 def check_k8s(cfg: JobConfig, what: str) -> None:
@@ -78,6 +96,7 @@ def render_trainjob(cfg: JobConfig, plan_json: dict[str, Any], where: str = MANI
     """The ConfigMap and the TrainJob for a resolved config and its plan (docs/interface.md plan
     JSON), as one YAML file; `where` names the file in its first comment line."""
     check_k8s(cfg, "a TrainJob")
+    refuse_control_chars({"run.dir": where}, "the manifest's first comment")
     name = job_name(cfg.run.dir)
     metadata: dict[str, Any] = {"name": name}
     if cfg.k8s.namespace:
@@ -110,7 +129,7 @@ def render_trainjob(cfg: JobConfig, plan_json: dict[str, Any], where: str = MANI
     }
     header = (
         f"# Written by oomless from the plan ({plan_json.get('strategy')}, "
-        f"{plan_json.get('world_size')} ranks); apply with: kubectl apply -f {where}\n"
+        f"{plan_json.get('world_size')} ranks); apply with: kubectl apply -f {shlex.quote(where)}\n"
     )
     docs = [yaml.dump(doc, Dumper=_BlockDumper, sort_keys=False) for doc in (config_map, trainjob)]
     return header + "---\n".join(docs)

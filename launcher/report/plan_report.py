@@ -8,7 +8,7 @@ from pathlib import Path
 
 from launcher.plan.job import plan_job
 from launcher.plan.planner import NoFitError, Plan
-from launcher.run.launch import allocator_env, launch_spec
+from launcher.run.launch import allocator_env, launch_spec, refuse_control_chars, shell_join
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
 from trainer.core.contract import CONFIG_FILE
@@ -26,7 +26,8 @@ def plan_command(cfg: JobConfig, as_json: bool, emit: str | None) -> int:
         raise
     argv, _, _ = launch_spec(resolved, _config_path(cfg))
     if emit == "torchrun":  # with the allocator's setting the launcher gives CUDA ranks
-        print(" ".join([f"{k}={v}" for k, v in allocator_env(resolved).items()] + argv))
+        refuse_control_chars({"run.dir": cfg.run.dir, "python": sys.executable}, "the command")
+        print(shell_join(argv, allocator_env(resolved)))
         return 0
     if emit == "accelerate":
         sys.stdout.write(accelerate_config(plan, cfg))
@@ -112,7 +113,7 @@ def render_plan(plan: Plan, device_bytes: int, host_bytes: int, argv: list[str])
             )
         else:
             lines.append(f"  {alt.strategy:<22} no     {alt.why_not}")
-    lines += ["command:", "  " + " ".join(argv)]
+    lines += ["command:", "  " + shell_join(argv)]
     return "\n".join(lines)
 
 

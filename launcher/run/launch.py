@@ -2,12 +2,19 @@
 
 Single node: `torchrun --standalone`. Several nodes: c10d rendezvous on the head node; each node
 runs the same command with its own `--node_rank` (from the environment, evaluated on that node).
+
+A command printed for a user to run (`--emit torchrun`, the plan's command line) is `shell_join`
+quoted: `shlex.split` of it gives the argv back, whatever a path holds. Every emitter refuses a
+control character in a value it writes (`refuse_control_chars`): in a script, a manifest's
+comment or a printed command it could only start a new line.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from launcher.estimate.peak import ALLOC_CONF_VARS
-from trainer.core.config import JobConfig
+from trainer.core.config import ConfigError, JobConfig
 from trainer.core.contract import EXIT_SIGNAL
 
 if TYPE_CHECKING:
@@ -24,6 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 RDZV_PORT = 29500
+NODE_RANK_VAR = "$NODE_RANK"
+HEAD_NODE_VAR = "$HEAD_NODE"
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -31,8 +40,8 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 def build_torchrun_command(
     cfg: JobConfig,
     config_path: Path,
-    node_rank: str = "$NODE_RANK",
-    head_node: str = "$HEAD_NODE",
+    node_rank: str = NODE_RANK_VAR,
+    head_node: str = HEAD_NODE_VAR,
 ) -> tuple[list[str], dict[str, str]]:
     """torchrun argv for the resolved config, and the environment its children need.
 
@@ -89,6 +98,41 @@ def allocator_env(cfg: JobConfig, environ: Mapping[str, str] = os.environ) -> di
     return {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE_SEGMENTS}
 
 
+# the printed multi-node command's shell variables, expanded on each node: `"$NODE_RANK"`
+_SHELL_VARIABLE = re.compile(f"({re.escape(NODE_RANK_VAR)}|{re.escape(HEAD_NODE_VAR)})(:[0-9]+)?")
+# C0 and C1 controls, DEL, and Unicode's line and paragraph separators (YAML reads U+0085,
+# U+2028 and U+2029 as line breaks); a tab breaks no line and stays allowed
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def shell_join(argv: list[str], env: Mapping[str, str] | None = None) -> str:
+    """argv (after `NAME=value` assignments of `env`) as one shell command line: every word
+    quoted (`shlex.split` gives argv back); the multi-node placeholders `$NODE_RANK` and
+    `$HEAD_NODE` in double quotes, so the shell of each node expands them."""
+    words = [f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()]
+    for arg in argv:
+        words.append(f'"{arg}"' if _SHELL_VARIABLE.fullmatch(arg) else shlex.quote(arg))
+    return " ".join(words)
+
+
+def refuse_control_chars(values: Mapping[str, object], what: str) -> None:
+    """ConfigError (exit 2, one line naming the key) when a string value, or an item of a list
+    value, holds a control character or a line break: in `what` (a script, a manifest, a
+    command line) it could only start a line of its own."""
+    for key, value in values.items():
+        for item in value if isinstance(value, list) else [value]:
+            found = _CONTROL.search(item) if isinstance(item, str) else None
+            if found:
+                raise ConfigError(
+                    key,
+                    f"{item!r} holds a line break or control character ({found.group()!r}), "
+                    f"which would break {what}",
+                    "give one line per item"
+                    if isinstance(value, list)
+                    else f"give {key} without it",
+                )
+
+
 def _max_restarts(cfg: JobConfig) -> int:
     """torchrun's worker-group restarts: dist.max_restarts, or with elastic.min_nodes on
     several nodes at least run.max_restarts (a lost node is a restart of the group)."""
@@ -120,7 +164,7 @@ def run_command(argv: list[str], env: dict[str, str], output: TorchrunOutput | N
     # forwarding first: a signal from here on stops the child, even one that comes as it starts
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     try:
-        log.info("launching: %s", " ".join(argv))
+        log.info("launching: %s", shell_join(argv))
         # Its own session (a Ctrl-C reaches it once, through us), but it dies with us: a
         # supervisor killed with SIGKILL sends torchrun SIGTERM, and torchrun stops the workers.
         proc = subprocess.Popen(

@@ -24,7 +24,7 @@ from typing import Any
 
 from launcher.plan.job import next_rung, resolve_plan
 from launcher.plan.planner import NoFitError
-from launcher.run.launch import launch_spec, run_command, under_launcher
+from launcher.run.launch import launch_spec, run_command, shell_join, under_launcher
 from launcher.run.preflight import (
     check_resume,
     check_rows,
@@ -92,7 +92,7 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
         plan_json["command"] = argv
         if dry_run:
             print(json.dumps(plan_json, indent=2))
-            print(" ".join(argv))
+            print(shell_join(argv))
             return 0
         if attempt == 0:  # bad input stops here, before anything is written or launched
             if not under_launcher():  # srun tasks would write one cache at once: rank 0 does

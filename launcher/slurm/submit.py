@@ -12,8 +12,8 @@ docs/slurm.md has the user's side.
 
 Every value is quoted for the place it lands in: `#SBATCH` lines are split by sbatch itself (blanks
 separate, `"` and `\\` are its quoting), the script body by bash, and the command inside the
-single-quoted `bash -c '...'` by bash twice. A newline or NUL in any value could only start a new
-script line, so it is refused (exit 2).
+single-quoted `bash -c '...'` by bash twice. A line break, NUL or other control character in any
+value could only start a new script line, so it is refused (exit 2).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from string import Template
 
 from launcher.plan.job import resolve_plan
 from launcher.plan.planner import NoFitError
-from launcher.run.launch import allocator_env
+from launcher.run.launch import allocator_env, refuse_control_chars
 from launcher.run.preflight import (
     check_resume,
     check_rows,
@@ -181,16 +181,10 @@ def _in_single_quotes(shell_word: str) -> str:
 
 
 def _refuse_line_breaks(cfg: JobConfig, run_dir: Path, python: str) -> None:
+    """A control character (a line break, NUL, ...) in a value the script holds: exit 2."""
     values = {f"slurm.{k}": v for k, v in cfg.slurm.model_dump().items()}
     values.update({"run.dir": str(run_dir), "python": python})
-    for key, value in values.items():
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, str) and ("\n" in item or "\r" in item or "\0" in item):
-                raise ConfigError(
-                    key,
-                    f"{item!r} holds a line break or NUL, which would become a script line",
-                    "give one line per list item (slurm.setup and slurm.extra are lists)",
-                )
+    refuse_control_chars(values, "the sbatch script")
 
 
 def _request_for_partition(cfg: JobConfig, plan_json: dict, dry_run: bool) -> SlurmRequest | None:

@@ -5,8 +5,10 @@ kubeflow/trainer's webhook that the schema does not hold (named where they are c
 
 from __future__ import annotations
 
+import base64
 import copy
 import functools
+import hashlib
 import json
 import math
 import re
@@ -106,6 +108,15 @@ def _emit(capsys, *argv: str) -> tuple[dict, dict]:
     return config_map, trainjob
 
 
+def _named(trainjob: dict, run_dir: Path, readable: str) -> str:
+    """The TrainJob's name: `readable` (run.dir's last part as a label) and 8 base-32 characters
+    of the resolved run.dir's SHA-256 (distinct run dirs, distinct jobs and claim dirs)."""
+    sha = hashlib.sha256(str(run_dir.resolve()).encode()).digest()
+    digest = base64.b32encode(sha).decode().lower()[:8]
+    assert trainjob["metadata"]["name"] == f"{readable}-{digest}"
+    return f"{readable}-{digest}"
+
+
 def _plan(capsys, *argv: str) -> dict:
     assert main(["plan", *argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
@@ -117,12 +128,13 @@ def test_llama_8b_on_two_nodes_of_8_gpus_validates_and_is_sized_by_the_plan(caps
     plan = _plan(capsys, *argv)
 
     assert _errors(trainjob) == []
+    name = _named(trainjob, tmp_path / "llama_8B sft", "llama-8b-sft")
     assert trainjob["metadata"] == {
-        "name": "llama-8b-sft",
+        "name": name,
         "namespace": "ml",
         "labels": {"kueue.x-k8s.io/queue-name": "team-a"},
     }
-    assert config_map["metadata"] == {"name": "llama-8b-sft-config", "namespace": "ml"}
+    assert config_map["metadata"] == {"name": f"{name}-config", "namespace": "ml"}
     spec = trainjob["spec"]
     assert spec["runtimeRef"] == {"name": "torch-distributed"}
     trainer = spec["trainer"]
@@ -187,7 +199,8 @@ def test_the_pods_run_torchrun_on_the_config_map_s_config_which_trainer_loads(ca
     path.write_text(config_map["data"]["config.yaml"])
     pods = load_config(str(path))  # what `python -m trainer /config/config.yaml` loads first
     plan = _plan(capsys, *argv)
-    assert pods.run.dir == "/runs/demo" and pods.run.resume == "auto"
+    name = _named(trainjob, tmp_path / "demo", "demo")
+    assert pods.run.dir == f"/runs/{name}" and pods.run.resume == "auto"
     assert pods.strategy == plan["strategy"] == "ddp"
     assert pods.train.micro_batch_size == plan["micro_batch_size"]
     assert (pods.hardware.nodes, pods.hardware.devices_per_node) == (1, 2)
@@ -276,12 +289,14 @@ def test_a_failed_kubectl_apply_is_one_line_with_its_exit_code(capsys, tmp_path,
 )
 def test_the_job_name_is_run_dir_s_name_as_the_crd_allows(capsys, tmp_path, run_dir, name):
     _, trainjob = _emit(capsys, DEMO, *CPU_2, *K8S, f"run.dir={tmp_path / run_dir}")
-    assert trainjob["metadata"]["name"] == name and _errors(trainjob) == []
+    _named(trainjob, tmp_path / run_dir, name)
+    assert _errors(trainjob) == []
 
 
 def test_a_long_run_dir_name_is_cut_to_a_label_the_pods_host_names_can_hold(capsys, tmp_path):
     _, trainjob = _emit(capsys, DEMO, *CPU_2, *K8S, f"run.dir={tmp_path / ('x' * 80)}")
-    assert trainjob["metadata"]["name"] == "x" * 40 and _errors(trainjob) == []
+    _named(trainjob, tmp_path / ("x" * 80), "x" * 31)  # 40 characters with its digest
+    assert _errors(trainjob) == []
 
 
 def test_the_manifest_in_the_docs_is_what_the_code_writes(capsys, tmp_path, monkeypatch):
@@ -290,8 +305,12 @@ def test_the_manifest_in_the_docs_is_what_the_code_writes(capsys, tmp_path, monk
     argv = [LLAMA_8B, *TWO_NODES_OF_8, *K8S, "k8s.queue=team-a", "run.dir=runs/llama-8b-sft"]
     _, trainjob = _emit(capsys, *argv)
     page = (REPO / "docs" / "kubernetes.md").read_text()
-    shown = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", page, re.S)]
-    assert trainjob in shown
+    # the name's digest is of the resolved run.dir, which the page cannot know: its own stands
+    name = _named(trainjob, tmp_path / "runs" / "llama-8b-sft", "llama-8b-sft")
+    (shown,) = set(re.findall(r"llama-8b-sft-[a-z2-7]{8}", page))
+    text = yaml.safe_dump(trainjob).replace(name, shown)
+    shown_docs = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", page, re.S)]
+    assert yaml.safe_load(text) in shown_docs
 
 
 def test_memory_is_capped_at_the_node_s_host_memory_and_floored_at_16_gib():

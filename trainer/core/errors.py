@@ -9,13 +9,18 @@ import re
 import shutil
 from pathlib import Path
 
+# a line break or other control character a message quotes from the input: written escaped
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
 
 class ConfigError(ValueError):
-    """A bad config value. `str()` is the one line the user sees: key, problem, fix."""
+    """A bad config value. `str()` is the one line the user sees: key, problem, fix (a line
+    break quoted from the input is escaped, `\\n`, so the line stays one)."""
 
     def __init__(self, key: str, problem: str, fix: str):
         self.key, self.problem, self.fix = key, problem, fix
-        super().__init__(f"config error: {key}: {problem}; {fix}")
+        line = f"config error: {key}: {problem}; {fix}"
+        super().__init__(_CONTROL.sub(lambda m: repr(m.group())[1:-1], line))
 
 
 def not_writable(
