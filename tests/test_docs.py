@@ -32,6 +32,7 @@ NOT_REPO_PATHS = {
     "configs/my_job.yaml": "the user's own job file in docs/slurm.md's example",
     "model/config.json": "a model dir made by tests/test_hostile_inputs.py",
     "hang/report.json": "written by a hung run into its run.dir (trainer/runtime/hang.py)",
+    "exp/config.yaml": "a user's job file in the run.dir it names, which no run overwrites",
     "torch/distributed/distributed_c10d.py": "torch's source, named in a hang's line",
 }
 # Where a run or a bench writes: paths below these are outputs, not files of the repository.

@@ -622,7 +622,10 @@ def full_disk(tmp_path: Path):
 @pytest.mark.parametrize(
     ("override", "says"),
     [
-        ("run.dir={disk}/run", "config error: run.dir: could not write the run lock to {disk}/run"),
+        (
+            "run.dir={disk}/run",
+            "config error: run.dir: could not write the run's marker to {disk}/run",
+        ),
         ("data.cache_dir={disk}/cache", "config error: data.cache_dir: could not write the tok"),
     ],
     ids=["run-lock", "data-cache"],

@@ -267,3 +267,64 @@ def test_links_planted_in_run_dir_never_write_their_targets(clean, tmp_path):
     assert "metrics.jsonl" in r.stderr and "symbolic link" in r.stderr
     assert appended.read_bytes() == VICTIM
     assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before
+
+
+# -- whose directory run.dir is -----------------------------------------------------------------
+
+
+def _train_in(capsys, job: Path, run: Path, *argv: str) -> tuple[int, str]:
+    from launcher.cli import main
+
+    flags = [a for a in argv[1:] if a.startswith("--")]
+    overrides = [a for a in argv[1:] if not a.startswith("--")]
+    settings = [f"run.dir={run}", "train.steps=1", "run.checkpoint_every=0", *overrides]
+    code = main([argv[0], str(job), *settings, *flags])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["train"], ["submit"], ["submit", "--k8s"]])
+def test_a_run_never_writes_over_the_users_own_files_in_run_dir(
+    capsys, tmp_path, monkeypatch, command
+):
+    """`oomless train exp/config.yaml run.dir=exp` (the job file itself), or a plan.json the
+    user saved in run.dir: exit 2, one line naming it, nothing written anywhere."""
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))  # no sbatch, no kubectl
+    k8s = ["k8s.image=ghcr.io/acme/oomless:0.1", "k8s.pvc=runs"] if "--k8s" in command else []
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    job = write_demo_job(exp / "config.yaml")
+    job.write_text("# the user's comments\n" + job.read_text())
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "plan.json").write_bytes(VICTIM)  # what `oomless plan --json` printed
+    for run, named in ((exp, exp / "config.yaml"), (saved, saved / "plan.json")):
+        before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+        code, err = _train_in(capsys, job, run, *command, *k8s)
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith("config error: run.dir: ") and f"holds {named}" in err, err
+        assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_a_new_empty_or_marked_run_dir_is_a_runs_and_an_old_runs_dir_is_taken(
+    capsys, tmp_path, monkeypatch
+):
+    """`submit --k8s` (no kubectl here: it writes the manifest and stops) marks the run.dir it
+    takes; a run dir from before the marker (metrics.jsonl, checkpoints/latest) is taken and
+    marked, and so is one that holds only files no run writes."""
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    job = write_demo_job(tmp_path / "job.yaml")
+    k8s = ["--k8s", "k8s.image=ghcr.io/acme/oomless:0.1", "k8s.pvc=runs"]
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    (old / "config.yaml").write_text("run: {dir: old}\n")  # that run's own resolved config
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "log.txt").write_bytes(VICTIM)  # no run writes it: left as it is
+    for run in (tmp_path / "new", tmp_path / "empty", tmp_path / "new", old, tmp_path / "notes"):
+        code, err = _train_in(capsys, job, run, "submit", *k8s)
+        assert code == 0, err
+        assert (run / ".oomless-run").is_file() and (run / "trainjob.yaml").is_file()
+    assert (tmp_path / "notes" / "log.txt").read_bytes() == VICTIM

@@ -1,6 +1,10 @@
 """Checks before anything is written into run.dir or launched: bad input exits 2 in one line.
 
-- `check_run_dir`: run.dir is a directory (or can become one) that this user can write.
+- `check_run_dir`: run.dir is a directory (or can become one) that this user can write, and a
+  run never writes over a file the user put there (their job file, a saved plan.json): a
+  directory not marked by a run (`.oomless-run`, written first by `ensure_run_dir`) that holds a
+  file by a name the run writes is refused. A directory from before the marker that holds what
+  only a run writes (metrics.jsonl, checkpoints/latest, ...) is a run's, and is marked when taken.
 - `check_rows`: every row of the local data reads and has its fields (torch-free, so a broken
   file answers as fast as it is read; it runs before the plan).
 - `tokenize_data`: an inline `model.config` checked by its transformers config class
@@ -17,8 +21,27 @@ import time
 from pathlib import Path
 
 from trainer.core.config import ConfigError, JobConfig
-from trainer.core.errors import not_writable
-from trainer.core.files import refuse_links
+from trainer.core.contract import (
+    CHECKPOINTS_DIR,
+    CONFIG_ERROR_FILE,
+    CONFIG_FILE,
+    ESCALATIONS_FILE,
+    FINAL_DIR,
+    HANG_DIR,
+    HANG_REPORT_FILE,
+    JOB_FILE,
+    LATEST_LINK,
+    METRICS_FILE,
+    OOM_REPORT_FILE,
+    PLAN_FILE,
+    PROFILE_DIR,
+    RUN_LOCK_FILE,
+    RUN_MARKER,
+    TORCHRUN_LOG,
+    TRACKERS_FILE,
+)
+from trainer.core.errors import disk_full, no_space, not_writable
+from trainer.core.files import refuse_links, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +64,76 @@ def check_run_dir(path: str | Path) -> None:
             "point run.dir at a writable directory",
         )
     if existing == p:
+        check_run_owner(p)
         refuse_links(p)
 
 
+# what only a run writes: a directory that holds one is a run's from before RUN_MARKER
+_ONLY_A_RUN_WRITES = (
+    METRICS_FILE,
+    ESCALATIONS_FILE,
+    RUN_LOCK_FILE,
+    OOM_REPORT_FILE,
+    TORCHRUN_LOG,
+    f"{CHECKPOINTS_DIR}/{LATEST_LINK}",
+    f"{HANG_DIR}/{HANG_REPORT_FILE}",
+)
+# what a run (or `oomless submit`) writes at run.dir's top, where a user's file would be lost
+_A_RUN_WRITES = (
+    CONFIG_FILE,
+    PLAN_FILE,
+    JOB_FILE,
+    "submit.sbatch",
+    "trainjob.yaml",
+    CONFIG_ERROR_FILE,
+    TRACKERS_FILE,
+    "probe.json",
+    "requeue.json",
+    FINAL_DIR,
+    CHECKPOINTS_DIR,
+    HANG_DIR,
+    PROFILE_DIR,
+)
+
+
+def check_run_owner(run_dir: Path) -> None:
+    """ConfigError (exit 2) when the existing directory `run_dir` is not a run's (marked by one,
+    or from before the marker holding what only a run writes) and holds a file that the run
+    would overwrite: the user's job file, a plan.json they saved."""
+    if (run_dir / RUN_MARKER).exists():
+        return
+    if any(os.path.lexists(run_dir / name) for name in _ONLY_A_RUN_WRITES):
+        return  # a run's directory from before the marker: it resumes
+    names = set(os.listdir(run_dir))
+    clobbered = [n for n in _A_RUN_WRITES if n in names]
+    clobbered += sorted(n for n in names if n.startswith("load_rank") and n.endswith(".json"))
+    if clobbered:
+        raise ConfigError(
+            "run.dir",
+            f"'{run_dir}' is not a run's directory (no {RUN_MARKER}) and holds "
+            f"{run_dir / clobbered[0]}, which this run would overwrite",
+            "point run.dir at a new or empty directory, or move that file out of it",
+        )
+
+
+_MARKER_TEXT = "a run directory of oomless: a run writes here (docs/interface.md)\n"
+
+
 def ensure_run_dir(path: str | Path) -> None:
-    """Create run.dir; a failure (a read-only or virtual file system) is a config error."""
+    """Create run.dir and mark it a run's (RUN_MARKER, first); a failure (a read-only or virtual
+    file system) is a config error."""
     p = Path(path)
+    marker = p / RUN_MARKER
     try:
         p.mkdir(parents=True, exist_ok=True)
+        if not marker.is_file() or marker.is_symlink():
+            write_atomic(marker, _MARKER_TEXT)
     except OSError as err:
+        full = disk_full(err)
+        if full is not None:
+            fix = "free space there or set run.dir elsewhere"
+            needed = len(_MARKER_TEXT)
+            raise no_space("run.dir", marker, "the run's marker", needed, full, fix) from None
         raise not_writable("run.dir", p, err) from None
     # run.dir, and its checkpoints/ where an earlier run left one (a mount of its own may be
     # read-only): found here, not after the first steps

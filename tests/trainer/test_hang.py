@@ -4,6 +4,8 @@ hang injected, restarting and finishing: tests/test_rank_killed.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from trainer.runtime.hang import RankState, diagnose
 
 GATHER = "all_gather_into_tensor (torch/distributed/distributed_c10d.py:4000)"
@@ -52,3 +54,56 @@ def test_many_waiting_ranks_are_counted_not_listed():
     states = {r: _waits(r, 3) for r in range(1, 64)} | {0: _busy(0, 3)}
     line = diagnose(states, 64, 30)["line"]
     assert "rank 0 did not arrive" in line and "where 63 ranks (1..63) wait" in line
+
+
+VICTIM = b"a file outside run.dir: never written\n"
+
+
+def test_stacks_replace_a_planted_link_and_a_linked_hang_dir_is_refused(tmp_path):
+    """run.dir/hang/rank0.txt planted as a link to a file outside run.dir: the stacks replace
+    the link, the file keeps its bytes; a hang/ that is itself a link is refused."""
+    from tests.conftest import write_demo_job
+    from trainer.core.config import ConfigError, load_config
+    from trainer.runtime.hang import HangWatchdog
+
+    cfg = load_config(write_demo_job(tmp_path / "job.yaml"))
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(VICTIM)
+    run = tmp_path / "run"
+    (run / "hang").mkdir(parents=True)
+    (run / "hang" / "rank0.txt").symlink_to(victim)
+    watchdog = HangWatchdog(cfg, run, rank=0, world_size=1)
+    try:
+        path = watchdog.dump_stacks(_busy(0, 3))
+        assert path == run / "hang" / "rank0.txt" and not path.is_symlink()
+        text = path.read_text()
+        assert text.startswith("# oomless hang watchdog: rank 0 (step 3, at forward")
+        assert "test_stacks_replace_a_planted_link" in text  # this thread's own frame
+        assert victim.read_bytes() == VICTIM
+
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        linked = tmp_path / "linked"
+        linked.mkdir()
+        (linked / "hang").symlink_to(elsewhere)
+        watchdog.run_dir = linked
+        with pytest.raises(ConfigError, match="hang: is a symbolic link") as err:
+            watchdog.dump_stacks(_busy(0, 3))
+        assert "\n" not in str(err.value)
+        assert list(elsewhere.iterdir()) == []
+    finally:
+        watchdog.close()
+
+
+def test_latest_is_replaced_through_a_fresh_name_never_a_planted_one(tmp_path):
+    from trainer.checkpoint.store import write_latest
+
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(VICTIM)
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    (root / "latest.tmp").symlink_to(victim)  # the name the old code wrote through
+    (root / "latest").symlink_to(victim)
+    write_latest(root, "step_4", lambda what: None)
+    assert (root / "latest").read_text() == "step_4\n" and not (root / "latest").is_symlink()
+    assert victim.read_bytes() == VICTIM

@@ -130,6 +130,8 @@ class Checkpointer:
         self._needed_bytes = _state_bytes(flat, dist.get_world_size() if is_distributed() else 1)
         with _disk_full_is_one_line(self.root, step, tmp, self._needed_bytes):
             if self.rank == 0:
+                if tmp.is_symlink():  # a planted link: removed, never followed out of run.dir
+                    tmp.unlink()
                 shutil.rmtree(tmp, ignore_errors=True)
             together(lambda: _make_tmp(tmp, self.rank))
             rng = tmp / "rng" / f"rank_{self.rank}.safetensors"

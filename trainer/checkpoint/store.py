@@ -13,6 +13,7 @@ from typing import Any
 from trainer.checkpoint.layout import SafeFileSystemReader
 from trainer.checkpoint.manifest import MANIFEST_FILE, STATE_FILE, damage
 from trainer.core.config import ConfigError, JobConfig
+from trainer.core.files import PRIVATE_FILE_MODE, write_by_name
 from trainer.observe.metrics import strict_json
 
 log = logging.getLogger(__name__)
@@ -192,13 +193,15 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_latest(root: Path, name: str, after_each: Callable[[str], None]) -> None:
-    tmp = root / "latest.tmp"
-    tmp.write_text(name + "\n")
-    after_each("latest.tmp written")
-    with tmp.open("rb") as f:
-        os.fsync(f.fileno())
-    tmp.replace(root / "latest")
-    fsync_dir(root)
+    """`latest` replaced through a fresh temporary name (a planted link is never written)."""
+
+    def fill(tmp: Path) -> None:
+        tmp.write_text(name + "\n")  # a name mkstemp just made: no link can be there
+        after_each("latest.tmp written")
+        with tmp.open("rb") as f:
+            os.fsync(f.fileno())
+
+    write_by_name(root / "latest", fill, PRIVATE_FILE_MODE)
     after_each("latest replaced")
 
 

@@ -17,6 +17,9 @@ EXIT_HANG = 124  # a step or collective outlasted run.hang_timeout_s; stacks in 
 EXIT_CUT_OFF = 130  # interrupted (Ctrl-C, repeated signals) before a checkpoint was written
 
 # Files under run.dir
+# Written first into a run.dir a run takes: a run writes only into a directory that is new, empty
+# or holds this marker (launcher/run/preflight.py `check_run_dir`)
+RUN_MARKER = ".oomless-run"
 CONFIG_FILE = "config.yaml"  # the resolved config every rank runs
 # `oomless submit` with elastic.min_nodes: the config as submitted, before the plan resolved it;
 # what a re-plan for the nodes left starts from (launcher/slurm/elastic.py)

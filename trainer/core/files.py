@@ -23,7 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.core.contract import ESCALATIONS_FILE, METRICS_FILE, TORCHRUN_LOG
+from trainer.core.contract import (
+    ESCALATIONS_FILE,
+    HANG_DIR,
+    METRICS_FILE,
+    PROFILE_DIR,
+    TORCHRUN_LOG,
+)
 from trainer.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -94,11 +100,20 @@ def append_line(
 
 
 def refuse_links(run_dir: str | Path) -> None:
-    """ConfigError when a file oomless appends to in `run_dir` is a symbolic link (files it
-    rewrites need no check: the rename replaces a link)."""
-    for name in (METRICS_FILE, ESCALATIONS_FILE, TORCHRUN_LOG):
+    """ConfigError when a file oomless appends to in `run_dir`, or a directory it writes files
+    into, is a symbolic link (files it rewrites need no check: the rename replaces a link)."""
+    for name in (METRICS_FILE, ESCALATIONS_FILE, TORCHRUN_LOG, HANG_DIR, PROFILE_DIR):
         if (Path(run_dir) / name).is_symlink():
             raise link_refused(Path(run_dir) / name)
+
+
+def run_subdir(run_dir: str | Path, name: str) -> Path:
+    """run_dir/name as a directory of the run's own (made 0700 when missing); a symbolic link
+    there is refused (ConfigError), never followed out of run.dir."""
+    path = Path(run_dir) / name
+    if path.is_symlink():
+        raise link_refused(path)
+    return make_private_dir(path)
 
 
 def link_refused(path: Path) -> ConfigError:

@@ -36,7 +36,13 @@ from typing import Any
 
 from trainer.core.config import JobConfig
 from trainer.core.contract import EXIT_HANG, HANG_DIR, HANG_REPORT_FILE
-from trainer.core.files import write_json
+from trainer.core.files import (
+    PRIVATE_FILE_MODE,
+    run_subdir,
+    write_atomic,
+    write_by_name,
+    write_json,
+)
 from trainer.core.run_lock import LOCK_OWNER_ENV
 
 log = logging.getLogger(__name__)
@@ -121,7 +127,7 @@ class HangWatchdog:
         """Stacks to run.dir/hang/, the diagnosis (by the first rank to fire), exit 124."""
         state = self._state()
         try:
-            self._dump(state)
+            self.dump_stacks(state)
             if self._store is None:
                 self._report({0: state})
             else:
@@ -145,14 +151,19 @@ class HangWatchdog:
         collective, where = _innermost(frame, _TORCH_DIST), _innermost(frame, _TRAINER)
         return RankState(self.rank, step, collective, where)
 
-    def _dump(self, state: RankState) -> None:
-        hang_dir = self.run_dir / HANG_DIR
-        hang_dir.mkdir(parents=True, exist_ok=True)
-        with open(hang_dir / f"rank{self.rank}.txt", "w") as out:
-            limit = self.limit_s()
-            out.write(f"# oomless hang watchdog: {state.describe()}; limit {limit or 0:.0f} s\n")
-            out.flush()
-            faulthandler.dump_traceback(file=out, all_threads=True)
+    def dump_stacks(self, state: RankState) -> Path:
+        """This rank's Python stacks to run.dir/hang/rank{N}.txt, through a fresh temporary
+        file renamed over it (a link planted there is replaced, never written through)."""
+        head = f"# oomless hang watchdog: {state.describe()}; limit {self.limit_s() or 0:.0f} s\n"
+
+        def fill(tmp: Path) -> None:
+            with open(tmp, "w") as out:
+                out.write(head)
+                out.flush()
+                faulthandler.dump_traceback(file=out, all_threads=True)
+
+        hang_dir = run_subdir(self.run_dir, HANG_DIR)
+        return write_by_name(hang_dir / f"rank{self.rank}.txt", fill, PRIVATE_FILE_MODE)
 
     def _gather(self) -> dict[int, RankState]:
         """Every rank's state that arrives within GATHER_S (a rank wedged without its watchdog
@@ -240,11 +251,10 @@ def inject_hang(cfg: JobConfig, step: int, rank: int, run_dir: Path) -> None:
     spec = cfg.debug.inject_hang
     if spec is None or spec.step != step + 1 or spec.rank != rank:
         return
-    marker = run_dir / HANG_DIR / f"injected-step{spec.step}-rank{rank}"
+    marker = run_subdir(run_dir, HANG_DIR) / f"injected-step{spec.step}-rank{rank}"
     if marker.exists():
         return
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.touch()
+    write_atomic(marker, "")
     log.warning("debug.inject_hang: rank %d stops answering at step %d", rank, spec.step)
     while True:
         time.sleep(1.0)
