@@ -25,6 +25,9 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 DONE = "cli_worker done: "  # the line per job on stdout (the CLI prints its last metrics there)
+# No restart after a hang: then one rank trains in this process, not in a child of its own
+# (launcher/run/launch.py `launch_spec`), and the imports stay paid once; a job may override it.
+IN_THIS_PROCESS = "run.max_restarts=0"
 
 
 def main() -> int:
@@ -37,7 +40,8 @@ def main() -> int:
         with open(job["log"], "w") as log:
             os.dup2(log.fileno(), 2)
             try:
-                code = oomless(["train", *job["args"]])
+                config, *overrides = job["args"]
+                code = oomless(["train", config, IN_THIS_PROCESS, *overrides])
             finally:
                 sys.stderr.flush()
                 os.dup2(saved_stderr, 2)

@@ -16,7 +16,15 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import PYTHON, REPO, kill_tree, oomless, python_env
+from tests.conftest import (
+    PYTHON,
+    REPO,
+    kill_tree,
+    oomless,
+    oomless_two_at_a_time,
+    python_env,
+    write_demo_job,
+)
 from tests.test_cli_train import DEMO, metrics
 
 pytestmark = pytest.mark.slow
@@ -110,3 +118,48 @@ def test_a_hung_rank_is_named_its_stacks_kept_and_the_run_restarts_once(tmp_path
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
     for got, want in zip(lines, reference, strict=True):  # resumed exactly: the same losses
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * want["loss"], (got, want)
+
+
+def test_a_hang_on_one_process_restarts_from_the_checkpoint_and_finishes(tmp_path):
+    """One rank, run.max_restarts=1: the watchdog ends the hung engine (its own process, a child
+    of `oomless train`), and the supervisor restarts it from step_2 to the end, with the losses
+    of an uninterrupted run (run.max_restarts=0: the engine in `oomless train`'s own process).
+    Links planted in the run dir (hang/rank0.txt, checkpoints/latest.tmp, step_2.tmp) are never
+    written through."""
+    job = write_demo_job(
+        tmp_path / "job.yaml",
+        train={"steps": 6, "global_batch_size": 8, "micro_batch_size": 4, "eval_every": 0},
+        run={"checkpoint_every": 2, "save_final": False},
+    )
+    victim, outside = tmp_path / "victim.txt", tmp_path / "outside"
+    victim.write_bytes(b"never written\n")
+    outside.mkdir()
+    hung = tmp_path / "hung"
+    (hung / "hang").mkdir(parents=True)
+    (hung / "checkpoints").mkdir()
+    (hung / ".oomless-run").write_text("")  # a run's directory, with links planted in it
+    (hung / "hang" / "rank0.txt").symlink_to(victim)
+    (hung / "checkpoints" / "latest.tmp").symlink_to(victim)
+    (hung / "checkpoints" / "step_2.tmp").symlink_to(outside, target_is_directory=True)
+    hang = ["run.hang_timeout_s=10", "run.max_restarts=1", "debug.inject_hang={step: 3, rank: 0}"]
+    runs = oomless_two_at_a_time(
+        {
+            "reference": ["train", str(job), f"run.dir={tmp_path / 'ref'}", "run.max_restarts=0"],
+            "hung": ["train", str(job), f"run.dir={hung}", *hang],
+        }
+    )
+    assert runs["reference"].returncode == 0, runs["reference"].stderr[-3000:]
+    r = runs["hung"]
+    assert r.returncode == 0, r.stderr[-4000:]
+    said = [line for line in r.stderr.splitlines() if "hang at step" in line]
+    assert len(said) == 1 and said[0].startswith("oomless: hang at step 3"), r.stderr[-4000:]
+    assert "restarting after the hang (1 of run.max_restarts=1) from step_2" in r.stderr
+    (escalation,) = [json.loads(x) for x in (hung / "escalations.jsonl").read_text().splitlines()]
+    assert escalation["step"] == 3 and escalation["reason"].startswith("hang: hang at step 3")
+    assert "in inject_hang" in (hung / "hang" / "rank0.txt").read_text()
+    assert not (hung / "run.lock").exists()
+    lines, reference = metrics(hung), metrics(tmp_path / "ref")
+    assert [m["step"] for m in lines] == list(range(1, 7))
+    for got, want in zip(lines, reference, strict=True):  # resumed exactly: the same losses
+        assert abs(got["loss"] - want["loss"]) <= 1e-6 * want["loss"], (got, want)
+    assert victim.read_bytes() == b"never written\n" and list(outside.iterdir()) == []

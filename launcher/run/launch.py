@@ -192,13 +192,16 @@ def run_command(argv: list[str], env: dict[str, str], output: TorchrunOutput | N
 
 
 def launch_spec(cfg: JobConfig, config_path: Path) -> tuple[list[str], dict[str, str], bool]:
-    """(argv, env, spawn): torchrun for several processes, else this process runs the engine
-    (with `env` set in its own environment before CUDA starts)."""
+    """(argv, env, spawn): torchrun for several processes; for one, `python -m trainer` as a
+    child when a hang may be restarted (the watchdog ends the hung process with exit 124, and
+    the supervisor must outlive it), else this process runs the engine (with `env` set in its
+    own environment before CUDA starts)."""
     world_size = cfg.hardware.nodes * (cfg.hardware.devices_per_node or 1)
     if world_size > 1 and not under_launcher():
         argv, env = build_torchrun_command(cfg, config_path)
         return argv, env, True
-    return [sys.executable, "-m", "trainer", str(config_path)], allocator_env(cfg), False
+    spawn = cfg.run.num_restarts_allowed > 0 and not under_launcher()
+    return [sys.executable, "-m", "trainer", str(config_path)], allocator_env(cfg), spawn
 
 
 def under_launcher() -> bool:

@@ -7,7 +7,9 @@ does not pick a rung that will OOM again, re-plans without the failed rung, and 
 `run.resume: auto`: the new rung continues from the newest checkpoint (or from step 0), and the
 global batch, optimizer, schedule and precision stay as configured. A launch that ends in a hang
 (exit 124, trainer/runtime/hang.py) starts again on the same rung from the newest checkpoint, up
-to `run.max_restarts` times (docs/resilience.md).
+to `run.max_restarts` times (docs/resilience.md). So that a hang can be restarted, the engine
+never runs in this process while restarts are allowed: one rank is `python -m trainer` as a
+child, as torchrun starts several (with run.max_restarts=0 one rank runs here).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -248,6 +251,11 @@ def _run(cfg: JobConfig, argv: list[str], env: dict[str, str], spawn: bool) -> i
     started = time.time()
     output = TorchrunOutput(run_dir / TORCHRUN_LOG, sys.stderr)
     rc = run_command(argv, dict(env, **{LOCK_OWNER_ENV: str(os.getpid())}), output)
+    if rc > 128 and not output.killed and "torch.distributed.run" not in argv:
+        with contextlib.suppress(ValueError):  # one process, no torchrun to report its end
+            name = signal.Signals(rc - 128).name
+            if name not in ("SIGTERM", "SIGINT"):
+                output.killed[0] = name
     if rc == EXIT_SIGNAL and _newest_checkpoint(run_dir) == newest_before:
         log.warning(
             "stopped by a signal before this launch wrote a checkpoint; run it again to start "

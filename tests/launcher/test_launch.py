@@ -68,13 +68,18 @@ def test_cuda_ranks_get_expandable_segments_unless_the_user_configured_the_alloc
     assert allocator_env(_cfg(device="cpu", devices_per_node=2), environ={}) == {}
 
 
-def test_a_single_cuda_device_runs_here_with_the_allocator_setting(monkeypatch):
+def test_a_single_cuda_device_runs_as_a_child_that_a_hang_may_end(monkeypatch):
+    """One rank is `python -m trainer` as a child while a hang may be restarted (the watchdog
+    ends the hung process, the supervisor outlives it); with run.max_restarts=0, here."""
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(var, raising=False)
     one = _cfg(device="cuda", devices_per_node=1, device_memory="80GiB")
     argv, env, spawn = launch_spec(one, Path("c.yaml"))
-    assert not spawn and argv[-2:] == ["trainer", "c.yaml"]
+    assert spawn and argv == [sys.executable, "-m", "trainer", "c.yaml"]
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # set before CUDA starts
+    here = one.model_copy(update={"run": one.run.model_copy(update={"max_restarts": 0})})
+    argv, env, spawn = launch_spec(here, Path("c.yaml"))
+    assert not spawn and argv[-2:] == ["trainer", "c.yaml"] and env
 
 
 def _child(code: str) -> list[str]:

@@ -107,3 +107,24 @@ def test_latest_is_replaced_through_a_fresh_name_never_a_planted_one(tmp_path):
     write_latest(root, "step_4", lambda what: None)
     assert (root / "latest").read_text() == "step_4\n" and not (root / "latest").is_symlink()
     assert victim.read_bytes() == VICTIM
+
+
+def test_auto_fires_before_torch_s_collective_timeout(tmp_path):
+    """`auto` waits 10 x the slowest step and at least 300 s, or half of dist.timeout_s when that
+    is shorter: with dist.timeout_s=5 the floor of 300 s let torch's timeout end every hang."""
+    from tests.conftest import write_demo_job
+    from trainer.core.config import load_config
+    from trainer.runtime.hang import HangWatchdog
+
+    for timeout_s, floor_s in ((5, 2.5), (600, 300.0), (120, 60.0)):
+        cfg = load_config(write_demo_job(tmp_path / "job.yaml", dist={"timeout_s": timeout_s}))
+        watchdog = HangWatchdog(cfg, tmp_path / "run", rank=0, world_size=1)
+        try:
+            assert watchdog.limit_s() is None  # auto: armed after the first step
+            watchdog.started(0)
+            watchdog.finished()  # a step of a few microseconds
+            assert watchdog.limit_s() == floor_s
+            watchdog.slowest_s = 1.0
+            assert watchdog.limit_s() == max(floor_s, 10.0)
+        finally:
+            watchdog.close()

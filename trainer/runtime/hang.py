@@ -2,15 +2,16 @@
 waited out.
 
 A daemon thread per rank watches the running step. When it outlasts the limit (a fixed
-`run.hang_timeout_s`, or with `auto` 10 x the slowest step so far and at least 5 minutes; `auto`
-arms after the first step, whose warm-up has no measure), the rank writes every thread's Python
-stack (faulthandler) to run.dir/hang/rank{N}.txt and tells the other ranks through the job's
-rendezvous store (the TCPStore torchrun's agent or rank 0 serves, which answers while the
-collectives do not). Every rank then adds its own stack, even one between steps. The first rank
-that fired waits a moment for the others, names in one line the ranks that did not arrive and the
-collective the others wait in, writes hang/report.json, and every rank exits 124 (EXIT_HANG):
-`oomless train` restarts from the last checkpoint up to `run.max_restarts` times
-(launcher/run/supervisor.py). docs/resilience.md.
+`run.hang_timeout_s`, or with `auto` 10 x the slowest step so far and at least 5 minutes, or
+half of `dist.timeout_s` when that is shorter, so the watchdog fires before torch's collective
+timeout ends the waiting ranks; `auto` arms after the first step, whose warm-up has no measure),
+the rank writes every thread's Python stack (faulthandler) to run.dir/hang/rank{N}.txt and tells
+the other ranks through the job's rendezvous store (the TCPStore torchrun's agent or rank 0
+serves, which answers while the collectives do not). Every rank then adds its own stack, even
+one between steps. The first rank that fired waits a moment for the others, names in one line the
+ranks that did not arrive and the collective the others wait in, writes hang/report.json, and
+every rank exits 124 (EXIT_HANG): `oomless train` restarts from the last checkpoint up to
+`run.max_restarts` times (launcher/run/supervisor.py). docs/resilience.md.
 
 Which ranks did not arrive: the ranks whose main thread is not inside torch.distributed while
 others are (they wait for it); when every rank is in a collective, those in a different one or
@@ -48,7 +49,7 @@ from trainer.core.run_lock import LOCK_OWNER_ENV
 log = logging.getLogger(__name__)
 
 AUTO_FACTOR = 10  # auto: this many times the slowest step so far
-AUTO_FLOOR_S = 300.0  # and never less than 5 minutes
+AUTO_FLOOR_S = 300.0  # and never less than 5 minutes (or half of dist.timeout_s when shorter)
 GATHER_S = 20.0  # how long the first rank waits for the others' stacks
 _TORCH_DIST = os.sep + os.path.join("torch", "distributed") + os.sep
 _TRAINER = os.sep + "trainer" + os.sep
@@ -76,6 +77,8 @@ class HangWatchdog:
     def __init__(self, cfg: JobConfig, run_dir: Path, rank: int, world_size: int):
         fixed = cfg.run.hang_timeout_s
         self.fixed_s = float(fixed) if isinstance(fixed, int) else None
+        # auto fires before torch's collective timeout ends the waiting ranks (no stacks then)
+        self.floor_s = min(AUTO_FLOOR_S, cfg.dist.timeout_s / 2)
         self.run_dir, self.rank, self.world_size = run_dir, rank, world_size
         self.slowest_s = 0.0
         self._step: int | None = None
@@ -94,7 +97,7 @@ class HangWatchdog:
             return self.fixed_s
         if not self.slowest_s:
             return None
-        return max(AUTO_FLOOR_S, AUTO_FACTOR * self.slowest_s)
+        return max(self.floor_s, AUTO_FACTOR * self.slowest_s)
 
     def started(self, step: int) -> None:
         with self._lock:
@@ -110,7 +113,7 @@ class HangWatchdog:
         self._stop.set()
 
     def _poll_s(self) -> float:
-        limit = self.limit_s() or AUTO_FLOOR_S
+        limit = self.limit_s() or self.floor_s
         return max(1.0, min(30.0, limit / 10))
 
     def _watch(self) -> None:
