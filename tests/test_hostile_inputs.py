@@ -479,6 +479,18 @@ CASES = [
     ),
     Case("max-restarts-neg", config("run.max_restarts=-1"), BAD, "run.max_restarts: must be >= 0"),
     Case("inject-hang-step-0", config("debug.inject_hang={step: 0}"), BAD, "inject_hang.step"),
+    Case(
+        "inject-hang-rank-beyond-the-world",
+        plan(*CPU2, "debug.inject_hang={step: 3, rank: 2}"),
+        BAD,
+        "debug.inject_hang.rank: 2 is not a rank of the job, which runs on 2 (ranks 0 to 1)",
+    ),
+    Case(
+        "inject-oom-rank-beyond-the-world",
+        train_with(lambda s: ["debug.inject_oom={step: 1, rank: 1}"]),
+        BAD,
+        "debug.inject_oom.rank: 1 is not a rank of the job, which runs on 1 (ranks 0 to 0)",
+    ),
     # ---- run-dir states
     Case("run-dir-is-a-file", train_with(_run_dir_is_a_file), BAD, "is a file"),
     Case("resume-from-non-checkpoint", train_with(_resume_from_empty_dir), BAD, "run.resume: "),

@@ -15,6 +15,7 @@ from launcher.plan.planner import NoFitError, Plan, apply_plan, make_plan
 from launcher.plan.preference import with_reference
 from launcher.plan.unestimated import planning_keys_forced, unestimated_plan, unestimated_warning
 from trainer.core.config import ConfigError, JobConfig
+from trainer.core.config.checks import check_debug_ranks
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ def plan_job(
     """(resolved config, Plan, Hardware) for this job on the detected hardware."""
     hw = detect_hardware(cfg.hardware)
     check_device_features(cfg, hw)
+    check_debug_ranks(cfg, hw.world_size)
     try:
         shape = _forced_shape(cfg)
         plan = make_plan(cfg, hw, shape, exclude=exclude or (), memory_scale=memory_scale)

@@ -405,3 +405,20 @@ def _check_positions(cfg: JobConfig) -> None:
         f"use data.seq_len <= {limit}, or extend the positions (opt-in, changes what is learned): "
         f"model.rope_scaling={{rope_type: yarn, factor: {factor}.0}}",
     )
+
+
+def check_debug_ranks(cfg: JobConfig, world_size: int) -> None:
+    """`debug.inject_hang.rank` / `debug.inject_oom.rank` inside the world the job is planned
+    on (known once the hardware is): a rank beyond it would leave the injection silently inert."""
+    for key, spec in (
+        ("debug.inject_hang", cfg.debug.inject_hang),
+        ("debug.inject_oom", cfg.debug.inject_oom),
+    ):
+        rank = getattr(spec, "rank", None)
+        if rank is not None and rank >= world_size:
+            raise ConfigError(
+                f"{key}.rank",
+                f"{rank} is not a rank of the job, which runs on {world_size} (ranks 0 to "
+                f"{world_size - 1}): nothing would be injected",
+                f"use a rank below {world_size}",
+            )
