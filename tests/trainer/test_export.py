@@ -67,6 +67,10 @@ def _trained_export_matches(tmp_path, model, backend) -> None:
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    # one line on stderr, none of torch's ("torch.distributed is disabled, ..."); the path on stdout
+    (said,) = r.stderr.splitlines()
+    assert said.startswith("wrote the model (") and said.endswith(f" from {ckpt}"), r.stderr
+    assert r.stdout == f"{out}\n"
 
     from transformers import AutoModelForCausalLM
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -124,5 +125,7 @@ def read_full_weights(path: Path) -> dict[str, torch.Tensor]:
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith("model/")
     }
-    dcp.load(flat, storage_reader=SafeFileSystemReader(str(path)), no_dist=not is_distributed())
+    with warnings.catch_warnings():  # one process on purpose: torch warns that it assumes so
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(flat, storage_reader=SafeFileSystemReader(str(path)), no_dist=not is_distributed())
     return {key.removeprefix("model/"): t for key, t in flat.items()}
