@@ -328,3 +328,19 @@ def test_a_new_empty_or_marked_run_dir_is_a_runs_and_an_old_runs_dir_is_taken(
         assert code == 0, err
         assert (run / ".oomless-run").is_file() and (run / "trainjob.yaml").is_file()
     assert (tmp_path / "notes" / "log.txt").read_bytes() == VICTIM
+
+
+@pytest.mark.parametrize("name", ["hang", "profile", "tensorboard"])
+def test_a_linked_directory_the_run_writes_into_is_refused(capsys, tmp_path, name):
+    """hang/ (the stacks), profile/ (traces) or a tracker's directory planted as a link out of
+    run.dir: exit 2 in one line naming it, before anything is written there."""
+    job = write_demo_job(tmp_path / "job.yaml")
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    run.mkdir()
+    outside.mkdir()
+    (run / ".oomless-run").write_text("")
+    (run / name).symlink_to(outside, target_is_directory=True)
+    code, err = _train_in(capsys, job, run, "train")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{run / name}: is a symbolic link" in err
+    assert list(outside.iterdir()) == []

@@ -102,7 +102,9 @@ def append_line(
 def refuse_links(run_dir: str | Path) -> None:
     """ConfigError when a file oomless appends to in `run_dir`, or a directory it writes files
     into, is a symbolic link (files it rewrites need no check: the rename replaces a link)."""
-    for name in (METRICS_FILE, ESCALATIONS_FILE, TORCHRUN_LOG, HANG_DIR, PROFILE_DIR):
+    # the trackers' libraries write their files by name into these directories of run.dir
+    trackers = ("tensorboard", "mlruns", "wandb")
+    for name in (METRICS_FILE, ESCALATIONS_FILE, TORCHRUN_LOG, HANG_DIR, PROFILE_DIR, *trackers):
         if (Path(run_dir) / name).is_symlink():
             raise link_refused(Path(run_dir) / name)
 
