@@ -256,7 +256,7 @@ def test_submit_without_kubectl_writes_the_file_and_says_how_to_apply_it(
     path = run / "trainjob.yaml"
     out = capsys.readouterr().out
     assert out == f"wrote {path}; kubectl is not on PATH: apply it with: kubectl apply -f {path}\n"
-    assert sorted(p.name for p in run.iterdir()) == ["trainjob.yaml"]
+    assert sorted(p.name for p in run.iterdir()) == [".oomless-run", "trainjob.yaml"]
     _, trainjob = yaml.safe_load_all(path.read_text())
     assert _errors(trainjob) == [] and trainjob["spec"]["trainer"]["numProcPerNode"] == 2
 
