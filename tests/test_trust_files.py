@@ -344,3 +344,23 @@ def test_a_linked_directory_the_run_writes_into_is_refused(capsys, tmp_path, nam
     assert code == 2 and err.count("\n") == 1, err
     assert f"{run / name}: is a symbolic link" in err
     assert list(outside.iterdir()) == []
+
+
+def test_an_input_where_the_run_writes_is_refused(capsys, tmp_path):
+    """Data saved as run.dir/metrics.jsonl, a model in run.dir/final: the run would overwrite
+    its own input (appending metrics to the data, saving over the model). Exit 2, one line."""
+    job = write_demo_job(tmp_path / "job.yaml")
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    shutil.copy(REPO / "configs" / "demo" / "train.jsonl", run / "metrics.jsonl")
+    for tokenizer in (REPO / "configs" / "demo" / "tokenizer").iterdir():
+        shutil.copy(tokenizer, run / "final")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for override, key in (
+        (f"data.path={run / 'metrics.jsonl'}", "data.path"),
+        (f"model.tokenizer={run / 'final'}", "model.tokenizer"),
+    ):
+        code, err = _train_in(capsys, job, run, "train", override)
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"config error: {key}: ") and "which this run writes" in err, err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before

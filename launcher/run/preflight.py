@@ -96,6 +96,31 @@ _A_RUN_WRITES = (
 )
 
 
+def check_inputs_are_not_run_files(cfg: JobConfig) -> None:
+    """ConfigError (exit 2) when an input (the data, the model, the tokenizer) is, or lies in,
+    a file or directory of run.dir that the run writes (`data.path=exp/metrics.jsonl
+    run.dir=exp`, `model.name_or_path=exp/final run.dir=exp`): the run would overwrite it."""
+    run_dir = Path(cfg.run.dir).expanduser().resolve()
+    inputs = {
+        "data.path": cfg.data.path,
+        "data.eval_path": cfg.data.eval_path,
+        "model.name_or_path": cfg.model.name_or_path,
+        "model.tokenizer": cfg.model.tokenizer,
+    }
+    written = (*_ONLY_A_RUN_WRITES, *_A_RUN_WRITES, RUN_MARKER)
+    for key, value in inputs.items():
+        if not value or not os.path.lexists(Path(value).expanduser()):
+            continue  # a hub id, or nothing there
+        path = Path(value).expanduser().resolve()
+        for name in written:
+            if path == run_dir / name or (run_dir / name) in path.parents:
+                raise ConfigError(
+                    key,
+                    f"'{value}' is run.dir's {name}, which this run writes",
+                    "move it out of run.dir, or point run.dir elsewhere",
+                )
+
+
 def check_run_owner(run_dir: Path) -> None:
     """ConfigError (exit 2) when the existing directory `run_dir` is not a run's (marked by one,
     or from before the marker holding what only a run writes) and holds a file that the run

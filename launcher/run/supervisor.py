@@ -29,6 +29,7 @@ from launcher.plan.job import next_rung, resolve_plan
 from launcher.plan.planner import NoFitError
 from launcher.run.launch import launch_spec, run_command, shell_join, under_launcher
 from launcher.run.preflight import (
+    check_inputs_are_not_run_files,
     check_resume,
     check_rows,
     check_run_dir,
@@ -81,6 +82,7 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
                 "torchrun` on each node",
             )
         check_run_dir(run_dir)
+        check_inputs_are_not_run_files(cfg)
         check_run_lock(run_dir)  # a live run's files stay as they are; it is taken after checks
         check_rows(cfg)  # torch-free: a broken data file answers before anything imports torch
         check_run_time_extras(cfg)  # what only the run needs, on this machine (not for plan)

@@ -32,6 +32,7 @@ from launcher.plan.job import resolve_plan
 from launcher.plan.planner import NoFitError
 from launcher.run.launch import allocator_env, refuse_control_chars
 from launcher.run.preflight import (
+    check_inputs_are_not_run_files,
     check_resume,
     check_rows,
     check_run_dir,
@@ -220,6 +221,7 @@ def submit_command(cfg: JobConfig, dry_run: bool) -> int:
     run_dir = Path(cfg.run.dir)
     if not dry_run:
         check_run_dir(run_dir)
+        check_inputs_are_not_run_files(cfg)
         check_rows(cfg)  # torch-free, before the plan: a broken file answers at once
     resolved, plan_json = resolve_plan(cfg)
     _refuse_line_breaks(resolved, run_dir, sys.executable)
