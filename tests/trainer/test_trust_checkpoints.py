@@ -384,10 +384,13 @@ def test_a_full_disk_at_the_final_save_is_one_line_and_a_rerun_writes_it(trained
     assert last.startswith(f"config error: run.dir: could not write the model to {run / 'final'}")
     assert "needs about " in last and " free)" in last, last
     assert sorted(p.name for p in run.iterdir()) == [
+        ".oomless-run",
         "checkpoints",
+        "config-error.txt",  # the engine's line, which `oomless train` said (it ran as a child)
         "config.yaml",
         "metrics.jsonl",
         "plan.json",
+        "torchrun.log",  # where the child's own copy of that line went
     ]  # no half-written final/ nor its temporary sibling
     subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)
     r = _train(job, run, *final)

@@ -130,7 +130,9 @@ def test_sigterm_with_a_hung_tracker_checkpoints_and_exits_143_quickly(tmp_path)
         run={"checkpoint_every": 0, "trackers": ["tensorboard"]},
     )
     run = tmp_path / "run"
-    argv = [PYTHON, "-c", _RUN_WITH_A_HANGING_TRACKER, "train", str(job), f"run.dir={run}"]
+    # run.max_restarts=0: the engine runs in this process, whose tracker is patched
+    argv = [PYTHON, "-c", _RUN_WITH_A_HANGING_TRACKER, "train", str(job), f"run.dir={run}",
+            "run.max_restarts=0"]  # fmt: skip
     proc = subprocess.Popen(
         argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=python_env(),
         cwd=REPO,

@@ -14,6 +14,7 @@ from trainer.checkpoint.layout import SafeFileSystemReader
 from trainer.checkpoint.manifest import MANIFEST_FILE, STATE_FILE, damage
 from trainer.core.config import ConfigError, JobConfig
 from trainer.core.files import PRIVATE_FILE_MODE, write_by_name
+from trainer.core.run_lock import LOCK_OWNER_ENV
 from trainer.observe.metrics import strict_json
 
 log = logging.getLogger(__name__)
@@ -66,11 +67,13 @@ _reported: set[str] = set()
 
 
 def _report_once(lines: list[str]) -> None:
-    """A skipped checkpoint is said once per process (the launcher and the engine both look)."""
+    """A skipped checkpoint is said once per process (the launcher and the engine both look);
+    by an engine that `oomless train` started, not at all: the launcher looked first and said it."""
+    level = logging.DEBUG if LOCK_OWNER_ENV in os.environ else logging.WARNING
     for line in lines:
         if line not in _reported:
             _reported.add(line)
-            log.warning("%s", line)
+            log.log(level, "%s", line)
 
 
 def checkpoint_damage(path: Path) -> str | None:
