@@ -311,7 +311,8 @@ def test_a_new_empty_or_marked_run_dir_is_a_runs_and_an_old_runs_dir_is_taken(
 ):
     """`submit --k8s` (no kubectl here: it writes the manifest and stops) marks the run.dir it
     takes; a run dir from before the marker (metrics.jsonl, checkpoints/latest) is taken and
-    marked, and so is one that holds only files no run writes."""
+    marked, and so are one that holds a checkpoint copied in to resume from (checkpoints/step_N)
+    and one that holds only files no run writes."""
     (tmp_path / "bin").mkdir()
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     job = write_demo_job(tmp_path / "job.yaml")
@@ -321,9 +322,12 @@ def test_a_new_empty_or_marked_run_dir_is_a_runs_and_an_old_runs_dir_is_taken(
     (old / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
     (old / "config.yaml").write_text("run: {dir: old}\n")  # that run's own resolved config
     (tmp_path / "empty").mkdir()
+    copied = tmp_path / "copied" / "checkpoints" / "step_2"  # a checkpoint copied in to resume
+    copied.mkdir(parents=True)
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "log.txt").write_bytes(VICTIM)  # no run writes it: left as it is
-    for run in (tmp_path / "new", tmp_path / "empty", tmp_path / "new", old, tmp_path / "notes"):
+    taken = (tmp_path / "new", tmp_path / "empty", tmp_path / "new", old, tmp_path / "copied")
+    for run in (*taken, tmp_path / "notes"):
         code, err = _train_in(capsys, job, run, "submit", *k8s)
         assert code == 0, err
         assert (run / ".oomless-run").is_file() and (run / "trainjob.yaml").is_file()

@@ -129,6 +129,8 @@ def check_run_owner(run_dir: Path) -> None:
         return
     if any(os.path.lexists(run_dir / name) for name in _ONLY_A_RUN_WRITES):
         return  # a run's directory from before the marker: it resumes
+    if _holds_a_checkpoint(run_dir / CHECKPOINTS_DIR):
+        return  # a checkpoint put there to resume from (`run.resume: auto` finds it)
     names = set(os.listdir(run_dir))
     clobbered = [n for n in _A_RUN_WRITES if n in names]
     clobbered += sorted(n for n in names if n.startswith("load_rank") and n.endswith(".json"))
@@ -139,6 +141,14 @@ def check_run_owner(run_dir: Path) -> None:
             f"{run_dir / clobbered[0]}, which this run would overwrite",
             "point run.dir at a new or empty directory, or move that file out of it",
         )
+
+
+def _holds_a_checkpoint(checkpoints: Path) -> bool:
+    """Whether `checkpoints` is a directory holding a `step_N` directory (only a run writes one;
+    a user may copy one in to resume from it)."""
+    if not checkpoints.is_dir() or checkpoints.is_symlink():
+        return False
+    return any(p.name.startswith("step_") and p.is_dir() for p in checkpoints.iterdir())
 
 
 _MARKER_TEXT = "a run directory of oomless: a run writes here (docs/interface.md)\n"
