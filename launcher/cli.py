@@ -46,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     sp = with_config("plan", "the plan oomless would run, and why")
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--emit", choices=["torchrun", "deepspeed", "accelerate", "sbatch", "trainjob"])
+    sp.add_argument(
+        "--probe",
+        action="store_true",
+        help="also run one step of the job and print measured against estimated (exit 3 over)",
+    )
     sp = with_config("train", "plan, launch, escalate on OOM")
     sp.add_argument("--dry-run", action="store_true")
     sp = with_config("submit", "write run_dir/submit.sbatch and sbatch it")
@@ -97,6 +102,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "plan":
         from launcher.report.plan_report import plan_command
 
+        if args.probe:
+            from launcher.report.probe_report import probe_command
+
+            return probe_command(cfg)
         return plan_command(cfg, as_json=args.json, emit=args.emit)
     if args.command == "train":
         from launcher.run.supervisor import train_command

@@ -23,6 +23,9 @@ from tests.cli_worker import DONE
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A launch probe's calibration (launcher/plan/calibration.py) would carry one test's measurement
+# into every later plan of the session: off, except where a test names a file of its own.
+os.environ["OOMLESS_CALIBRATION"] = "off"
 
 # What the suite compiles outlives the checkout, in a per-user cache that later runs reuse.
 # DeepSpeed JIT-builds its CPU ops (CPU Adam, shared-memory collectives) with the venv's include

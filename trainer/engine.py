@@ -48,6 +48,7 @@ from trainer.model.finetune import build_factory, describe_method
 from trainer.objectives import Objective, build_objective
 from trainer.objectives.reference import build_reference
 from trainer.observe.metrics import MetricsLog
+from trainer.observe.probe import probe_first_step
 from trainer.observe.profile import ProfileWindow
 from trainer.observe.trackers import Trackers
 from trainer.parallel.mesh import ParallelMesh, build_mesh
@@ -264,6 +265,8 @@ def _train(run: _Run) -> int:
             report_oom_alone(run.run_dir, err, step, split, backend, ctx)
             return _ended(EXIT_OOM, trackers, window)
         profiled = window.end(step)
+        if step == run.start_step and (probed := probe_first_step(run, backend)) is not None:
+            return _ended(probed, trackers, window)  # over budget: launcher/run/probe.py
         stopping, peak_bytes = stop.agreed_with(
             backend.memory_stats()["peak_device_bytes"], ctx.device
         )

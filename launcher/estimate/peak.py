@@ -84,6 +84,7 @@ class Estimate:
     offloaded_bytes: int = 0  # per rank and micro-batch, with activation offload (PCIe each way)
     chunked_loss: bool = False
     offload_activations: bool = False
+    calibrated: bool = False  # the runtime overhead is what a launch probe measured
 
     def to_json(self, fits: bool) -> dict[str, Any]:
         """The `strategies[]` entry of docs/interface.md."""
@@ -209,10 +210,19 @@ def allocator_slack_bytes(transient_bytes: int, expandable: bool) -> int:
     return int(ratio * max(0, transient_bytes))
 
 
-def _runtime_overhead(device: str, peak: int, persistent: int) -> int:
-    if device != "cuda":
-        return CPU_PROCESS_BYTES
-    return CUDA_CONTEXT_BYTES + allocator_slack_bytes(peak - persistent, expandable_segments())
+def _runtime_overhead(spec: StepSpec, peak: int, persistent: int) -> int:
+    """Device bytes outside the step's tensors: on CUDA the context and the allocator's reserve,
+    on CPU processes the interpreter and libraries; as a launch probe of this hardware and rung
+    measured them where one did (`spec.runtime_fixed_bytes`, launcher/plan/calibration.py)."""
+    fixed = spec.runtime_fixed_bytes
+    if spec.device != "cuda":
+        return CPU_PROCESS_BYTES if fixed is None else fixed
+    # A first step reserves less than later ones (on one H200 the second step's pool grew by
+    # FSDP2's all-gather buffer, docs/gpu.md): a probe raises the reserve, never lowers it.
+    reserve = allocator_slack_bytes(peak - persistent, expandable_segments())
+    if spec.reserve_ratio is not None:
+        reserve = max(reserve, int(spec.reserve_ratio * max(0, peak - persistent)))
+    return (CUDA_CONTEXT_BYTES if fixed is None else fixed) + reserve
 
 
 def loading_host_bytes(
@@ -281,7 +291,7 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
         phases |= {k: v + in_flight for k, v in phases.items() if k in IN_FLIGHT_PHASES}
     peak = max(phases.values())
     persistent = states.base + states.grads_at_step
-    overhead = _runtime_overhead(spec.device, peak, persistent)
+    overhead = _runtime_overhead(spec, peak, persistent)
     breakdown = {
         **states.on_device,
         "activations": acts.on_device,
@@ -319,6 +329,7 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
         offloaded_bytes=offloaded,
         chunked_loss=spec.chunked_loss,
         offload_activations=spec.offload_activations,
+        calibrated=spec.runtime_fixed_bytes is not None,
     )
 
 

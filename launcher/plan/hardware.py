@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.plan.calibration import RuntimeFigures
 from trainer.core.config import HardwareConfig
 from trainer.core.gpus import peak_flops_for
 from trainer.core.units import GIB
@@ -34,6 +35,9 @@ class Hardware:
     host_memory_bytes: int  # per node
     device_name: str = "unknown"
     peak_flops: float | None = None  # dense bf16 FLOP/s per device, when known
+    # what launch probes measured on this hardware for this model family, by rung
+    # (launcher/plan/calibration.py): the estimate's runtime overhead where present
+    calibration: tuple[tuple[str, RuntimeFigures], ...] = ()
 
     @property
     def world_size(self) -> int:

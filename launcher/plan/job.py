@@ -6,11 +6,14 @@ and `submit` share; the planner itself is `launcher/plan/planner.py`.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from launcher.estimate.activations import with_activations
 from launcher.estimate.shape import ModelShape, model_shape
+from launcher.plan.calibration import figures_for
 from launcher.plan.hardware import Hardware, detect_hardware
+from launcher.plan.headroom import plan_headroom
 from launcher.plan.planner import NoFitError, Plan, apply_plan, make_plan
 from launcher.plan.preference import with_reference
 from launcher.plan.unestimated import planning_keys_forced, unestimated_plan, unestimated_warning
@@ -25,7 +28,10 @@ def resolve_plan(
 ) -> tuple[JobConfig, dict[str, Any]]:
     """The resolved config (every `auto` made concrete) and the plan JSON for plan.json."""
     resolved, plan, hw = plan_job(cfg, exclude, memory_scale)
-    return resolved, plan.to_json(hw, cfg.memory.headroom, command=[])
+    return resolved, {
+        **plan.to_json(hw, plan_headroom(cfg), command=[]),
+        "memory_scale": memory_scale,
+    }
 
 
 def _check_hang_timeout(cfg: JobConfig, plan: Plan) -> None:
@@ -69,6 +75,8 @@ def plan_job(
     check_debug_ranks(cfg, hw.world_size)
     try:
         shape = _forced_shape(cfg)
+        family = (shape or model_shape(cfg.model)).model_type
+        hw = replace(hw, calibration=figures_for(hw, family))
         plan = make_plan(cfg, hw, shape, exclude=exclude or (), memory_scale=memory_scale)
     except (NoFitError, ConfigError):
         raise

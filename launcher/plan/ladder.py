@@ -19,6 +19,7 @@ from launcher.estimate.peak import Estimate, estimate
 from launcher.estimate.shape import ModelShape
 from launcher.plan.cost import Links, step_time_s
 from launcher.plan.hardware import Hardware
+from launcher.plan.headroom import Headroom, as_headroom, plan_headroom
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
 from trainer.core.methods import REFERENCE_SOURCES
@@ -87,18 +88,20 @@ class Candidate:
         return self.spec.levers
 
 
-def shortfall(est: Estimate, hw: Hardware, headroom: float) -> str | None:
-    """Why the estimate does not fit the device or the host memory less the headroom, in words;
-    None when it fits."""
-    if est.device_total_bytes > hw.device_memory_bytes * (1 - headroom):
+def shortfall(est: Estimate, hw: Hardware, headroom: Headroom | float) -> str | None:
+    """Why the estimate does not fit the device or the host memory less the headroom
+    (launcher/plan/headroom.py), in words; None when it fits."""
+    h = as_headroom(headroom)
+    device = h.device(est.calibrated)
+    if est.device_total_bytes > hw.device_memory_bytes * (1 - device):
         return (
             f"needs {est.device_total_bytes / GIB:.1f} GiB per device, has "
-            f"{hw.device_memory_bytes / GIB:.1f} GiB less {headroom:.0%} headroom"
+            f"{hw.device_memory_bytes / GIB:.1f} GiB less {device:.0%} headroom"
         )
-    if est.host_total_bytes > hw.host_memory_bytes * (1 - headroom):
+    if est.host_total_bytes > hw.host_memory_bytes * (1 - h.host):
         return (
             f"needs {est.host_total_bytes / GIB:.1f} GiB host memory per node, has "
-            f"{hw.host_memory_bytes / GIB:.1f} GiB less {headroom:.0%} headroom"
+            f"{hw.host_memory_bytes / GIB:.1f} GiB less {h.host:.0%} headroom"
         )
     return None
 
@@ -190,7 +193,16 @@ def job_step(
         reference=REFERENCE_SOURCES.get((cfg.objective.type, cfg.finetune.method)),
         flash_attention=runs_flash(cfg, hw.device),
         compiled_layers=cfg.train.compile,
+        **_calibrated(hw, rung.name),
     )
+
+
+def _calibrated(hw: Hardware, rung: str) -> dict[str, Any]:
+    """The StepSpec fields a probe of this hardware and rung measured (plan/calibration.py)."""
+    figures = dict(hw.calibration).get(rung)
+    if figures is None:
+        return {}
+    return {"runtime_fixed_bytes": figures.fixed_bytes, "reserve_ratio": figures.reserve_ratio}
 
 
 def planned_attention(configured: str) -> str:
@@ -331,8 +343,8 @@ def _best_on(walk: _Walk, rung: Strategy) -> tuple[Candidate | None, str]:
             if smallest is None or est.device_total_bytes < smallest.device_total_bytes:
                 smallest = est
             t = step_time_s(walk.shape, spec, hw, walk.links, est.offloaded_bytes)
-            if not _fits_faster(est, t, spec, best, hw, cfg.memory.headroom):
-                if shortfall(est, hw, cfg.memory.headroom) is None and not weigh_all:
+            if not _fits_faster(est, t, spec, best, hw, plan_headroom(cfg)):
+                if shortfall(est, hw, plan_headroom(cfg)) is None and not weigh_all:
                     break  # fits, but slower: smaller micro-batches here are only slower still
                 continue
             best = Candidate(rung, spec, est, t, every)
@@ -344,7 +356,7 @@ def _best_on(walk: _Walk, rung: Strategy) -> tuple[Candidate | None, str]:
             else "keeps its outputs on the device: not with memory.offload_activations=true"
         )  # fmt: skip
         return None, why
-    why = "" if best else (shortfall(smallest, hw, cfg.memory.headroom) or "does not fit")
+    why = "" if best else (shortfall(smallest, hw, plan_headroom(cfg)) or "does not fit")
     return best, why
 
 
@@ -395,14 +407,14 @@ def _step_at(
     counts = sorted({max(1, round(layers * q)) for q in SELECTIVE_SHARES} - {layers})
     for count in counts[:-1]:
         step = at(count)
-        if shortfall(step[1], walk.hw, walk.cfg.memory.headroom) is None:
+        if shortfall(step[1], walk.hw, plan_headroom(walk.cfg)) is None:
             return step
     return at(counts[-1]) if counts else at(None)
 
 
 def _fits_faster(
     est: Estimate, time_s: float, spec: StepSpec, than: Candidate | None, hw: Hardware,
-    headroom: float,
+    headroom: Headroom,
 ) -> bool:  # fmt: skip
     """Whether a step fits and beats the best so far on its rung. Activation offload must earn
     its place: it fills the node's host memory (and the job's `--mem`), so a step that offloads

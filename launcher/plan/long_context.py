@@ -13,6 +13,7 @@ from launcher.estimate.analytic_activations import MODELLED_TYPES
 from launcher.estimate.attention_kernels import block_mask_bytes
 from launcher.estimate.shape import ModelShape
 from launcher.plan.hardware import Hardware
+from launcher.plan.headroom import Headroom, plan_headroom
 from launcher.plan.ladder import (
     DENSE_MASK,
     SIMPLER_RUNG_MARGIN,
@@ -98,7 +99,7 @@ def _faster(found: Climb, than: Climb) -> bool:
 
 
 def max_seq_len(
-    shape: ModelShape, spec: StepSpec, hw: Hardware, headroom: float, memory_scale: float
+    shape: ModelShape, spec: StepSpec, hw: Hardware, headroom: Headroom | float, memory_scale: float
 ) -> int:
     """The longest `seq_len`, a multiple of the sequence group, at which `spec` (its rung,
     levers, split and micro-batch) still fits `hw`, and at most the model's positions: a
@@ -109,8 +110,8 @@ def max_seq_len(
 
 
 def longest_fitting(
-    shape: ModelShape, spec: StepSpec, hw: Hardware, headroom: float, memory_scale: float,
-    limit: int = LONGEST_SEARCHED,
+    shape: ModelShape, spec: StepSpec, hw: Hardware, headroom: Headroom | float,
+    memory_scale: float, limit: int = LONGEST_SEARCHED,
 ) -> int:  # fmt: skip
     """The longest `seq_len` up to `limit`, a multiple of the sequence group, at which `spec`
     fits `hw` (0: not even its own): doubling from its own, then a binary search."""
@@ -134,7 +135,7 @@ def longest_fitting(
 
 
 def fits(
-    shape: ModelShape, spec: StepSpec, hw: Hardware, headroom: float, memory_scale: float
+    shape: ModelShape, spec: StepSpec, hw: Hardware, headroom: Headroom | float, memory_scale: float
 ) -> bool:
     """Whether `spec`'s estimate fits `hw` less the headroom."""
     return shortfall(scaled_estimate(shape, spec, memory_scale), hw, headroom) is None
@@ -150,7 +151,7 @@ def max_seq_len_memory(
     sequence group, tiled MLP, full checkpointing, chunked loss, activation offload). Each rung
     doubles its sequence from `within_positions` (the chosen step's `max_seq_len`) while it
     fits; only those that got furthest are searched to the token."""
-    headroom = cfg.memory.headroom
+    headroom = plan_headroom(cfg)
     longest = within_positions
     if within_positions and within_positions >= shape.max_positions:  # memory allows more
         start = replace(chosen, seq_len=within_positions)
@@ -292,7 +293,7 @@ def longest_sequence(
     def fits(tokens: int) -> Strategy | None:
         for rung, spec in specs:
             est = scaled_estimate(shape, replace(spec, seq_len=tokens), 1.0)
-            if shortfall(est, hw, cfg.memory.headroom) is None:
+            if shortfall(est, hw, plan_headroom(cfg)) is None:
                 return rung
         return None
 

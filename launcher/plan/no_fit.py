@@ -14,6 +14,7 @@ from launcher.estimate.peak import Estimate
 from launcher.estimate.shape import ModelShape
 from launcher.plan.alternatives import MethodAlternative
 from launcher.plan.hardware import Hardware
+from launcher.plan.headroom import plan_headroom
 from launcher.plan.ladder import climb, job_step, scaled_estimate, shortfall
 from launcher.plan.long_context import (
     attention_choices,
@@ -74,7 +75,7 @@ def _more_memory(
     micro-batch, every layer recomputed), rounded up as printed: host memory per node where
     that is all it takes, else device memory too. CPU processes that share the host (no
     hardware.device_memory given) take their share of the host memory as device memory."""
-    keep = 1 - cfg.memory.headroom
+    keep = 1 - plan_headroom(cfg).fraction
     shared = hw.device == "cpu" and cfg.hardware.device_memory is None
     if cfg.train.global_batch_size < hw.world_size:
         return []
@@ -124,7 +125,7 @@ def _more_devices(
             continue
         micro = _smallest_micro(cfg, bigger.world_size)
         spec = job_step(cfg, bigger, fsdp, micro, "full", reduce_every_micro=True)
-        if shortfall(scaled_estimate(shape, spec, 1.0), bigger, cfg.memory.headroom) is None:
+        if shortfall(scaled_estimate(shape, spec, 1.0), bigger, plan_headroom(cfg)) is None:
             return [
                 f"{fsdp.name} would fit on {bigger.world_size} such devices "
                 f"({bigger.nodes} nodes x {bigger.devices_per_node})"

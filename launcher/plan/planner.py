@@ -2,7 +2,7 @@
 
 For every rung (trainer/core/strategies.py) the planner tries activation checkpointing
 none -> selective -> full and every micro-batch that divides this rank's share of the global batch,
-keeps the combinations the estimate says fit with `memory.headroom`, and predicts a step time for
+keeps the combinations the estimate says fit with `plan.headroom`, and predicts a step time for
 each with a small cost model (docs/planner.md). The fastest fitting combination of each rung is
 that rung's candidate; the fastest candidate wins. What is learned never changes: the global
 batch, optimizer, schedule and precision stay as configured; only micro-batch x accumulation,
@@ -19,8 +19,10 @@ from launcher.estimate.compiled_layers import compiled_reason
 from launcher.estimate.peak import Estimate
 from launcher.estimate.shape import ModelShape, model_shape
 from launcher.plan.alternatives import MethodAlternative, method_alternatives
+from launcher.plan.calibration import RuntimeFigures, calibration_path
 from launcher.plan.cost import Links, step_time_s
 from launcher.plan.hardware import Hardware
+from launcher.plan.headroom import Headroom, as_headroom, plan_headroom
 from launcher.plan.ladder import (
     SIMPLER_RUNG_MARGIN,
     Alternative,
@@ -101,9 +103,13 @@ class Plan:
             return None
         return "ops" if self.checkpoint_ops else "layers"
 
-    def to_json(self, hw: Hardware, headroom: float, command: list[str]) -> dict[str, Any]:
+    def to_json(
+        self, hw: Hardware, headroom: Headroom | float, command: list[str]
+    ) -> dict[str, Any]:
         """docs/interface.md's `plan --json`."""
         sp = self.long.sequence_parallel
+        h = as_headroom(headroom)
+        device_share = h.device(self.estimate.calibrated)
         return {
             "strategy": self.strategy,
             "world_size": self.world_size,
@@ -130,6 +136,17 @@ class Plan:
                 else {}
             ),
             "estimate": self.estimate.to_json(shortfall(self.estimate, hw, headroom) is None),
+            "headroom": {"device": device_share, "host": h.host, "auto": h.auto},
+            "budget": {
+                "device_bytes": int(hw.device_memory_bytes * (1 - device_share)),
+                "host_bytes": int(hw.host_memory_bytes * (1 - h.host)),
+            },
+            "hardware": {
+                "device": hw.device,
+                "device_name": hw.device_name,
+                "device_memory_bytes": hw.device_memory_bytes,
+                "host_memory_bytes": hw.host_memory_bytes,
+            },
             "reasons": list(self.reasons),
             "alternatives": [a.to_json() for a in self.alternatives],
             "command": list(command),
@@ -181,7 +198,7 @@ def make_plan(
         )
         for cand in ranked
     ] + rejected
-    longest = max_seq_len(shape, chosen.spec, hw, cfg.memory.headroom, memory_scale)
+    longest = max_seq_len(shape, chosen.spec, hw, plan_headroom(cfg), memory_scale)
     memory_longest = max_seq_len_memory(cfg, hw, shape, chosen.spec, memory_scale, found.usable,
                                         longest)  # fmt: skip
     reasons = _reasons(cfg, hw, ranked, memory_scale) + model_reasons(shape)
@@ -202,7 +219,8 @@ def _reasons(cfg: JobConfig, hw: Hardware, ranked: list[Candidate], memory_scale
     est = chosen.estimate
     reasons = [
         f"{chosen.rung.name} fits: {est.device_total_bytes / GIB:.1f} GiB of "
-        f"{hw.device_memory_bytes / GIB:.1f} GiB per device (headroom {cfg.memory.headroom:.0%})"
+        f"{hw.device_memory_bytes / GIB:.1f} GiB per device (headroom "
+        f"{plan_headroom(cfg).device(est.calibrated):.0%})"
         f", {est.host_total_bytes / GIB:.1f} GiB of {hw.host_memory_bytes / GIB:.1f} GiB host"
         " per node",
         f"micro-batch {chosen.micro} x accumulation {per_rank // chosen.micro} x {world} "
@@ -238,9 +256,30 @@ def _reasons(cfg: JobConfig, hw: Hardware, ranked: list[Candidate], memory_scale
                 f"{len(ranked)} rungs fit; {chosen.rung.name} ties {runner_up.rung.name} on "
                 "predicted step time and comes first on the ladder (simpler, fewer moving parts)"
             )
+    figures = dict(hw.calibration).get(chosen.rung.name) if est.calibrated else None
+    if figures is not None:
+        reasons.append(calibration_reason(figures, est.device_breakdown["runtime_overhead"]))
     if memory_scale != 1.0:
-        reasons.append(f"estimates scaled by {memory_scale:.2f} from a measured out-of-memory")
+        reasons.append(
+            f"estimates scaled by {memory_scale:.2f} from a measured step (an out-of-memory, "
+            "or the launch probe's first step over the budget)"
+        )
     return reasons
+
+
+def calibration_reason(figures: RuntimeFigures, overhead_bytes: int) -> str:
+    """What a calibrated plan says of the probe it read."""
+    reserve = (
+        f" and the allocator's reserve ({figures.reserve_ratio:.2f} of the bytes that come and go)"
+        if figures.reserve_ratio is not None
+        else ""
+    )
+    return (
+        f"calibrated by a launch probe of {figures.measured_on} on this hardware: runtime "
+        f"overhead {overhead_bytes / GIB:.2f} GiB, the fixed bytes it measured "
+        f"({figures.fixed_bytes / GIB:.2f} GiB){reserve}, not the estimate's assumption; "
+        f"delete {calibration_path()} to plan without it"
+    )
 
 
 def model_reasons(shape: ModelShape) -> list[str]:
@@ -297,13 +336,13 @@ def _forced_plan(cfg, hw, shape, name, per_rank, rejected, memory_scale) -> Plan
     est = scaled_estimate(shape, spec, memory_scale)
     changes = (
         []
-        if shortfall(est, hw, cfg.memory.headroom) is None
+        if shortfall(est, hw, plan_headroom(cfg)) is None
         else method_alternatives(cfg, hw, shape, (), memory_scale)
     )
     links = Links.of(cfg.hardware, hw.device)
     reasons = [
         f"strategy {name} is forced by the config, but the estimate says it will not fit: "
-        f"{shortfall(est, hw, cfg.memory.headroom)}",
+        f"{shortfall(est, hw, plan_headroom(cfg))}",
         *model_reasons(shape),
         *(alt.words() for alt in changes),
     ]

@@ -16,6 +16,7 @@ from launcher.estimate.methods import why_not_on
 from launcher.estimate.peak import Estimate, estimate
 from launcher.estimate.shape import ModelShape, model_shape
 from launcher.plan.hardware import Hardware, detect_hardware
+from launcher.plan.headroom import plan_headroom
 from launcher.plan.job import check_device_features
 from launcher.plan.ladder import best_for_rung, job_step, rung_world, shortfall
 from launcher.plan.planner import model_reasons
@@ -35,7 +36,7 @@ def estimate_command(cfg: JobConfig, as_json: bool, trace: bool) -> int:
     rows = estimates_for(cfg, hw, shape)
     traced = traces_for(cfg, hw, rows) if trace else {}
     if as_json:
-        out = to_json(shape, hw, rows, cfg.memory.headroom)
+        out = to_json(shape, hw, rows, plan_headroom(cfg))
         for entry, row in zip(out["strategies"], rows, strict=True):
             if row.strategy in traced:
                 entry["trace"] = traced[row.strategy]
@@ -167,7 +168,7 @@ def render(shape: ModelShape, hw: Hardware, rows: list[Estimate], cfg: JobConfig
     lines = [head, *(f"  {note}" for note in model_notes(shape).get("notes", [])), cols]
     for r in rows:
         b: dict[str, Any] = r.device_breakdown
-        fits = "yes" if shortfall(r, hw, cfg.memory.headroom) is None else "no"
+        fits = "yes" if shortfall(r, hw, plan_headroom(cfg)) is None else "no"
         lines.append(
             f"{r.strategy:<22}{r.micro_batch_size:>6} {r.activation_checkpointing:<10}"
             f"{gib(b['params'])} {gib(b['grads'])} {gib(b['optimizer'])} "

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from launcher.plan.headroom import plan_headroom
 from launcher.plan.job import plan_job
 from launcher.plan.planner import NoFitError, Plan
 from launcher.run.launch import allocator_env, launch_spec, refuse_control_chars, shell_join
@@ -38,7 +39,7 @@ def plan_command(cfg: JobConfig, as_json: bool, emit: str | None) -> int:
     if emit == "sbatch":
         from launcher.slurm.submit import render_sbatch
 
-        plan_json = plan.to_json(hw, cfg.memory.headroom, argv)
+        plan_json = plan.to_json(hw, plan_headroom(cfg), argv)
         sys.stdout.write(
             render_sbatch(resolved, plan_json, Path(cfg.run.dir).absolute(), sys.executable)
         )
@@ -46,10 +47,10 @@ def plan_command(cfg: JobConfig, as_json: bool, emit: str | None) -> int:
     if emit == "trainjob":
         from launcher.k8s.trainjob import render_trainjob
 
-        sys.stdout.write(render_trainjob(resolved, plan.to_json(hw, cfg.memory.headroom, argv)))
+        sys.stdout.write(render_trainjob(resolved, plan.to_json(hw, plan_headroom(cfg), argv)))
         return 0
     if as_json:
-        print(json.dumps(plan.to_json(hw, cfg.memory.headroom, argv), indent=2))
+        print(json.dumps(plan.to_json(hw, plan_headroom(cfg), argv), indent=2))
         return 0
     print(render_plan(plan, hw.device_memory_bytes, hw.host_memory_bytes, argv))
     return 0

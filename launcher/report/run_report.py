@@ -4,7 +4,8 @@ Writes `loss.png` (training loss per step, eval loss where measured, labelled by
 a preference run adds a panel of its reward accuracy and margin), when the run has a
 plan `memory.png` (the estimate's per-device breakdown beside the measured peak), and when it
 was profiled (`debug.profile`) `memory_timeline.png` (live bytes over one step by phase, the
-estimate's per-phase prediction over it: launcher/report/timeline.py) into the run directory.
+estimate's per-phase prediction over it: launcher/report/timeline.py) into the run directory,
+and prints the launch probe's first step against the estimate (probe.json).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import yaml
 
 from trainer.core.config import ConfigError, YamlLimitError, read_yaml
-from trainer.core.contract import CONFIG_FILE, METRICS_FILE, PLAN_FILE, trace_path
+from trainer.core.contract import CONFIG_FILE, METRICS_FILE, PLAN_FILE, PROBE_FILE, trace_path
 from trainer.core.files import read_json_object, read_jsonl, umask_mode, write_atomic
 from trainer.core.units import GIB
 
@@ -53,6 +54,11 @@ def report_command(run_dir: str) -> int:
         written += _drawn(lambda: plot_memory_timeline(root, records, out), trace_path(root, 0))
     for path in written:
         print(path)
+    probe = read_json_object(root / PROBE_FILE) if (root / PROBE_FILE).is_file() else {}
+    if probe.get("ranks"):  # the launch probe's first step against the plan
+        from launcher.report.probe_report import render
+
+        print(render(probe))
     return 0
 
 

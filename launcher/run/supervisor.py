@@ -27,6 +27,7 @@ from typing import Any
 
 from launcher.plan.job import next_rung, resolve_plan
 from launcher.plan.planner import NoFitError
+from launcher.plan.unestimated import planning_keys_forced
 from launcher.run.launch import launch_spec, run_command, shell_join, under_launcher
 from launcher.run.preflight import (
     check_inputs_are_not_run_files,
@@ -36,6 +37,7 @@ from launcher.run.preflight import (
     ensure_run_dir,
     tokenize_data,
 )
+from launcher.run.probe import replan, written_probe
 from launcher.run.torchrun_output import TorchrunOutput
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig, check_run_time_extras, write_config
@@ -45,6 +47,7 @@ from trainer.core.contract import (
     ESCALATIONS_FILE,
     EXIT_HANG,
     EXIT_OOM,
+    EXIT_REPLAN,
     EXIT_SIGNAL,
     EXIT_USAGE,
     HANG_DIR,
@@ -52,6 +55,7 @@ from trainer.core.contract import (
     LATEST_LINK,
     OOM_REPORT_FILE,
     PLAN_FILE,
+    PROBE_FILE,
     TORCHRUN_LOG,
 )
 from trainer.core.files import absolute_path, append_line, read_json_object, write_json
@@ -60,17 +64,19 @@ from trainer.core.run_lock import LOCK_OWNER_ENV, acquire_run_lock, check_run_lo
 log = logging.getLogger(__name__)
 
 
-def train_command(cfg: JobConfig, dry_run: bool = False) -> int:
+def train_command(cfg: JobConfig, dry_run: bool = False, probe_only: bool = False) -> int:
+    """`oomless train`; `probe_only`: `plan --probe`'s one measured step (never re-planned)."""
     cfg = cfg.model_copy(
         update={"run": cfg.run.model_copy(update={"dir": absolute_path(cfg.run.dir)})}
     )
     with contextlib.ExitStack() as held:  # the run-dir lock, once the input has been checked
-        return _train(cfg, dry_run, held)
+        return _train(cfg, dry_run, held, probe_only)
 
 
-def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
+def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack, probe_only: bool) -> int:
     """Plan, launch, and on an out-of-memory exit climb the ladder and resume, until the run
-    ends, fails otherwise, or no higher rung fits."""
+    ends, fails otherwise, or no higher rung fits; a first step over the budget is planned again
+    once (launcher/run/probe.py)."""
     run_dir = Path(cfg.run.dir)
     if not dry_run:
         if cfg.hardware.nodes > 1 and not under_launcher():
@@ -89,12 +95,18 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
     failed: list[str] = []
     memory_scale = 1.0
     attempt = num_restarts = 0
+    may_replan, replanned_from = True, None
     while True:
         resolved, plan_json = resolve_plan(cfg, exclude=failed, memory_scale=memory_scale)
         if attempt == 0:
             check_resume(resolved)  # before anything is written into run.dir
         argv, env, spawn = launch_spec(resolved, run_dir / CONFIG_FILE)
         plan_json["command"] = argv
+        plan_json["probe"] = {
+            "may_replan": may_replan and not probe_only and not planning_keys_forced(cfg),
+            "only": probe_only,
+            "replanned": replanned_from,
+        }
         if dry_run:
             print(json.dumps(plan_json, indent=2))
             print(shell_join(argv))
@@ -105,7 +117,17 @@ def _train(cfg: JobConfig, dry_run: bool, held: contextlib.ExitStack) -> int:
             ensure_run_dir(run_dir)
             # one run per run.dir, for the life of this one
             held.enter_context(acquire_run_lock(run_dir))
+        started = time.time()
         rc = _launch(resolved, plan_json, argv, env, spawn)
+        probe = written_probe(run_dir, started)
+        if rc == EXIT_REPLAN and probe:
+            replanned = replan(cfg, resolved, plan_json, probe, failed, memory_scale)
+            if isinstance(replanned, int):
+                return replanned
+            cfg, memory_scale, replanned_from = replanned
+            may_replan = False
+            attempt += 1
+            continue
         if rc == EXIT_HANG and num_restarts < cfg.run.num_restarts_allowed:
             num_restarts += 1
             cfg = _restart_after_hang(cfg, resolved, num_restarts)
@@ -171,6 +193,10 @@ def _launch(resolved: JobConfig, plan_json: dict, argv, env, spawn) -> int:
         return EXIT_USAGE
     if rc not in (0, EXIT_OOM, EXIT_SIGNAL) and report_path.exists():
         rc = EXIT_OOM  # torchrun reports a failed worker as 1; the report says why
+    probe = run_dir / PROBE_FILE
+    if rc not in (0, EXIT_OOM, EXIT_SIGNAL) and _written_since(probe, started):
+        if read_json_object(probe).get("action") == "replan":
+            rc = EXIT_REPLAN  # torchrun reports the ranks' 76 as 1
     return rc
 
 

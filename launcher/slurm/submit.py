@@ -28,6 +28,7 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 
+from launcher.plan.headroom import plan_headroom
 from launcher.plan.job import resolve_plan
 from launcher.plan.planner import NoFitError
 from launcher.run.launch import allocator_env, refuse_control_chars
@@ -58,7 +59,7 @@ class _SbatchTemplate(Template):
 def host_bytes_needed(cfg: JobConfig, plan_json: dict) -> int:
     """Host memory per node the plan needs, with the config's headroom."""
     host_bytes = plan_json.get("estimate", {}).get("host", {}).get("total_bytes") or 0
-    return int(host_bytes * (1 + cfg.memory.headroom))
+    return int(host_bytes * (1 + plan_headroom(cfg).host))
 
 
 def size_for_partition(cfg: JobConfig, plan_json: dict, nodes: PartitionNodes) -> SlurmRequest:

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from launcher.plan.hardware import Hardware
+from launcher.plan.headroom import plan_headroom
 from launcher.plan.ladder import shortfall
 from launcher.plan.planner import NoFitError, make_plan
 from trainer.core.config import ConfigError, build_config, parse_size
@@ -66,7 +67,7 @@ def test_plan_case(case):
     plan = make_plan(cfg, hw)
     assert plan.strategy in case["rung"], (plan.strategy, plan.reasons)
     assert plan.micro_batch_size * plan.grad_accum * hw.world_size == 64  # exact global batch
-    assert shortfall(plan.estimate, hw, cfg.memory.headroom) is None
+    assert shortfall(plan.estimate, hw, plan_headroom(cfg)) is None
     if "checkpointing" in case:
         assert plan.activation_checkpointing == case["checkpointing"]
     fitting = {plan.strategy} | {a.strategy for a in plan.alternatives if a.fits}
@@ -146,7 +147,7 @@ def test_fsdp_accumulates_sharded_when_unsharded_gradients_cost_more():
     assert plan.strategy == "fsdp" and plan.fsdp_reduce_every_micro_batch is True
     assert plan.grad_accum > 1 and any("after every micro-batch" in r for r in plan.reasons)
     assert apply_plan(cfg, plan, hw).fsdp.reduce_every_micro_batch is True
-    assert plan.to_json(hw, cfg.memory.headroom, [])["fsdp_reduce_every_micro_batch"] is True
+    assert plan.to_json(hw, plan_headroom(cfg), [])["fsdp_reduce_every_micro_batch"] is True
     # pinned to unsharded accumulation, fsdp's best is slower than the plan above
     pinned = make_plan(
         _job("llama-3.1-8b", memory=levers_off, fsdp={"reduce_every_micro_batch": False}), hw
@@ -173,7 +174,7 @@ def test_chunked_loss_lets_llama_3_2_1b_at_4096_tokens_run_single_without_recomp
     assert (plan.strategy, plan.activation_checkpointing) == ("single", "none")
     assert plan.levers.chunked_loss and any("chunked loss" in r for r in plan.reasons)
     assert apply_plan(cfg, plan, hw).memory.chunked_loss is True
-    assert plan.to_json(hw, cfg.memory.headroom, [])["chunked_loss"] is True
+    assert plan.to_json(hw, plan_headroom(cfg), [])["chunked_loss"] is True
 
 
 def test_cpu_ranks_are_not_planned_with_activation_offload():
@@ -265,9 +266,9 @@ def test_selective_checkpointing_recomputes_the_fewest_layers_that_fit():
         reduce_every_micro=plan.fsdp_reduce_every_micro_batch,
         checkpointed=14,
     )
-    assert shortfall(estimate(model_shape(cfg.model), half), hw, cfg.memory.headroom) is not None
+    assert shortfall(estimate(model_shape(cfg.model), half), hw, plan_headroom(cfg)) is not None
     assert apply_plan(cfg, plan, hw).memory.checkpointed_layers == k
-    assert plan.to_json(hw, cfg.memory.headroom, [])["checkpointed_layers"] == k
+    assert plan.to_json(hw, plan_headroom(cfg), [])["checkpointed_layers"] == k
     assert "activation checkpointing selective (21 of the layers)" in render_plan(plan, 1, 1, [])
     memory = {"activation_checkpointing": "selective", "checkpointed_layers": 26,
               "selective": "layers"}  # fmt: skip
@@ -293,7 +294,7 @@ def test_op_level_checkpointing_is_planned_where_it_is_fastest():
         4,
     )
     assert apply_plan(cfg, plan, hw).memory.selective == "ops"
-    assert plan.to_json(hw, cfg.memory.headroom, [])["selective"] == "ops"
+    assert plan.to_json(hw, plan_headroom(cfg), [])["selective"] == "ops"
     assert "(matmul and attention outputs saved)" in render_plan(plan, 1, 1, [])
     layers = make_plan(_job("llama-3.1-8b", memory={"selective": "layers"}), hw)
     assert layers.step_time_s > plan.step_time_s

@@ -38,7 +38,7 @@ def test_a_valid_job_loads_with_defaults_and_relative_paths(tmp_path):
     cfg = load_config(_job(tmp_path))
     assert cfg.data.path == str(tmp_path / "train.jsonl")  # relative to the job file
     assert cfg.precision == "bf16" and cfg.strategy == "auto"
-    assert cfg.memory.headroom == 0.10 and cfg.run.resume == "auto"
+    assert cfg.plan.headroom == "auto" and cfg.run.resume == "auto"
 
 
 def test_overrides_parse_as_yaml_including_lists_and_nested_keys(tmp_path):
@@ -314,3 +314,16 @@ def test_a_resume_may_swap_adamw_8bit_and_paged_adamw_8bit(tmp_path):
     for old, new in (("adamw", "paged_adamw_8bit"), ("adamw_8bit", "adamw")):
         math, _ = resume_differences(cfgs[old].to_dict(), cfgs[new])
         assert math == [f'train.optimizer: "{old}" -> "{new}"'], math
+
+
+def test_memory_headroom_is_plan_headroom_old_name_and_both_must_agree():
+    demo = REPO / "configs" / "demo.yaml"
+    assert load_config(demo, ["memory.headroom=0.2"]).plan.headroom == 0.2
+    assert load_config(demo, ["plan.headroom=0.2", "memory.headroom=0.2"]).plan.headroom == 0.2
+    with pytest.raises(ConfigError, match="plan.headroom: 0.3 disagrees with memory.headroom=0.2"):
+        load_config(demo, ["plan.headroom=0.3", "memory.headroom=0.2"])
+    for bad in ("0.95", "lots", "true"):
+        with pytest.raises(ConfigError, match="plan.headroom"):
+            load_config(demo, [f"plan.headroom={bad}"])
+    with pytest.raises(ConfigError, match="debug.probe_scale"):
+        load_config(demo, ["debug.probe_scale=0"])

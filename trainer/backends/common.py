@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from trainer.backends import OptimizerSpec
+from trainer.core import host_memory
 from trainer.model.build import checkpoint_count, checkpoint_ops
 from trainer.model.pretrained import canonical_name
 from trainer.optim import (
@@ -105,19 +106,26 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def device_memory_stats(device: torch.device) -> dict[str, int]:
-    """Peak bytes since the last reset: allocator peak on CUDA; on CPU the process's peak RSS
-    (host memory, never reset: the kernel keeps only a lifetime maximum)."""
+    """Peak bytes since the last reset: allocator peak on CUDA; on CPU the process's peak
+    resident set (host memory: its high-water mark, reset with the device's)."""
     if device.type == "cuda":
         return {
             "peak_device_bytes": torch.cuda.max_memory_allocated(device),
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
         }
-    return {"peak_device_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {"peak_device_bytes": host_memory.rss_peak_bytes() or _lifetime_rss_peak()}
+
+
+def _lifetime_rss_peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def reset_device_peak(device: torch.device) -> None:
+    """The device's peaks, and the process's resident-set mark (the host's, and on CPU the
+    device's), start again from now."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    host_memory.reset_peak()
 
 
 def clip_and_step(

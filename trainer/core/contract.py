@@ -15,6 +15,9 @@ EXIT_OOM = 75  # out of device memory after in-process recovery (the supervisor 
 EXIT_SIGNAL = 143  # stopped by SIGTERM/SIGUSR1 after writing a checkpoint
 EXIT_HANG = 124  # a step or collective outlasted run.hang_timeout_s; stacks in run.dir/hang/
 EXIT_CUT_OFF = 130  # interrupted (Ctrl-C, repeated signals) before a checkpoint was written
+# the launch probe measured the first step over the plan's budget (run.dir/probe.json): the
+# engine stopped before the second step and `oomless train` plans again with what it measured
+EXIT_REPLAN = 76
 
 # Files under run.dir
 # Written first into a run.dir a run takes: a run writes only into a directory that is new, empty
@@ -28,6 +31,9 @@ PLAN_FILE = "plan.json"
 METRICS_FILE = "metrics.jsonl"
 OOM_REPORT_FILE = "oom-report.json"
 ESCALATIONS_FILE = "escalations.jsonl"
+# the launch probe: each rank's first step measured against the plan's estimate and budget
+# (trainer/observe/probe.py); `oomless report` shows it
+PROBE_FILE = "probe.json"
 # Written by `python -m trainer` when a rank stops on a ConfigError (bad data rows, an unusable
 # strategy): torchrun reports every failed worker as exit 1, and this file tells `oomless train`
 # that it was bad input (exit 2) and what the line was.

@@ -167,6 +167,11 @@ class StepSpec:
     flash_attention: bool = False
     # train.compile: the decoder layers run torch.compiled (launcher/estimate/compiled_layers.py)
     compiled_layers: bool = False
+    # what a launch probe measured of the runtime overhead on this hardware and rung
+    # (launcher/plan/calibration.py): the fixed bytes, and on CUDA the allocator's reserve per
+    # transient byte; None: the estimate's own figures
+    runtime_fixed_bytes: int | None = None
+    reserve_ratio: float | None = None
 
     @property
     def row(self) -> Strategy:

@@ -33,6 +33,7 @@ from torch import nn
 
 from trainer.core.errors import ConfigError
 from trainer.core.files import write_atomic
+from trainer.core.host_memory import reset_peak, rss_bytes, rss_peak_bytes
 
 log = logging.getLogger(__name__)
 
@@ -311,12 +312,12 @@ def measured(stats: LoadStats) -> Iterator[LoadStats]:
     during it in `stats`; memory freed earlier is handed back first, so that the baseline is
     what the process holds."""
     release_freed_memory()
-    stats.rss_before_bytes = _rss_bytes()
-    _reset_rss_peak()
+    stats.rss_before_bytes = rss_bytes()
+    reset_peak()
     start = time.perf_counter()
     yield stats
     stats.seconds = time.perf_counter() - start
-    stats.rss_peak_bytes = max(_rss_peak_bytes(), stats.rss_before_bytes)
+    stats.rss_peak_bytes = max(rss_peak_bytes(), stats.rss_before_bytes)
 
 
 def report_load(stats: LoadStats, rank: int, run_dir: Path | None, what: str) -> None:
@@ -332,37 +333,6 @@ def report_load(stats: LoadStats, rank: int, run_dir: Path | None, what: str) ->
         )
     if run_dir is not None and run_dir.is_dir():
         write_atomic(run_dir / f"load_rank{rank}.json", json.dumps(asdict(stats)) + "\n")
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    return 0
-
-
-def _rss_bytes() -> int:
-    try:
-        return _status_kib("VmRSS:") * 1024
-    except OSError:
-        return 0
-
-
-def _rss_peak_bytes() -> int:
-    try:
-        return _status_kib("VmHWM:") * 1024
-    except OSError:
-        return 0
-
-
-def _reset_rss_peak() -> None:
-    """Linux: set the resident high-water mark (VmHWM) to the current RSS."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
 
 
 def release_freed_memory() -> None:

@@ -6,6 +6,12 @@ rest of oomless imports.
 """
 
 from trainer.core.config.checks import build_config, check_run_time_extras
+from trainer.core.config.debug import (
+    DebugConfig,
+    InjectOomConfig,
+    ProfileConfig,
+    SlowRank0Config,
+)
 from trainer.core.config.loader import (
     MAX_CONFIG_BYTES,
     MAX_YAML_VALUES,
@@ -21,23 +27,20 @@ from trainer.core.config.resume import MATH_KEYS, resume_differences, semantic_h
 from trainer.core.config.schema import (
     LEARNED,
     DataConfig,
-    DebugConfig,
     DeepSpeedConfig,
     DistConfig,
     EscalationConfig,
     FinetuneConfig,
     FsdpConfig,
     HardwareConfig,
-    InjectOomConfig,
     JobConfig,
     K8sConfig,
     LoraConfig,
     MemoryConfig,
     ModelConfig,
     ObjectiveConfig,
-    ProfileConfig,
+    PlanConfig,
     RunConfig,
-    SlowRank0Config,
     SlurmConfig,
     TrainConfig,
 )
@@ -67,6 +70,7 @@ __all__ = [
     "MemoryConfig",
     "ModelConfig",
     "ObjectiveConfig",
+    "PlanConfig",
     "ProfileConfig",
     "RunConfig",
     "SlowRank0Config",

@@ -126,6 +126,7 @@ def build_config(tree: dict[str, Any]) -> JobConfig:
         raise _explain(err) from None
     check_no_secrets(cfg.to_dict())
     _one_sequence_degree(cfg)
+    _one_headroom(cfg)
     _check_across_sections(cfg)
     _check_paths(cfg)
     _check_positions(cfg)
@@ -146,6 +147,21 @@ def _one_sequence_degree(cfg: JobConfig) -> None:
         cfg.parallel.sequence = old
     else:
         cfg.sequence_parallel = new
+
+
+def _one_headroom(cfg: JobConfig) -> None:
+    """`plan.headroom` and its old name `memory.headroom` are one key (the code reads
+    `plan.headroom`); both set, they must agree."""
+    new, old = cfg.plan.headroom, cfg.memory.headroom
+    if old is None:
+        return
+    if new != "auto" and new != old:
+        raise ConfigError(
+            "plan.headroom",
+            f"{new} disagrees with memory.headroom={old}, its old name",
+            "set one of them",
+        )
+    cfg.plan.headroom = old
 
 
 def _check_paths(cfg: JobConfig) -> None:

@@ -14,12 +14,10 @@ import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationInfo,
     field_validator,
@@ -27,6 +25,8 @@ from pydantic import (
 )
 
 from trainer.core import strategies
+from trainer.core.config.base import Section
+from trainer.core.config.debug import DebugConfig
 from trainer.core.config.paths import is_dir
 from trainer.core.units import parse_size
 
@@ -44,32 +44,7 @@ _K8S_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _K8S_SUBDOMAIN_RE = re.compile(rf"^{_K8S_LABEL}(\.{_K8S_LABEL})*$")
 
 
-class _Section(BaseModel):
-    # allow_inf_nan=False: `lr: inf` or `"nan"` is refused (a non-finite value trains NaN weights)
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _a_boolean_is_not_a_number(cls, value: Any, info: ValidationInfo) -> Any:
-        """YAML's `true` where a number belongs: pydantic's lax mode would read it as 1."""
-        annotation = cls.model_fields[info.field_name].annotation
-        if isinstance(value, bool) and _takes_a_number(annotation):
-            raise ValueError(f"is the boolean {str(value).lower()}, not a number")
-        return value
-
-
-def _takes_a_number(annotation: Any) -> bool:
-    """Whether a field takes a number and no boolean (`int`, `float | None`, `'auto' | int`)."""
-    kinds = set()
-    pending = [annotation]
-    while pending:
-        t = pending.pop()
-        args = get_args(t)
-        if args and get_origin(t) is not Literal:
-            pending.extend(args)
-        else:
-            kinds.add(t)
-    return bool(kinds & {int, float}) and bool not in kinds
+_Section = Section
 
 
 class ModelConfig(_Section):
@@ -226,7 +201,7 @@ class MemoryConfig(_Section):
     tiled_mlp: Literal["auto"] | bool = "auto"
     mlp_chunk_tokens: int | None = Field(None, ge=1)  # tokens per MLP chunk; None: hidden size
     loss_chunk_tokens: int | None = Field(None, ge=1)  # tokens per chunk; None: by vocabulary
-    headroom: float = Field(0.10, ge=0.0, lt=0.9)
+    headroom: float | None = Field(None, ge=0.0, lt=0.9)  # plan.headroom's old name
 
     @field_validator("checkpointed_layers")
     @classmethod
@@ -261,57 +236,6 @@ class HardwareConfig(_Section):
     @classmethod
     def _size(cls, v: Any) -> int | None:
         return None if v is None else parse_size(v)
-
-
-class InjectOomConfig(_Section):
-    step: int = Field(ge=0)
-    rank: int | None = Field(None, ge=0)
-    times: int = Field(1, ge=0)
-    where: Literal["setup", "forward", "backward", "optimizer", "eval"] = "backward"
-    strategies: list[str] | None = None
-
-    @field_validator("strategies")
-    @classmethod
-    def _known(cls, v: list[str] | None) -> list[str] | None:
-        for name in v or []:
-            if name not in strategies.names():
-                raise ValueError(
-                    f"unknown strategy '{name}'; use one of {', '.join(strategies.names())}"
-                )
-        return v
-
-
-class InjectHangConfig(_Section):
-    """`debug.inject_hang`: that rank stops answering collectives at that step (tests only;
-    once per run.dir: a restart does not hang again)."""
-
-    step: int = Field(ge=1)  # the optimizer step, counted from 1
-    rank: int = Field(0, ge=0)
-
-
-class SlowRank0Config(_Section):
-    """Seconds added to rank 0's serial work (tests of the waiting ranks)."""
-
-    tokenize_s: float = Field(0.0, ge=0)
-    checkpoint_s: float = Field(0.0, ge=0)
-    final_save_s: float = Field(0.0, ge=0)
-
-
-class ProfileConfig(_Section):
-    start: int = Field(ge=1)  # the first profiled optimizer step, counted from 1
-    steps: int = Field(2, ge=1)
-
-
-class DebugConfig(_Section):
-    inject_oom: InjectOomConfig | None = None
-    inject_hang: InjectHangConfig | None = None
-    slow_rank0: SlowRank0Config | None = None
-    # torch.profiler over optimizer steps start .. start + steps - 1 -> run.dir/profile/
-    profile: ProfileConfig | None = None
-    crash_in_save: int | None = Field(None, ge=1)  # SIGKILL at the N-th point inside saves
-    # cap the CUDA allocator at this fraction of each device (emulates a smaller card, so an
-    # out-of-memory and the escalation after it are real; bench/gpu_validate.sh); inert on CPU
-    device_memory_fraction: float | None = Field(None, gt=0, le=1)
 
 
 class RunConfig(_Section):
@@ -457,6 +381,13 @@ def _a_degree(v: int | str) -> int | str:
 Degree = Annotated[Literal["auto"] | int, AfterValidator(_a_degree)]
 
 
+class PlanConfig(_Section):
+    # the share of device and host memory the planner leaves free beyond the estimate (which
+    # already holds the allocator's reserve); auto: 10%, 5% on the device once a probe of this
+    # hardware calibrated the estimate (launcher/plan/headroom.py)
+    headroom: Literal["auto"] | Annotated[float, Field(ge=0.0, lt=0.9)] = "auto"
+
+
 class ParallelConfig(_Section):
     # ranks that split each sequence (Ulysses, trainer/parallel/sequence.py); changes where
     # tokens live, never what is learned (the degrees of trainer/core/parallel_dims.py)
@@ -472,6 +403,7 @@ class JobConfig(_Section):
     # bf16_pure: opt-in, lossy: bf16 weights, gradients and AdamW state, no fp32 master
     precision: Annotated[Literal["bf16", "fp16", "fp32", "bf16_pure"], LEARNED] = "bf16"
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    plan: PlanConfig = Field(default_factory=PlanConfig)
     strategy: str = "auto"  # auto or a row of trainer/core/strategies.py
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     sequence_parallel: Degree = "auto"  # parallel.sequence's old name (either sets both: checks.py)
