@@ -80,7 +80,7 @@ def probe_first_step(run: Any, backend: Backend) -> int | None:
     report["replanned"] = asked.get("replanned")  # the earlier launch's probe, when it re-planned
     if ctx.rank == 0:
         write_json(Path(run.run_dir) / PROBE_FILE, report)
-        if report["over_budget"]:
+        if report["over_budget"] and report["action"] != "replan":  # a re-plan: said by train
             log.warning(report["line"])
         else:
             log.info(report["line"])
