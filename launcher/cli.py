@@ -102,6 +102,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "plan":
         from launcher.report.plan_report import plan_command
 
+        if args.probe and (args.json or args.emit):
+            raise ConfigError(
+                "--probe", "runs one step and prints a table: it takes no --json or --emit",
+                "run `oomless plan --probe` and `oomless plan --json` (or --emit) separately",
+            )  # fmt: skip
         if args.probe:
             from launcher.report.probe_report import probe_command
 

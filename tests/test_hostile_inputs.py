@@ -325,6 +325,9 @@ CASES = [
     Case("unknown-command", lambda s: ["frobnicate"], BAD, "invalid choice"),
     Case("plan-without-config", lambda s: ["plan"], BAD, "arguments are required"),
     Case("emit-unknown", lambda s: ["plan", str(s.job), "--emit", "x"], BAD, "invalid choice"),
+    Case("probe-and-json", plan("--probe", "--json"), BAD, "--probe: runs one step"),
+    Case("headroom-too-big", plan("plan.headroom=0.95"), BAD, "plan.headroom"),
+    Case("probe-scale-zero", plan("debug.probe_scale=0"), BAD, "debug.probe_scale"),
     Case("export-no-checkpoint", _export_missing, BAD, "is not a complete checkpoint"),
     Case("report-not-a-run", lambda s: ["report", str(s.root / "no")], BAD, "no metrics.jsonl"),
     # ---- data files (train stops before anything is written into run.dir)
