@@ -390,6 +390,7 @@ def test_a_full_disk_at_the_final_save_is_one_line_and_a_rerun_writes_it(trained
         "config.yaml",
         "metrics.jsonl",
         "plan.json",
+        "probe.json",  # the first step against the plan (docs/probe.md)
         "torchrun.log",  # where the child's own copy of that line went
     ]  # no half-written final/ nor its temporary sibling
     subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)
