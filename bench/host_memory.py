@@ -57,7 +57,7 @@ MODEL = {
 }
 SMOKE_MODEL = {**MODEL, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 4}  # fmt: skip
-SAMPLE_S = 0.02
+SAMPLE_S = 0.05
 DEMO = REPO / "configs" / "demo"
 
 
@@ -96,7 +96,11 @@ def rank_hook() -> None:
 
     import trainer.engine as engine
 
-    step, resume = engine.step_with_backoff, engine._resume
+    step, resume, objective = engine.step_with_backoff, engine._resume, engine._objective
+
+    def hooked_objective(*args: Any, **kwargs: Any) -> Any:  # right after the backend's setup
+        record("setup")
+        return objective(*args, **kwargs)
 
     def hooked_step(*args: Any, **kwargs: Any) -> Any:
         result = step(*args, **kwargs)
@@ -110,6 +114,7 @@ def rank_hook() -> None:
         return result
 
     engine.step_with_backoff, engine._resume = hooked_step, hooked_resume
+    engine._objective = hooked_objective
     Path(f"/proc/{pid}/clear_refs").write_text("5")
     base = {"pid": pid, "rss": _status_bytes("self", "VmRSS:"), "pss": _pss_bytes("self")}
     (out / f"base-{pid}.json").write_text(json.dumps(base))
@@ -153,8 +158,12 @@ class NodeSampler(threading.Thread):
 def job_tree(model: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     return {
         "model": {"config": model, "tokenizer": str(DEMO / "tokenizer")},
-        "data": {"path": str(DEMO / "train.jsonl"), "format": "prompt_completion",
-                 "seq_len": 32, "cache_dir": str(run_dir.parent / "cache")},  # fmt: skip
+        "data": {
+            "path": str(DEMO / "train.jsonl"),
+            "format": "prompt_completion",
+            "seq_len": 32,
+            "cache_dir": str(run_dir.parent / "cache"),
+        },  # fmt: skip
         "train": {"lr": 1e-4, "micro_batch_size": 1, "log_every": 1},
         "precision": "fp32",
         "memory": {"activation_checkpointing": "none"},
@@ -192,18 +201,38 @@ def train(config: Path, args: list[str], hook_dir: Path, timeout_s: float) -> di
         base = json.loads(path.read_text())
         lines = (hook_dir / f"events-{base['pid']}.jsonl").read_text().splitlines()
         ranks.append((base, [json.loads(line) for line in lines]))
-    last_step = min(max(e["t"] for e in ev if e["event"] == "step") for _, ev in ranks)
-    out = {
-        "rank_step_bytes": max(
-            max(e["hwm"] for e in ev if e["event"] == "step") - b["rss"] for b, ev in ranks
-        ),
-        "node_step_bytes": max(s for t, s in sampler.samples if t <= last_step),
-    }
-    loads = [(b, [e for e in ev if e["event"] == "resume_end"]) for b, ev in ranks]
-    if all(ev for _, ev in loads):
-        load_end = min(ev[0]["t"] for _, ev in loads)
-        out["rank_load_bytes"] = max(ev[0]["hwm"] - b["rss"] for b, ev in loads)
-        out["node_load_bytes"] = max(s for t, s in sampler.samples if t <= load_end)
+    return phase_peaks(ranks, sampler.samples)
+
+
+def phase_peaks(ranks: list[tuple[dict, list[dict]]], samples: list[tuple[float, int]]):
+    """Peak bytes above baseline in each phase a run went through (setup: building and sharding
+    the model and the optimizer; load: reading the checkpoint into it; step: the steps after),
+    per rank (the largest rank's VmHWM at the phase's end: the peak up to there) and per node
+    (the ranks' summed Pss within the phase), and up to the end of the last step ("run")."""
+
+    def end(event: str, last: bool = False) -> float | None:
+        times = [[e["t"] for e in ev if e["event"] == event] for _, ev in ranks]
+        if not all(times):
+            return None
+        return min(t[-1] if last else t[0] for t in times)
+
+    def hwm(event: str) -> int:
+        return max(max(e["hwm"] for e in ev if e["event"] == event) - b["rss"] for b, ev in ranks)
+
+    def node(start: float, stop: float) -> int:
+        return max((s for t, s in samples if start < t <= stop), default=0)
+
+    bounds = {"setup": end("setup"), "load": end("resume_end"), "step": end("step", last=True)}
+    out, start = {}, 0.0
+    for phase, stop in bounds.items():
+        if stop is None:
+            continue
+        out[f"rank_{phase}_bytes"] = hwm({"load": "resume_end"}.get(phase, phase))
+        out[f"node_{phase}_bytes"] = node(start, stop)
+        start = stop
+    out["rank_run_bytes"] = out["rank_step_bytes"]
+    out["baseline_rss_bytes"] = [b["rss"] for b, _ in ranks]
+    out["node_run_bytes"] = node(0.0, bounds["step"])
     return out
 
 
@@ -222,9 +251,15 @@ def estimated(config: Path, args: list[str]) -> dict[str, Any]:
     host = dict(est.host_breakdown)
     ranks = cfg.hardware.devices_per_node
     constants = host.pop("processes") + ranks * est.device_breakdown["runtime_overhead"]
-    return {"params": model_shape(cfg.model).num_params, "host_bytes": est.host_total_bytes,
-            "above_baseline_bytes": est.host_total_bytes - constants,
-            "breakdown": host}  # fmt: skip
+    above = est.host_total_bytes - constants
+    return {
+        "params": model_shape(cfg.model).num_params,
+        "host_bytes": est.host_total_bytes,
+        # a checkpoint's save or load is a peak of its own: the steps are the rest
+        "step_bytes": above - host.get("checkpoint", 0),
+        "resume_bytes": above,
+        "breakdown": host,
+    }
 
 
 def measure_case(model: dict[str, Any], rung: str, ranks: int, work: Path, timeout_s: float):
@@ -237,35 +272,34 @@ def measure_case(model: dict[str, Any], rung: str, ranks: int, work: Path, timeo
     step = train(config, overrides(rung, ranks, 2), run_dir.with_suffix(".hook1"), timeout_s)
     resume = train(config, overrides(rung, ranks, 3), run_dir.with_suffix(".hook2"), timeout_s)
     est = estimated(config, overrides(rung, ranks, 3))
-    measured_step = step["node_step_bytes"]
-    # the resumed run's peak: building, loading the checkpoint with its optimizer state, a step
-    measured_resume = max(resume["node_step_bytes"], resume.get("node_load_bytes", 0))
-    worst = max(measured_step, measured_resume)
+    measured_step, measured_resume = step["node_run_bytes"], resume["node_run_bytes"]
     return {
         "rung": rung,
         "ranks": ranks,
         "params": est["params"],
         "measured_step_bytes": measured_step,
         "measured_resume_bytes": measured_resume,
-        "rank_step_bytes": step["rank_step_bytes"],
-        "rank_resume_bytes": resume["rank_step_bytes"],
-        "estimate_bytes": est["above_baseline_bytes"],
-        "ratio_step": round(est["above_baseline_bytes"] / measured_step, 3),
-        "ratio_resume": round(est["above_baseline_bytes"] / measured_resume, 3),
-        "ratio": round(est["above_baseline_bytes"] / worst, 3),
+        "estimate_step_bytes": est["step_bytes"],
+        "estimate_resume_bytes": est["resume_bytes"],
+        "ratio_step": round(est["step_bytes"] / measured_step, 3),
+        "ratio_resume": round(est["resume_bytes"] / measured_resume, 3),
+        "first_run": step,
+        "resumed_run": resume,
         "estimate_breakdown": est["breakdown"],
     }
 
 
 def render(rows: list[dict[str, Any]]) -> str:
+    """The table of docs/memory.md "Host memory": MiB above the ranks' baselines, per node."""
     mib = 2**20
-    lines = ["| rung | ranks | params | measured step | measured resume | estimate | ratio |",
-             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = ["| rung | ranks | params | measured step | measured resume | estimate step / resume "
+             "| ratio step / resume |", "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         lines.append(
             f"| {r['rung']} | {r['ranks']} | {r['params'] / 1e6:.0f}M | "
             f"{r['measured_step_bytes'] / mib:,.0f} MiB | "
-            f"{r['measured_resume_bytes'] / mib:,.0f} MiB | {r['estimate_bytes'] / mib:,.0f} MiB"
+            f"{r['measured_resume_bytes'] / mib:,.0f} MiB | "
+            f"{r['estimate_step_bytes'] / mib:,.0f} / {r['estimate_resume_bytes'] / mib:,.0f} MiB"
             f" | {r['ratio_step']:.2f} / {r['ratio_resume']:.2f} |"
         )
     return "\n".join(lines)
@@ -288,10 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         for rung, ranks in cases:
             rows.append(measure_case(model, rung, ranks, Path(tmp), timeout_s=900))
             print(render(rows[-1:]).splitlines()[-1], flush=True)
+            if args.json:  # after every case: a cut-short run keeps what it measured
+                result = {"date": datetime.date.today().isoformat(), "rows": rows}
+                Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     print(render(rows))
-    if args.json:
-        result = {"date": datetime.date.today().isoformat(), "rows": rows}
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

@@ -11,12 +11,14 @@ from trainer.core.contract import CONFIG_ERROR_FILE
 from trainer.core.files import write_atomic
 from trainer.core.logs import redact
 from trainer.core.run_lock import acquire_run_lock, die_with_parent, exit_if_orphaned
+from trainer.runtime.host_heap import bound_heap_retention
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m trainer RESOLVED_CONFIG", file=sys.stderr)
         return 2
+    bound_heap_retention()  # before any tensor: freed host tensors leave the resident set
     # A rank dies with its parent (torchrun, or srun's task): never trains on as an orphan.
     parent = os.getppid()
     die_with_parent()

@@ -27,6 +27,17 @@ from launcher.estimate.shape import ModelShape
 from trainer.core.step_spec import FULL, Finetune, StepSpec
 from trainer.core.strategies import DEEPSPEED_BUCKET_ELEMENTS, Strategy
 
+# `stage3_max_reuse_distance` (trainer/backends/deepspeed_config.py, DeepSpeed's default too):
+# ZeRO-3 keeps a module's gathered parameters after its forward when the step's trace uses them
+# again within this many elements (partitioned_param_coordinator.py `__params_to_release`); their
+# next use, in backward, is twice the elements after them away: the forward's last half-distance
+# of parameters stays gathered into backward (`zero3_kept_gathered` elements).
+ZERO3_MAX_REUSE_DISTANCE = 1_000_000_000
+
+
+def zero3_kept_gathered(num_params: int) -> int:
+    return min(num_params, ZERO3_MAX_REUSE_DISTANCE // 2)
+
 
 def model_states(spec: StepSpec, shape: ModelShape) -> ModelStates:
     """One rank's model states for `spec`: full fine-tuning by the rung's engine; LoRA and QLoRA
@@ -116,10 +127,19 @@ def zero_model_state_bytes(
         raise ValueError(f"ZeRO stage {stage}")
     host: dict[str, int] = {}
     if offload_optimizer:
+        # deepspeed/runtime/zero/stage3.py on the host: the fp32 master partition
+        # (`_create_fp32_partitions`: `.to("cpu").clone()`, a copy even of fp32 parameters),
+        # AdamW's moments (trainer/backends/deepspeed.py `_init_optimizer_state`), the fp32
+        # gradient partition it steps (`initialize_optimizer_states`: each sub-group's `.grad`)
         host = {"optimizer": (4 + 8) * n // w, "grads": fp32_grads}
+        if stage == 3:  # and the one backward's reduce-scatters fill (`_setup_for_real_optimizer`:
+            # `grad_partitions_flat_buffer` on `self.device`, the CPU when the optimizer is
+            # offloaded); `estimate_zero3_model_states_mem_needs` leaves it out
+            host["grad_accumulation"] = 4 * n // w
         device["optimizer"] = 0
         device["grads"] = 0 if stage >= 2 else p * n
-    if offload_params:
+    if offload_params:  # the partitions in one flat host buffer per parameter group, pinned on
+        # GPUs whatever the config says (`_create_param_groups_fp16_flat_cpu_memory`)
         host["params"] = device["params"]
         device["params"] = 0
     if stage == 3:
@@ -285,9 +305,12 @@ def _zero_states(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool):
     # a layer's fp32 grads live until DeepSpeed's hooks copy them into the bucket
     flow = GradFlow(in_layer=4 * z.top_n, root_at_embedding=4 * z.embed_n)
     gather_layer = gather_root = 0
-    if row.zero_stage == 3:  # the gathered fp32 layer and the prefetched one; root matrices
+    root_kept = 0
+    if row.zero_stage == 3:  # the gathered fp32 layer and the prefetched one; root matrices,
         gather_layer = 4 * z.top_n + min(z.bucket, 4 * z.top_n)
-        gather_root = 4 * shape.num_head_params
+        # and the fp32 parameters kept gathered from forward's end into backward
+        root_kept = 4 * zero3_kept_gathered(z.n)
+        gather_root = max(4 * shape.num_head_params, root_kept)
     return ModelStates(
         on_device,
         host,
@@ -297,6 +320,7 @@ def _zero_states(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool):
         later=flow,
         gather_layer=gather_layer,
         gather_root=gather_root,
+        root_kept=root_kept,
     )
 
 
@@ -447,11 +471,14 @@ def _zero_adapters(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool,
         host = {"nvme_buffers": 2 * 16 * a_layer + 2 * s.frozen_top}
     bucket = 4 * min(DEEPSPEED_BUCKET_ELEMENTS, a)
     flow = GradFlow(in_layer=4 * a_layer)
-    gather_layer = gather_root = 0
-    if row.zero_stage == 3:  # the gathered layer and the prefetched one; the output layer
+    gather_layer = gather_root = root_kept = 0
+    if row.zero_stage == 3:  # the gathered layer and the prefetched one; the output layer;
         layer = s.frozen_top - s.unpartitioned // shape.num_layers + 4 * a_layer
         gather_layer = layer + min(bucket, layer)
-        gather_root = z.c * shape.num_head_params
+        # what stays gathered from forward's end into backward, the base's and the adapters'
+        gathered = s.frozen - s.unpartitioned + 4 * a
+        root_kept = gathered * zero3_kept_gathered(z.n) // max(1, z.n)
+        gather_root = max(z.c * shape.num_head_params, root_kept)
     return ModelStates(
         on_device,
         host,
@@ -461,6 +488,7 @@ def _zero_adapters(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool,
         later=flow,
         gather_layer=gather_layer,
         gather_root=gather_root,
+        root_kept=root_kept,
     )
 
 

@@ -35,7 +35,7 @@ from launcher.estimate.analytic_activations import (
     micro_activations,
     micro_for,
 )
-from launcher.estimate.methods import quantising_bytes
+from launcher.estimate.methods import method_sizes, quantising_bytes
 from launcher.estimate.model_states import GradFlow, ModelStates, model_states
 from launcher.estimate.shape import ModelShape
 from trainer.core.errors import ConfigError
@@ -54,11 +54,13 @@ CUDA_CONTEXT_BYTES = int(0.75 * GIB)  # CUDA context + cuBLAS/cuDNN workspaces, 
 # LoRA, context 2048: 1.06 GiB reserved over 9.16 allocated); `expandable`: with
 # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which the launcher sets on CUDA ranks, not yet
 # measured (no published pair).
-ALLOCATOR_SLACK_RATIO = {"default": 0.54, "expandable": 0.08}
+ALLOCATOR_SLACK_RATIO = {"default": 0.68, "expandable": 0.08}
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 CPU_PROCESS_BYTES = int(1.0 * GIB)  # python + torch + transformers in a CPU process (RSS)
 HOST_PROCESS_BYTES = int(2.0 * GIB)  # per rank on the host: libraries, dataloader, pinned staging
-ZERO_OFFLOAD_PINNED_RATIO = 1.0  # pinned host gradient buffer per offloaded fp32 partition
+# Bytes per trained parameter that DeepSpeed's canonical checkpoint state holds on the host: its
+# full fp32 weight and two fp32 AdamW moments (trainer/backends/deepspeed.py `state_dict`)
+DEEPSPEED_CHECKPOINT_BYTES_PER_PARAM = 4 + 8
 
 # With activation offload on a GPU, the phases from the layers' forward to backward's first
 # unpack, where copies to the host may still hold their device tensors (`in_flight_bytes`); on
@@ -253,6 +255,23 @@ def loading_host_bytes(
     return 4 * shape.largest_tensor_params * ranks_here
 
 
+def checkpoint_host_bytes(
+    row: Strategy, trained_params: int, world_size: int, ranks_here: int
+) -> int:
+    """Host bytes per node that saving or resuming a checkpoint adds beside the model states.
+
+    A DeepSpeed rung's canonical state (trainer/backends/deepspeed.py `state_dict`) copies the
+    full fp32 weight and both AdamW moments of each parameter a rank owns to the host, the ranks
+    owning about 1/W of the trained parameters each; a resume fills that same form from the files
+    (`trainer/engine.py` `_resume`: `load_template(backend.state_dict())`) before copying it into
+    the partitions. FSDP2 and the replicas hand DCP their own tensors, which it reads into in
+    place: nothing beside them."""
+    if row.engine != "deepspeed":
+        return 0
+    per_rank = DEEPSPEED_CHECKPOINT_BYTES_PER_PARAM * trained_params // max(1, world_size)
+    return per_rank * ranks_here
+
+
 def _host_bytes(
     row: Strategy,
     states: ModelStates,
@@ -262,12 +281,16 @@ def _host_bytes(
     device: str,
     load_bytes: int,
     qlora: bool = False,
+    checkpoint_bytes: int = 0,
 ) -> dict[str, int]:
     """Host memory per node: every rank's offloaded states, loading the initial weights
-    (`loading_host_bytes` with `load_bytes` per parameter), process baseline."""
+    (`loading_host_bytes` with `load_bytes` per parameter), a checkpoint's save or load
+    (`checkpoint_host_bytes`), process baseline."""
     host = {k: v * ranks_here for k, v in states.on_host.items()}
     built_whole = qlora and row.engine == "deepspeed"
     host["initial_weights"] = loading_host_bytes(shape, row, ranks_here, load_bytes, built_whole)
+    if checkpoint_bytes:
+        host["checkpoint"] = checkpoint_bytes
     host["processes"] = HOST_PROCESS_BYTES * ranks_here
     if device == "cpu":  # the "device" is host memory too
         host["device_memory_of_cpu_ranks"] = device_bytes * ranks_here
@@ -309,8 +332,10 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
         # (trainer/model/qlora_load.py): its states plus the chunk and the weight's block scales
         phases["loading"] = states.base + quantising_bytes(shape, spec.device)
         peak = max(peak, phases["loading"])
+    trained = method_sizes(shape, ft, m.c, spec.trained_bytes).trainable
+    saving = checkpoint_host_bytes(row, trained, spec.world_size, ranks_here)
     host = _host_bytes(row, states, shape, ranks_here, peak + overhead, spec.device, load_bytes,
-                       qlora=ft.method == "qlora")  # fmt: skip
+                       qlora=ft.method == "qlora", checkpoint_bytes=saving)  # fmt: skip
     offloaded = acts.offloaded
     if spec.offload_activations:  # pinned blocks on a GPU, plain copies on CPU processes
         held = acts.pinned if spec.device == "cuda" else offloaded
