@@ -40,6 +40,8 @@ OUTPUT_ROOTS = {"runs", "run_dir", "DIR", "OUT"}
 NOT_REPO_NAMES = {
     "stage3.py": "DeepSpeed's source, docs/memory.md",
     "stage_1_and_2.py": "DeepSpeed's source, docs/memory.md",
+    "partitioned_param_coordinator.py": "DeepSpeed's source, docs/memory.md",
+    "_fsdp_collectives.py": "torch's FSDP2 source, docs/gpu.md",
     "summary.md": "written by bench/gpu_validate.sh into $OUT",
     "table.md": "written by bench/all_models.py --markdown",
     "notes.md": "a stray file in a data dir, made by tests/test_hostile_inputs.py",

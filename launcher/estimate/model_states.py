@@ -127,7 +127,7 @@ def zero_model_state_bytes(
         raise ValueError(f"ZeRO stage {stage}")
     host: dict[str, int] = {}
     if offload_optimizer:
-        # deepspeed/runtime/zero/stage3.py on the host: the fp32 master partition
+        # DeepSpeed's stage3.py on the host: the fp32 master partition
         # (`_create_fp32_partitions`: `.to("cpu").clone()`, a copy even of fp32 parameters),
         # AdamW's moments (trainer/backends/deepspeed.py `_init_optimizer_state`), the fp32
         # gradient partition it steps (`initialize_optimizer_states`: each sub-group's `.grad`)
