@@ -11,6 +11,14 @@ launcher/estimate/peak.py: expandable segments or the default); with an nvidia-s
 the CUDA context (`total_bytes` when the mode is oomless's own, expandable segments). A row whose
 job oomless cannot express says why instead. Pure arithmetic, no GPU.
 
+Each expressible row is in band, explained or out. A row out of band counts as explained only
+when its `explained:` block passes every rule (`explanation_problem`): the peer's own code or
+docs show the extra memory (each piece of evidence names repository, path, 40-hex commit and
+line); either the excess is computed and taking it off puts the row in band, or oomless's engine
+ran the same job on a GPU capped at the estimate and it completed (docs/gpu.md names the row on
+a `capped` line); an under-estimate only by such a capped run; and no constant of the estimate
+was fitted to the row's own source (`FITTED_SOURCES`).
+
     python -m bench.published [--json out.json]
 """
 
@@ -47,6 +55,15 @@ BANDS = {
     "nvidia-smi": (0.95, 1.15),
 }
 TENSOR_KINDS = ("allocated", "active")
+# The sources (rows file names, or `oomless-h200`: oomless's own engine on a GPU, docs/gpu.md)
+# each fitted constant of the estimate rests on (docs/memory.md "Where the constants come from");
+# a row of one of these sources is never explained.
+FITTED_SOURCES = {
+    "ALLOCATOR_SLACK_RATIO['default']": "oomless-h200",
+    "ALLOCATOR_SLACK_RATIO['expandable']": "oomless-h200",
+    "CUDA_CONTEXT_BYTES": "oomless-h200",
+}
+GPU_DOC = Path(__file__).resolve().parents[1] / "docs" / "gpu.md"
 # What every row's job starts from: one CUDA device, `single`, unpacked text (no block-causal
 # mask: the peers pad, or mask packed documents with flash or flex attention), every lever off.
 BASE_JOB: dict[str, Any] = {
@@ -72,6 +89,9 @@ class Row:
     cannot: str | None = None
     note: str | None = None
     out_of_band: str | None = None  # why an expressible row is out of band (docs/memory.md)
+    # evidence [{repo, path, commit, line, shows}], excess_bytes (what the peer holds beyond
+    # oomless's engine, or the reverse for an over-estimate), capped_run (where docs/gpu.md says)
+    explained: dict[str, Any] | None = None
 
     @property
     def published_bytes(self) -> int:
@@ -121,6 +141,52 @@ class Result:
         low, high = BANDS[self.row.kind]
         return low <= self.ratio <= high
 
+    @property
+    def status(self) -> str | None:
+        """'in band', 'explained' (its explanation passes the rule) or 'out'."""
+        if self.ratio is None:
+            return None
+        if self.within:
+            return "in band"
+        return "out" if explanation_problem(self) else "explained"
+
+
+def explanation_problem(result: Result, gpu_doc: Path = GPU_DOC) -> str | None:
+    """Why an out-of-band row's `explained:` block does not explain it (None: it does)."""
+    row, block = result.row, result.row.explained
+    if not block:
+        return "no explanation"
+    evidence = block.get("evidence") or []
+    if not evidence:
+        return "no evidence from the peer's own code or docs"
+    for e in evidence:
+        commit, line = str(e.get("commit", "")), e.get("line")
+        if not (e.get("repo", "").count("/") == 1 and e.get("path") and len(commit) == 40
+                and isinstance(line, int) and line > 0 and e.get("shows")):  # fmt: skip
+            return f"evidence {e} lacks its repo, path, 40-hex commit, line or what it shows"
+    fitted = sorted(k for k, src in FITTED_SOURCES.items() if src == row.source["name"])
+    if fitted:
+        return f"{', '.join(fitted)} fitted to this row's own source"
+    low, high = BANDS[row.kind]
+    under = result.ratio < low
+    if block.get("capped_run"):
+        lines = [x for x in gpu_doc.read_text().splitlines() if row.id in x and "capped" in x]
+        return None if lines else f"docs/gpu.md has no capped run of {row.id}"
+    excess = block.get("excess_bytes")
+    # the peer's extra bytes off its figure (under), or oomless's extra off the estimate (over)
+    got, published = result.oomless_bytes, row.published_bytes
+    ratio = None if excess is None else (
+        got / (published - excess) if under else (got - excess) / published
+    )  # fmt: skip
+    with_excess = "" if ratio is None else f" (with the excess taken off: {ratio:.2f})"
+    if under:
+        return f"an under-estimate is explained only by a capped run{with_excess}"
+    if ratio is None:
+        return "neither an excess nor a capped run"
+    if not low <= ratio <= high:
+        return f"still out of band{with_excess}"
+    return None
+
 
 def load_rows(path: Path = ROWS_FILE) -> list[Row]:
     """The rows of the data file, each with its source, model and presets resolved."""
@@ -144,6 +210,7 @@ def load_rows(path: Path = ROWS_FILE) -> list[Row]:
                 cannot=r.get("cannot"),
                 note=r.get("note"),
                 out_of_band=r.get("out_of_band"),
+                explained=r.get("explained"),
             )
         )
     return rows
@@ -190,6 +257,8 @@ def summary(results: list[Result]) -> dict[str, Any]:
         "repositories": len({r.row.source["repo"] for r in results}),
         "expressible": len(expressible),
         "within_band": sum(bool(r.within) for r in expressible),
+        "explained": sum(r.status == "explained" for r in expressible),
+        "out": sum(r.status == "out" for r in expressible),
         "cannot": len(results) - len(expressible),
     }
 
@@ -238,6 +307,10 @@ def render(results: list[Result]) -> str:
             got = f"{r.oomless_bytes / GIB:.2f} GiB"
             ratio = f"{r.ratio:.2f}"
             within = "yes" if r.within else f"no: {row.out_of_band}" if row.out_of_band else "no"
+            if r.status == "explained":
+                within = f"explained: {row.out_of_band}"
+            elif not r.within and row.explained:
+                within += f" (not explained: {explanation_problem(r)})"
         lines.append(
             f"| {row.id} | {row.source['name']} | {model} | {_job_words(row)} | {row.kind} | "
             f"{published} | {got} | {ratio} | {within} |"
@@ -245,9 +318,9 @@ def render(results: list[Result]) -> str:
     s = summary(results)
     lines.append("")
     lines.append(
-        f"{s['within_band']} of {s['expressible']} expressible rows within band "
-        f"({s['rows']} rows from {s['sources']} sources in {s['repositories']} repositories; "
-        f"{s['cannot']} oomless cannot express)"
+        f"{s['within_band']} of {s['expressible']} expressible rows within band; "
+        f"{s['explained']} explained; {s['out']} out ({s['rows']} rows from {s['sources']} "
+        f"sources in {s['repositories']} repositories; {s['cannot']} oomless cannot express)"
     )
     return "\n".join(lines)
 
@@ -281,6 +354,9 @@ def to_json(results: list[Result]) -> dict[str, Any]:
                 "breakdown": r.estimate.device_breakdown,
                 "ratio": round(r.ratio, 4),
                 "within_band": r.within,
+                "status": r.status,
+                "explained": row.explained,
+                "explanation_problem": None if r.within else explanation_problem(r),
             }
         out.append(entry)
     return {"rows": out, "summary": summary(results), "bands": BANDS}
