@@ -61,6 +61,14 @@ HOST_PROCESS_BYTES = int(2.0 * GIB)  # per rank on the host: libraries, dataload
 # Bytes per trained parameter that DeepSpeed's canonical checkpoint state holds on the host: its
 # full fp32 weight and two fp32 AdamW moments (trainer/backends/deepspeed.py `state_dict`)
 DEEPSPEED_CHECKPOINT_BYTES_PER_PARAM = 4 + 8
+# The host buffers DeepSpeed's ZeRO-3 pins on GPUs (`get_accelerator().pin_memory`: torch's
+# `pin_memory()`), and the most elements one holds: the fp32 gradient partition, one per
+# sub-group of `sub_group_size` (10^9) elements (stage3.py `initialize_optimizer_states`); the
+# one backward fills, whole (`_setup_for_real_optimizer`); the parameters', one per parameter
+# group (`_create_param_groups_fp16_flat_cpu_memory`). torch's caching host allocator rounds
+# each pinned block up to a power of two (CachingHostAllocator.h: `PowerOf2Ceil`, by default
+# at every size).
+DEEPSPEED_PINNED_TERMS = {"grads": 1_000_000_000, "grad_accumulation": None, "params": None}
 
 # With activation offload on a GPU, the phases from the layers' forward to backward's first
 # unpack, where copies to the host may still hold their device tensors (`in_flight_bytes`); on
@@ -272,6 +280,14 @@ def checkpoint_host_bytes(
     return per_rank * ranks_here
 
 
+def pinned_block_bytes(nbytes: int, elements: int | None = None) -> int:
+    """What pinning `nbytes` of fp32 buffers of at most `elements` values each takes (None:
+    one buffer), each rounded up to a power of two."""
+    chunk = 4 * elements if elements else max(1, nbytes)
+    full, rest = divmod(nbytes, chunk)
+    return full * (1 << (chunk - 1).bit_length()) + (rest and 1 << (rest - 1).bit_length())
+
+
 def _host_bytes(
     row: Strategy,
     states: ModelStates,
@@ -291,6 +307,11 @@ def _host_bytes(
     host["initial_weights"] = loading_host_bytes(shape, row, ranks_here, load_bytes, built_whole)
     if checkpoint_bytes:
         host["checkpoint"] = checkpoint_bytes
+    if device == "cuda" and row.engine == "deepspeed" and row.zero_stage == 3:
+        pinned = [(states.on_host.get(k, 0), n) for k, n in DEEPSPEED_PINNED_TERMS.items()]
+        rounding = sum(pinned_block_bytes(b, n) - b for b, n in pinned)
+        if rounding:
+            host["pinned_rounding"] = rounding * ranks_here
     host["processes"] = HOST_PROCESS_BYTES * ranks_here
     if device == "cpu":  # the "device" is host memory too
         host["device_memory_of_cpu_ranks"] = device_bytes * ranks_here

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from launcher.estimate.model_states import zero_model_state_bytes
-from launcher.estimate.peak import ALLOC_CONF_VARS, GIB, estimate
+from launcher.estimate.peak import ALLOC_CONF_VARS, GIB, estimate, pinned_block_bytes
 from launcher.estimate.shape import model_shape
 from trainer.core.config import ConfigError, ModelConfig
 from trainer.core.step_spec import StepSpec
@@ -127,6 +127,14 @@ def test_deepspeed_offload_host_terms_are_what_its_source_allocates():
     params = _estimate(shape, "zero3_offload_params", w).host_breakdown
     assert params["params"] == w * (4 * n // w) and params["grad_accumulation"] == w * (4 * n // w)
     assert "checkpoint" not in _estimate(shape, "fsdp_offload", w).host_breakdown
+    # on GPUs the pinned gradient partitions are rounded up to a power of two (torch's caching
+    # host allocator): 4.02 GB each to 4 GiB (and the grads' 16 MB beyond a sub-group to 16 MiB)
+    assert pinned_block_bytes(3 * GIB) == 4 * GIB and pinned_block_bytes(9 * GIB, 2**30) == 9 * GIB
+    g = 4 * n // w
+    rounding = pinned_block_bytes(g, 10**9) - g + pinned_block_bytes(g) - g
+    assert host["pinned_rounding"] == w * rounding > 4 * 10**9
+    cpu = _estimate(shape, "zero3_offload", w, device="cpu").host_breakdown
+    assert "pinned_rounding" not in cpu
 
 
 def test_zero3_keeps_the_last_half_reuse_distance_of_parameters_gathered_into_backward():
