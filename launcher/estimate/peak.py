@@ -305,7 +305,7 @@ def _host_bytes(
     host = {k: v * ranks_here for k, v in states.on_host.items()}
     built_whole = qlora and row.engine == "deepspeed"
     host["initial_weights"] = loading_host_bytes(shape, row, ranks_here, load_bytes, built_whole)
-    if checkpoint_bytes:
+    if checkpoint_bytes:  # beyond the step's peak
         host["checkpoint"] = checkpoint_bytes
     if device == "cuda" and row.engine == "deepspeed" and row.zero_stage == 3:
         pinned = [(states.on_host.get(k, 0), n) for k, n in DEEPSPEED_PINNED_TERMS.items()]
@@ -355,6 +355,8 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
         peak = max(peak, phases["loading"])
     trained = method_sizes(shape, ft, m.c, spec.trained_bytes).trainable
     saving = checkpoint_host_bytes(row, trained, spec.world_size, ranks_here)
+    if spec.device == "cpu":  # a CPU rank saves or loads without the step's transients
+        saving = max(0, saving - (peak - persistent) * ranks_here)
     host = _host_bytes(row, states, shape, ranks_here, peak + overhead, spec.device, load_bytes,
                        qlora=ft.method == "qlora", checkpoint_bytes=saving)  # fmt: skip
     offloaded = acts.offloaded
