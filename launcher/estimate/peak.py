@@ -49,11 +49,11 @@ from trainer.core.units import GIB
 
 CUDA_CONTEXT_BYTES = int(0.75 * GIB)  # CUDA context + cuBLAS/cuDNN workspaces, measured typical
 # What the caching allocator reserves beyond the peak of live tensors, per byte that comes and goes
-# in a step (docs/memory.md "What the allocator reserves"). `default`: fitted to a published pair
-# of max_memory_allocated and max_memory_reserved for one job (Answer.AI fsdp_qlora, Llama-2-7B
-# LoRA, context 2048: 1.06 GiB reserved over 9.16 allocated); `expandable`: with
-# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which the launcher sets on CUDA ranks, not yet
-# measured (no published pair).
+# in a step (docs/memory.md "What the allocator reserves"), both from oomless's own engine on one
+# H200 (docs/gpu.md, estimate runs 4 and 5, fsdp): `expandable` (PYTORCH_CUDA_ALLOC_CONF=
+# expandable_segments:True, which the launcher sets on CUDA ranks), what the steps needed: capped
+# at the estimate they ran; `default`, what they held above their peak with the card's room
+# (9.63 GiB over 14.13 GiB that came and went), until the default allocator itself is measured.
 ALLOCATOR_SLACK_RATIO = {"default": 0.68, "expandable": 0.08}
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 CPU_PROCESS_BYTES = int(1.0 * GIB)  # python + torch + transformers in a CPU process (RSS)
