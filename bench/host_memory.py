@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 HOOK_DIR_VAR = "OOMLESS_HOST_MEMORY_DIR"
 RUNGS = ("fsdp_offload", "zero3_offload", "zero3_offload_params")
@@ -238,7 +240,8 @@ def phase_peaks(ranks: list[tuple[dict, list[dict]]], samples: list[tuple[float,
 
 def estimated(config: Path, args: list[str]) -> dict[str, Any]:
     """`oomless estimate --json`'s host figure for the job, and the part of it above the
-    measurement's baseline (the per-rank process constants taken out)."""
+    measurement's baseline (the per-rank process constants taken out). The estimate's modules
+    are imported here, not at the top: every rank imports this module at start (the hook)."""
     from launcher.estimate.activations import with_activations
     from launcher.estimate.shape import model_shape
     from launcher.plan.hardware import detect_hardware
@@ -266,8 +269,6 @@ def measure_case(model: dict[str, Any], rung: str, ranks: int, work: Path, timeo
     """Train 2 steps (saving a checkpoint), resume for a third; both measured, and estimated."""
     run_dir = work / f"{rung}-{ranks}"
     config = work / f"{rung}-{ranks}.yaml"
-    import yaml
-
     config.write_text(yaml.safe_dump(job_tree(model, run_dir)))
     step = train(config, overrides(rung, ranks, 2), run_dir.with_suffix(".hook1"), timeout_s)
     resume = train(config, overrides(rung, ranks, 3), run_dir.with_suffix(".hook2"), timeout_s)
