@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from contextlib import AbstractContextManager
-from functools import cache, cached_property, partial
+from functools import cache, partial
 from typing import Any, Protocol
 
 import torch
@@ -168,12 +168,12 @@ class HFModelFactory:
         model.config.use_cache = False
         return model
 
-    @cached_property
-    def _initial_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self._build_cpu().state_dict().items()}
-
     def initial_state_dict(self) -> dict[str, torch.Tensor]:
-        return self._initial_state
+        """The initial weights, built anew on each call (a random init draws the same values:
+        its seed is forked). Not kept: the engine keeps its factory for the whole run, and a
+        full fp32 copy of the model held there stays on rank 0's host (docs/memory.md "Host
+        memory")."""
+        return {k: v.detach() for k, v in self._build_cpu().state_dict().items()}
 
     def pretrained_checkpoint(self) -> SafetensorsCheckpoint | None:
         """The safetensors files of `model.name_or_path`, which sharded rungs read per rank

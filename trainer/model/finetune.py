@@ -320,13 +320,12 @@ class Bf16PureFactory:
         return self.inner.pretrained_checkpoint()
 
     def initial_state_dict(self) -> dict[str, torch.Tensor]:
-        if not hasattr(self, "_initial"):
-            params = {n for n, _ in self.inner.build("meta").named_parameters()}
-            self._initial = {
-                k: v.to(torch.bfloat16) if k in params and v.is_floating_point() else v
-                for k, v in self.inner.initial_state_dict().items()
-            }
-        return self._initial
+        """The inner factory's, parameters rounded to bf16; built on each call, not kept."""
+        params = {n for n, _ in self.inner.build("meta").named_parameters()}
+        return {
+            k: v.to(torch.bfloat16) if k in params and v.is_floating_point() else v
+            for k, v in self.inner.initial_state_dict().items()
+        }
 
 
 def params_to_bf16(model: nn.Module) -> nn.Module:
