@@ -306,9 +306,9 @@ def _zero_states(row: Strategy, z: Sizes, shape: ModelShape, fsdp_every: bool):
     flow = GradFlow(in_layer=4 * z.top_n, root_at_embedding=4 * z.embed_n)
     gather_layer = gather_root = 0
     root_kept = 0
-    if row.zero_stage == 3:  # the gathered fp32 layer and the prefetched one; root matrices,
-        gather_layer = 4 * z.top_n + min(z.bucket, 4 * z.top_n)
-        # and the fp32 parameters kept gathered from forward's end into backward
+    if row.zero_stage == 3:  # the gathered fp32 layer, the prefetch (stage3_prefetch_bucket_size
+        gather_layer = 4 * z.top_n + z.bucket  # elements), root matrices and the parameters
+        # kept gathered from forward's end into backward
         root_kept = 4 * zero3_kept_gathered(z.n)
         gather_root = max(4 * shape.num_head_params, root_kept)
     return ModelStates(

@@ -140,7 +140,8 @@ def test_deepspeed_offload_host_terms_are_what_its_source_allocates():
 def test_zero3_keeps_the_last_half_reuse_distance_of_parameters_gathered_into_backward():
     """stage3_max_reuse_distance (10^9 elements, our DeepSpeed config's): a module's parameters
     are used again in backward twice the elements after them, so the forward's last 5 x 10^8
-    elements (all of a smaller model's) stay gathered in fp32 from the loss into backward."""
+    elements (all of a smaller model's) stay gathered in fp32 from the loss into backward; the
+    prefetch gathers up to stage3_prefetch_bucket_size elements ahead."""
     from launcher.estimate.model_states import ZERO3_MAX_REUSE_DISTANCE, model_states
     from trainer.backends.deepspeed_config import build_deepspeed_config
     from trainer.core.config import build_config
@@ -162,6 +163,9 @@ def test_zero3_keeps_the_last_half_reuse_distance_of_parameters_gathered_into_ba
         spec = StepSpec(rung, 8, 1, 4096, "full", "bf16", 1, 8)
         assert model_states(spec, big).root_kept == 4 * ZERO3_MAX_REUSE_DISTANCE // 2, rung
         assert model_states(spec, small).root_kept == 4 * small.num_params, rung
+        # and it prefetches up to stage3_prefetch_bucket_size elements, several small layers
+        gathered = model_states(spec, small).gather_layer
+        assert gathered == 4 * small.top_layer_params + 4 * zero["stage3_prefetch_bucket_size"]
 
 
 def test_loading_pretrained_weights_holds_a_full_copy_only_on_replicas():
