@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.cli_worker import IN_THIS_PROCESS
 from tests.conftest import PYTHON, REPO, kill_tree, oomless, oomless_two_at_a_time, python_env
 
 DEMO = REPO / "configs" / "demo.yaml"
@@ -108,7 +109,9 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
 
 # The out-of-memory runs: `oomless train` processes of one CPU rank each (the process, its exit
 # code and its files are under test), independent of each other, run two at a time once for the
-# module. Each test below names its runs.
+# module. Each test below names its runs. The engine runs in `oomless train`'s own process
+# (IN_THIS_PROCESS), the back-off and the climb are the same; a child engine's exit 75 is
+# test_escalation.py's.
 _BACKOFF = ["train.steps=5", "train.global_batch_size=8", "train.eval_every=0",
             "run.save_final=false", "precision=fp32", "hardware.device=cpu"]  # fmt: skip
 _LEVERS = ["train.steps=5", "train.global_batch_size=4", "train.eval_every=0",
@@ -140,7 +143,7 @@ _OOM_RUNS = {
 def oom_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """name -> (the finished `oomless train`, its run.dir) for each of `_OOM_RUNS`."""
     root = tmp_path_factory.mktemp("oom")
-    jobs = {name: ["train", str(DEMO), *args, f"run.dir={root / name}"]
+    jobs = {name: ["train", str(DEMO), *args, f"run.dir={root / name}", IN_THIS_PROCESS]
             for name, args in _OOM_RUNS.items()}  # fmt: skip
     return {name: (r, root / name) for name, r in oomless_two_at_a_time(jobs).items()}
 
@@ -289,7 +292,7 @@ def test_sigterm_checkpoints_exits_143_and_resume_continues(tmp_path):
     assert 3 <= stopped_at < 60
     assert [m["step"] for m in metrics(run_dir)] == list(range(1, stopped_at + 1))
 
-    r = oomless(*args)
+    r = oomless(*args, IN_THIS_PROCESS)  # the resume: the engine in this CLI's process
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / latest}" in r.stderr
     assert [m["step"] for m in metrics(run_dir)] == list(range(1, 61))

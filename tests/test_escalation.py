@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from tests.cli_worker import IN_THIS_PROCESS
 from tests.conftest import live_children, oomless
 from tests.test_cli_train import DEMO, metrics
 
@@ -104,7 +105,8 @@ def test_8bit_moments_survive_an_escalation_from_a_replica_to_shards(tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "escalating single -> fsdp_offload" in r.stderr, r.stderr[-3000:]
-    r = oomless("train", str(DEMO), *job, f"run.dir={ref_dir}")
+    # the reference: its engine in `oomless train`'s own process (the escalated run's is a child)
+    r = oomless("train", str(DEMO), *job, f"run.dir={ref_dir}", IN_THIS_PROCESS)
     assert r.returncode == 0, r.stderr[-3000:]
     got, want = metrics(run_dir), metrics(ref_dir)
     assert [m["strategy"] for m in got] == ["single"] * 2 + ["fsdp_offload"] * 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 
 from launcher.cli import main
+from tests.cli_worker import IN_THIS_PROCESS
 from tests.conftest import oomless
 from tests.test_cli_train import DEMO, metrics
 
@@ -43,7 +44,7 @@ def test_item4_refused_resume_writes_nothing_and_math_free_changes_resume(tmp_pa
         f"run.dir={run_dir}",
         "hardware.device=cpu",
     ]
-    r = oomless(*base)
+    r = oomless(*base, IN_THIS_PROCESS)  # the engine in the CLI's process: no child's imports
     assert r.returncode == 0, r.stderr[-3000:]
     before = _snapshot(run_dir)
     assert "config.yaml" in before and "plan.json" in before
@@ -67,6 +68,7 @@ def test_item4_refused_resume_writes_nothing_and_math_free_changes_resume(tmp_pa
         f"data.cache_dir={tmp_path / 'other_cache'}",
         "model.attn_implementation=eager",
         "data.on_bad_row=skip",
+        IN_THIS_PROCESS,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / 'step_2'}" in r.stderr  # its last step

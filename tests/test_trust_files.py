@@ -18,6 +18,7 @@ import pytest
 import torch
 import yaml
 
+from tests.cli_worker import IN_THIS_PROCESS
 from tests.conftest import REPO, TINY_LLAMA, oomless, write_demo_job
 from trainer.core.errors import ConfigError
 from trainer.core.files import append_line, read_json_object, read_jsonl, write_atomic
@@ -201,7 +202,9 @@ def _copy_at_step_4(clean_run: Path, dest: Path) -> Path:
 
 
 def _resume(job: Path, run: Path, *overrides: str):
-    return oomless("train", str(job), f"run.dir={run}",
+    """The resume of a copy of the clean run, its engine in `oomless train`'s own process (the
+    clean run above runs it as a child, as a user's does)."""
+    return oomless("train", str(job), f"run.dir={run}", IN_THIS_PROCESS,
                    f"run.resume={run / 'checkpoints' / 'step_4'}", *overrides)  # fmt: skip
 
 

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from tests.cli_worker import IN_THIS_PROCESS
 from tests.conftest import REPO, oomless
 from tests.test_cli_train import DEMO, metrics
 
@@ -78,6 +79,7 @@ def test_a_directory_of_plain_text_with_blank_lines_trains(tmp_path):
     r = oomless(
         "train", str(DEMO), *COMMON, f"data.path={corpus}", "data.format=text",
         "data.eval_path=null", "train.steps=2", "train.global_batch_size=4", f"run.dir={run_dir}",
+        IN_THIS_PROCESS,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "4 training documents" in r.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_worker import IN_THIS_PROCESS
 from tests.conftest import PYTHON, REPO, python_env
 
 pytestmark = pytest.mark.slow
@@ -253,7 +254,7 @@ def test_a_lost_node_continues_on_the_one_left_with_the_same_batch(uninterrupted
          "hardware.device=cpu", "hardware.nodes=1", "hardware.devices_per_node=1",
          "hardware.host_memory=16GiB", "strategy=fsdp", f"train.steps={NUM_STEPS}",
          "train.eval_every=0", "train.log_every=10", "run.save_final=false",
-         f"run.resume={run_dir / 'checkpoints' / f'step_{resumed}'}"],
+         f"run.resume={run_dir / 'checkpoints' / f'step_{resumed}'}", IN_THIS_PROCESS],
         capture_output=True, text=True, env={**python_env(), "OMP_NUM_THREADS": "1"}, cwd=REPO,
         timeout=JOB_TIMEOUT_S,
     )  # fmt: skip

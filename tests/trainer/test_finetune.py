@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from tests.cli_worker import IN_THIS_PROCESS
 from tests.conftest import TINY_LLAMA, oomless, train_in_one_process, write_demo_job
 from tests.trainer.adapter_checkpoints import engine_model, logits
 from trainer.core import methods, strategies
@@ -207,8 +208,9 @@ def test_a_resume_on_another_base_is_refused_in_one_line(tmp_path):
     torch.manual_seed(1)
     AutoModelForCausalLM.from_config(config).save_pretrained(base)  # same path, other weights
     r = oomless(
-        "train", str(job), "strategy=single", f"run.dir={tmp_path / 'run'}", "train.steps=3"
-    )
+        "train", str(job), "strategy=single", f"run.dir={tmp_path / 'run'}", "train.steps=3",
+        IN_THIS_PROCESS,
+    )  # fmt: skip
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
     assert "adapters trained on another base" in r.stderr
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.cli_worker import IN_THIS_PROCESS
 from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env, run_bounded
 
 pytestmark = pytest.mark.slow
@@ -56,7 +57,8 @@ def _train(tmp: Path, name: str, *overrides: str) -> Path:
 def runs(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("profile")
     return {
-        "single": _train(tmp, "single", "train.micro_batch_size=8"),  # x accumulation 2
+        # x accumulation 2; the engine in `oomless train`'s own process
+        "single": _train(tmp, "single", "train.micro_batch_size=8", IN_THIS_PROCESS),
         "fsdp": _train(
             tmp,
             "fsdp",

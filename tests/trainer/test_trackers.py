@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_worker import IN_THIS_PROCESS
 from tests.conftest import PYTHON, REPO, python_env, run_bounded, write_demo_job
 
 pytestmark = pytest.mark.slow
@@ -160,7 +161,8 @@ def test_a_missing_tracker_library_is_one_warning_line(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(shadow.parent), env["PYTHONPATH"]])
     job = _job(tmp_path)
     run_dir = tmp_path / "run"
-    r = _train(job, run_dir, "run.trackers=[wandb, tensorboard]", "train.steps=3", env=env)
+    r = _train(job, run_dir, "run.trackers=[wandb, tensorboard]", "train.steps=3", IN_THIS_PROCESS,
+               env=env)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     warned = [line for line in r.stderr.splitlines() if "wandb" in line]
     assert warned == [

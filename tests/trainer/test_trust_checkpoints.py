@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_worker import IN_THIS_PROCESS
 from tests.conftest import oomless, write_demo_job
 
 pytestmark = pytest.mark.slow
@@ -32,8 +33,13 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows}
 
 
-def _train(job: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return oomless("train", str(job), f"run.dir={run_dir}", *overrides)
+def _train(
+    job: Path, run_dir: Path, *overrides: str, child: bool = False
+) -> subprocess.CompletedProcess:
+    """`oomless train`; one rank runs the engine in its process (run.max_restarts=0), or with
+    `child` in a child of its own, as by default (torchrun starts two ranks either way)."""
+    here = [] if child else [IN_THIS_PROCESS]
+    return oomless("train", str(job), f"run.dir={run_dir}", *here, *overrides)
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -376,7 +382,7 @@ def test_a_full_disk_at_the_final_save_is_one_line_and_a_rerun_writes_it(trained
     disk = tmpfs("520k")
     run = disk / "run"
     final = ("train.steps=2", "run.save_final=true", "run.keep_checkpoints=1")
-    r = _train(job, run, *final)
+    r = _train(job, run, *final, child=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     last = r.stderr.splitlines()[-1]
     said = [line for line in r.stderr.splitlines() if "config error" in line or "space" in line]

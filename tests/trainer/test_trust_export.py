@@ -13,6 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from tests.cli_worker import IN_THIS_PROCESS
 from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env, run_bounded, write_demo_job
 
 pytestmark = pytest.mark.slow
@@ -61,7 +62,7 @@ def lora_run(tmp_path_factory) -> Path:
     tree["model"] = {"name_or_path": str(work / "base"), "tokenizer": str(work / "tokenizer")}
     tree["data"]["path"] = str(work / "data" / "train.jsonl")
     job.write_text(yaml.safe_dump(tree))
-    code, _, err = _oomless("train", job, cwd=work)
+    code, _, err = _oomless("train", job, IN_THIS_PROCESS, cwd=work)
     assert code == 0, err[-3000:]
     return work
 

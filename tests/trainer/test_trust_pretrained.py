@@ -14,6 +14,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from tests.cli_worker import IN_THIS_PROCESS
 from tests.conftest import TINY_LLAMA, oomless, write_demo_job
 from trainer.core.errors import ConfigError
 from trainer.model.pretrained import SINGLE_FILE, SafetensorsCheckpoint
@@ -118,7 +119,7 @@ def test_training_from_a_hostile_base_is_exit_2_in_one_line(tmp_path):
     tree = yaml.safe_load(job.read_text())
     tree["model"] = {"name_or_path": str(base), "tokenizer": tree["model"]["tokenizer"]}
     job.write_text(yaml.safe_dump(tree))
-    r = oomless("train", str(job), f"run.dir={tmp_path / 'run'}")
+    r = oomless("train", str(job), f"run.dir={tmp_path / 'run'}", IN_THIS_PROCESS)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     said = [line for line in r.stderr.splitlines() if "config error" in line]
     assert said and all(str(base / SINGLE_FILE) in line for line in said), r.stderr[-3000:]
