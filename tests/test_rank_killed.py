@@ -98,7 +98,9 @@ def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(tmp_path, r
 
 def test_a_hung_rank_is_named_its_stacks_kept_and_the_run_restarts_once(tmp_path, reference):
     run_dir = tmp_path / "hung"
-    hang = ["run.hang_timeout_s=30", "run.max_restarts=1", "debug.inject_hang={step: 6, rank: 1}"]
+    # the hang is waited out for hang_timeout_s: 15 s, over 10x this run's slowest step (its
+    # first: 1.3 s on a 2-core machine under a load of 7; the others 0.4-0.7 s)
+    hang = ["run.hang_timeout_s=15", "run.max_restarts=1", "debug.inject_hang={step: 6, rank: 1}"]
     r = oomless("train", str(DEMO), *COMMON, *hang, f"run.dir={run_dir}", timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     said = [line for line in r.stderr.splitlines() if "hang at step" in line]

@@ -1,9 +1,10 @@
 """Ranks wait on rank 0's serial work, not on a clock; what waits on
 something outside the run (an async checkpoint's writes, scontrol) has a bound (item 3).
 
-Two ranks with `dist.timeout_s=2`, and rank 0's tokenisation, checkpoint completion and final save
-each made to take 5 s: a barrier would time out ("Timed out waiting 2000ms for recv", exit 1);
-the waiting ranks instead say what they wait for and the run ends with exit 0."""
+Two ranks with `dist.timeout_s=2`, and rank 0's tokenisation made to take 5 s (the ranks start
+apart), its checkpoint completions (steps 1 and 2) and final save 3 s each (the ranks leave the
+step together): a barrier would time out ("Timed out waiting 2000ms for recv", exit 1); the
+waiting ranks instead say what they wait for and the run ends with exit 0."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_ranks_wait_for_slow_rank0_work_past_dist_timeout(tmp_path):
     r = oomless(
         "train", str(DEMO), "strategy=ddp", "hardware.device=cpu", "hardware.devices_per_node=2",
         "train.steps=2", "train.eval_every=0", "run.checkpoint_every=1", "dist.timeout_s=2",
-        "debug.slow_rank0={tokenize_s: 5, checkpoint_s: 5, final_save_s: 5}", f"run.dir={run_dir}",
+        "debug.slow_rank0={tokenize_s: 5, checkpoint_s: 3, final_save_s: 3}", f"run.dir={run_dir}",
         timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
