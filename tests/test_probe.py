@@ -69,7 +69,7 @@ def test_plan_probe_prints_measured_against_estimated_and_calibrates_the_next_pl
 def test_a_first_step_over_budget_replans_and_learns_what_the_right_plan_learns(
     calibrated, tmp_path
 ):
-    """debug.probe_scale=1.4 on a plan at the device's edge: the run stops after step 1, plans
+    """debug.probe_scale=1.5 on a plan at the device's edge: the run stops after step 1, plans
     again with the measured figure and trains what a run planned that way from the start does."""
     cal, env, _ = calibrated
     plan = json.loads(oomless("plan", *JOB, "--json", env=env).stdout)
@@ -77,20 +77,21 @@ def test_a_first_step_over_budget_replans_and_learns_what_the_right_plan_learns(
     total = plan["estimate"]["device"]["total_bytes"]
     edge = [
         "hardware.device=cpu",
-        f"hardware.device_memory={int(total * 1.08 / 0.95)}",
+        f"hardware.device_memory={int(total * 1.15 / 0.95)}",
         "train.steps=2",
     ]
 
     probed = tmp_path / "probed"
-    r = oomless("train", *JOB, *edge, "debug.probe_scale=1.4", f"run.dir={probed}", env=env)
+    r = oomless("train", *JOB, *edge, "debug.probe_scale=1.5", f"run.dir={probed}", env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     line = next(x for x in r.stderr.splitlines() if "re-planned:" in x)
-    assert "(x1.4, debug.probe_scale)" in line and "over the device budget" in line
+    assert "(x1.5, debug.probe_scale)" in line and "over the device budget" in line
     replanned = json.loads((probed / "plan.json").read_text())
     assert (replanned["micro_batch_size"], replanned["activation_checkpointing"]) != (32, "none")
-    assert replanned["memory_scale"] >= 1.3
+    assert replanned["memory_scale"] > 1.1  # measured x1.5 over the (calibrated) estimate
     probe = json.loads((probed / "probe.json").read_text())  # the second launch's: it fits
-    assert probe["action"] == "continue" and probe["probe_scale"] == 1.4
+    assert probe["action"] == "continue" and probe["probe_scale"] == 1.5
+    assert probe["replanned"]["memory_scale"] == replanned["memory_scale"]
     changed = probe["replanned"]["changed"]  # what the first launch's probe re-planned
     assert "micro_batch_size 32 ->" in changed or "activation_checkpointing none ->" in changed
     (escalation,) = [json.loads(x) for x in (probed / "escalations.jsonl").read_text().splitlines()]
