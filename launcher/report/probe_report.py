@@ -54,19 +54,14 @@ def render(probe: dict[str, Any]) -> str:
         f"{'':8} {'measured':>12} {'estimated':>12} {'ratio':>7} {'budget':>12}",
     ]  # fmt: skip
     budget = probe["budget"]
-    for r in probe["ranks"]:
-        d = r["device"]
+    rows = [(f"rank {r['rank']}", r["device"], budget["device_bytes"], "device")
+            for r in probe["ranks"]]  # fmt: skip
+    rows += [(f"node {n['first_rank']}", n["host"], budget["host_bytes"], "host")
+             for n in probe["nodes"]]  # fmt: skip
+    for label, m, limit, what in rows:
         lines.append(
-            f"{'rank ' + str(r['rank']):8} {d['measured_bytes'] / GIB:9.2f} GiB "
-            f"{d['estimated_bytes'] / GIB:8.2f} GiB {d['ratio']:7.2f} "
-            f"{budget['device_bytes'] / GIB:8.2f} GiB  device"
-        )
-    for n in probe["nodes"]:
-        h = n["host"]
-        lines.append(
-            f"{'node ' + str(n['first_rank']):8} {h['measured_bytes'] / GIB:9.2f} GiB "
-            f"{h['estimated_bytes'] / GIB:8.2f} GiB {h['ratio']:7.2f} "
-            f"{budget['host_bytes'] / GIB:8.2f} GiB  host"
+            f"{label:8} {m['measured_bytes'] / GIB:9.2f} GiB {m['estimated_bytes'] / GIB:8.2f} GiB "
+            f"{m['ratio']:7.2f} {limit / GIB:8.2f} GiB  {what}"
         )
     lines.append(probe["line"])
     return "\n".join(lines)
