@@ -25,6 +25,7 @@ LABELS = {
     "escalation": "real OOM -> escalation",
     "levers": "chunked loss, activation offload vs off",
     "long_context": "long context: 8B layers, peak vs estimate",
+    "stream": "`stream` vs `zero3_offload_params` (optional)",
 }
 EXIT_MEANINGS = {"124": "timed out", "137": "killed (timeout)", "missing": "missing"}
 
@@ -56,6 +57,8 @@ def describe(name: str, out: Path) -> str:
             return _levers(result)
         if name == "long_context":
             return _long_context(result)
+        if name == "stream":
+            return f"{result['speedup_vs_zero3_offload_params']:.2f}x the tokens/s"
     if name == "estimate" and (out / "estimate_gpu.json").exists():
         return _estimate(json.loads((out / "estimate_gpu.json").read_text())["runs"])
     if name == "estimate" and not (out / "estimate.log").exists():

@@ -22,6 +22,10 @@
 #   long_context   Llama-3.1-8B-shaped layers (2 of them) at 32k, 64k and 128k tokens on one GPU
 #                  with full checkpointing, chunked loss and the tiled MLP: measured peak vs the
 #                  estimate, tokens/s (`python -m bench.long_context_gpu`)
+#   stream         optional, only with GPU_VALIDATE_ONLY naming it: `stream` vs
+#                  `zero3_offload_params` on a 3B-shaped bf16 2,048-token job, tokens/s, device
+#                  and host peaks, the pinned host-to-device rate and host AdamW's
+#                  (`python -m bench.stream_vs_zero3`)
 #
 # CPU smoke of the same code paths (a 0.6M-parameter shape, a few steps; tests/test_bench.py):
 #     GPU_VALIDATE_CPU_SMOKE=1 OUT=/tmp/smoke bash bench/gpu_validate.sh
@@ -94,7 +98,7 @@ part() { # part NAME CAP_S COMMAND...: run under `timeout` within the deadline; 
 # In order of what a CPU can least stand in for; each part alone on the GPU (the estimate reads
 # the device's used memory, the others time steps). The CPU smoke times nothing: two parts at a
 # time there, the table in this order all the same.
-ORDER=(estimate escalation levers single fsdp zero3_offload long_context)
+ORDER=(estimate escalation levers single fsdp zero3_offload long_context stream)
 run_part() {
     if [ "$DEVICE" != cpu ]; then
         part "$@"
@@ -136,6 +140,11 @@ run_part zero3_offload 100 "${TORCHRUN[@]}" -m bench.zero3_vs_deepspeed "${SAME[
 
 if [ "$DEVICE" = cpu ]; then LONG=(--cpu-smoke); else LONG=(--seqs 32768,65536,131072); fi
 run_part long_context 120 "$PY" -m bench.long_context_gpu "${LONG[@]}" --json "$OUT/long_context.json"
+
+if [[ ",${GPU_VALIDATE_ONLY:-}," == *",stream,"* ]]; then # optional: only when asked for
+    if [ "$DEVICE" = cpu ]; then STREAM=(--cpu-smoke); else STREAM=(); fi
+    run_part stream 240 "$PY" -m bench.stream_vs_zero3 "${STREAM[@]}" --json "$OUT/stream.json"
+fi
 
 wait
 for name in "${ORDER[@]}"; do grep -P "^$name\t" "$OUT/parts.tsv" || true; done >"$OUT/parts.sorted"

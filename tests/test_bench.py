@@ -376,3 +376,17 @@ def test_gpu_report_summarises_the_estimate_runs_done_before_a_time_limit(tmp_pa
     assert describe("estimate", tmp_path) == (
         "2 of 3 runs: peak error -0.2% to +4.8%, total (reserved + context) -17.4% to -8.2%"
     )
+
+
+@pytest.mark.slow  # three rungs trained in one fresh process (DeepSpeed's among them)
+def test_stream_vs_zero3_runs_small_on_cpu_and_learns_what_zero3_learns(tmp_path):
+    out = tmp_path / "stream.json"
+    r = run_bounded([PYTHON, "-m", "bench.stream_vs_zero3", "--cpu-smoke", "--json", str(out)],
+                    timeout=600, cwd=REPO)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {row["strategy"]: row for row in result["rows"]}
+    assert set(rows) == {"stream", "zero3_offload_params", "zero3_offload"}
+    assert all(row["tokens_per_s"] > 0 and row["device_peak_bytes"] > 0 for row in rows.values())
+    assert result["max_relative_loss_difference"] <= 1e-4 and result["host_adam_params_s"] > 0
+    assert "| stream |" in r.stdout

@@ -321,7 +321,8 @@ def micro_for(spec: StepSpec, shape: ModelShape) -> Micro:
     chunk = loss_chunk_tokens(shape.vocab_size, spec.loss_chunk_tokens)
     row, ft, c = spec.row, spec.finetune, spec.compute_bytes
     pure = spec.precision == "bf16_pure"
-    sixteen_bit = row.engine == "fsdp" or ft.adapters or pure
+    # FSDP's mixed precision and `stream` compute from 16-bit weights: no autocast copies
+    sixteen_bit = row.engine == "fsdp" or row.streams_layers or ft.adapters or pure
     # peft casts an adapter's input under autocast
     private = row.engine != "fsdp" and c < 4 and not pure
     adapters = adapter_terms(shape, ft, c, private)

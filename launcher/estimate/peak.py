@@ -36,8 +36,9 @@ from launcher.estimate.analytic_activations import (
     micro_for,
 )
 from launcher.estimate.methods import method_sizes, quantising_bytes
-from launcher.estimate.model_states import GradFlow, ModelStates, model_states
+from launcher.estimate.model_states import model_states
 from launcher.estimate.shape import ModelShape
+from launcher.estimate.state_flow import GradFlow, ModelStates
 from trainer.core.errors import ConfigError
 from trainer.core.step_spec import (
     OFFLOAD_LAYERS_IN_FLIGHT,

@@ -64,8 +64,26 @@ def step_time_s(
     """Predicted seconds per optimizer step: compute + recompute + communication + host traffic.
     `offloaded_bytes`: what activation offload moves per micro-batch (the estimate's)."""
     compute = _compute_s(shape, spec, hw)
-    return compute + _comm_s(shape, spec, hw, links) + _host_s(shape, spec, hw, links, compute,
-                                                                offloaded_bytes)  # fmt: skip
+    rung = spec.row
+    if not rung.streams_layers:
+        return (
+            compute
+            + _comm_s(shape, spec, hw, links)
+            + _host_s(shape, spec, hw, links, compute, offloaded_bytes)
+        )
+    # `stream` (trainer/backends/stream.py): per micro-batch every layer's weights cross PCIe
+    # twice and its gradients once, in the compute dtype (`pcie_per_micro` x c/2), on copy
+    # streams beside the compute: the slower of the two sets the pace (the resident parts come in
+    # once a step, their gradients go out each micro-batch). Host AdamW follows the global norm
+    # and overlaps the next step's first forward (a layer is fetched once it is updated): what it
+    # does not hide is added. (Inline: the walk of tests/test_architecture.py counts modules.)
+    c, root = spec.compute_bytes, shape.num_root_params
+    cost = method_cost(shape, spec.finetune, c)
+    per_micro = rung.pcie_per_micro * c / 2 * (cost.gathered - root) + c * root
+    copies_s = (per_micro * spec.grad_accum + c * root) / links.pcie
+    adam_s = cost.trained / rung.host_adam_params_s
+    forward_s = compute / spec.grad_accum / 4  # of forward 1, recompute 1, backward 2
+    return max(compute, copies_s) + max(adam_s / max(1, shape.num_layers), adam_s - forward_s)
 
 
 def _recomputed(shape: ModelShape, spec: StepSpec) -> float:

@@ -18,6 +18,7 @@ from launcher.estimate.activations import with_activations
 from launcher.estimate.compiled_layers import compiled_reason
 from launcher.estimate.peak import Estimate
 from launcher.estimate.shape import ModelShape, model_shape
+from launcher.estimate.stream_states import resident_reason
 from launcher.plan.alternatives import MethodAlternative, method_alternatives
 from launcher.plan.calibration import RuntimeFigures, calibration_path
 from launcher.plan.cost import Links, step_time_s
@@ -202,6 +203,8 @@ def make_plan(
     memory_longest = max_seq_len_memory(cfg, hw, shape, chosen.spec, memory_scale, found.usable,
                                         longest)  # fmt: skip
     reasons = _reasons(cfg, hw, ranked, memory_scale) + model_reasons(shape)
+    if chosen.rung.streams_layers:
+        reasons.append(resident_reason(shape, chosen.spec.compute_bytes))
     reasons += long_context_reasons(shape, chosen.spec, memory_scale, longest, memory_longest)
     if attention != "sdpa" and "sdpa" in climbs:  # `auto` chose another
         reasons.append(attention_reason(cfg, chosen, attention, climbs["sdpa"]))

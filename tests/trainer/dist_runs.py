@@ -28,7 +28,8 @@ class Run:
     # "levers" (the memory levers on: losses within 1e-6 of the same rung with them off),
     # "pretrained" (step 1's loss within 1e-5 of `against`'s),
     # "learns" (the loss falls: QLoRA, whose 4-bit base no other run shares),
-    # "full_disk" (each rank's outcome_rank{R}.json: the same one-line ConfigError)
+    # "full_disk" (each rank's outcome_rank{R}.json: the same one-line ConfigError),
+    # "stream" (the stream rung: losses and grad norms within 1e-6 of `against`)
     check: str | None = None
     against: str = "single_fp32"
     exact: bool = False  # resume: bit-identical losses
@@ -88,6 +89,12 @@ RUNS: tuple[Run, ...] = (
         world_size=1, check="fp32"),
     Run("single_dpo_fp32", DPO, world_size=1),
     Run("single_dpo_lora_fp32", (*DPO, *LORA), world_size=1),
+    # layers streamed from host memory (trainer/backends/stream.py), with the copy threads
+    # slowed so that a missing wait would read a buffer before its copy lands
+    Run("stream_fp32", ("strategy=stream", "run.checkpoint_every=4"), world_size=1,
+        check="stream"),
+    Run("stream_delay_fp32", ("strategy=stream", "debug.stream_copy_delay_s=0.002"),
+        world_size=1, check="stream"),
     # two processes: every backend against one process
     Run("ddp_fp32", ("strategy=ddp",), check="fp32"),
     Run("fsdp_dpo_fp32", ("strategy=fsdp", *DPO), check="fp32", against="single_dpo_fp32"),
@@ -187,6 +194,8 @@ RUNS: tuple[Run, ...] = (
     # checkpoints moving between rungs and world sizes
     _resume("fsdp_from_single", "single_fp32", "fsdp", against="single_fp32"),
     _resume("zero3_offload_from_fsdp", "fsdp_fp32", "zero3_offload", against="fsdp_fp32"),
+    # into and out of the stream rung (its host buffers hold the same canonical state)
+    _resume("fsdp_from_stream", "stream_fp32", "fsdp", against="stream_fp32"),
     # moments loaded into optimizer state that lives on NVMe
     Run("zero3_nvme_from_fsdp", ("strategy=zero3_nvme", "deepspeed.nvme_path={work}/nvme_resumed",
                                  "run.checkpoint_every=4",
@@ -196,6 +205,8 @@ RUNS: tuple[Run, ...] = (
     _resume("single_from_fsdp", "fsdp_fp32", "single", against="fsdp_fp32", world_size=1),
     _resume("fsdp1_from_fsdp2", "fsdp_fp32", "fsdp", against="fsdp_fp32", world_size=1),
     _resume("single_from_zero3", "zero3_fp32", "single", against="zero3_fp32", world_size=1),
+    _resume("stream_from_single", "single_fp32", "stream", against="single_fp32", world_size=1,
+            exact=True),
     # last (a path where the ranks disagree would leave the process group unusable): a full
     # disk at step_4 on one rank, inside torch.save (the error DCP passes on has lost its
     # cause), that rank slowed or not; every rank must leave with the same one line

@@ -119,6 +119,30 @@ def runs(tmp_path_factory) -> Path:
     return work
 
 
+@pytest.mark.parametrize("run", checked("stream"), ids=lambda run: run.name)
+def test_stream_learns_what_single_learns(runs, run):
+    """Layers streamed from host memory, fp32, accumulation 2, clipping on (train.grad_clip
+    1.0 clips every step here): losses and grad norms within 1e-6 of `single`'s, copy threads
+    slowed or not."""
+    ref, got = _metrics(runs / run.against), _metrics(runs / run.name)
+    assert len(got) == STEPS and {m["strategy"] for m in got} == {"stream"}
+    assert all(m["grad_norm"] > 1.0 for m in ref)  # clipped
+    for a, b in zip(got, ref, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-6 * abs(b[key]), (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.parametrize("name", ["stream_from_single", "fsdp_from_stream"])
+def test_stream_checkpoints_resume_within_1e_6(runs, name):
+    """single@1 -> stream and stream -> fsdp@2: the resumed losses within 1e-6 of the straight
+    run's (the moments: test_resume_carries_the_optimizer_moments)."""
+    run = next(r for r in checked("resume") if r.name == name)
+    straight, resumed = _metrics(runs / run.against), _metrics(runs / name)
+    assert {m["strategy"] for m in resumed} == {name.split("_from_")[0]}
+    for a, b in zip(resumed, straight[run.resume_at :], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * b["loss"], (a["step"], a["loss"], b["loss"])
+
+
 @pytest.mark.parametrize("run", checked("fp32"), ids=lambda run: run.name)
 def test_fp32_losses_match_one_process(runs, run):
     _needs_nvme(run.name)

@@ -243,7 +243,8 @@ def test_export_writes_a_peft_adapter_dir_and_merge_a_plain_model(runs, tmp_path
 
 
 def test_every_rung_runs_lora_and_the_replicas_fsdp_and_zero3_qlora_and_adamw_8bit():
-    assert methods.supported_rungs("lora") == strategies.names()
+    # every rung but `stream`, which trains full fine-tunes only (docs/stream.md)
+    assert methods.supported_rungs("lora") == tuple(n for n in strategies.names() if n != "stream")
     assert methods.supported_rungs("qlora") == (
         "single",
         "ddp",

@@ -55,6 +55,30 @@ _IN_BACKWARD_NO = {
 }
 
 
+# `stream` steps fp32 flat host buffers with torch's AdamW and streams every trained weight: a
+# frozen base, 4-bit storage, 8-bit states and a step per parameter in backward are each another
+# design (docs/stream.md "Next: LoRA over a streamed base").
+_STREAM_NO = {
+    "lora": "lora: stream trains every weight from its fp32 host master; the frozen base of "
+    "LoRA is not streamed yet",
+    "qlora": "qlora: stream does not stream 4-bit storage",
+    "8bit": "stream steps fp32 AdamW states on the host",
+    "bf16_pure": "bf16_pure: stream keeps fp32 masters on the host",
+    "in_backward": "optimizer_in_backward: stream steps every layer on the host after the "
+    "global grad norm",
+}
+
+
+def _stream_support(method: str, optimizer: str, precision: str, in_backward: bool) -> str | None:
+    if method in _STREAM_NO:
+        return _STREAM_NO[method]
+    if optimizer in EIGHT_BIT_OPTIMIZERS:
+        return f"{optimizer}: {_STREAM_NO['8bit']}"
+    if precision == "bf16_pure":
+        return _STREAM_NO["bf16_pure"]
+    return _STREAM_NO["in_backward"] if in_backward else None
+
+
 def method_support(
     strategy: str,
     method: str = "full",
@@ -70,6 +94,8 @@ def method_support(
     """
     row = strategies.row(strategy)
     engine = row.engine
+    if engine == "stream":
+        return _stream_support(method, optimizer, precision, in_backward)
     if method == "qlora" and engine in _QLORA_NO and row.zero_stage != 3:
         return f"qlora: {_QLORA_NO[engine]}"
     if method == "qlora" and row.needs_nvme:

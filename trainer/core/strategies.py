@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Engine = Literal["single", "ddp", "fsdp", "deepspeed"]
+Engine = Literal["single", "ddp", "fsdp", "deepspeed", "stream"]
 Place = Literal["device", "cpu", "nvme"]
 
 # Activation checkpointing levels, cheapest in memory last; `checkpointed_layers` says which
@@ -26,10 +26,13 @@ AC_LEVELS = ("none", "selective", "full")
 DEEPSPEED_BUCKET_ELEMENTS = 50_000_000
 
 # AdamW on the host, parameters per second per node over all cores: DeepSpeed's CPU Adam (AVX,
-# fused), and torch's AdamW on CPU tensors (FSDP2's CPUOffloadPolicy), which the ZeRO-Offload
-# paper (Ren et al. 2021, sec. 5.1) measures 5.1-6.5x slower.
+# fused), and torch's fused AdamW on CPU tensors (FSDP2's CPUOffloadPolicy, `stream`). The
+# ZeRO-Offload paper's 5.1-6.5x (Ren et al. 2021, sec. 5.1) was torch's unfused loop; re-measured
+# for `stream` (torch 2.13, 50M fp32 parameters, a shared 2-core VM): fused 0.25e9 a core, 4.4x
+# foreach; a 16-core node, held by memory bandwidth (28 bytes move per parameter) to about half
+# of 16 x that: 2e9 (bench/stream_vs_zero3.py measures it on a GPU node).
 DEEPSPEED_HOST_ADAM_PARAMS_S = 1.5e9
-TORCH_HOST_ADAM_PARAMS_S = DEEPSPEED_HOST_ADAM_PARAMS_S / 5
+TORCH_HOST_ADAM_PARAMS_S = 2.0e9
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class Strategy:
     offloaded_grads: float = 0.0  # gradients to the host, each time they are reduced
     host_adam_params_s: float = 0.0  # AdamW on the host: parameters per second per node
     nvme_per_step: float = 0.0
+    # oomless's own streaming (`stream`): the engine recomputes every layer (checkpointing is
+    # `full`), and its copies and host step overlap compute (launcher/plan/cost.py)
+    streams_layers: bool = False
 
     @property
     def shards_params(self) -> bool:
@@ -122,6 +128,13 @@ TABLE: list[Strategy] = [
         "ZeRO-Infinity: optimizer and parameters on NVMe",
         zero_stage=3, params_at="nvme", optimizer_at="nvme", pcie_per_micro=8.0,
         nvme_per_step=32.0, **_ZERO3, **_HOST_ADAM,
+    ),
+    Strategy(  # weights in twice, gradients out once per micro-batch (x c/2: the compute dtype)
+        "stream", "stream", "trainer.backends.stream:StreamBackend",
+        "fp32 master weights, gradients and AdamW on the host, layers streamed through one "
+        "device (MegaTrain)",
+        params_at="cpu", optimizer_at="cpu", max_world=1, streams_layers=True,
+        pcie_per_micro=6.0, host_adam_params_s=TORCH_HOST_ADAM_PARAMS_S,
     ),
 ]  # fmt: skip
 

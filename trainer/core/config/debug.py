@@ -63,3 +63,6 @@ class DebugConfig(_Section):
     # multiply what the launch probe measures after the first step (trainer/observe/probe.py), so
     # a test can force the re-plan of an over-budget step on any machine
     probe_scale: float | None = Field(None, gt=0, le=100)
+    # seconds the `stream` rung's copy threads sleep before each copy (trainer/streaming/
+    # copies.py): a missing wait then shows as a wrong loss on any machine
+    stream_copy_delay_s: float | None = Field(None, ge=0, le=10)

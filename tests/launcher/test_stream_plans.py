@@ -1,0 +1,60 @@
+"""The planner and `stream` (layers streamed from host memory, trainer/backends/stream.py): the
+full fine-tunes it is for, from defaults (strategy: auto), and its predicted lead over ZeRO-3
+with parameters on the host."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.plan.hardware import Hardware
+from launcher.plan.planner import make_plan
+from trainer.core.config import build_config, parse_size
+
+_LLAMA = {"model_type": "llama", "num_attention_heads": 64, "num_key_value_heads": 8,
+          "vocab_size": 128256, "tie_word_embeddings": False,
+          "max_position_embeddings": 131072}  # fmt: skip
+_QWEN = {"model_type": "qwen2", "hidden_size": 5120, "num_attention_heads": 40,
+         "num_key_value_heads": 8, "vocab_size": 152064, "tie_word_embeddings": False,
+         "max_position_embeddings": 32768}  # fmt: skip
+SHAPES = {
+    "qwen2.5-32b": {**_QWEN, "intermediate_size": 27648, "num_hidden_layers": 64},
+    "qwen2.5-14b": {**_QWEN, "intermediate_size": 13824, "num_hidden_layers": 48},
+    "llama-3.1-70b": {**_LLAMA, "hidden_size": 8192, "intermediate_size": 28672,
+                      "num_hidden_layers": 80},
+    "dense-90b": {**_LLAMA, "hidden_size": 10240, "intermediate_size": 28672,
+                  "num_hidden_layers": 80},
+}  # fmt: skip
+
+
+def _plan(model: str, device_memory: str, host: str, **extra):
+    cfg = build_config({
+        "model": {"config": SHAPES[model]},
+        "data": {"path": "some/dataset", "seq_len": 2048},
+        "precision": "bf16",
+        **extra,
+    })  # fmt: skip
+    hw = Hardware(device="cuda", nodes=1, devices_per_node=1,
+                  device_memory_bytes=parse_size(device_memory),
+                  host_memory_bytes=parse_size(host), device_name="test GPU",
+                  peak_flops=989e12)  # fmt: skip
+    return make_plan(cfg, hw)
+
+
+@pytest.mark.parametrize(
+    ("model", "device_memory", "host"),
+    [("qwen2.5-32b", "80GiB", "768GiB"), ("llama-3.1-70b", "141GiB", "1.5TiB"),
+     ("dense-90b", "141GiB", "2TiB")],
+)  # fmt: skip
+def test_a_full_fine_tune_past_one_device_streams_its_layers(model, device_memory, host):
+    plan = _plan(model, device_memory, host)
+    assert plan.strategy == "stream", plan.reasons
+    assert any(r.startswith("stream fits") for r in plan.reasons), plan.reasons
+    assert any("resident" in r for r in plan.reasons), plan.reasons
+
+
+def test_stream_is_predicted_half_again_faster_than_zero3_with_parameters_on_the_host():
+    plan = _plan("qwen2.5-14b", "80GiB", "1TiB")
+    rungs = {a.strategy: a for a in plan.alternatives}
+    stream, zero3 = rungs["stream"], rungs["zero3_offload_params"]
+    assert plan.strategy == "stream" and stream.fits and zero3.fits, rungs
+    assert zero3.relative_step_time / stream.relative_step_time >= 1.5, (stream, zero3)
