@@ -112,3 +112,34 @@ def test_8bit_moments_survive_an_escalation_from_a_replica_to_shards(tmp_path):
     assert [m["strategy"] for m in got] == ["single"] * 2 + ["fsdp_offload"] * 2
     for a, b in zip(got[2:], want[2:], strict=True):
         assert abs(a["loss"] - b["loss"]) <= 0.02 * b["loss"], (got, want)
+
+
+def test_an_oom_on_single_climbs_into_stream_where_the_offload_rungs_are_slower(tmp_path):
+    """One process, 4M parameters, PCIe at 100 MB/s (`hardware.pcie_bandwidth`): after a
+    persistent OOM on `single` the rungs at or under its estimated peak are fsdp_offload,
+    zero3_offload_params and stream, and stream, whose copies overlap compute, is predicted
+    fastest: the run climbs into it, resumes and finishes."""
+    run_dir = tmp_path / "run"
+    model = ("{model_type: llama, vocab_size: 45, hidden_size: 256, intermediate_size: 1024, "
+             "num_hidden_layers: 4, num_attention_heads: 4, num_key_value_heads: 2, "
+             "max_position_embeddings: 128, tie_word_embeddings: true}")  # fmt: skip
+    r = oomless(
+        "train", str(DEMO), "hardware.device=cpu", "hardware.devices_per_node=1",
+        "hardware.pcie_bandwidth=100MB", f"model.config={model}", "data.seq_len=32",
+        "train.steps=4", "train.eval_every=0", "train.global_batch_size=16",
+        "train.micro_batch_size=2", "precision=fp32", "memory.activation_checkpointing=full",
+        "run.save_final=false", "run.checkpoint_every=2", f"run.dir={run_dir}", IN_THIS_PROCESS,
+        "debug.inject_oom={step: 3, times: 0, where: forward, strategies: [single]}",
+        timeout=900,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    escalations = [json.loads(x) for x in (run_dir / "escalations.jsonl").read_text().splitlines()]
+    assert [(e["from"], e["to"], e["step"]) for e in escalations] == [("single", "stream", 3)]
+    lines = metrics(run_dir)
+    assert [(m["step"], m["strategy"]) for m in lines] == [
+        (1, "single"), (2, "single"), (3, "stream"), (4, "stream")
+    ]  # fmt: skip
+    plan = json.loads((run_dir / "plan.json").read_text())
+    fits = {a["strategy"]: a["relative_step_time"] for a in plan["alternatives"] if a["fits"]}
+    assert plan["strategy"] == "stream" and fits["stream"] == 1.0, fits
+    assert fits["zero3_offload_params"] > 1.1 and fits["fsdp_offload"] > 1.1, fits
