@@ -34,3 +34,42 @@ def test_lora_on_stream_exits_2_in_one_line(tmp_path):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     assert "stream cannot run lora" in r.stderr and "use one of single" in r.stderr, r.stderr
+
+
+def test_what_the_backend_holds_on_the_device_stays_within_the_estimate(tmp_path):
+    """Two micro-batches and a step of the stream backend in this process: its own count of
+    device bytes (buffers, resident parts, kept inputs, gradients on their way out) never
+    exceeds the estimate's peak tensor bytes, and at rest it is the estimate's `params`."""
+    import torch
+
+    from launcher.estimate.peak import estimate
+    from launcher.estimate.shape import model_shape
+    from launcher.plan.hardware import detect_hardware
+    from launcher.plan.ladder import job_step
+    from trainer.backends import BackendContext, OptimizerSpec, build_backend
+    from trainer.core import strategies
+    from trainer.model.build import HFModelFactory
+    from trainer.step import micro_batch_loss
+
+    train = {"global_batch_size": 8, "micro_batch_size": 4}
+    job = write_demo_job(tmp_path / "job.yaml", train=train)
+    cfg = load_config(job, ["strategy=stream"])
+    micro, seq = 4, cfg.data.seq_len
+    spec = job_step(cfg, detect_hardware(cfg.hardware), strategies.row("stream"), micro, "full")
+    est = estimate(model_shape(cfg.model), spec)
+    ctx = BackendContext(cfg=cfg, device=torch.device("cpu"), rank=0, local_rank=0, world_size=1,
+                         precision="fp32", activation_checkpointing="full",
+                         micro_batch_size=micro, grad_accum=2)  # fmt: skip
+    backend = build_backend("stream", ctx)
+    model = backend.setup(HFModelFactory(cfg.model, 0),
+                          OptimizerSpec(1e-3, (0.9, 0.95), 1e-8, 0.0, 1.0))  # fmt: skip
+    assert backend.ledger.held == est.device_breakdown["params"]
+    ids = torch.randint(3, 45, (micro, seq))
+    for _ in range(2):
+        loss = micro_batch_loss(model, backend, {"input_ids": ids, "labels": ids})
+        backend.backward(loss / ids.numel())
+    backend.step()
+    backend.host.finish_step()
+    assert 0 < backend.ledger.peak <= est.peak_tensor_bytes, (backend.ledger.peak, est.phases)
+    print(f"stream holds {backend.ledger.peak} of {est.peak_tensor_bytes} estimated")
+    assert backend.ledger.held == est.device_breakdown["params"]
