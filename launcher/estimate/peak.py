@@ -257,6 +257,8 @@ def loading_host_bytes(
     init does on every sharded rung. QLoRA on ZeRO-3 (`built_whole`) is built whole by each rank
     before ZeRO-3 partitions it, as a replica is."""
     n = shape.num_params
+    if row.streams_layers:  # built whole, each parameter moved into the host buffers it counts
+        return 0
     if not row.shards_params or built_whole:
         return bytes_per_param * n * ranks_here
     if row.needs_nvme:

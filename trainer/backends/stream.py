@@ -159,14 +159,9 @@ class StreamBackend:
         """The canonical form: fp32 masters and AdamW moments per parameter name (views of the
         host buffers; the step under way is finished first)."""
         self.host.finish_step()
-        optim = {}
-        for name in self.host.order:
-            moments = self.host.moments(name)
-            if moments is not None:
-                optim[name] = moments
         return {
             "model": {name: self.host.master(name) for name in self.host.order},
-            "optim": optim,
+            "optim": {name: self.host.moments(name) for name in self.host.order},
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
         }
 

@@ -12,6 +12,7 @@ the global grad norm (and fp16's overflow check) is known: the backend computes 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -58,6 +59,11 @@ class HostState:
                               weight_decay=optim.weight_decay, fused=True)
             for m in self.masters
         ]  # fmt: skip
+        for optimizer, master in zip(self.optimizers, self.masters, strict=True):
+            # AdamW's state from the start (what its first step would create): a checkpoint
+            # loads into these buffers, with no second copy of the moments beside them
+            zeros = {key: torch.zeros_like(master.detach()) for key in ("exp_avg", "exp_avg_sq")}
+            optimizer.state[master] = {"step": torch.zeros((), dtype=torch.float32), **zeros}
         self.lr = optim.lr
         self._updated = [threading.Event() for _ in self.masters]
         for event in self._updated:
@@ -82,7 +88,7 @@ class HostState:
     def num_params(self) -> int:
         return sum(m.numel() for m in self.masters)
 
-    def view(self, name: str, flat_of_unit: list[torch.Tensor]) -> torch.Tensor:
+    def view(self, name: str, flat_of_unit: Mapping[int, torch.Tensor] | list) -> torch.Tensor:
         """The parameter `name`'s view into one of the per-unit flat buffers."""
         place = self.places[name]
         flat = flat_of_unit[place.unit]
@@ -100,30 +106,24 @@ class HostState:
         grads = self.grads()
         return [self.view(name, grads) for name in self.order]
 
-    def moments(self, name: str) -> dict[str, torch.Tensor] | None:
-        """AdamW's state of parameter `name` (views; None before the first step)."""
+    def moments(self, name: str) -> dict[str, torch.Tensor]:
+        """AdamW's state of parameter `name`: views of the moments, and the step."""
         unit = self.places[name].unit
-        state = self.optimizers[unit].state.get(self.masters[unit])
-        if not state:
-            return None
+        state = self.optimizers[unit].state[self.masters[unit]]
         out = {key: self.view(name, {unit: state[key]}) for key in ("exp_avg", "exp_avg_sq")}
         return {**out, "step": torch.as_tensor(float(state["step"]), dtype=torch.float32)}
 
     def load_moments(self, moments: dict[str, dict[str, torch.Tensor]]) -> None:
-        """AdamW's state from the canonical per-name form (units without any left empty)."""
-        for unit, master in enumerate(self.masters):
-            names = [n for n, place in self.places.items() if place.unit == unit and n in moments]
-            if not names:
+        """AdamW's state from the canonical per-name form (a no-op copy where a checkpoint was
+        loaded into the views `moments` gave out)."""
+        for name, place in self.places.items():
+            if name not in moments:
                 continue
-            state = {key: torch.zeros_like(master.detach()) for key in ("exp_avg", "exp_avg_sq")}
-            for name in names:
-                for key in ("exp_avg", "exp_avg_sq"):
-                    self.view(name, {unit: state[key]}).copy_(
-                        moments[name][key].reshape(-1).view(self.places[name].shape)
-                    )
-            step = float(moments[names[0]]["step"])
-            state["step"] = torch.as_tensor(step, dtype=torch.float32)
-            self.optimizers[unit].state[master] = state
+            state = self.optimizers[place.unit].state[self.masters[place.unit]]
+            for key in ("exp_avg", "exp_avg_sq"):
+                view = self.view(name, {place.unit: state[key]})
+                view.copy_(moments[name][key].reshape(place.shape))
+            state["step"].fill_(float(moments[name]["step"]))
 
     def wait_updated(self, unit: int) -> None:
         self._updated[unit].wait()
