@@ -1,12 +1,14 @@
-"""`oomless train` several times in ONE process: `python tests/cli_worker.py JOBS.json`.
+"""`oomless train` several times in ONE process, kept for the session: `python
+tests/cli_worker.py`, fed on stdin one line per batch, each a JSON list of {"args": [...],
+"log": PATH}.
 
-JOBS.json is a list of {"args": [...], "log": PATH}; each job is `launcher.cli.main(["train",
-*args])` with the process's stderr (fd 2) going to PATH, one after another, stopping at the
-first that exits non-zero (the worker exits with its code). The single-process references of the
-engine-run fixtures train here: the imports (5-8 s) are paid once, not once per run. The CLI as
-its own process is under test in tests/test_cli_train.py and the escalation tests.
-
-After each job a line `cli_worker done: {"log": PATH, "exit": CODE}` goes to stdout.
+Each job is `launcher.cli.main(["train", *args])` with the process's stderr (fd 2) going to PATH,
+one after another; after each a line `cli_worker done: {"log": PATH, "exit": CODE}` goes to
+stdout. The first job that exits non-zero ends the worker with its code; end of input ends it
+with 0. The single-process references of the engine-run fixtures train here
+(tests/conftest.py `train_in_one_process`): the imports (5-8 s) are paid once a session, not
+once per fixture, nor per run. The CLI as its own process is under test in
+tests/test_cli_train.py and the escalation tests.
 
 A sharded rung on one process (fsdp at world 1) creates a process group of one that stays for
 the rest of the worker's life, as it does in one `oomless train`: `single` runs after it reduce
@@ -33,21 +35,21 @@ IN_THIS_PROCESS = "run.max_restarts=0"
 def main() -> int:
     from launcher.cli import main as oomless
 
-    jobs = json.loads(Path(sys.argv[1]).read_text())
     saved_stderr = os.dup(2)
-    for job in jobs:
-        sys.stderr.flush()
-        with open(job["log"], "w") as log:
-            os.dup2(log.fileno(), 2)
-            try:
-                config, *overrides = job["args"]
-                code = oomless(["train", config, IN_THIS_PROCESS, *overrides])
-            finally:
-                sys.stderr.flush()
-                os.dup2(saved_stderr, 2)
-        print(f"{DONE}{json.dumps({'log': job['log'], 'exit': code})}", flush=True)
-        if code != 0:
-            return code
+    for batch in sys.stdin:
+        for job in json.loads(batch):
+            sys.stderr.flush()
+            with open(job["log"], "w") as log:
+                os.dup2(log.fileno(), 2)
+                try:
+                    config, *overrides = job["args"]
+                    code = oomless(["train", config, IN_THIS_PROCESS, *overrides])
+                finally:
+                    sys.stderr.flush()
+                    os.dup2(saved_stderr, 2)
+            print(f"{DONE}{json.dumps({'log': job['log'], 'exit': code})}", flush=True)
+            if code != 0:
+                return code
     return 0
 
 

@@ -8,9 +8,11 @@ import copy
 import hashlib
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -145,31 +147,92 @@ def train_in_one_process(
 ) -> None:
     """`oomless train ARGS` for each (ARGS, LOG) in turn, all in ONE process (tests/cli_worker.py)
     with each run's stderr written to its LOG: for runs a test reads, where the CLI's own process
-    is not what is under test. Fails at the first run that exits non-zero, with its log's end."""
+    is not what is under test. The process stays for the next call (its imports are paid once a
+    session) while the environment it would get is the same. Fails at the first run that exits
+    non-zero, with its log's end; on a timeout the process is killed."""
     for _, log in jobs:
         Path(log).parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump([{"args": args, "log": str(log)} for args, log in jobs], f)
-    spec = Path(f.name)
+    worker = _cli_worker(_one_thread_while_ops_build(python_env()))
+    deadline = time.monotonic() + timeout_per_run_s * len(jobs)
+    done: list[dict] = []
     try:
-        r = run_bounded(
-            [PYTHON, str(REPO / "tests" / "cli_worker.py"), str(spec)],
-            timeout=timeout_per_run_s * len(jobs), cwd=REPO,
-            env=_one_thread_while_ops_build(python_env()),
-        )  # fmt: skip
-    finally:
-        spec.unlink()
-    done = [
-        json.loads(line.removeprefix(DONE))
-        for line in r.stdout.splitlines()
-        if line.startswith(DONE)
-    ]
-    if r.returncode == 0 and len(done) == len(jobs):
+        worker.stdin.write(json.dumps([{"args": a, "log": str(log)} for a, log in jobs]) + "\n")
+        worker.stdin.flush()
+        while len(done) < len(jobs) and not (done and done[-1]["exit"]):
+            line = _WORKER["lines"].get(timeout=max(0.0, deadline - time.monotonic()))
+            if line is None:  # the worker ended
+                break
+            if line.startswith(DONE):
+                done.append(json.loads(line.removeprefix(DONE)))
+    except queue.Empty:
+        close_cli_worker()
+        raise subprocess.TimeoutExpired(worker.args, timeout_per_run_s * len(jobs)) from None
+    except BaseException:
+        close_cli_worker()
+        raise
+    if len(done) == len(jobs) and not done[-1]["exit"]:
         return
+    stderr = close_cli_worker()
     at = len(done) - 1 if done and done[-1]["exit"] else min(len(done), len(jobs) - 1)
     failed = Path(jobs[at][1])
     log = failed.read_text()[-3000:] if failed.is_file() else ""
-    raise AssertionError(f"exit {r.returncode} at {failed}:\n{log}\n{r.stderr[-3000:]}")
+    raise AssertionError(f"exit {worker.returncode} at {failed}:\n{log}\n{stderr[-3000:]}")
+
+
+# tests/cli_worker.py while it lives: proc, the environment it started with, its stdout's lines
+_WORKER: dict[str, object] = {}
+
+
+# what pytest sets per test, and what the code under test sets in this process when a test runs
+# it here (a process group of one, the allocator's launch environment, mlflow's file store):
+# not a different environment for the worker's runs
+_NOT_STEERING = {"PYTEST_CURRENT_TEST", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                 "LOCAL_RANK", "PYTORCH_CUDA_ALLOC_CONF", "MLFLOW_ALLOW_FILE_STORE"}  # fmt: skip
+
+
+def _same_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in _NOT_STEERING}
+
+
+def _cli_worker(env: dict[str, str]) -> subprocess.Popen:
+    """The session's tests/cli_worker.py, started in `env` unless one started in it lives."""
+    proc = _WORKER.get("proc")
+    if proc is not None and (proc.poll() is not None or _WORKER["env"] != _same_env(env)):
+        close_cli_worker()
+    if "proc" not in _WORKER:
+        stderr = tempfile.TemporaryFile("w+")
+        proc = subprocess.Popen(
+            [PYTHON, str(REPO / "tests" / "cli_worker.py")], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO, env=env,
+        )  # fmt: skip
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def read() -> None:
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        _WORKER.update(proc=proc, env=_same_env(env), lines=lines, stderr=stderr)
+    return _WORKER["proc"]
+
+
+def close_cli_worker() -> str:
+    """End the session's tests/cli_worker.py (end of input, else killed after 10 s); its stderr."""
+    proc = _WORKER.pop("proc", None)
+    if proc is None:
+        return ""
+    try:
+        proc.stdin.close()
+        proc.wait(timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        kill_tree(proc.pid)
+        proc.wait()
+    stderr = _WORKER.pop("stderr")
+    stderr.seek(0)
+    text = stderr.read()
+    stderr.close()
+    return text
 
 
 def kill_tree(pid: int) -> None:
@@ -189,10 +252,12 @@ def kill_tree(pid: int) -> None:
 
 def live_children() -> list[psutil.Process]:
     """Descendants of this pytest process that are still running (zombies do not count), less
-    the DeepSpeed op build started in the background (which finishes on its own)."""
+    the DeepSpeed op build started in the background (which finishes on its own) and the
+    session's tests/cli_worker.py (ended at the session's end)."""
     live = []
+    worker = _WORKER.get("proc")
     for proc in psutil.Process().children(recursive=True):
-        if proc.pid in _prebuild_pids():
+        if proc.pid in _prebuild_pids() or (worker is not None and proc.pid == worker.pid):
             continue
         try:
             if proc.status() != psutil.STATUS_ZOMBIE:
@@ -274,8 +339,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
     Waits a few seconds for processes that are already shutting down, then kills the rest so
     that nothing lingers on the machine, and sets the exit status. (The local Slurm daemons are
-    not children of pytest and are not looked at.)
+    not children of pytest and are not looked at.) The session's tests/cli_worker.py ends first.
     """
+    close_cli_worker()
     deadline = time.monotonic() + 10
     left = live_children()
     while left and time.monotonic() < deadline:
