@@ -1,5 +1,5 @@
-"""Runs trainings of tests/trainer/test_sequence_parallel.py one after another in one process:
-under torchrun (every rank runs this) or alone (the one-process references).
+"""Runs trainings of tests/trainer/test_sequence_parallel.py one after another in one process,
+under torchrun (every rank runs this); the one-process references go through tests/cli_worker.py.
 
 `python sp_worker.py BASE_CONFIG WORK_DIR RUNS_JSON`: RUNS_JSON is a list of [name, overrides];
 each run is the real engine (`run_training`) with its own run dir WORK_DIR/name.

@@ -9,7 +9,8 @@ checkpoint written at sp=2
 resumes at sp=1; bad splits exit 2 in one line.
 
 One torchrun launch serves the two-rank runs and one the four-rank runs (tests/trainer/
-sp_worker.py); the one-process references run in one process.
+sp_worker.py); the one-process references run through `oomless train` in the session's one
+process (tests/cli_worker.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import PYTHON, REPO, TINY_LLAMA, python_env, run_bounded, write_demo_job
+from tests.conftest import (
+    PYTHON,
+    REPO,
+    TINY_LLAMA,
+    python_env,
+    run_bounded,
+    train_in_one_process,
+    write_demo_job,
+)
 from trainer.core.config import ConfigError
 from trainer.core.parallel_dims import ParallelDims
 from trainer.loss import IGNORE_INDEX
@@ -147,14 +156,22 @@ def _base_config(tmp: Path) -> Path:
 
 
 def _launch(base: Path, work: Path, world_size: int, names: list[str], timeout: float) -> None:
+    """The runs `names` of `world_size` ranks in one torchrun launch (sp_worker.py)."""
     runs = json.dumps([[name, [*RUNS[name][0], f"hardware.devices_per_node={world_size}"]]
                        for name in names])  # fmt: skip
-    argv = [PYTHON, WORKER, str(base), str(work), runs]
-    if world_size > 1:
-        argv = [PYTHON, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={world_size}", *argv[1:]]  # fmt: skip
+    argv = [PYTHON, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={world_size}", WORKER, str(base), str(work), runs]  # fmt: skip
     r = run_bounded(argv, env=python_env(), cwd=REPO, timeout=timeout)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+
+
+def _one_process(base: Path, work: Path, names: list[str]) -> None:
+    """The one-process runs `names` through `oomless train`, in the session's one process
+    (tests/cli_worker.py); each one's stderr in its stderr.txt."""
+    train_in_one_process(
+        [([str(base), *RUNS[name][0], f"run.dir={work / name}"], work / name / "stderr.txt")
+         for name in names]
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -164,12 +181,12 @@ def runs(tmp_path_factory) -> Path:
     by_world: dict[int, list[str]] = {}
     for name, (_, world_size, _) in RUNS.items():
         by_world.setdefault(world_size, []).append(name)
-    _launch(base, work, 1, [n for n in by_world[1] if n != "resume_sp1"], timeout=600)
+    _one_process(base, work, [n for n in by_world[1] if n != "resume_sp1"])
     _launch(base, work, 2, by_world[2], timeout=900)
     _launch(base, work, 4, by_world[4], timeout=600)
     checkpoint = "checkpoints/step_3"
     shutil.copytree(work / "fsdp_sp2_full" / checkpoint, work / "resume_sp1" / checkpoint)
-    _launch(base, work, 1, ["resume_sp1"], timeout=300)
+    _one_process(base, work, ["resume_sp1"])
     return work
 
 
