@@ -12,8 +12,7 @@ import json
 
 import pytest
 
-from tests.cli_worker import IN_THIS_PROCESS
-from tests.conftest import live_children, oomless
+from tests.conftest import live_children, oomless, train_in_one_process
 from tests.test_cli_train import DEMO, metrics
 
 pytestmark = pytest.mark.slow
@@ -63,8 +62,10 @@ def test_persistent_oom_climbs_the_ladder_and_learns_the_same(tmp_path):
     assert lines[-1]["strategy"] == "fsdp_offload"
     assert json.loads((run_dir / "plan.json").read_text())["strategy"] == "fsdp_offload"
 
-    r = oomless("train", str(DEMO), *COMMON, f"run.dir={ref_dir}", timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    # the uninterrupted run on one process, in the session's one (tests/cli_worker.py): the
+    # rungs learn what one process learns (tests/trainer/test_distributed.py)
+    one_process = ["strategy=single", "hardware.devices_per_node=1", f"run.dir={ref_dir}"]
+    train_in_one_process([([str(DEMO), *COMMON, *one_process], ref_dir / "stderr.txt")])
     reference = metrics(ref_dir)
     assert abs(lines[-1]["loss"] - reference[-1]["loss"]) <= 1e-4 * reference[-1]["loss"]
     left = {p.pid for p in live_children()} - before
@@ -105,9 +106,8 @@ def test_8bit_moments_survive_an_escalation_from_a_replica_to_shards(tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "escalating single -> fsdp_offload" in r.stderr, r.stderr[-3000:]
-    # the reference: its engine in `oomless train`'s own process (the escalated run's is a child)
-    r = oomless("train", str(DEMO), *job, f"run.dir={ref_dir}", IN_THIS_PROCESS)
-    assert r.returncode == 0, r.stderr[-3000:]
+    # the reference: its engine in the session's one process (the escalated run's is a child)
+    train_in_one_process([([str(DEMO), *job, f"run.dir={ref_dir}"], ref_dir / "stderr.txt")])
     got, want = metrics(run_dir), metrics(ref_dir)
     assert [m["strategy"] for m in got] == ["single"] * 2 + ["fsdp_offload"] * 2
     for a, b in zip(got[2:], want[2:], strict=True):
