@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from tests.cli_worker import IN_THIS_PROCESS
 from tests.conftest import live_children, oomless, train_in_one_process
 from tests.test_cli_train import DEMO, metrics
 
