@@ -6,8 +6,8 @@ gradients as autograd makes them, their flat copy and the previous layer's flat 
 to the host (three of the largest layer's, compute dtype); the resident parts' gradients in
 backward. Host: fp32 master weights, fp32 gradients and two fp32 AdamW moments (16 bytes a
 parameter) and the pinned staging of one layer in and one out; no compute-dtype copy of the
-model. The activations are full recomputation's: every layer's input kept, one layer's working
-set in backward (the planner gives the rung `full`).
+model. The activations are full recomputation's: every layer's input kept (on the host under
+activation offload), one layer's working set in backward (the planner gives the rung `full`).
 """
 
 from __future__ import annotations

@@ -74,12 +74,15 @@ def step_time_s(
     # `stream` (trainer/backends/stream.py): per micro-batch every layer's weights cross PCIe
     # twice and its gradients once, in the compute dtype (`pcie_per_micro` x c/2), on copy
     # streams beside the compute: the slower of the two sets the pace (the resident parts come in
-    # once a step, their gradients go out each micro-batch). Host AdamW follows the global norm
+    # once a step, their gradients go out each micro-batch; with activation offload the kept
+    # layer inputs share the link). Host AdamW follows the global norm
     # and overlaps the next step's first forward (a layer is fetched once it is updated): what it
     # does not hide is added. (Inline: the walk of tests/test_architecture.py counts modules.)
     c, root = spec.compute_bytes, shape.num_root_params
     cost = method_cost(shape, spec.finetune, c)
     per_micro = rung.pcie_per_micro * c / 2 * (cost.gathered - root) + c * root
+    if spec.offload_activations:  # the kept layer inputs out in forward and back in backward
+        per_micro += 2 * offloaded_bytes
     copies_s = (per_micro * spec.grad_accum + c * root) / links.pcie
     adam_s = cost.trained / rung.host_adam_params_s
     forward_s = compute / spec.grad_accum / 4  # of forward 1, recompute 1, backward 2

@@ -330,12 +330,9 @@ def _best_on(walk: _Walk, rung: Strategy) -> tuple[Candidate | None, str]:
             return None, f"train.optimizer_in_backward needs micro-batch {walk.per_rank}"
     best: Candidate | None = None
     smallest: Estimate | None = None
-    # a rung that recomputes every layer itself is `full`; it keeps its layer inputs on the device
+    # a rung that recomputes every layer itself is `full` (its kept inputs: the checkpoints)
     levels = [("full", False)] if rung.streams_layers else _checkpointing(walk)
-    levers = [lev for lev in walk.levers if not (rung.streams_layers and lev.offload_activations)]
-    if not levers:
-        return None, "keeps its layer inputs on the device: not memory.offload_activations=true"
-    for every, (ac, ops), lev in itertools.product(reduce_variants(rung, cfg), levels, levers):
+    for every, (ac, ops), lev in itertools.product(reduce_variants(rung, cfg), levels, walk.levers):
         # a smaller micro-batch at the same checkpointing is only slower, except where it lets
         # selective checkpointing recompute fewer layers: then every micro-batch is weighed
         weigh_all = ac == "selective" and not ops and cfg.memory.checkpointed_layers == "auto"

@@ -95,6 +95,9 @@ RUNS: tuple[Run, ...] = (
         check="stream"),
     Run("stream_delay_fp32", ("strategy=stream", "debug.stream_copy_delay_s=0.002"),
         world_size=1, check="stream"),
+    # ... each layer's kept input in host memory (the activation-offload lever's hooks)
+    Run("stream_offload_fp32", ("strategy=stream", "memory.offload_activations=true"),
+        world_size=1, check="stream"),
     # two processes: every backend against one process
     Run("ddp_fp32", ("strategy=ddp",), check="fp32"),
     Run("fsdp_dpo_fp32", ("strategy=fsdp", *DPO), check="fp32", against="single_dpo_fp32"),

@@ -123,9 +123,11 @@ def runs(tmp_path_factory) -> Path:
 def test_stream_learns_what_single_learns(runs, run):
     """Layers streamed from host memory, fp32, accumulation 2, clipping on (train.grad_clip
     1.0 clips every step here): losses and grad norms within 1e-6 of `single`'s, copy threads
-    slowed or not."""
+    slowed or not, the kept layer inputs on the device or in host memory."""
     ref, got = _metrics(runs / run.against), _metrics(runs / run.name)
     assert len(got) == STEPS and {m["strategy"] for m in got} == {"stream"}
+    if "offload" in run.name:  # every kept input went to the host and came back
+        assert all(m["offloaded_bytes"] == m["restored_bytes"] > 0 for m in got)
     assert all(m["grad_norm"] > 1.0 for m in ref)  # clipped
     for a, b in zip(got, ref, strict=True):
         for key in ("loss", "grad_norm"):

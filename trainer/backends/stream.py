@@ -3,11 +3,12 @@ streamed through one device (MegaTrain's design, arXiv 2604.05091; our own code)
 
 The resident parts (embeddings, final norm, output layer) stay on the device in the compute
 dtype; every decoder layer's weights come in from the host for its forward and again for its
-backward, double-buffered (`trainer/streaming/layers.py`), its input kept and the layer
-recomputed. Gradients go back per layer and are accumulated on the host in fp32. The step is
-`single`'s math: fp16's unscale and overflow check (the same `GradScaler`), the global grad
-norm over every parameter in the model's order, clipping, then torch's fused AdamW per layer
-buffer on a host thread, overlapped with the next step's first layers (`host_state.py`).
+backward, double-buffered (`trainer/streaming/layers.py`), its input kept (in host memory under
+activation offload) and the layer recomputed. Gradients go back per layer and are accumulated
+on the host in fp32. The step is `single`'s math: fp16's unscale and overflow check (the same
+`GradScaler`), the global grad norm over every parameter in the model's order, clipping, then
+torch's fused AdamW per layer buffer on a host thread, overlapped with the next step's first
+layers (`host_state.py`).
 docs/stream.md says what it does not take (LoRA, QLoRA, 8-bit states, the step in backward:
 trainer/core/methods.py refuses them).
 """

@@ -206,11 +206,12 @@ class _StreamedLayer(torch.autograd.Function):
     backward; the weights are not autograd inputs: their gradients go to the host."""
 
     @staticmethod
-    def forward(ctx, hidden, streamer, index, call):  # noqa: ANN001 (autograd's signature)
+    def forward(ctx, hidden, streamer, index, call, on_device):  # noqa: ANN001 (autograd's)
         ctx.streamer, ctx.index, ctx.call = streamer, index, call
         ctx.autocast = _autocast_state(hidden.device.type)
         ctx.save_for_backward(hidden)
-        streamer.ledger.hold(nbytes(hidden), kept=True)
+        ctx.kept = nbytes(hidden) if on_device else 0
+        streamer.ledger.hold(ctx.kept, kept=True)
         return streamer.forward(index, hidden, call)
 
     @staticmethod
@@ -218,17 +219,22 @@ class _StreamedLayer(torch.autograd.Function):
         (hidden,) = ctx.saved_tensors
         streamer = ctx.streamer
         grad_in = streamer.backward(ctx.index, hidden, grad_out, ctx.call, ctx.autocast)
-        streamer.ledger.release(nbytes(hidden), kept=True)
-        return grad_in, None, None, None
+        streamer.ledger.release(ctx.kept, kept=True)
+        return grad_in, None, None, None, None
 
 
 def apply_streaming(layers: nn.ModuleList, streamer: LayerStreamer) -> None:
-    """Each layer's `forward` goes through the streamer; modules, names and signatures stay."""
-    for index, layer in enumerate(layers):
-        _stream_forward(layer, streamer, index)
+    """Each layer's `forward` goes through the streamer; modules, names and signatures stay.
+    Inside the checkpointing wrapper `parallelize` put around each layer (switched off: the
+    streamer recomputes), so that activation offload's hooks, which that wrapper enters, take
+    the kept input to host memory (`trainer/memory/offload.py`) when the lever is on."""
+    for index, wrapper in enumerate(layers):
+        switch = getattr(getattr(wrapper, "checkpoint_fn", None), "func", None)
+        inner = getattr(wrapper, "_checkpoint_wrapped_module", wrapper)
+        _stream_forward(inner, streamer, index, switch)
 
 
-def _stream_forward(layer: nn.Module, streamer: LayerStreamer, index: int) -> None:
+def _stream_forward(layer: nn.Module, streamer: LayerStreamer, index: int, switch: Any) -> None:
     original = layer.forward
 
     def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -237,6 +243,7 @@ def _stream_forward(layer: nn.Module, streamer: LayerStreamer, index: int) -> No
 
         if not torch.is_grad_enabled():  # evaluation, a reference pass: nothing kept
             return streamer.forward(index, hidden_states, call)
-        return _StreamedLayer.apply(hidden_states, streamer, index, call)
+        on_device = getattr(switch, "offload", None) is None  # else kept in host memory
+        return _StreamedLayer.apply(hidden_states, streamer, index, call, on_device)
 
     layer.forward = forward
