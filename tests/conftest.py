@@ -183,11 +183,13 @@ def train_in_one_process(
 _WORKER: dict[str, object] = {}
 
 
-# what pytest sets per test, and what the code under test sets in this process when a test runs
-# it here (a process group of one, the allocator's launch environment, mlflow's file store):
-# not a different environment for the worker's runs
+# what pytest sets per test, what the code under test sets in this process when a test runs
+# it here (a process group of one, the allocator's launch environment, mlflow's file store), and
+# what the first import of transformers' models here sets (its mlflow integration's session id,
+# torch's CUDA check): not a different environment for the worker's runs
 _NOT_STEERING = {"PYTEST_CURRENT_TEST", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                 "LOCAL_RANK", "PYTORCH_CUDA_ALLOC_CONF", "MLFLOW_ALLOW_FILE_STORE"}  # fmt: skip
+                 "LOCAL_RANK", "PYTORCH_CUDA_ALLOC_CONF", "MLFLOW_ALLOW_FILE_STORE",
+                 "_MLFLOW_TELEMETRY_SESSION_ID", "PYTORCH_NVML_BASED_CUDA_CHECK"}  # fmt: skip
 
 
 def _same_env(env: dict[str, str]) -> dict[str, str]:
