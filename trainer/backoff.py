@@ -80,7 +80,9 @@ def step_with_backoff(
             )
         ]
         try:
-            return train_step(model, backend, batches, ctx.device, faults, objective)
+            return train_step(
+                model, backend, batches, ctx.device, faults, objective, split.token_group
+            )
         except StepAborted as err:
             del batches
             backend.drop_grads()
@@ -152,6 +154,7 @@ def evaluate_with_backoff(
                 faults,
                 split.sequence_group,
                 objective,
+                split.token_group,
             )
         except StepAborted as err:
             free_memory(ctx.device)

@@ -34,7 +34,6 @@ from trainer.core.contract import EXIT_OOM, EXIT_SIGNAL, FINAL_DIR
 from trainer.core.flops import training_flops_per_token
 from trainer.core.gpus import peak_flops_for
 from trainer.core.logs import setup_logging
-from trainer.core.parallel_dims import ParallelDims
 from trainer.data import build_data, build_tokenizer
 from trainer.memory.levers import MemoryLevers, concrete_lever
 from trainer.memory.tiled_mlp import apply_tiled_mlp, tiled_mlp_chunk_tokens
@@ -51,8 +50,8 @@ from trainer.observe.metrics import MetricsLog
 from trainer.observe.probe import probe_first_step
 from trainer.observe.profile import ProfileWindow
 from trainer.observe.trackers import Trackers
+from trainer.parallel.dims import run_dims
 from trainer.parallel.mesh import ParallelMesh, build_mesh
-from trainer.parallel.sequence import check_sequence_parallel, concrete_sequence_parallel
 from trainer.parallel.split import BatchSplit
 from trainer.runtime.dist import (
     after_rank0,
@@ -114,12 +113,11 @@ def _setup(cfg: JobConfig) -> _Run | int:
     rank, local_rank, world_size = env_rank()
     setup_logging(rank, world_size)
     model_factory = HFModelFactory(cfg.model, cfg.train.seed)
-    sp = concrete_sequence_parallel(cfg)  # exit 2 before any process group if it cannot split
-    check_sequence_parallel(sp, world_size, model_factory.hf_config, cfg.data.seq_len)
+    dims = run_dims(cfg, world_size, model_factory.hf_config)  # exit 2 before a process group
     device = resolve_device(cfg, local_rank)
     init_distributed(cfg, device)
     _seed_everything(cfg)
-    mesh = build_mesh(ParallelDims(world_size, sp), rank)  # the backend's model splits over it
+    mesh = build_mesh(dims, rank, device.type)  # the backend's model splits over it
     run_dir = Path(cfg.run.dir)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -138,6 +136,7 @@ def _setup(cfg: JobConfig) -> _Run | int:
         cfg.train.global_batch_size // mesh.dims.data,
         micro,
         ctx.activation_checkpointing,
+        token_group=mesh.token_group,
     )
     resume_from = resolve_resume(cfg)
     start_step = 0

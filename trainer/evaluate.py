@@ -27,6 +27,7 @@ def evaluate(
     faults: FaultInjector = NO_FAULTS,
     sequence_group: Any = None,
     objective: Objective = NEXT_TOKEN,
+    token_group: Any = None,
 ) -> dict[str, float]:
     """{'eval_loss', 'eval_exact_match'} over the given batches of every rank (a preference
     objective: {'eval_loss', 'eval_reward_margin', 'eval_reward_accuracy', ...}).
@@ -37,7 +38,9 @@ def evaluate(
     document from the counts of every slice.
     """
     if objective.preference:
-        return _evaluate_pairs(model, batches, compute_context, device, faults, objective)
+        return _evaluate_pairs(
+            model, batches, compute_context, device, faults, objective, token_group
+        )
     was_training = model.training
     model.eval()
     loss_sum = num_tokens = num_docs = num_correct = 0.0
@@ -66,7 +69,7 @@ def evaluate(
     finally:
         model.train(was_training)
     loss_sum, num_tokens, num_docs, num_correct = all_reduce_sum(
-        [loss_sum, num_tokens, num_docs, num_correct], device
+        [loss_sum, num_tokens, num_docs, num_correct], device, token_group
     )
     return {
         "eval_loss": loss_sum / max(num_tokens, 1.0),
@@ -108,6 +111,7 @@ def _evaluate_pairs(
     device: torch.device,
     faults: FaultInjector,
     objective: Objective,
+    token_group: Any = None,
 ) -> dict[str, float]:
     """The objective's loss and stats, means over the held-out pairs of every rank."""
     was_training = model.training
@@ -123,7 +127,7 @@ def _evaluate_pairs(
             sums = values if not sums else [a + b for a, b in zip(sums, values, strict=True)]
     finally:
         model.train(was_training)
-    loss_sum, num_pairs, *stats = all_reduce_sum(sums, device)
+    loss_sum, num_pairs, *stats = all_reduce_sum(sums, device, token_group)
     summary = objective.summary(stats, num_pairs)
     return {"eval_loss": loss_sum / max(num_pairs, 1.0)} | {
         f"eval_{name}": value for name, value in summary.items()

@@ -65,7 +65,16 @@ def _build_adamw(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.optim
         return optimizer
     if spec.bf16_pure:
         return import_torchao_optim()._AdamW(params, bf16_stochastic_round=True, **kwargs)
-    return torch.optim.AdamW(params, fused=True, **kwargs)
+    return torch.optim.AdamW(_one_group_per_mesh(params), fused=True, **kwargs)
+
+
+def _one_group_per_mesh(params: list[nn.Parameter]) -> list[dict[str, Any]]:
+    """One parameter group per mesh (plain tensors, a tensor split's DTensors, FSDP's over
+    them): the fused kernel takes one kind at a time; the math is the same per element."""
+    groups: dict[Any, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    return [{"params": group} for group in groups.values()]
 
 
 def paged(name: str, params: list[nn.Parameter]) -> bool:

@@ -36,8 +36,10 @@ def train_step(
     device: torch.device,
     faults: FaultInjector = NO_FAULTS,
     objective: Objective = NEXT_TOKEN,
+    token_group: Any = None,
 ) -> StepResult:
-    """One optimizer step over this rank's micro-batches; the loss is reduced over all ranks.
+    """One optimizer step over this rank's micro-batches; the loss is reduced over the ranks of
+    `token_group` (None: all; a tensor group's ranks hold the same tokens, counted once).
 
     Raises StepAborted on every rank together when any rank ran out of memory up to the entry of
     the optimizer step; the caller drops the partial gradients and retries the step with smaller
@@ -46,7 +48,7 @@ def train_step(
     start = time.perf_counter()
     local_units = sum(objective.units(b) for b in batches)
     local_tokens = sum(int((b["doc_ids"] >= 0).sum()) for b in batches)
-    global_units, global_tokens = all_reduce_sum([local_units, local_tokens], device)
+    global_units, global_tokens = all_reduce_sum([local_units, local_tokens], device, token_group)
     denominator = max(global_units, 1.0)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     stats_sum = None
@@ -81,7 +83,7 @@ def train_step(
         # retry could apply part of the update twice. Give up without another collective.
         raise OutOfMemoryInStep(_oom_or_raise(err)) from None
     stats_list = [] if stats_sum is None else stats_sum.tolist()
-    total_loss, *total_stats = all_reduce_sum([float(loss_sum), *stats_list], device)
+    total_loss, *total_stats = all_reduce_sum([float(loss_sum), *stats_list], device, token_group)
     return StepResult(
         loss=total_loss / denominator,
         grad_norm=grad_norm,

@@ -292,14 +292,16 @@ def test_a_split_the_model_cannot_take_is_a_config_error(
     sp, world, heads, kv_heads, seq_len, words
 ):
     with pytest.raises(ConfigError) as err:
-        check_sequence_parallel(sp, world, _hf(heads, kv_heads), seq_len)
+        check_sequence_parallel(ParallelDims(world, sp), _hf(heads, kv_heads), seq_len)
     line = str(err.value)
     assert line.startswith("config error: sequence_parallel: ") and words in line, line
 
 
 def test_fewer_key_value_heads_than_ranks_are_repeated_not_refused() -> None:
-    check_sequence_parallel(4, 8, _hf(8, 2), 32)  # 2 kv heads, sp 4: each repeated twice
-    check_sequence_parallel(4, 4, _hf(8, 8), 32)
+    check_sequence_parallel(ParallelDims(8, 4), _hf(8, 2), 32)  # 2 kv heads, each twice
+    check_sequence_parallel(ParallelDims(4, 4), _hf(8, 8), 32)
+    # under a tensor split of 2, each tensor rank's one k/v head serves both sequence ranks
+    check_sequence_parallel(ParallelDims(4, 2, 2), _hf(4, 2), 32)
 
 
 def test_sp_that_does_not_divide_the_ranks_exits_2_in_one_line(tmp_path) -> None:

@@ -14,6 +14,7 @@ from torch import nn
 from trainer.backends import OptimizerSpec
 from trainer.core import host_memory
 from trainer.model.build import checkpoint_count, checkpoint_ops
+from trainer.model.materialise import materialise
 from trainer.model.pretrained import canonical_name
 from trainer.optim import (
     FP32_MOMENTS,
@@ -24,6 +25,7 @@ from trainer.optim import (
 )
 from trainer.optim import set_lr as set_optimizer_lr
 from trainer.parallel.parallelize import ModelChanges, parallelize
+from trainer.parallel.tensor import clip_grad_norm, is_split, on_several_meshes
 from trainer.runtime.oom import OutOfMemoryInStep
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -66,8 +68,8 @@ def canonical_optim_state(
         if "state1" in state:  # bitsandbytes
             moments = canonical_8bit_moments(p, state)
         else:
-            moments = {key: _full(state[key]) for key in FP32_MOMENTS}
-        out[name] = {key: t.to("cpu") for key, t in moments.items()}
+            moments = {key: state[key] for key in FP32_MOMENTS}
+        out[name] = {key: _portable(t) for key, t in moments.items()}
         out[name]["step"] = torch.as_tensor(float(state["step"]), dtype=torch.float32)
     return out
 
@@ -101,8 +103,10 @@ def trained_params(model: nn.Module) -> dict[str, nn.Parameter]:
     return {canonical_name(n): p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+def _portable(t: torch.Tensor) -> torch.Tensor:
+    """A whole tensor on the CPU; a tensor split's DTensor as it is (DCP writes each rank's
+    block and reshards on load)."""
+    return t if is_split(t) else t.to("cpu")
 
 
 def device_memory_stats(device: torch.device) -> dict[str, int]:
@@ -142,7 +146,11 @@ def clip_and_step(
     if scaler is not None:
         scaler.unscale_(optimizer)
     max_norm = grad_clip if grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, foreach=True)
+    parameters = list(parameters)
+    if on_several_meshes(parameters):  # a tensor split: its parameters and the whole ones
+        grad_norm = clip_grad_norm(parameters, max_norm)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
@@ -195,7 +203,7 @@ def replica_state_dict(
     """Canonical state of a backend that holds full (unsharded) parameters, in the dtype they
     train in (fp32 masters; bf16 under bf16_pure)."""
     return {
-        "model": {n: p.detach().to("cpu") for n, p in params.items()},
+        "model": {n: _portable(p.detach()) for n, p in params.items()},
         "optim": canonical_optim_state(optimizer, params),
         "scaler": scaler.state_dict() if scaler.is_enabled() else {},
     }
@@ -230,13 +238,20 @@ def model_changes(ctx: Any, compile: bool = True) -> ModelChanges:
 
 def build_replica(factory: Any, ctx: Any, wrap: Any = None) -> nn.Module:
     """The whole model on this rank's device, changed in the one order (`parallelize`), in train
-    mode: what `single` runs and what `ddp` wraps (`wrap`)."""
+    mode: what `single` runs and what `ddp` wraps (`wrap`). Under a tensor split, this rank's
+    blocks of it: built on the meta device, split, then made real (`materialise`)."""
     changes = model_changes(ctx)
-    return parallelize(lambda: factory.build(ctx.device), factory.hf_config, changes, wrap)
+    if ctx.mesh is None or ctx.mesh.tensor == 1:
+        return parallelize(lambda: factory.build(ctx.device), factory.hf_config, changes, wrap)
+    model = parallelize(lambda: factory.build("meta"), factory.hf_config, changes, wrap)
+    materialise(model, factory, ctx, ctx.device, "tensor-parallel blocks")
+    return model
 
 
 def full_replica_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A replica's weights, canonical names, copied to the CPU."""
+    """A replica's weights, canonical names, copied to the CPU (a tensor split's gathered:
+    a collective, every rank joins)."""
     return {
-        canonical_name(n): t.detach().to("cpu", copy=True) for n, t in model.state_dict().items()
+        canonical_name(n): (t.full_tensor() if is_split(t) else t).detach().to("cpu", copy=True)
+        for n, t in model.state_dict().items()
     }

@@ -29,11 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -45,12 +41,12 @@ from trainer.backends import BackendContext, ModelFactory, OptimizerSpec, common
 from trainer.core import strategies
 from trainer.core.parallel_dims import ParallelDims
 from trainer.model.build import decoder_layers
-from trainer.model.pretrained import canonical_name, load_fsdp_shards, load_per_rank, report_load
+from trainer.model.materialise import materialise, rebuild_buffers
+from trainer.model.pretrained import canonical_name, report_load
 from trainer.model.qlora_load import TensorSource, fill_4bit_shards, tensor_source
 from trainer.optim import load_sharded_8bit_state, sharded_8bit_state
 from trainer.parallel.mesh import hybrid_shard_mesh
 from trainer.parallel.parallelize import parallelize
-from trainer.runtime.dist import after_rank0
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +77,7 @@ class FsdpBackend:
                 reshard_after_forward=ctx.cfg.fsdp.reshard_after_forward,
                 offload=self.offload,
                 pin_memory=ctx.device.type == "cuda",
-                mesh=_hybrid_mesh(ctx) if ctx.cfg.fsdp.hybrid else None,
+                mesh=_hybrid_mesh(ctx) if ctx.cfg.fsdp.hybrid else _token_mesh(ctx),
             )
             return model
 
@@ -90,29 +86,12 @@ class FsdpBackend:
         if source is not None:
             self._quantise_into_shards(model, factory, source, home)
         elif not quantized:
-            self._materialise(model, factory, home)
+            materialise(model, factory, ctx, home, "FSDP shards")
         self.model = model
         # on the shards' device
         self.optimizer = common.build_adamw(model.parameters(), optim, ctx.grad_accum)
         self.grad_clip = optim.grad_clip
         return model
-
-    def _materialise(self, model: nn.Module, factory: ModelFactory, home: torch.device) -> None:
-        """This rank's shards of a meta-device model, filled with the initial weights."""
-        ctx = self.ctx
-        model.to_empty(device=home)
-        _rebuild_buffers(model, home)
-        if not load_per_rank(model, factory, load_fsdp_shards, ctx, "FSDP shards"):
-            full = after_rank0(
-                "building the initial weights",
-                factory.initial_state_dict,
-                clock_s=ctx.cfg.dist.timeout_s,
-            )
-            set_model_state_dict(
-                model,
-                full or {},
-                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-            )
 
     def _quantise_into_shards(
         self, model: nn.Module, factory: ModelFactory, source: TensorSource, home: torch.device
@@ -120,7 +99,7 @@ class FsdpBackend:
         """This rank's shards of a 4-bit skeleton, quantised one tensor at a time."""
         ctx = self.ctx
         model.to_empty(device=home)
-        _rebuild_buffers(model, home)
+        rebuild_buffers(model, home)
         stats = fill_4bit_shards(model, source, ctx.device, ctx.cfg.train.seed)
         if factory.inner.model_cfg.name_or_path is not None:
             report_load(stats, ctx.rank, Path(ctx.cfg.run.dir), "4-bit shard")
@@ -139,7 +118,7 @@ class FsdpBackend:
         return gradient_sync(self.model, enabled=sharded_accumulation)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss = loss * self.ctx.world_size  # FSDP averages gradients over ranks
+        loss = loss * _token_ranks(self.ctx)  # FSDP averages gradients over the ranks it shards
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def step(self) -> float:
@@ -283,6 +262,16 @@ def _hybrid_mesh(ctx: BackendContext) -> Any:
     return hybrid_shard_mesh(dims, ctx.cfg.hardware.devices_per_node or 1, ctx.device.type)
 
 
+def _token_mesh(ctx: BackendContext) -> Any:
+    """Beside a tensor split, FSDP shards over the ranks holding other tokens (None: the
+    world)."""
+    return ctx.mesh.token_mesh if ctx.mesh is not None else None
+
+
+def _token_ranks(ctx: BackendContext) -> int:
+    return ctx.mesh.dims.token_ranks if ctx.mesh is not None else ctx.world_size
+
+
 def _sharded_scaler(ctx: BackendContext) -> Any:
     """fp16 needs a loss scaler that works on sharded (DTensor) gradients."""
     if ctx.precision != "fp16":
@@ -311,27 +300,3 @@ def _build_qlora(
             factory.inner.model_cfg.name_or_path,
         )
     return factory.build(home), None
-
-
-def _rebuild_buffers(model: nn.Module, device: torch.device) -> None:
-    """Non-persistent buffers (rotary inverse frequencies, Gemma's embedding scale) are not in
-    any state dict: after `to_empty` they hold garbage, so rebuild each owning module's
-    buffers: rotary embeddings from their config, the others by the model's own
-    `_init_weights` (its parameters are overwritten by the initial state right after)."""
-    persistent = set(model.state_dict())
-    for prefix, module in model.named_modules():
-        own = [
-            name
-            for name, _ in module.named_buffers(recurse=False)
-            if (f"{prefix}.{name}" if prefix else name) not in persistent
-        ]
-        if not own:
-            continue
-        if type(module).__name__.endswith("RotaryEmbedding"):
-            with torch.device(device):
-                fresh = type(module)(config=module.config)
-            for name, buf in fresh.named_buffers():
-                getattr(module, name).copy_(buf)
-        elif hasattr(model, "_init_weights"):
-            with torch.no_grad():
-                model._init_weights(module)

@@ -2,9 +2,10 @@
 `ParallelDims`): the planner, the config's checks before launch and the engine's device mesh
 read the same arithmetic, so a split the planner offers is one the engine can run.
 
-Two dimensions now: data and sequence (Ulysses, trainer/parallel/sequence.py). Rank r is
-sequence rank r % sequence of data rank r // sequence: the ranks of a sequence group are
-neighbours, within a node as long as the group fits in one.
+Three dimensions: data, sequence (Ulysses, trainer/parallel/sequence.py) and tensor
+(trainer/parallel/tensor.py), the tensor innermost: rank r is tensor rank r % tensor, sequence
+rank (r // tensor) % sequence, data rank r // (sequence x tensor). The ranks of a tensor group
+are neighbours (within a node: its all-reduces run every layer), then those of a sequence group.
 """
 
 from __future__ import annotations
@@ -39,54 +40,88 @@ class Batch:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The world as data x sequence ranks."""
+    """The world as data x sequence x tensor ranks."""
 
     world_size: int
     sequence: int = 1
+    tensor: int = 1
 
     @property
     def data(self) -> int:
         """Data-parallel groups: ranks that read different sequences."""
-        return self.world_size // self.sequence
+        return self.world_size // (self.sequence * self.tensor)
+
+    @property
+    def token_ranks(self) -> int:
+        """The ranks that hold different tokens (data x sequence; a tensor group's ranks hold
+        the same ones): what FSDP shards over and what a token count sums over."""
+        return self.world_size // self.tensor
 
     def coordinates(self, rank: int) -> tuple[int, int]:
         """(data rank, sequence rank) of a global rank."""
-        return divmod(rank, self.sequence)
+        return divmod(rank // self.tensor, self.sequence)
 
     def sequence_groups(self) -> list[list[int]]:
         """The global ranks of each sequence group, data rank by data rank."""
-        sp = self.sequence
-        return [list(range(first, first + sp)) for first in range(0, self.world_size, sp)]
+        sp, tp = self.sequence, self.tensor
+        return [
+            [first + s * tp for s in range(sp)]
+            for start in range(0, self.world_size, sp * tp)
+            for first in range(start, start + tp)
+        ]
 
     def problem(self, attention: AttentionShape, seq_len: int, batch: Batch) -> str | None:
-        """Why this split cannot run the job, in words; None when it can."""
-        sp = self.sequence
-        if sp < 1 or self.world_size % sp:
+        """Why this sequence split cannot run the job, in words; None when it can (the tensor
+        split is checked first, by `tensor_problem`: a tensor rank holds heads / tensor)."""
+        sp, tp = self.sequence, self.tensor
+        if sp < 1 or self.world_size % (sp * tp):
             ranks = "1 rank" if self.world_size == 1 else f"{self.world_size} ranks"
-            return f"{sp} does not divide the world of {ranks}"
+            split = f"{sp} x tensor {tp}" if tp > 1 else f"{sp}"
+            return f"{split} does not divide the world of {ranks}"
         if sp == 1:
-            return None  # nothing is split (a model without attention heads trains as ever)
+            return None if tp == 1 else self.batch_problem(batch)
         heads = attention.heads
         if heads is None:
             return f"{sp}: this model has no attention heads to split the sequence around"
         kv = attention.kv_heads or heads
+        whose = "model's" if tp == 1 else f"{tp} tensor ranks' each"
+        heads, kv = heads // tp, kv // tp
         if heads % sp:
-            return f"{sp} does not divide the model's {heads} attention heads"
+            return f"{sp} does not divide the {whose} {heads} attention heads"
         if kv % sp and sp % kv:
             return (
-                f"{sp} and the model's {kv} key/value heads do not divide one another (each "
+                f"{sp} and the {whose} {kv} key/value heads do not divide one another (each "
                 "rank needs whole key/value heads, repeated where there are fewer than sp)"
             )
         if seq_len % sp:
             return f"{sp} does not divide data.seq_len={seq_len} (every rank holds seq_len / sp)"
         return self.batch_problem(batch)
 
+    def tensor_problem(self, attention: AttentionShape) -> str | None:
+        """Why the tensor split cannot run this model, in words; None when it can: each tensor
+        rank holds whole attention and key/value heads (transformers' column-wise q/k/v)."""
+        tp = self.tensor
+        if tp < 1 or self.world_size % tp:
+            ranks = "1 rank" if self.world_size == 1 else f"{self.world_size} ranks"
+            return f"{tp} does not divide the world of {ranks}"
+        if tp == 1:
+            return None
+        if attention.heads is None:
+            return f"{tp}: this model has no attention heads to split"
+        kv = attention.kv_heads or attention.heads
+        if attention.heads % tp or kv % tp:
+            return (
+                f"{tp} does not divide the model's {attention.heads} attention heads and {kv} "
+                "key/value heads (each tensor rank holds whole ones)"
+            )
+        return None
+
     def batch_problem(self, batch: Batch) -> str | None:
         """Why the data groups cannot share the global batch evenly; None when they can."""
-        sp = self.sequence
+        cut = f"{self.sequence}" + (f" x tensor {self.tensor}" if self.tensor > 1 else "")
         if batch.global_size % self.data:
             return (
-                f"the {self.data} data groups ({self.world_size} ranks / {sp}) do not divide "
+                f"the {self.data} data groups ({self.world_size} ranks / {cut}) do not divide "
                 f"train.global_batch_size={batch.global_size}"
             )
         if batch.micro and (batch.global_size // self.data) % batch.micro:
@@ -98,13 +133,13 @@ class ParallelDims:
 
 
 def sequence_sizes(
-    world_size: int, attention: AttentionShape, seq_len: int, batch: Batch
+    world_size: int, attention: AttentionShape, seq_len: int, batch: Batch, tensor: int = 1
 ) -> list[int]:
-    """Every sequence group size that runs the job on `world_size` ranks, smallest first (1
-    wherever the world divides the batch)."""
+    """Every sequence group size that runs the job on `world_size` ranks (split `tensor` ways
+    too), smallest first (1 wherever the world divides the batch)."""
     sizes = []
-    for sp in range(1, world_size + 1):
-        dims = ParallelDims(world_size, sp)
+    for sp in range(1, world_size // max(1, tensor) + 1):
+        dims = ParallelDims(world_size, sp, tensor)
         if dims.problem(attention, seq_len, batch) is None and dims.batch_problem(batch) is None:
             sizes.append(sp)
     return sizes
@@ -118,10 +153,32 @@ def check_sequence_parallel(
     problem = dims.problem(attention, seq_len, batch)
     if problem is None:
         return
-    sizes = [str(sp) for sp in sequence_sizes(dims.world_size, attention, seq_len, batch)]
+    sizes = [
+        str(sp) for sp in sequence_sizes(dims.world_size, attention, seq_len, batch, dims.tensor)
+    ]
     fix = (
         f"use sequence_parallel={' or '.join(sizes)}"
         if sizes
         else "change the device count or train.global_batch_size"
     )
     raise ConfigError("sequence_parallel", problem, fix)
+
+
+def tensor_sizes(world_size: int, attention: AttentionShape) -> list[int]:
+    """Every tensor degree that splits this model's heads on `world_size` ranks, smallest
+    first."""
+    return [
+        tp
+        for tp in range(1, world_size + 1)
+        if ParallelDims(world_size, 1, tp).tensor_problem(attention) is None
+    ]
+
+
+def check_tensor_parallel(dims: ParallelDims, attention: AttentionShape) -> None:
+    """ConfigError (one line, exit 2) when the tensor degree cannot split this model; the fix
+    names the degrees that can."""
+    problem = dims.tensor_problem(attention)
+    if problem is None:
+        return
+    sizes = " or ".join(str(tp) for tp in tensor_sizes(dims.world_size, attention))
+    raise ConfigError("parallel.tensor", problem, f"use parallel.tensor={sizes}")

@@ -46,8 +46,9 @@ class Strategy:
     zero_stage: int = 0  # DeepSpeed ZeRO stage (deepspeed rows)
     params_at: Place = "device"  # where the fp32 parameters live between uses
     optimizer_at: Place = "device"  # where AdamW's state and step live
-    min_world: int = 1
+    min_world: int = 1  # data ranks (a tensor group counts once)
     max_world: int | None = None
+    tensor_parallel: bool = False  # runs under a tensor split (`parallel.tensor` > 1)
     # Cost model: bytes moved per rank per step, as multiples of N (interconnect) or N / W (PCIe)
     grad_comm: float = 0.0  # gradient reduction, once per step or (ZeRO-2/3) per micro-batch
     grads_every_micro: bool = False  # reduces every micro-batch (no no_sync)
@@ -83,7 +84,7 @@ _HOST_ADAM = dict(offloaded_grads=4.0, host_adam_params_s=DEEPSPEED_HOST_ADAM_PA
 TABLE: list[Strategy] = [
     Strategy(
         "single", "single", "trainer.backends.single:SingleBackend",
-        "everything on one device", max_world=1,
+        "everything on one device", max_world=1, tensor_parallel=True,
     ),
     Strategy(
         "ddp", "ddp", "trainer.backends.ddp:DdpBackend",
@@ -92,7 +93,7 @@ TABLE: list[Strategy] = [
     Strategy(  # x c/2 on the gathers: FSDP gathers 16-bit parameters
         "fsdp", "fsdp", _FSDP,
         "parameters, gradients and optimizer sharded (FSDP2)",
-        grad_comm=4.0, param_comm_per_micro=2.0,
+        grad_comm=4.0, param_comm_per_micro=2.0, tensor_parallel=True,
     ),
     Strategy(
         "zero1", "deepspeed", _DS, "optimizer state sharded (DeepSpeed ZeRO-1)",
@@ -111,7 +112,7 @@ TABLE: list[Strategy] = [
         "FSDP2 with parameters, gradients and AdamW on the host (CPUOffloadPolicy)",
         params_at="cpu", optimizer_at="cpu",
         grad_comm=4.0, param_comm_per_micro=2.0, pcie_per_micro=8.0, offloaded_grads=4.0,
-        host_adam_params_s=TORCH_HOST_ADAM_PARAMS_S,
+        host_adam_params_s=TORCH_HOST_ADAM_PARAMS_S, tensor_parallel=True,
     ),
     Strategy(  # updated fp32 partitions back to the device once per step
         "zero3_offload", "deepspeed", _DS, "ZeRO-3 with the optimizer on the host (CPU Adam)",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import json
 import logging
 import math
@@ -225,45 +226,69 @@ def state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def load_fsdp_shards(model: nn.Module, ckpt: SafetensorsCheckpoint) -> LoadStats | None:
-    """Fill an FSDP2-sharded model (after `to_empty`) from the checkpoint: each rank reads its
-    local rows of every parameter. None (nothing read) if the checkpoint does not map onto it or a
-    placement is not a dim-0 shard."""
+    """Fill a model sharded by FSDP2 and split by tensor parallel (after `to_empty`) from the
+    checkpoint: each rank reads its own block of every parameter. None (nothing read) if the
+    checkpoint does not map onto it or a placement is not one of a block."""
     keys = checkpoint_keys(model, ckpt)
     if keys is None:
         return None
     plan = []
     for name, tensor in state_tensors(model):
-        part = local_rows(tensor)
-        if part is None:
-            return None  # another layout than FSDP2's: let the broadcast place it
-        plan.append((keys[canonical_name(name)], *part))
+        block = local_block(tensor)
+        if block is None:
+            return None  # another layout: let the broadcast place it
+        local, offsets = block
+        key = keys[canonical_name(name)]
+        runs = contiguous_runs(local, offsets, tuple(tensor.shape))
+        plan.extend((key, out, start) for out, start in runs)
     return _timed_load(ckpt, plan, model)
 
 
-def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """(this rank's part of an FSDP2 parameter or buffer, the flat index of its first element in
-    the whole tensor): a DTensor's local rows along dim 0 (replicated over HSDP's other mesh
-    dimension), a plain tensor whole. None for any other placement."""
-    from torch.distributed.tensor import DTensor, Shard
+def local_block(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """(this rank's part of a parameter or buffer, the index of its first element in the whole
+    tensor along every dimension): a DTensor's local block (FSDP2's rows, a tensor split's rows
+    or columns, both), a plain tensor whole. None where the local part is not one block."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(tensor, DTensor):
-        return tensor.detach(), 0
+        return tensor.detach(), (0,) * tensor.dim()
     local = tensor.to_local().detach()
-    if not tensor.dim():
-        return local, 0
-    rows = tensor.shape[0]
-    start, stop = 0, rows
-    for dim, placement in enumerate(tensor.placements):
-        if placement.is_replicate():
-            continue
-        if placement != Shard(0) or (start, stop) != (0, rows):
-            return None
-        chunk = -(-rows // tensor.device_mesh.size(dim))
-        start = min(rows, chunk * tensor.device_mesh.get_local_rank(dim))
-        stop = min(rows, start + chunk)
-    if tuple(local.shape) != (stop - start, *tensor.shape[1:]):
+    shape, offsets = compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    if tuple(local.shape) != tuple(shape):
         return None
-    return local, start * tensor[0].numel()
+    return local, tuple(offsets)
+
+
+def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """(this rank's part of an FSDP2 parameter, the flat index of its first element in the
+    whole tensor) where that part is one run of whole rows; None otherwise."""
+    block = local_block(tensor)
+    if block is None:
+        return None
+    runs = contiguous_runs(*block, tuple(tensor.shape))
+    return runs[0] if len(runs) == 1 else None
+
+
+def contiguous_runs(
+    local: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...]
+) -> list[tuple[torch.Tensor, int]]:
+    """The block `local` (at `offsets` in a tensor of `shape`) as runs of the row-major file:
+    (a view of `local`, the flat index of its first element). One run for whole rows (FSDP2's
+    dim-0 shards); one per row for a block of columns (a row-wise tensor split)."""
+    if not local.dim() or not local.numel():
+        return [(local, 0)]
+    partial = [d for d in range(local.dim()) if local.shape[d] != shape[d]]
+    last = partial[-1] if partial else 0
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    runs = []
+    for index in itertools.product(*(range(local.shape[d]) for d in range(last))):
+        start = sum((offsets[d] + i) * strides[d] for d, i in enumerate(index))
+        start += offsets[last] * strides[last]
+        runs.append((local[index] if index else local, start))
+    return runs
 
 
 def load_zero3_partitions(model: nn.Module, ckpt: SafetensorsCheckpoint) -> LoadStats | None:

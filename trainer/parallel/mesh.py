@@ -1,43 +1,76 @@
-"""The process groups of a run's dimensions, built from its `ParallelDims` (one place for every
-group a dimension needs: the sequence groups of Ulysses, FSDP's hybrid shard x replicate mesh).
+"""The process groups of a run's dimensions, built from its `ParallelDims`: one named device
+mesh (data x sequence x tensor, torchtitan's layout) whose dimensions give the sequence groups of
+Ulysses, the tensor groups of transformers' tensor-parallel plans, and the ranks FSDP shards over
+(data and sequence flattened); FSDP's hybrid shard x replicate mesh beside it.
 
-A new dimension adds its group here, named after its `ParallelDims` degree; the backends and the
+A new dimension adds its name here, after its `ParallelDims` degree; the backends and the
 model's changes (`trainer.parallel.parallelize`) read them from `ParallelMesh`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
-import torch.distributed as dist
-
 from trainer.core.parallel_dims import ParallelDims
+
+DIMENSIONS = ("data", "sequence", "tensor")
 
 
 @dataclass(frozen=True)
 class ParallelMesh:
-    """This rank's place in the world and the process groups of its dimensions."""
+    """This rank's place in the world and the groups of its dimensions (no device mesh where
+    no dimension splits the model: data parallel only)."""
 
     dims: ParallelDims
     rank: int
-    sequence_group: Any = None  # the ranks holding the other slices of its sequences; None at 1
+    device_mesh: Any = None  # torch DeviceMesh named DIMENSIONS; None at sequence 1, tensor 1
 
     @property
     def sequence(self) -> int:
         return self.dims.sequence
 
+    @property
+    def tensor(self) -> int:
+        return self.dims.tensor
 
-def build_mesh(dims: ParallelDims, rank: int) -> ParallelMesh:
-    """This rank's mesh. Creates the group of every sequence group: a collective, every rank
-    calls it, in the same order (nothing at sequence 1)."""
-    group = None
-    if dims.sequence > 1:
-        for ranks in dims.sequence_groups():
-            created = dist.new_group(ranks)
-            if rank in ranks:
-                group = created
-    return ParallelMesh(dims, rank, group)
+    @property
+    def sequence_group(self) -> Any:
+        """The ranks holding the other slices of this rank's sequences; None at 1."""
+        return self.device_mesh["sequence"].get_group() if self.dims.sequence > 1 else None
+
+    @property
+    def tensor_mesh(self) -> Any:
+        """The 1-D mesh of this rank's tensor group; None at 1."""
+        return self.device_mesh["tensor"] if self.dims.tensor > 1 else None
+
+    @cached_property
+    def token_mesh(self) -> Any:
+        """The ranks holding other tokens than this one (data x sequence, one tensor rank of
+        each group): what FSDP shards over beside a tensor split; None without one."""
+        if self.dims.tensor == 1:
+            return None
+        if self.dims.token_ranks == 1:
+            return self.device_mesh["data"]
+        return self.device_mesh["data", "sequence"]._flatten("tokens")
+
+    @property
+    def token_group(self) -> Any:
+        """The process group a token count sums over (None: the world)."""
+        mesh = self.token_mesh
+        return mesh.get_group() if mesh is not None else None
+
+
+def build_mesh(dims: ParallelDims, rank: int, device_type: str = "cpu") -> ParallelMesh:
+    """This rank's mesh: a collective, every rank calls it (nothing where the model is not
+    split: sequence 1 and tensor 1)."""
+    if dims.sequence == 1 and dims.tensor == 1:
+        return ParallelMesh(dims, rank)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (dims.data, dims.sequence, dims.tensor)
+    return ParallelMesh(dims, rank, init_device_mesh(device_type, shape, mesh_dim_names=DIMENSIONS))
 
 
 def hybrid_shard_mesh(dims: ParallelDims, devices_per_node: int, device_type: str) -> Any:

@@ -2,10 +2,11 @@
 backends and the estimate's trace (launcher/estimate/trace.py) all reach their model here, so
 they cannot drift apart.
 
-    tensor / expert split (to come: docs/adding-a-rung.md says where)
-    -> sequence split: the model's attention goes through Ulysses' all-to-alls (on its config,
+    sequence split: the model's attention goes through Ulysses' all-to-alls (on its config,
        before it is built: trainer/parallel/sequence.py)
     -> build (the backend's: a replica on the device, a meta-device model, ZeRO-3 partitions)
+    -> tensor split: each layer's projections over the tensor group, by the architecture's
+       plan in transformers (trainer/parallel/tensor.py); expert split to come here
     -> activation checkpointing: every decoder layer wrapped, switched on per `ModelChanges`
     -> compile: each decoder layer, after checkpointing and before sharding
     -> train mode, then the backend's wrap (FSDP2 `fully_shard`, DDP, a DeepSpeed engine)
@@ -24,6 +25,7 @@ from torch import nn
 from trainer.model.build import apply_activation_checkpointing, apply_compile
 from trainer.parallel.mesh import ParallelMesh
 from trainer.parallel.sequence import apply_sequence_parallel
+from trainer.parallel.tensor import apply_tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ def parallelize(
     if mesh is not None:  # its models attend over the sequence group
         apply_sequence_parallel(hf_config, mesh.sequence, mesh.sequence_group)
     model = build()
+    if mesh is not None and mesh.tensor > 1:
+        apply_tensor_parallel(model, mesh.tensor_mesh)
     apply_activation_checkpointing(
         model, changes.activation_checkpointing, changes.checkpointed_layers, changes.checkpoint_ops
     )

@@ -58,15 +58,18 @@ def concrete_sequence_parallel(cfg: JobConfig) -> int:
     return 1 if sp == "auto" else sp
 
 
-def check_sequence_parallel(sp: int, world_size: int, hf_config: Any, seq_len: int) -> None:
-    """ConfigError (one line, exit 2) when the sequence cannot be split `sp` ways here (the
-    planner and `train` checked the same before launch: trainer/core/parallel_dims.py)."""
+def check_sequence_parallel(dims: ParallelDims, hf_config: Any, seq_len: int) -> None:
+    """ConfigError (one line, exit 2) when the sequence cannot be split `dims.sequence` ways
+    here (the planner and `train` checked the same before launch: trainer/core/parallel_dims.py)."""
+    check_parallel_dims(dims, attention_of(hf_config), seq_len, Batch(global_size=dims.data))
+
+
+def attention_of(hf_config: Any) -> AttentionShape:
+    """The heads of a transformers config object (its text model's)."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None)
-    attention = AttentionShape(int(heads) if heads else None, int(kv_heads) if kv_heads else None)
-    dims = ParallelDims(world_size, sp)
-    check_parallel_dims(dims, attention, seq_len, Batch(global_size=dims.data))
+    return AttentionShape(int(heads) if heads else None, int(kv_heads) if kv_heads else None)
 
 
 def split_sequence(
@@ -120,8 +123,6 @@ class _UlyssesAttention:
         self.inner = None if inner_name == "eager" else AttentionInterface()[inner_name]
         self.mask_config = copy.copy(text_config)  # the masks of the inner implementation
         self.mask_config._attn_implementation = inner_name
-        self.heads = int(text_config.num_attention_heads)
-        self.kv_heads = int(getattr(text_config, "num_key_value_heads", None) or self.heads)
         self._seen: torch.Tensor | None = None  # this forward's local position ids
         self._positions: torch.Tensor | None = None  # ... and the whole sequence's
         self._masks: dict[Any, Any] = {}
@@ -133,7 +134,8 @@ class _UlyssesAttention:
             self._mask_positions = mask_follows_position_ids(sys.modules[type(module).__module__])
         positions = self._whole_positions(kwargs.get("position_ids"))
         query = self._heads_to_sequence(query)
-        if self.kv_heads < sp:  # grouped-query attention: the k/v head of this rank's q heads
+        if key.size(1) < sp:  # grouped-query attention: the k/v head of this rank's q heads
+            # (the heads this rank holds: the model's, or its tensor rank's share)
             key, value = (self._shared_heads_to_sequence(t) for t in (key, value))
         else:
             key, value = (self._heads_to_sequence(t) for t in (key, value))
@@ -162,7 +164,7 @@ class _UlyssesAttention:
         """[b, kv, s/sp, d] with kv < sp -> [b, 1, s, d]: k/v head i goes to the sp / kv ranks
         whose query heads share it, sent once to each (no copy repeated to sp heads)."""
         sp, (b, _, s, d) = self.sp, t.shape
-        gathered = shared_all_to_all(t, self.group, sp // self.kv_heads)  # [sp, b, s/sp, d]
+        gathered = shared_all_to_all(t, self.group, sp // t.size(1))  # [sp, b, s/sp, d]
         return gathered.unsqueeze(2).permute(1, 2, 0, 3, 4).reshape(b, 1, sp * s, d)
 
     def _sequence_to_heads(self, t: torch.Tensor) -> torch.Tensor:
@@ -318,6 +320,7 @@ __all__ = [
     "apply_sequence_parallel",
     "check_sequence_parallel",
     "concrete_sequence_parallel",
+    "attention_of",
     "mask_follows_position_ids",
     "shared_all_to_all",
     "split_sequence",

@@ -33,6 +33,7 @@ class BatchSplit:
     activation_checkpointing: str = "none"
     eval_batch_size: int = 0
     levers: MemoryLevers | None = None  # chunked loss, activation offload: set once built
+    token_group: Any = None  # the ranks holding other tokens (None: all; trainer/parallel/mesh.py)
 
     def __post_init__(self) -> None:
         self.eval_batch_size = self.eval_batch_size or self.micro_batch_size

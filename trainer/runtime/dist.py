@@ -171,12 +171,13 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """Sum a few scalars over all ranks in one collective (fp64 so token counts stay exact)."""
+def all_reduce_sum(values: list[float], device: torch.device, group: Any = None) -> list[float]:
+    """Sum a few scalars over the ranks of `group` (None: all) in one collective (fp64 so token
+    counts stay exact)."""
     if not is_distributed():
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=group)
     return t.tolist()
 
 

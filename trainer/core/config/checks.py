@@ -201,12 +201,15 @@ def _check_across_sections(cfg: JobConfig) -> None:
             f"{rung.name} needs deepspeed.nvme_path",
             "set deepspeed.nvme_path=/nvme/dir",
         )
-    if rung and rung.max_world == 1 and (hw.nodes > 1 or (hw.devices_per_node or 1) > 1):
+    tp = cfg.parallel.tensor if isinstance(cfg.parallel.tensor, int) else 1
+    if rung and rung.max_world == 1 and hw.nodes * (hw.devices_per_node or 1) > tp:
         raise ConfigError(
             "strategy",
-            f"{rung.name} runs one process, but hardware.nodes x devices_per_node is above 1",
+            f"{rung.name} runs one process, but hardware.nodes x devices_per_node is above 1"
+            + (f" x parallel.tensor {tp}" if tp > 1 else ""),
             "use ddp, fsdp or a zero rung, or strategy=auto",
         )
+    _check_tensor(cfg, tp)
     memory = cfg.memory
     if isinstance(memory.checkpointed_layers, int) and memory.activation_checkpointing in (
         "none", "full",
@@ -220,13 +223,16 @@ def _check_across_sections(cfg: JobConfig) -> None:
     _check_op_level(cfg)
     world = hw.nodes * hw.devices_per_node if hw.devices_per_node else None
     sp = cfg.sequence_parallel if isinstance(cfg.sequence_parallel, int) else 1
-    if world and world % sp:
+    if world and world % (sp * tp):
         raise ConfigError(
-            "sequence_parallel",
-            f"{sp} does not divide the {world} ranks (hardware.nodes x devices_per_node)",
+            "sequence_parallel" if world % tp == 0 else "parallel.tensor",
+            f"{sp if world % tp == 0 else tp} does not divide the {world} ranks"
+            + (f" / parallel.tensor {tp}" if tp > 1 and world % tp == 0 else "")
+            + " (hardware.nodes x devices_per_node)",
             "use a divisor of the rank count, or auto",
         )
-    data_ranks = world // sp if world else None  # the ranks of a sequence group share sequences
+    # the ranks of a sequence group share sequences, those of a tensor group the same ones
+    data_ranks = world // (sp * tp) if world else None
     if data_ranks and isinstance(micro, int) and train.global_batch_size % (micro * data_ranks):
         raise ConfigError(
             "hardware.devices_per_node",
@@ -290,6 +296,34 @@ def _check_resilience(cfg: JobConfig) -> None:
             "timeout would end the run before a hang is diagnosed",
             f"use less than {cfg.dist.timeout_s}, or raise dist.timeout_s",
         )
+
+
+def _check_tensor(cfg: JobConfig, tp: int) -> None:
+    """`parallel.tensor` > 1 where it runs: full fine-tunes on single, fsdp and fsdp_offload,
+    sharded within each node (docs/parallel.md); the model's own plan is checked by the engine
+    and the planner (trainer/parallel/tensor.py)."""
+    if tp == 1:
+        return
+    rung = strategies.row(cfg.strategy) if cfg.strategy != "auto" else None
+    runs_on = "single, fsdp and fsdp_offload"
+    clash = [
+        (rung is not None and not rung.tensor_parallel, f"strategy={cfg.strategy}",
+         f"use strategy={runs_on.replace(' and ', ', ').replace(', ', ' or ')} (or auto)"),
+        (cfg.finetune.method != "full", f"finetune.method={cfg.finetune.method}",
+         "use finetune.method=full, or parallel.tensor=1"),
+        (cfg.fsdp.hybrid, "fsdp.hybrid=true",
+         "leave fsdp.hybrid off (FSDP shards across the nodes beside the tensor split)"),
+        (cfg.train.compile, "train.compile=true", "set train.compile=false"),
+        (cfg.precision == "fp16", "precision=fp16", "use precision=bf16"),
+    ]  # fmt: skip
+    for hit, what, fix in clash:
+        if hit:
+            raise ConfigError(
+                "parallel.tensor",
+                f"{tp} with {what}: tensor parallel runs full fine-tunes on {runs_on}, "
+                "without compile, hybrid sharding or fp16",
+                fix,
+            )
 
 
 def _check_op_level(cfg: JobConfig) -> None:

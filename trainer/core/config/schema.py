@@ -392,6 +392,9 @@ class ParallelConfig(_Section):
     # ranks that split each sequence (Ulysses, trainer/parallel/sequence.py); changes where
     # tokens live, never what is learned (the degrees of trainer/core/parallel_dims.py)
     sequence: Degree = "auto"
+    # ranks that split each layer's projections (transformers' plan for the architecture,
+    # trainer/parallel/tensor.py); inside a node; never changes what is learned
+    tensor: Degree = "auto"
 
 
 class JobConfig(_Section):

@@ -1,0 +1,110 @@
+"""Tensor parallel: each decoder layer's projections split over the ranks of a tensor group by
+the architecture's own plan, which transformers declares in the model's config
+(`base_model_tp_plan`: column-wise q/k/v and gate/up, row-wise o and down; its head gathers the
+logits on every rank) and applies itself (`apply_tensor_parallelism`): no architecture is
+written here, and the plan styles stay transformers' (`embedding_rowwise`,
+`replicated_with_grad_allreduce`, `packed_colwise`, `colwise_gather_output`).
+
+The split parameters become DTensors over the tensor mesh; the others (norms) stay whole on every
+rank, their gradients equal there. FSDP shards on top over the ranks that hold other tokens
+(`ParallelMesh.token_mesh`), so a parameter is a 2-D DTensor under `fsdp x tensor`.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.core.errors import ConfigError
+
+# the projections a plan must split for the degree to pay: attention's and the MLP's
+_COVERED = (("attn", "attention"), ("mlp", "feed_forward"))
+
+
+def plan_of_config(model_type: str) -> dict[str, str]:
+    """The architecture's tensor-parallel plan (`base_model_tp_plan`), {} where it has none:
+    torch-free, for the planner and the config's checks."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        config_class = CONFIG_MAPPING[model_type]
+    except KeyError:
+        return {}
+    return dict(getattr(config_class, "base_model_tp_plan", None) or {})
+
+
+def has_plan(model_type: str) -> bool:
+    """Whether the plan splits attention and the MLP (gpt_oss's splits only its embedding)."""
+    keys = list(plan_of_config(model_type))
+    return all(any(word in key for key in keys for word in words) for words in _COVERED)
+
+
+def check_plan(model_type: str, tensor: int) -> None:
+    """ConfigError (exit 2) when `parallel.tensor` > 1 cannot split this architecture or the
+    installed transformers cannot apply it."""
+    if tensor == 1:
+        return
+    if not has_plan(model_type):
+        raise ConfigError(
+            "parallel.tensor",
+            f"{tensor} on model_type {model_type}: transformers declares no tensor-parallel "
+            "plan for its attention and MLP (base_model_tp_plan)",
+            "use parallel.tensor=1 (the fsdp rungs shard it)",
+        )
+    if _apply_function() is None:
+        raise ConfigError(
+            "parallel.tensor",
+            f"{tensor} needs transformers.distributed.tensor_parallel.apply_tensor_parallelism, "
+            f"which transformers {version('transformers')} lacks",
+            "install transformers>=5.24, or use parallel.tensor=1",
+        )
+
+
+def _apply_function() -> Any:
+    try:
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+    except ImportError:
+        return None
+    return apply_tensor_parallelism
+
+
+def apply_tensor_parallel(model: nn.Module, tensor_mesh: Any) -> None:
+    """Split `model`'s projections over `tensor_mesh` by its architecture's plan, in place (on
+    the meta device too: each rank then materialises its part only)."""
+    plan = model._expand_parallel_plan(dict(model.tp_plan))
+    _apply_function()(model, tensor_mesh, plan)
+
+
+def is_split(t: torch.Tensor) -> bool:
+    return hasattr(t, "device_mesh")
+
+
+def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm_` over parameters on different meshes (a tensor split leaves the norms
+    whole, or on FSDP's 1-D mesh, and the split ones on a 2-D one): each mesh's gradients as one
+    norm, the global norm of those, every gradient scaled by min(1, max_norm / norm) as torch
+    does (a factor of 1 leaves them as they are). Returns the norm before clipping."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        norms.append(norm.full_tensor() if is_split(norm) else norm)
+    if not norms:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    if coef < 1.0:
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
+    return total
+
+
+def on_several_meshes(parameters: list[torch.Tensor]) -> bool:
+    """Whether `parameters` lie on more than one mesh (plain tensors count as one)."""
+    return len({getattr(p, "device_mesh", None) for p in parameters}) > 1
