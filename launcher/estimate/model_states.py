@@ -45,7 +45,7 @@ def model_states(spec: StepSpec, shape: ModelShape) -> ModelStates:
     """One rank's model states for `spec`: full fine-tuning by the rung's engine; LoRA and QLoRA
     train adapters over a frozen base; 8-bit moments shrink the optimizer state."""
     row, ft = spec.row, spec.finetune
-    z = Sizes.of(shape, max(1, spec.world_size), spec.compute_bytes, spec.grad_accum,
+    z = Sizes.of(shape, spec.shard_ranks, spec.compute_bytes, spec.grad_accum,
                  spec.trained_bytes)  # fmt: skip
     every = spec.fsdp_reduce_every_micro_batch
     sizes = method_sizes(shape, ft, z.c, z.p)

@@ -39,6 +39,7 @@ from launcher.estimate.methods import method_sizes, quantising_bytes
 from launcher.estimate.model_states import model_states
 from launcher.estimate.shape import ModelShape
 from launcher.estimate.state_flow import GradFlow, ModelStates
+from launcher.estimate.tensor_split import tensor_rank_shape
 from trainer.core.errors import ConfigError
 from trainer.core.step_spec import (
     OFFLOAD_LAYERS_IN_FLIGHT,
@@ -329,6 +330,7 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
     (launcher/estimate/analytic_activations.py); the method and optimizer as
     launcher/estimate/methods.py says."""
     _check_modelled(shape)
+    shape = tensor_rank_shape(shape, spec.tensor_parallel)
     m = micro_for(spec, shape)
     acts = micro_activations(shape, m)
     states = model_states(spec, shape)

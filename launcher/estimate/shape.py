@@ -58,15 +58,18 @@ class ModelShape:
     # the largest decoder layer where layers differ in size (DeepSeek's dense layers below its
     # MoE ones, Llama 4's alternating ones); 0 where every layer has num_layer_params
     largest_layer_params: int = 0
+    # one rank's share of a tensor split (launcher/estimate/tensor_split.py): the embedding's and
+    # head's weights split over it; the logits (vocab_size) whole
+    tensor_parallel: int = 1
 
     @property
     def num_embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
+        return self.vocab_size * self.hidden_size // self.tensor_parallel
 
     @property
     def num_head_params(self) -> int:
         """lm_head's weight (the embedding's when tied)."""
-        return self.vocab_size * self.hidden_size
+        return self.vocab_size * self.hidden_size // self.tensor_parallel
 
     @property
     def largest_tensor_params(self) -> int:

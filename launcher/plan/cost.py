@@ -138,14 +138,34 @@ def _grad_reductions(spec: StepSpec) -> int:
 
 
 def _comm_s(shape: ModelShape, spec: StepSpec, hw: Hardware, links: Links) -> float:
-    """Gradient reductions and parameter gathers over the ring of all ranks."""
-    rung, world = spec.row, max(1, spec.world_size)
+    """Gradient reductions and parameter gathers over the ring of the ranks that shard (all, or
+    under a tensor split those of one tensor rank, each moving its 1/tensor of the model),
+    Ulysses' all-to-alls and the tensor split's all-reduces."""
+    rung, ring, tp = spec.row, spec.shard_ranks, spec.tensor_parallel
     cost = method_cost(shape, spec.finetune, spec.compute_bytes)
     bandwidth = links.intra_node if hw.nodes == 1 else links.inter_node
     gather_scale = spec.compute_bytes / 2 if rung.engine == "fsdp" else 1.0
     comm_bytes = cost.trained * rung.grad_comm * _grad_reductions(spec)
     comm_bytes += cost.gathered * rung.param_comm_per_micro * gather_scale * spec.grad_accum
-    return (world - 1) / world * comm_bytes / bandwidth + all_to_all_s(shape, spec, links)
+    sharded = (ring - 1) / ring * comm_bytes / tp / bandwidth
+    return sharded + all_to_all_s(shape, spec, links) + tensor_all_reduce_s(shape, spec, links)
+
+
+def tensor_all_reduce_s(shape: ModelShape, spec: StepSpec, links: Links) -> float:
+    """The tensor split's collectives (trainer/parallel/tensor.py), inside the node: per layer
+    and pass (forward, backward, a checkpoint's recompute) two all-reduces of the hidden states
+    (the row-wise outputs forward, the column-wise inputs' gradients backward), a ring moving
+    2 (tp-1)/tp of them; and the head's logits gathered once per micro-batch."""
+    tp = spec.tensor_parallel
+    if tp == 1:
+        return 0.0
+    tokens = spec.num_sequences * spec.local_seq_len
+    hidden = spec.compute_bytes * tokens * shape.hidden_size
+    passes = (2 + _recomputed(shape, spec)) * spec.grad_accum
+    layers = 2 * 2 * (tp - 1) / tp * hidden * shape.num_layers * passes
+    logits = (tp - 1) / tp * spec.compute_bytes * tokens * shape.vocab_size * spec.grad_accum
+    bandwidth = links.intra_node if tp <= spec.ranks_per_node else links.inter_node
+    return (layers + logits) / bandwidth
 
 
 def all_to_all_s(shape: ModelShape, spec: StepSpec, links: Links) -> float:
@@ -173,7 +193,9 @@ def _host_s(
     cost = method_cost(shape, spec.finetune, spec.compute_bytes)
     per_rank = cost.trained / world  # what is stepped and moved once per step or reduction
     pcie_bytes = (rung.pcie_per_step + rung.offloaded_grads * _grad_reductions(spec)) * per_rank
-    pcie_bytes += rung.pcie_per_micro * spec.grad_accum * cost.gathered / world  # params, per use
+    # parameters, per use: a rank gathers its tensor rank's share of each
+    gathered = cost.gathered / spec.tensor_parallel
+    pcie_bytes += rung.pcie_per_micro * spec.grad_accum * gathered / spec.shard_ranks
     seconds = pcie_bytes / links.pcie
     if rung.host_adam_params_s:
         seconds += per_rank * min(hw.devices_per_node, world) / rung.host_adam_params_s

@@ -106,17 +106,20 @@ def shortfall(est: Estimate, hw: Hardware, headroom: Headroom | float) -> str | 
     return None
 
 
-def rung_world(rung: Strategy, hw: Hardware) -> int | None:
-    world = hw.world_size
+def rung_world(rung: Strategy, hw: Hardware, tensor: int = 1) -> int | None:
+    """The ranks the rung counts (a tensor group once); None where it cannot run on them."""
+    world = hw.world_size // tensor
     if world < rung.min_world or (rung.max_world is not None and world > rung.max_world):
         return None
     return world
 
 
-def per_rank_batch(cfg: JobConfig, hw: Hardware, sequence_parallel: int = 1) -> int:
+def per_rank_batch(
+    cfg: JobConfig, hw: Hardware, sequence_parallel: int = 1, tensor_parallel: int = 1
+) -> int:
     """Sequences per rank per optimizer step; the global batch must split evenly over the
-    data-parallel groups (the ranks of a sequence group read the same sequences)."""
-    world = hw.world_size // sequence_parallel
+    data-parallel groups (the ranks of a sequence or tensor group read the same sequences)."""
+    world = hw.world_size // (sequence_parallel * tensor_parallel)
     gbs = cfg.train.global_batch_size
     if gbs % world:
         raise uneven_batch(gbs, world)
@@ -164,7 +167,7 @@ def job_step(
     if ops is None:  # the config's: op level where it says so
         ops = cfg.memory.selective == "ops"
     long = long or LongContext.of(cfg)
-    data_ranks = hw.world_size // long.sequence_parallel
+    data_ranks = hw.world_size // (long.sequence_parallel * long.tensor_parallel)
     return StepSpec(
         strategy=rung.name,
         world_size=hw.world_size,
@@ -188,6 +191,7 @@ def job_step(
         finetune=finetune or Finetune.of(cfg),
         sequence_parallel=long.sequence_parallel,
         tiled_mlp=long.tiled_mlp,
+        tensor_parallel=long.tensor_parallel,
         mlp_chunk_tokens=cfg.memory.mlp_chunk_tokens,
         sequences_per_example=2 if cfg.objective.preference else 1,
         reference=REFERENCE_SOURCES.get((cfg.objective.type, cfg.finetune.method)),
@@ -253,6 +257,8 @@ class Climb:
     ranked: list[Candidate]
     rejected: list[Alternative]
     usable: tuple[Strategy, ...] = ()  # the rungs the job may run on here, whatever their memory
+    # (tensor degree, predicted step time of its best fitting step or None), each degree tried
+    tensor_times: tuple[tuple[int, float | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -278,7 +284,7 @@ def climb(
     """Walk `rungs` for this job: each one's fastest fitting step, then the ranking; each
     sequence split as `long` says (None: as the config says)."""
     long = long or LongContext.of(cfg)
-    per_rank = per_rank_batch(cfg, hw, long.sequence_parallel)
+    per_rank = per_rank_batch(cfg, hw, long.sequence_parallel, long.tensor_parallel)
     finetune = Finetune.of(cfg)
     unsupported = {rung.name: why_not_on(rung, finetune, cfg.precision) for rung in rungs}
     levers = lever_variants(cfg.memory.chunked_loss, cfg.memory.offload_activations, hw.device)
@@ -288,7 +294,8 @@ def climb(
     rejected: list[Alternative] = []
     usable: list[Strategy] = []
     for rung in rungs:
-        why = _why_not_tried(rung, hw, cfg, exclude) or unsupported[rung.name]
+        why = _why_not_tried(rung, hw, cfg, exclude, long.tensor_parallel)
+        why = why or unsupported[rung.name]
         if why is None:
             usable.append(rung)
             best, why = _best_on(walk, rung)
@@ -432,10 +439,14 @@ def _fits_faster(
     return time_s < than.time_s
 
 
-def _why_not_tried(rung: Strategy, hw: Hardware, cfg: JobConfig, exclude) -> str | None:
+def _why_not_tried(
+    rung: Strategy, hw: Hardware, cfg: JobConfig, exclude, tensor: int = 1
+) -> str | None:
     if rung.name in exclude:
         return "ran out of memory in this run"
-    if rung_world(rung, hw) is None:
+    if tensor > 1 and not rung.tensor_parallel:
+        return f"runs no tensor split (tensor parallel {tensor})"
+    if rung_world(rung, hw, tensor) is None:
         need = f"{rung.min_world}+ ranks" if rung.max_world is None else "exactly 1 rank"
         return f"needs {need}, has {hw.world_size}"
     if rung.needs_nvme and not cfg.deepspeed.nvme_path:

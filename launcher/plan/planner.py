@@ -42,6 +42,7 @@ from launcher.plan.long_context import (
     max_seq_len_memory,
 )
 from launcher.plan.no_fit import what_would_fit
+from launcher.plan.splits import tensor_reason
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
 from trainer.core.step_spec import (
@@ -108,7 +109,7 @@ class Plan:
         self, hw: Hardware, headroom: Headroom | float, command: list[str]
     ) -> dict[str, Any]:
         """docs/interface.md's `plan --json`."""
-        sp = self.long.sequence_parallel
+        sp, tp = self.long.sequence_parallel, self.long.tensor_parallel
         h = as_headroom(headroom)
         device_share = h.device(self.estimate.calibrated)
         return {
@@ -123,7 +124,7 @@ class Plan:
             "selective": self.selective,
             "chunked_loss": self.levers.chunked_loss,
             "offload_activations": self.levers.offload_activations,
-            "parallel": {"data": self.world_size // sp, "sequence": sp},
+            "parallel": {"data": self.world_size // (sp * tp), "sequence": sp, "tensor": tp},
             "sequence_parallel": sp,  # parallel.sequence's old name
             "tiled_mlp": self.long.tiled_mlp,
             "max_seq_len": self.max_seq_len,
@@ -206,6 +207,8 @@ def make_plan(
     if chosen.rung.streams_layers:
         reasons.append(resident_reason(shape, chosen.spec.compute_bytes))
     reasons += long_context_reasons(shape, chosen.spec, memory_scale, longest, memory_longest)
+    if (why := tensor_reason(cfg, hw, found, chosen.spec.tensor_parallel)) is not None:
+        reasons.append(why)
     if attention != "sdpa" and "sdpa" in climbs:  # `auto` chose another
         reasons.append(attention_reason(cfg, chosen, attention, climbs["sdpa"]))
     if chosen.spec.compiled_layers:
@@ -217,7 +220,7 @@ def make_plan(
 def _reasons(cfg: JobConfig, hw: Hardware, ranked: list[Candidate], memory_scale: float):
     """The plan's reasons, in words: what fits, the batch geometry, why this rung."""
     chosen = ranked[0]
-    world = hw.world_size // chosen.spec.sequence_parallel  # data-parallel groups
+    world = chosen.spec.data_ranks  # data-parallel groups
     per_rank = cfg.train.global_batch_size // world
     est = chosen.estimate
     reasons = [
@@ -379,7 +382,12 @@ def apply_plan(cfg: JobConfig, plan: Plan, hw: Hardware) -> JobConfig:
                     "tiled_mlp": plan.long.tiled_mlp,
                 }
             ),
-            "parallel": cfg.parallel.model_copy(update={"sequence": plan.long.sequence_parallel}),
+            "parallel": cfg.parallel.model_copy(
+                update={
+                    "sequence": plan.long.sequence_parallel,
+                    "tensor": plan.long.tensor_parallel,
+                }
+            ),
             "sequence_parallel": plan.long.sequence_parallel,
             "model": cfg.model.model_copy(update={"attn_implementation": plan.attention}),
             "hardware": cfg.hardware.model_copy(

@@ -30,6 +30,7 @@ class Run:
     # "learns" (the loss falls: QLoRA, whose 4-bit base no other run shares),
     # "full_disk" (each rank's outcome_rank{R}.json: the same one-line ConfigError),
     # "stream" (the stream rung: losses and grad norms within 1e-6 of `against`)
+    # "tensor" (losses within 1e-5 of `against`: a tensor split, trainer/parallel/tensor.py)
     check: str | None = None
     against: str = "single_fp32"
     exact: bool = False  # resume: bit-identical losses
@@ -64,6 +65,13 @@ _SMALL = (
     "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 256, pad_token_id: 0, "
     "bos_token_id: 1, eos_token_id: 2"
 )
+# tensor parallel over 2 ranks (its 2 attention and 1 key/value heads each): Llama, Qwen2 (biased
+# q/k/v), Qwen3 (q/k norms replicated, their gradients all-reduced by transformers' plan)
+TP2 = ("strategy=single", "parallel.tensor=2")
+TENSOR_MODELS = {
+    name: "{model_type: " + name + ", " + _SMALL + ", intermediate_size: 64}"
+    for name in ("qwen2", "qwen3")
+}
 MODELS = {  # inline HF configs as `model.config=` overrides
     "gemma3_text": "{model_type: gemma3_text, " + _SMALL + ", intermediate_size: 64, "
     "sliding_window: 16, layer_types: [sliding_attention, full_attention]}",
@@ -204,6 +212,24 @@ RUNS: tuple[Run, ...] = (
                                  "run.checkpoint_every=4",
                                  f"run.resume={{work}}/fsdp_fp32/checkpoints/step_{RESUME_AT}"),
         check="resume", against="fsdp_fp32", needs_nvme=True),
+    # tensor parallel (trainer/parallel/tensor.py): 2 ranks of one tensor group against one
+    # process, on three architectures and from pretrained weights each rank reads its blocks
+    # of; its checkpoint resumed on fsdp, and fsdp's resumed under the split
+    Run("tp2_fp32", (*TP2, "run.checkpoint_every=4"), check="tensor"),
+    *(
+        run
+        for name, config in TENSOR_MODELS.items()
+        for run in (
+            Run(f"single_{name}", (f"model.config={config}",), world_size=1),
+            Run(f"tp2_{name}", (*TP2, f"model.config={config}"), check="tensor",
+                against=f"single_{name}"),
+        )
+    ),
+    Run("tp2_pretrained", (*TP2, *PRETRAINED), check="pretrained", against="single_pretrained"),
+    _resume("fsdp_from_tp2", "tp2_fp32", "fsdp", against="tp2_fp32"),
+    Run("tp2_from_fsdp", (*TP2, "run.checkpoint_every=4",
+                          f"run.resume={{work}}/fsdp_fp32/checkpoints/step_{RESUME_AT}"),
+        check="resume", against="fsdp_fp32"),
     # two-process checkpoints resumed on one process (a process group of one for fsdp)
     _resume("single_from_fsdp", "fsdp_fp32", "single", against="fsdp_fp32", world_size=1),
     _resume("fsdp1_from_fsdp2", "fsdp_fp32", "fsdp", against="fsdp_fp32", world_size=1),

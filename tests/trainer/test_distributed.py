@@ -156,6 +156,18 @@ def test_fp32_losses_match_one_process(runs, run):
     assert all(m["world_size"] == run.world_size for m in _metrics(runs / run.name))
 
 
+@pytest.mark.parametrize("run", checked("tensor"), ids=lambda run: run.name)
+def test_a_tensor_split_learns_what_one_process_learns(runs, run):
+    """Each layer's projections split over the 2 ranks of a tensor group (transformers' plan
+    for the architecture): every step's loss within 1e-5 of one process's, the same tokens."""
+    ref, got = _metrics(runs / run.against), _metrics(runs / run.name)
+    assert len(got) == STEPS
+    for a, b in zip(got, ref, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (run.name, a["step"], a["loss"], b["loss"])
+        assert a["tokens"] == b["tokens"]
+    assert got[-1]["loss"] < got[0]["loss"]
+
+
 @pytest.mark.parametrize("run", checked("pretrained"), ids=lambda run: run.name)
 def test_pretrained_weights_read_per_rank_give_the_pretrained_loss(runs, run):
     """Fine-tuning from a saved model on two ranks, each reading only its FSDP shard / ZeRO-3

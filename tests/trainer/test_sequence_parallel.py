@@ -82,6 +82,7 @@ ROPE = (
 )
 # ALST's offloaded checkpoints: every layer checkpointed, only its input waits on the host
 OFFLOADED_CHECKPOINTS = (FULL_AC, "memory.offload_activations=true")
+TP_STEPS = "train.steps=8"
 # name: (overrides, world size, the one-process run it must equal)
 RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "single": ((*SINGLE, "run.checkpoint_every=3", "run.save_final=true"), 1, None),
@@ -134,6 +135,15 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
         "single",
     ),
     "resume_sp1": ((*SINGLE, "sequence_parallel=1"), 1, "single"),
+    # tensor parallel 2 under FSDP over the other 2 ranks, and with a sequence split of 2 (each
+    # tensor rank's one key/value head serves both sequence ranks), against 8 steps of one process
+    "single8": ((*SINGLE, TP_STEPS), 1, None),
+    "fsdp_tp2_w4": (("strategy=fsdp", "parallel.tensor=2", TP_STEPS), 4, "single8"),
+    "fsdp_sp2_tp2_w4": (
+        ("strategy=fsdp", "parallel.tensor=2", "parallel.sequence=2", TP_STEPS),
+        4,
+        "single8",
+    ),
 }
 
 
@@ -194,7 +204,14 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-PARITY = [name for name, (_, _, against) in RUNS.items() if against and "resume" not in name]
+PARITY = [
+    name
+    for name, (overrides, _, against) in RUNS.items()
+    if against and "resume" not in name and TP_STEPS not in overrides
+]
+TENSOR = [
+    name for name, (overrides, _, against) in RUNS.items() if against and TP_STEPS in overrides
+]
 
 
 @pytest.mark.slow
@@ -211,6 +228,20 @@ def test_losses_equal_one_process(runs: Path, name: str) -> None:
     for g, w in evals:
         assert g["eval_loss"] == pytest.approx(w["eval_loss"], abs=1e-4), (g["step"], g, w)
         assert g["eval_exact_match"] == w["eval_exact_match"], (g["step"], g, w)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("name", TENSOR)
+def test_a_tensor_split_under_fsdp_and_a_sequence_split_learns_what_one_process_learns(
+    runs: Path, name: str
+) -> None:
+    got, want = _metrics(runs / name), _metrics(runs / RUNS[name][2])
+    assert len(got) == len(want) == 8
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], abs=1e-5), (g["step"], g["loss"], w["loss"])
+        assert g["tokens"] == w["tokens"]
+        assert g.get("eval_loss", 0) == pytest.approx(w.get("eval_loss", 0), abs=1e-5)
 
 
 @pytest.mark.slow

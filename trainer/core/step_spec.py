@@ -101,20 +101,25 @@ def smallest_levers(chunked_loss: object, offload_activations: object) -> Levers
 
 @dataclass(frozen=True)
 class LongContext:
-    """How one candidate splits a long sequence: over `sequence_parallel` ranks (Ulysses) and
-    the MLP over chunks (`tiled_mlp`)."""
+    """How one candidate splits the model's work beyond data parallel: each sequence over
+    `sequence_parallel` ranks (Ulysses), the MLP over chunks (`tiled_mlp`), each layer's
+    projections over `tensor_parallel` ranks (trainer/parallel/tensor.py)."""
 
     sequence_parallel: int = 1
     tiled_mlp: bool = False
+    tensor_parallel: int = 1
 
     @classmethod
     def of(cls, cfg: Any) -> LongContext:
         """The config's own: `auto` is 1 and off (what the engine runs without a plan)."""
-        sp, tiled = cfg.sequence_parallel, cfg.memory.tiled_mlp
-        return cls(sp if isinstance(sp, int) else 1, tiled is True)
+        sp, tiled, tp = cfg.sequence_parallel, cfg.memory.tiled_mlp, cfg.parallel.tensor
+        return cls(
+            sp if isinstance(sp, int) else 1, tiled is True, tp if isinstance(tp, int) else 1
+        )
 
     def words(self) -> str:
         return _words(
+            (f"tensor parallel {self.tensor_parallel}", self.tensor_parallel > 1),
             (f"sequence parallel {self.sequence_parallel}", self.sequence_parallel > 1),
             ("tiled MLP", self.tiled_mlp),
         )
@@ -153,6 +158,9 @@ class StepSpec:
     # each holding seq_len / sequence_parallel tokens of it through every layer
     sequence_parallel: int = 1
     tiled_mlp: bool = False  # trainer/memory/tiled_mlp.py: MLP chunks, recomputed in backward
+    # each layer's projections split over this many ranks (trainer/parallel/tensor.py): a rank
+    # holds and computes 1/tensor_parallel of them; FSDP shards over the other ranks
+    tensor_parallel: int = 1
     mlp_chunk_tokens: int | None = None  # memory.mlp_chunk_tokens (None: the hidden size)
     # sequences per example: 2 under a preference objective (micro-batches count pairs)
     sequences_per_example: int = 1
@@ -215,8 +223,14 @@ class StepSpec:
 
     @property
     def data_ranks(self) -> int:
-        """Data-parallel groups: the ranks of a sequence group read the same sequences."""
-        return max(1, self.world_size // max(1, self.sequence_parallel))
+        """Data-parallel groups: the ranks of a sequence or tensor group read the same
+        sequences."""
+        return max(1, self.world_size // max(1, self.sequence_parallel * self.tensor_parallel))
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks a sharded rung shards over: all of them, or those of one tensor rank."""
+        return max(1, self.world_size // max(1, self.tensor_parallel))
 
     @property
     def levers(self) -> Levers:
@@ -224,7 +238,7 @@ class StepSpec:
 
     @property
     def long_context(self) -> LongContext:
-        return LongContext(self.sequence_parallel, self.tiled_mlp)
+        return LongContext(self.sequence_parallel, self.tiled_mlp, self.tensor_parallel)
 
 
 def _words(*named: tuple[str, bool], none: str = "none") -> str:

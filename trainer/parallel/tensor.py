@@ -20,41 +20,11 @@ from torch import nn
 
 from trainer.core.errors import ConfigError
 
-# the projections a plan must split for the degree to pay: attention's and the MLP's
-_COVERED = (("attn", "attention"), ("mlp", "feed_forward"))
 
-
-def plan_of_config(model_type: str) -> dict[str, str]:
-    """The architecture's tensor-parallel plan (`base_model_tp_plan`), {} where it has none:
-    torch-free, for the planner and the config's checks."""
-    from transformers import CONFIG_MAPPING
-
-    try:
-        config_class = CONFIG_MAPPING[model_type]
-    except KeyError:
-        return {}
-    return dict(getattr(config_class, "base_model_tp_plan", None) or {})
-
-
-def has_plan(model_type: str) -> bool:
-    """Whether the plan splits attention and the MLP (gpt_oss's splits only its embedding)."""
-    keys = list(plan_of_config(model_type))
-    return all(any(word in key for key in keys for word in words) for words in _COVERED)
-
-
-def check_plan(model_type: str, tensor: int) -> None:
-    """ConfigError (exit 2) when `parallel.tensor` > 1 cannot split this architecture or the
-    installed transformers cannot apply it."""
-    if tensor == 1:
-        return
-    if not has_plan(model_type):
-        raise ConfigError(
-            "parallel.tensor",
-            f"{tensor} on model_type {model_type}: transformers declares no tensor-parallel "
-            "plan for its attention and MLP (base_model_tp_plan)",
-            "use parallel.tensor=1 (the fsdp rungs shard it)",
-        )
-    if _apply_function() is None:
+def check_installed(tensor: int) -> None:
+    """ConfigError (exit 2) when `parallel.tensor` > 1 and the installed transformers cannot
+    apply a plan (its distributed API moved between 5.17 and 5.24)."""
+    if tensor > 1 and _apply_function() is None:
         raise ConfigError(
             "parallel.tensor",
             f"{tensor} needs transformers.distributed.tensor_parallel.apply_tensor_parallelism, "
