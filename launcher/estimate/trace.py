@@ -153,7 +153,8 @@ def _traced_model(
 
     def wrap(model: nn.Module) -> nn.Module:
         if sharded:
-            apply_fsdp(model, precision=spec.precision, reshard_after_forward=reshard_after_forward)
+            apply_fsdp(model, precision=spec.precision, reshard_after_forward=reshard_after_forward,
+                       mesh=mesh.token_mesh)  # fmt: skip
         return model
 
     changes = ModelChanges(
@@ -174,21 +175,23 @@ def _traced_model(
     )  # fmt: skip
     if spec.tiled_mlp:  # after the backend's wrapping, as the engine does
         apply_tiled_mlp(model, spec.mlp_chunk_tokens)
-    backend = build_backend(spec.strategy, _backend_context(spec, device))
+    backend = build_backend(spec.strategy, _backend_context(spec, device, mesh))
     return model, attach(backend, model, _optimizer(model, spec), _SPEC.grad_clip), mesh.dims
 
 
 def _sequence_split(spec: StepSpec, sharded: bool, stack: contextlib.ExitStack) -> ParallelMesh:
-    """The data x sequence world whose rank 0 is traced, over a fake process group (of the
-    world for fsdp, of one sequence group for single), its model attending through the engine's
-    Ulysses all-to-alls (which the fake group completes without moving data)."""
-    sp = spec.sequence_parallel
-    if sharded or sp > 1:
-        stack.enter_context(fake_process_group(spec.world_size if sharded else sp))
-    return build_mesh(ParallelDims(spec.world_size if sharded else sp, sp), 0)
+    """The data x sequence x tensor world whose rank 0 is traced, over a fake process group (of
+    the world for fsdp, of one sequence x tensor group for single), its model attending through
+    the engine's Ulysses all-to-alls and split by transformers' tensor plan (the fake group
+    completes their collectives without moving data)."""
+    sp, tp = spec.sequence_parallel, spec.tensor_parallel
+    world = spec.world_size if sharded else sp * tp
+    if sharded or sp * tp > 1:
+        stack.enter_context(fake_process_group(world))
+    return build_mesh(ParallelDims(world, sp, tp), 0)
 
 
-def _backend_context(spec: StepSpec, device: torch.device) -> BackendContext:
+def _backend_context(spec: StepSpec, device: torch.device, mesh: ParallelMesh) -> BackendContext:
     job = JobConfig(
         model={"config": {"model_type": "traced"}},
         data={"path": "traced"},
@@ -197,7 +200,7 @@ def _backend_context(spec: StepSpec, device: torch.device) -> BackendContext:
     return BackendContext(
         cfg=job, device=device, rank=0, local_rank=0, world_size=spec.world_size,
         precision=spec.precision, activation_checkpointing=spec.activation_checkpointing,
-        micro_batch_size=spec.micro_batch_size, grad_accum=spec.grad_accum,
+        micro_batch_size=spec.micro_batch_size, grad_accum=spec.grad_accum, mesh=mesh,
     )  # fmt: skip
 
 

@@ -155,4 +155,12 @@ def accelerate_config(plan: Plan, cfg: JobConfig) -> str:
             "offload_param_device": _ACCELERATE_PLACES[rung.params_at],
             "zero3_init_flag": rung.zero_stage == 3,
         }
+    tp = plan.long.tensor_parallel
+    if tp > 1:  # accelerate's ParallelismConfig: FSDP over the ranks of one tensor rank
+        out["parallelism_config"] = {
+            "parallelism_config_dp_replicate_size": 1,
+            "parallelism_config_dp_shard_size": plan.world_size // tp,
+            "parallelism_config_tp_size": tp,
+            "parallelism_config_cp_size": 1,
+        }
     return yaml.safe_dump(out, sort_keys=False)

@@ -56,7 +56,7 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Ten
     """`clip_grad_norm_` over parameters on different meshes (a tensor split leaves the norms
     whole, or on FSDP's 1-D mesh, and the split ones on a 2-D one): each mesh's gradients as one
     norm, the global norm of those, every gradient scaled by min(1, max_norm / norm) as torch
-    does (a factor of 1 leaves them as they are). Returns the norm before clipping."""
+    does. Returns the norm before clipping."""
     groups: dict[Any, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
@@ -68,10 +68,9 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Ten
     if not norms:
         return torch.zeros(())
     total = torch.linalg.vector_norm(torch.stack(norms))
-    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-    if coef < 1.0:
-        for grads in groups.values():
-            torch._foreach_mul_(grads, coef)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # no sync: a device tensor
+    for grads in groups.values():  # a DTensor's local block, scaled in place
+        torch._foreach_mul_([g.to_local() if is_split(g) else g for g in grads], coef)
     return total
 
 

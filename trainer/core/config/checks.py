@@ -18,7 +18,9 @@ from trainer.core.config.paths import exists, has_local_parent
 from trainer.core.config.schema import JobConfig
 from trainer.core.config.secrets import check_no_secrets
 from trainer.core.errors import ConfigError
-from trainer.core.hf_config import hf_config_dict, model_positions
+from trainer.core.hf_config import hf_config_dict, model_positions, text_config
+from trainer.core.parallel_dims import AttentionShape, ParallelDims, check_tensor_parallel
+from trainer.core.tensor_plan import check_tensor_plan
 
 
 def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
@@ -127,6 +129,7 @@ def build_config(tree: dict[str, Any]) -> JobConfig:
     check_no_secrets(cfg.to_dict())
     _one_sequence_degree(cfg)
     _one_headroom(cfg)
+    _check_tensor_model(cfg)
     _check_across_sections(cfg)
     _check_paths(cfg)
     _check_positions(cfg)
@@ -472,3 +475,18 @@ def check_debug_ranks(cfg: JobConfig, world_size: int) -> None:
                 f"{world_size - 1}): nothing would be injected",
                 f"use a rank below {world_size}",
             )
+
+
+def _check_tensor_model(cfg: JobConfig) -> None:
+    """`parallel.tensor` > 1 on a model whose config is known offline: transformers has a plan
+    for it, and the degree splits its heads over the ranks (the fix names the degrees that do)."""
+    tp, hw = cfg.parallel.tensor, cfg.hardware
+    if not isinstance(tp, int) or tp == 1:
+        return
+    try:
+        text = text_config(hf_config_dict(cfg.model.config, cfg.model.name_or_path))
+    except ConfigError:  # a hub id without a shipped preset: checked when the model loads
+        return
+    check_tensor_plan(str(text.get("model_type", "")), tp)
+    world = hw.nodes * hw.devices_per_node if hw.devices_per_node else tp
+    check_tensor_parallel(ParallelDims(world, 1, tp), AttentionShape.of_hf_config(text))
