@@ -55,7 +55,13 @@ def tensor_parallel_sizes(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> li
     if not takes or not has_tensor_plan(shape.model_type):
         return [1]
     node = min(hw.devices_per_node or hw.world_size, hw.world_size)
-    return [tp for tp in tensor_sizes(node, attention) if hw.world_size % tp == 0]
+    sp = cfg.sequence_parallel if isinstance(cfg.sequence_parallel, int) else 1
+    batch = Batch(cfg.train.global_batch_size)
+    return [  # with the config's own sequence split, where it sets one
+        tp
+        for tp in tensor_sizes(node, attention)
+        if ParallelDims(hw.world_size, sp, tp).problem(attention, cfg.data.seq_len, batch) is None
+    ]
 
 
 def sequence_parallel_sizes(

@@ -83,6 +83,13 @@ ROPE = (
 # ALST's offloaded checkpoints: every layer checkpointed, only its input waits on the host
 OFFLOADED_CHECKPOINTS = (FULL_AC, "memory.offload_activations=true")
 TP_STEPS = "train.steps=8"
+# Qwen2 (biased q/k/v) and Qwen3 (q/k norms, their gradients summed over the tensor group) with
+# 2 key/value heads: one a tensor rank
+TENSOR_MODELS = {
+    model: "model.config={model_type: " + model + ", " + _SMALL + "num_attention_heads: 4, "
+    "num_key_value_heads: 2, max_position_embeddings: 256}"
+    for model in ("qwen2", "qwen3")
+}
 # name: (overrides, world size, the one-process run it must equal)
 RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     "single": ((*SINGLE, "run.checkpoint_every=3", "run.save_final=true"), 1, None),
@@ -139,6 +146,17 @@ RUNS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
     # tensor rank's one key/value head serves both sequence ranks), against 8 steps of one process
     "single8": ((*SINGLE, TP_STEPS), 1, None),
     "fsdp_tp2_w4": (("strategy=fsdp", "parallel.tensor=2", TP_STEPS), 4, "single8"),
+    **{
+        name: run
+        for model, config in TENSOR_MODELS.items()
+        for name, run in (
+            (f"single8_{model}", ((*SINGLE, TP_STEPS, config), 1, None)),
+            (
+                f"fsdp_tp2_{model}_w4",
+                (("strategy=fsdp", "parallel.tensor=2", TP_STEPS, config), 4, f"single8_{model}"),
+            ),
+        )
+    },
     "fsdp_sp2_tp2_w4": (
         ("strategy=fsdp", "parallel.tensor=2", "parallel.sequence=2", TP_STEPS),
         4,
