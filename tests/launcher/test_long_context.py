@@ -105,7 +105,8 @@ def test_a_batch_only_a_sequence_split_shares_is_refused_naming_the_split_that_p
     ), err.value
     plan = make_plan(job.model_copy(update={"sequence_parallel": 8}), hw)
     assert plan.long.sequence_parallel == 8
-    assert plan.micro_batch_size * plan.grad_accum * 1000 == 1000
+    data_ranks = 8000 // (8 * plan.long.tensor_parallel)  # a sequence or tensor group reads one
+    assert plan.micro_batch_size * plan.grad_accum * data_ranks == 1000
 
 
 def test_the_resolved_config_runs_what_was_planned_and_a_forced_split_is_kept(tmp_path):
@@ -126,7 +127,8 @@ def test_parallel_sequence_plans_what_its_old_name_sequence_parallel_plans(capsy
     job = (PRESET_8B, *LONG, *EIGHT_76, "hardware.host_memory=1TiB", SDPA)
     new = _plan_json(capsys, *job, "parallel.sequence=2")
     assert new == _plan_json(capsys, *job, "sequence_parallel=2")
-    assert new["parallel"] == {"data": 4, "sequence": 2} and new["sequence_parallel"] == 2
+    assert new["parallel"] == {"data": 4, "sequence": 2, "tensor": 1}
+    assert new["sequence_parallel"] == 2
     cfg = load_config(PRESET_8B, [*job[1:], "parallel.sequence=2", f"run.dir={tmp_path}"])
     resolved, _ = resolve_plan(cfg)
     assert resolved.parallel.sequence == resolved.sequence_parallel == 2

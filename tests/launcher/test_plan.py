@@ -66,7 +66,8 @@ def test_plan_case(case):
         return
     plan = make_plan(cfg, hw)
     assert plan.strategy in case["rung"], (plan.strategy, plan.reasons)
-    assert plan.micro_batch_size * plan.grad_accum * hw.world_size == 64  # exact global batch
+    data_ranks = hw.world_size // (plan.long.sequence_parallel * plan.long.tensor_parallel)
+    assert plan.micro_batch_size * plan.grad_accum * data_ranks == 64  # exact global batch
     assert shortfall(plan.estimate, hw, plan_headroom(cfg)) is None
     if "checkpointing" in case:
         assert plan.activation_checkpointing == case["checkpointing"]
