@@ -57,11 +57,12 @@ def tensor_parallel_sizes(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> li
     node = min(hw.devices_per_node or hw.world_size, hw.world_size)
     sp = cfg.sequence_parallel if isinstance(cfg.sequence_parallel, int) else 1
     batch = Batch(cfg.train.global_batch_size)
-    return [1] + [  # splits that take the config's own sequence split, where it sets one
+    splits = [  # those that take the config's own sequence split, where it sets one
         tp
         for tp in tensor_sizes(node, attention)[1:]
         if ParallelDims(hw.world_size, sp, tp).problem(attention, cfg.data.seq_len, batch) is None
     ]
+    return [1, *splits]
 
 
 def sequence_parallel_sizes(

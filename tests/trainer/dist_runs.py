@@ -29,7 +29,7 @@ class Run:
     # "pretrained" (step 1's loss within 1e-5 of `against`'s),
     # "learns" (the loss falls: QLoRA, whose 4-bit base no other run shares),
     # "full_disk" (each rank's outcome_rank{R}.json: the same one-line ConfigError),
-    # "stream" (the stream rung: losses and grad norms within 1e-6 of `against`)
+    # "stream" (the stream rung: losses and grad norms within 1e-6 of `against`),
     # "tensor" (losses within 1e-5 of `against`: a tensor split, trainer/parallel/tensor.py)
     check: str | None = None
     against: str = "single_fp32"
