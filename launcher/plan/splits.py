@@ -185,7 +185,7 @@ def tensor_reason(cfg: JobConfig, hw: Hardware, found: Climb, tensor: int) -> st
     return (
         f"{what}: predicted step time by tensor degree {times} (a split of t cuts FSDP's "
         f"gathers and reductions to 1/t of the model at {fsdp_bw / 1e9:g} GB/s {between}, "
-        "and adds 4 all-reduces of the hidden states per layer and pass at "
+        "and adds 2 all-reduces of the hidden states per layer and pass at "
         f"{links.intra_node / 1e9:g} GB/s intra-node; a split must be "
         f"{SIMPLER_RUNG_MARGIN:.0%} faster to be chosen)"
     )
