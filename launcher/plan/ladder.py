@@ -337,8 +337,12 @@ def _best_on(walk: _Walk, rung: Strategy) -> tuple[Candidate | None, str]:
             return None, f"train.optimizer_in_backward needs micro-batch {walk.per_rank}"
     best: Candidate | None = None
     smallest: Estimate | None = None
-    # a rung that recomputes every layer itself is `full` (its kept inputs: the checkpoints)
-    levels = [("full", False)] if rung.streams_layers else _checkpointing(walk)
+    levels = _checkpointing(walk)
+    if rung.streams_layers:  # it recomputes every layer itself: its kept inputs, the checkpoints
+        levels = [level for level in levels if level == ("full", False)]
+        if not levels:
+            level = cfg.memory.activation_checkpointing
+            return None, f"recomputes every layer (memory.activation_checkpointing={level})"
     for every, (ac, ops), lev in itertools.product(reduce_variants(rung, cfg), levels, walk.levers):
         # a smaller micro-batch at the same checkpointing is only slower, except where it lets
         # selective checkpointing recompute fewer layers: then every micro-batch is weighed
