@@ -16,14 +16,13 @@ from launcher.plan.hardware import Hardware
 from launcher.plan.headroom import Headroom, plan_headroom
 from launcher.plan.ladder import (
     DENSE_MASK,
-    SIMPLER_RUNG_MARGIN,
     Candidate,
     Climb,
     job_step,
     scaled_estimate,
     shortfall,
 )
-from launcher.plan.splits import climb_splits, frugal_sequence_parallel
+from launcher.plan.splits import climb_splits, faster, frugal_sequence_parallel
 from trainer.core.config import JobConfig
 from trainer.core.step_spec import LongContext, StepSpec, lever_variants
 from trainer.core.strategies import Strategy
@@ -84,18 +83,10 @@ def climb_long(
             with_attention(cfg, attention), hw, shape, rungs, exclude, memory_scale
         )
         climbs[attention] = found
-        if best is None or _faster(found, best[0]):
+        if best is None or faster(found, best[0]):
             best = (found, long, attention)
     assert best is not None
     return (*best, climbs)
-
-
-def _faster(found: Climb, than: Climb) -> bool:
-    if not found.ranked:
-        return False
-    if not than.ranked:
-        return True
-    return found.ranked[0].time_s < than.ranked[0].time_s * (1 - SIMPLER_RUNG_MARGIN)
 
 
 def max_seq_len(

@@ -141,7 +141,7 @@ def climb_splits(
     fitting = [(found, long) for found, long in climbs[1:] if found.ranked]
     found, long = climbs[0]
     split = min(fitting, key=lambda pair: pair[0].ranked[0].time_s, default=None)
-    if split is not None and _faster(split[0], found):  # a split over the simplest degree
+    if split is not None and faster(split[0], found):  # a split over the simplest degree
         found, long = split
     return (replace(found, tensor_times=tuple(times)) if len(times) > 1 else found), long
 
@@ -157,7 +157,7 @@ def _first_fitting(
     return found, long
 
 
-def _faster(found: Climb, than: Climb) -> bool:
+def faster(found: Climb, than: Climb) -> bool:
     """Whether `found` fits and `than` does not, or is predicted faster by the margin."""
     if not found.ranked:
         return False
