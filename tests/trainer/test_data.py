@@ -172,6 +172,45 @@ def test_tokenised_data_is_cached(tmp_path, monkeypatch):
     assert (again.tokens == first.tokens).all() and (again.offsets == first.offsets).all()
 
 
+def _save_at_once(cache, docs, barrier, failures):
+    barrier.wait()
+    try:
+        data_mod._save_docs(cache, docs)
+    except Exception as err:  # noqa: BLE001  (reported to the parent)
+        failures.put(repr(err))
+
+
+def test_jobs_saving_one_cache_at_once_all_succeed_and_leave_it_whole(tmp_path):
+    """Jobs sharing data.cache_dir tokenise the same key at once (CI's hang test met `Directory
+    not empty` this way): every save succeeds and one whole cache is left, nothing beside it. A
+    cut-off save from before (no `done`) is replaced."""
+    import multiprocessing as mp
+
+    cfg = _cfg(tmp_path, ADDITIONS)
+    docs = tokenize_source(
+        cfg.data.path, "data.path", cfg.data, build_tokenizer(cfg.model), tmp_path / "c"
+    )
+    ctx = mp.get_context("fork")
+    failures = ctx.Queue()
+    for round_ in range(12):
+        cache = tmp_path / "shared" / f"key{round_}"
+        if round_ % 3 == 2:  # a save cut off before: no `done`
+            cache.mkdir(parents=True)
+            (cache / "tokens.npy").write_bytes(b"cut")
+        barrier = ctx.Barrier(6)
+        procs = [
+            ctx.Process(target=_save_at_once, args=(cache, docs, barrier, failures))
+            for _ in range(6)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(30)
+        assert failures.empty(), failures.get()
+        assert data_mod._load_docs(cache).tokens.tolist() == docs.tokens.tolist()
+        assert {x.name for x in cache.parent.iterdir()} == {f"key{r}" for r in range(round_ + 1)}
+
+
 BOOK = "Chapter one.\n\nIt was a dark night.\nRain fell.\n\n\n   \nChapter two.\n"
 
 

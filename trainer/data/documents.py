@@ -305,9 +305,10 @@ def _cache_key(path: str, data: DataConfig, tokenizer: Any) -> str:
 
 def _save_docs(cache: Path, docs: Documents) -> None:
     """Into the cache: written into a temporary sibling renamed into place when whole (`done`
-    last: a cut-off save is tokenised again, and nothing partial is left). A cache dir that
-    cannot be written, or is full, is the user's to fix (exit 2), found before anything is
-    written into run.dir."""
+    last: a cut-off save is tokenised again, and nothing partial is left). Jobs sharing a cache
+    dir may save the same key at once: the first rename wins and the others drop theirs (the
+    same bytes); a complete cache is never removed. A cache dir that cannot be written, or is
+    full, is the user's to fix (exit 2), found before anything is written into run.dir."""
     arrays = {name: getattr(docs, name) for name in ("tokens", "targets", "offsets")}
     tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
     try:
@@ -315,11 +316,7 @@ def _save_docs(cache: Path, docs: Documents) -> None:
         for name, array in arrays.items():
             np.save(tmp / f"{name}.npy", array, allow_pickle=False)
         (tmp / "done").write_text("ok\n")
-        if (cache / "done").is_file():  # another process saved it meanwhile
-            shutil.rmtree(tmp)
-            return
-        shutil.rmtree(cache, ignore_errors=True)  # a cut-off save from before (no `done`)
-        tmp.rename(cache)
+        _rename_into_place(tmp, cache)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
         needed = sum(a.nbytes for a in arrays.values())
@@ -337,6 +334,38 @@ def _save_docs(cache: Path, docs: Documents) -> None:
         raise not_writable(
             "data.cache_dir", cache.parent, err, "cannot hold the tokenised data"
         ) from None
+
+
+def _rename_into_place(tmp: Path, cache: Path) -> None:
+    """`tmp` (whole) becomes `cache`. A `cache` already there with `done` is another process's
+    whole save: ours is dropped. One without `done` is a save cut off before: moved aside (one
+    process wins that rename) and removed, then ours goes in; every dir named `cache` is whole
+    from the moment it appears, since `done` is written before the rename."""
+    for _ in range(2):
+        try:
+            tmp.rename(cache)
+            return
+        except OSError as err:
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        if (cache / "done").is_file():
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        stale = cache.with_name(f"{cache.name}.{os.getpid()}.stale")
+        try:
+            cache.rename(stale)
+        except FileNotFoundError:
+            continue  # another process moved it aside first
+        if (stale / "done").is_file():  # whole after all: another save landed meanwhile
+            try:
+                stale.rename(cache)
+                continue
+            except OSError:
+                pass
+        shutil.rmtree(stale, ignore_errors=True)
+    if not (cache / "done").is_file():
+        raise OSError(errno.EEXIST, f"{cache} is written by another process too")
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_docs(cache: Path) -> Documents:
