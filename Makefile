@@ -15,13 +15,16 @@ setup: $(BIN)/oomless
 demo: setup
 	$(BIN)/oomless train configs/demo.yaml
 
+# two workers (pytest-xdist), a module to a worker at a time: a worker's single-process tests
+# and imports fill the core the other's multi-rank runs leave idle (tests/conftest.py orders them)
+XDIST := -n 2 --dist loadfile
 test: setup
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q $(XDIST) --durations=15 tests
 
 # the inner loop: units, in-process engine steps, planner, estimate, docs, architecture, the
 # in-process hostile cases and one 2-rank smoke; `make test` (CI) runs these and the slow tier
 test-fast: setup
-	$(BIN)/python -m pytest -q --durations=15 -m "not slow" tests
+	$(BIN)/python -m pytest -q $(XDIST) --durations=15 -m "not slow" tests
 
 # the fast tier again on the lowest transformers pyproject.toml allows (the GPU machines run it),
 # in a venv of its own; not part of CI

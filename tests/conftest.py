@@ -280,25 +280,47 @@ def _describe(proc: psutil.Process) -> str:
 _PREBUILD: dict[str, object] = {}
 
 
+def _xdist_worker(config) -> str | None:
+    """This process's pytest-xdist worker id (gw0, gw1, ...), or None when not a worker."""
+    return getattr(config, "workerinput", {}).get("workerid")
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config, items: list) -> None:
-    """Modules without slow tests first, in their order, then the modules with slow tests (a
-    module stays whole: its module fixtures are built once). When slow tests are in the
-    session, DeepSpeed's ops start building in the background at the lowest priority, on the
-    core the single-process tests leave idle; the first slow test waits for them."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path in slow)  # stable
+    """Order: in one process, modules without slow tests first, then the modules with slow
+    tests, so that the background op build below takes the core the single-process tests leave
+    idle. Under pytest-xdist (`make test`: two workers, one module to a worker at a time), the
+    modules with the most slow tests first, so that the long ones do not start last. A module
+    stays whole either way (its module fixtures are built once).
+
+    When slow tests are in the session, DeepSpeed's ops start building in the background at the
+    lowest priority (one build, started by the first worker); each process's first slow test
+    waits for them (a stage file every worker of the run knows)."""
+    slow: dict[Path, int] = {}
+    for item in items:
+        if item.get_closest_marker("slow"):
+            slow[item.path] = slow.get(item.path, 0) + 1
+    worker = _xdist_worker(config)
+    if worker is None:
+        items.sort(key=lambda item: item.path in slow)  # stable
+    else:
+        items.sort(key=lambda item: -slow.get(item.path, 0))
     if not slow or config.option.collectonly or os.environ.get("OOMLESS_TEST_PREBUILD") == "0":
         return
-    stage = Path(tempfile.mkstemp(prefix="oomless-prebuild-", suffix=".stage")[1])
-    log = TEST_CACHE / f"prebuild-{VENV_KEY}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as out:
+    run_id = config.workerinput["testrunuid"] if worker else f"{os.getpid()}-{time.time_ns()}"
+    stage = Path(tempfile.gettempdir()) / f"oomless-prebuild-{VENV_KEY}-{run_id}.stage"
+    _PREBUILD.update(
+        stage=stage, start=time.monotonic(), log=TEST_CACHE / f"prebuild-{VENV_KEY}.log"
+    )
+    if worker not in (None, "gw0"):
+        return
+    stage.write_text("")
+    _PREBUILD["log"].parent.mkdir(parents=True, exist_ok=True)
+    with _PREBUILD["log"].open("w") as out:
         _PREBUILD["proc"] = subprocess.Popen(
             [PYTHON, str(REPO / "tests" / "prebuild_ops.py"), str(stage)],
             stdout=out, stderr=subprocess.STDOUT, env=python_env(), cwd=REPO,
             start_new_session=True,
         )  # fmt: skip
-    _PREBUILD.update(stage=stage, log=log, start=time.monotonic())
 
 
 def _prebuild_pids() -> set[int]:
@@ -311,17 +333,29 @@ def _prebuild_pids() -> set[int]:
         return set()
 
 
+def _ops_ready(stage: Path) -> bool:
+    """The build has every op but async_io, or has ended (tests/prebuild_ops.py's lines; a
+    failed build leaves the tests to build inline)."""
+    proc = _PREBUILD.get("proc")
+    if proc is not None and proc.poll() is not None:
+        return True
+    try:
+        lines = stage.read_text().split()
+    except OSError:  # not written yet by the first worker, or removed when it ended
+        return time.monotonic() - _PREBUILD["start"] > 60
+    return "common" in lines or "ended" in lines
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
     """Before the first slow test (outside its timeout): wait until the background build has
-    every op but async_io, or has ended (a failed build leaves the tests to build inline)."""
-    proc = _PREBUILD.get("proc")
-    if proc is not None and item.get_closest_marker("slow") and not _PREBUILD.get("waited"):
+    every op but async_io, or has ended; at most 30 minutes (then the test builds inline)."""
+    stage = _PREBUILD.get("stage")
+    if stage is not None and item.get_closest_marker("slow") and not _PREBUILD.get("waited"):
         _PREBUILD["waited"] = True
-        stage = _PREBUILD["stage"]
         reporter = item.config.pluginmanager.get_plugin("terminalreporter")
-        said = False
-        while proc.poll() is None and "common" not in stage.read_text().split():
+        said, deadline = False, time.monotonic() + 1800
+        while not _ops_ready(stage) and time.monotonic() < deadline:
             if not said and reporter is not None:
                 reporter.write_line(
                     f"\nwaiting for DeepSpeed's ops, building in the background since "
@@ -342,7 +376,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     Waits a few seconds for processes that are already shutting down, then kills the rest so
     that nothing lingers on the machine, and sets the exit status. (The local Slurm daemons are
     not children of pytest and are not looked at.) The session's tests/cli_worker.py ends first.
+    Under pytest-xdist each worker looks at its own; the controller's children are the workers.
     """
+    if (
+        _xdist_worker(session.config) is None
+        and getattr(session.config.option, "dist", "no") != "no"
+    ):
+        return
     close_cli_worker()
     deadline = time.monotonic() + 10
     left = live_children()
@@ -350,7 +390,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         time.sleep(0.5)
         left = live_children()
     stage = _PREBUILD.get("stage")
-    if stage is not None:
+    if stage is not None and _PREBUILD.get("proc") is not None:  # the worker that started it
         stage.unlink(missing_ok=True)
     if not left:
         return

@@ -10,7 +10,8 @@ would (TORCH_EXTENSIONS_DIR, set by conftest), with the same flags, so the engin
 built; a test that needs one while it is still building waits on torch's build lock.
 
 STAGE_FILE gets a line per op built and `common` once every op but async_io is (the slow tests
-wait for that line: tests/conftest.py); async_io, which only the zero3_nvme runs load, is last.
+wait for that line: tests/conftest.py); async_io, which only the zero3_nvme runs load, is last;
+`ended` when it stops, built or not.
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ LAST = ("AsyncIOBuilder",)  # zero3_nvme only
 
 def main() -> int:
     stage = Path(sys.argv[1])
+    try:
+        return _build(stage)
+    finally:  # a failed build too: the waiting tests build inline
+        with stage.open("a") as f:
+            f.write("ended\n")
+
+
+def _build(stage: Path) -> int:
     os.nice(19)
     from deepspeed.accelerator import get_accelerator
 
