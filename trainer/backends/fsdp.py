@@ -45,7 +45,8 @@ from trainer.model.materialise import materialise, rebuild_buffers
 from trainer.model.pretrained import canonical_name, report_load
 from trainer.model.qlora_load import TensorSource, fill_4bit_shards, tensor_source
 from trainer.optim import load_sharded_8bit_state, sharded_8bit_state
-from trainer.parallel.mesh import hybrid_shard_mesh
+from trainer.parallel.expert import shard_experts
+from trainer.parallel.mesh import ParallelMesh, hybrid_shard_mesh
 from trainer.parallel.parallelize import parallelize
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class FsdpBackend:
                 offload=self.offload,
                 pin_memory=ctx.device.type == "cuda",
                 mesh=_hybrid_mesh(ctx) if ctx.cfg.fsdp.hybrid else _token_mesh(ctx),
+                experts=ctx.mesh if ctx.mesh is not None and ctx.mesh.expert > 1 else None,
             )
             return model
 
@@ -208,8 +210,10 @@ def apply_fsdp(
     offload: bool = False,
     pin_memory: bool = False,
     mesh: Any = None,
+    experts: ParallelMesh | None = None,
 ) -> None:
-    """FSDP2 on a (meta-device) model, in place: `fully_shard` each decoder layer, then the root;
+    """FSDP2 on a (meta-device) model, in place: `fully_shard` each decoder layer, then the root
+    (under an expert split, each layer's experts first, over their copies: `experts`);
     16-bit parameters for compute and fp32 gradient reduction under mixed precision (bf16 both
     under bf16_pure, whose parameters are bf16); with
     `offload`, parameters, gradients and AdamW on the host (CPUOffloadPolicy). The backend and
@@ -231,6 +235,8 @@ def apply_fsdp(
     untied = embedding is not None and head is not None and head.weight is not embedding.weight
     if untied:  # the embedding is resharded after its forward and gathered again for its backward
         fully_shard(embedding, **options)
+    if experts is not None:
+        shard_experts(model, experts.expert_data_mesh, experts.dims.token_ranks, options)
     for layer in decoder_layers(model):
         fully_shard(layer, **options)
     # The head (and the root's norm; a tied embedding too) is needed again as soon as backward

@@ -6,6 +6,9 @@ Three dimensions: data, sequence (Ulysses, trainer/parallel/sequence.py) and ten
 (trainer/parallel/tensor.py), the tensor innermost: rank r is tensor rank r % tensor, sequence
 rank (r // tensor) % sequence, data rank r // (sequence x tensor). The ranks of a tensor group
 are neighbours (within a node: its all-reduces run every layer), then those of a sequence group.
+A fourth, expert (trainer/parallel/expert.py), takes its ranks from the data x sequence ranks:
+token rank t is expert rank t % expert of expert-data rank t // expert (the ranks of an expert
+group are neighbours; each expert-data rank holds a copy of the same experts).
 """
 
 from __future__ import annotations
@@ -40,11 +43,19 @@ class Batch:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The world as data x sequence x tensor ranks."""
+    """The world as data x sequence x tensor ranks; `expert` of the data x sequence ranks split
+    each MoE layer's experts."""
 
     world_size: int
     sequence: int = 1
     tensor: int = 1
+    expert: int = 1
+
+    @property
+    def expert_data(self) -> int:
+        """Copies of each expert: the token ranks over the expert degree (FSDP shards each
+        expert over them)."""
+        return self.token_ranks // self.expert
 
     @property
     def data(self) -> int:
@@ -116,6 +127,24 @@ class ParallelDims:
             )
         return None
 
+    def expert_problem(self, num_experts: int) -> str | None:
+        """Why the expert split cannot run this model, in words; None when it can: each expert
+        rank holds whole experts, num_experts / expert of every MoE layer, and the expert ranks
+        come from the ranks holding different tokens (data x sequence)."""
+        ep = self.expert
+        if ep == 1:
+            return None
+        if self.tensor > 1:
+            tp = self.tensor
+            return f"{ep} with parallel.tensor={tp}: expert and tensor parallel do not combine"
+        if ep < 1 or self.token_ranks % ep:
+            return f"{ep} does not divide the {self.token_ranks} data x sequence ranks"
+        if num_experts == 0:
+            return f"{ep}: this model has no experts to split"
+        if num_experts % ep:
+            return f"{ep} does not divide the model's {num_experts} experts per MoE layer"
+        return None
+
     def batch_problem(self, batch: Batch) -> str | None:
         """Why the data groups cannot share the global batch evenly; None when they can."""
         cut = f"{self.sequence}" + (f" x tensor {self.tensor}" if self.tensor > 1 else "")
@@ -182,3 +211,25 @@ def check_tensor_parallel(dims: ParallelDims, attention: AttentionShape) -> None
         return
     sizes = " or ".join(str(tp) for tp in tensor_sizes(dims.world_size, attention))
     raise ConfigError("parallel.tensor", problem, f"use parallel.tensor={sizes}")
+
+
+def expert_sizes(world_size: int, num_experts: int) -> list[int]:
+    """Every expert degree that splits this model's experts on `world_size` ranks (no tensor
+    split), smallest first (1 always)."""
+    return [
+        ep
+        for ep in range(1, world_size + 1)
+        if ParallelDims(world_size, 1, 1, ep).expert_problem(num_experts) is None
+    ]
+
+
+def check_expert_parallel(dims: ParallelDims, num_experts: int) -> None:
+    """ConfigError (one line, exit 2) when the expert degree cannot split this model; the fix
+    names the degrees that can."""
+    problem = dims.expert_problem(num_experts)
+    if problem is None:
+        return
+    if dims.tensor > 1:
+        raise ConfigError("parallel.expert", problem, "set parallel.tensor=1, or parallel.expert=1")
+    sizes = " or ".join(str(ep) for ep in expert_sizes(dims.world_size, num_experts))
+    raise ConfigError("parallel.expert", problem, f"use parallel.expert={sizes}")

@@ -49,6 +49,7 @@ class Strategy:
     min_world: int = 1  # data ranks (a tensor group counts once)
     max_world: int | None = None
     tensor_parallel: bool = False  # runs under a tensor split (`parallel.tensor` > 1)
+    expert_parallel: bool = False  # runs under an expert split (`parallel.expert` > 1)
     # Cost model: bytes moved per rank per step, as multiples of N (interconnect) or N / W (PCIe)
     grad_comm: float = 0.0  # gradient reduction, once per step or (ZeRO-2/3) per micro-batch
     grads_every_micro: bool = False  # reduces every micro-batch (no no_sync)
@@ -93,7 +94,7 @@ TABLE: list[Strategy] = [
     Strategy(  # x c/2 on the gathers: FSDP gathers 16-bit parameters
         "fsdp", "fsdp", _FSDP,
         "parameters, gradients and optimizer sharded (FSDP2)",
-        grad_comm=4.0, param_comm_per_micro=2.0, tensor_parallel=True,
+        grad_comm=4.0, param_comm_per_micro=2.0, tensor_parallel=True, expert_parallel=True,
     ),
     Strategy(
         "zero1", "deepspeed", _DS, "optimizer state sharded (DeepSpeed ZeRO-1)",
@@ -113,6 +114,7 @@ TABLE: list[Strategy] = [
         params_at="cpu", optimizer_at="cpu",
         grad_comm=4.0, param_comm_per_micro=2.0, pcie_per_micro=8.0, offloaded_grads=4.0,
         host_adam_params_s=TORCH_HOST_ADAM_PARAMS_S, tensor_parallel=True,
+        expert_parallel=True,
     ),
     Strategy(  # updated fp32 partitions back to the device once per step
         "zero3_offload", "deepspeed", _DS, "ZeRO-3 with the optimizer on the host (CPU Adam)",

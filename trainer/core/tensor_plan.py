@@ -16,8 +16,9 @@ _COVERED = (("attn", "attention"), ("mlp", "feed_forward"))
 
 
 @cache
-def plan_of_config(model_type: str) -> tuple[str, ...]:
-    """The module patterns of the architecture's `base_model_tp_plan` (empty: none), read from
+def plan_of_config(model_type: str, attribute: str = "base_model_tp_plan") -> tuple[str, ...]:
+    """The module patterns of the architecture's `base_model_tp_plan` (or another plan its config
+    class declares, e.g. `base_model_ep_plan`; empty: none), read from
     transformers' own configuration module as text: importing it would import torch, which
     the planner does without (a cold plan stays under 3 s)."""
     spec = importlib.util.find_spec("transformers")
@@ -30,7 +31,7 @@ def plan_of_config(model_type: str) -> tuple[str, ...]:
     except (OSError, SyntaxError):
         return ()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign | ast.AnnAssign) and _assigns(node, "base_model_tp_plan"):
+        if isinstance(node, ast.Assign | ast.AnnAssign) and _assigns(node, attribute):
             try:
                 return tuple(ast.literal_eval(node.value) or {})
             except ValueError:

@@ -6,7 +6,10 @@ they cannot drift apart.
        before it is built: trainer/parallel/sequence.py)
     -> build (the backend's: a replica on the device, a meta-device model, ZeRO-3 partitions)
     -> tensor split: each layer's projections over the tensor group, by the architecture's
-       plan in transformers (trainer/parallel/tensor.py); expert split to come here
+       plan in transformers (trainer/parallel/tensor.py)
+    -> expert split: each MoE layer's experts over the expert group, tokens dispatched to them
+       by all-to-all, by the architecture's plan in transformers (trainer/parallel/expert.py;
+       the backend's wrap shards the experts over their copies first)
     -> activation checkpointing: every decoder layer wrapped, switched on per `ModelChanges`
     -> compile: each decoder layer, after checkpointing and before sharding
     -> train mode, then the backend's wrap (FSDP2 `fully_shard`, DDP, a DeepSpeed engine)
@@ -23,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from trainer.model.build import apply_activation_checkpointing, apply_compile
+from trainer.parallel.expert import apply_expert_parallel
 from trainer.parallel.mesh import ParallelMesh
 from trainer.parallel.sequence import apply_sequence_parallel
 from trainer.parallel.tensor import apply_tensor_parallel
@@ -53,6 +57,8 @@ def parallelize(
     model = build()
     if mesh is not None and mesh.tensor > 1:
         apply_tensor_parallel(model, mesh.tensor_mesh)
+    if mesh is not None and mesh.expert > 1:
+        apply_expert_parallel(model, mesh.expert_mesh, mesh.same_tokens_mesh)
     apply_activation_checkpointing(
         model, changes.activation_checkpointing, changes.checkpointed_layers, changes.checkpoint_ops
     )

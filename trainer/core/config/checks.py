@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from trainer.core import methods, strategies
+from trainer.core.config.expert_checks import check_expert
 from trainer.core.config.paths import exists, has_local_parent
 from trainer.core.config.schema import JobConfig
 from trainer.core.config.secrets import check_no_secrets
@@ -133,6 +134,7 @@ def build_config(tree: dict[str, Any]) -> JobConfig:
     _check_across_sections(cfg)
     _check_paths(cfg)
     _check_positions(cfg)
+    check_expert(cfg)  # last: a module of its own, entered once (tests/test_architecture.py)
     return cfg
 
 

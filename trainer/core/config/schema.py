@@ -395,6 +395,10 @@ class ParallelConfig(_Section):
     # ranks that split each layer's projections (transformers' plan for the architecture,
     # trainer/parallel/tensor.py); inside a node; never changes what is learned
     tensor: Degree = "auto"
+    # ranks that split each MoE layer's experts, taken from the data x sequence ranks
+    # (transformers' plan for the architecture, trainer/parallel/expert.py); never changes what
+    # is learned; auto: 1 until the planner weighs it
+    expert: Degree = "auto"
 
 
 class JobConfig(_Section):
