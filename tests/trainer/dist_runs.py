@@ -30,7 +30,8 @@ class Run:
     # "learns" (the loss falls: QLoRA, whose 4-bit base no other run shares),
     # "full_disk" (each rank's outcome_rank{R}.json: the same one-line ConfigError),
     # "stream" (the stream rung: losses and grad norms within 1e-6 of `against`),
-    # "tensor" (losses within 1e-5 of `against`: a tensor split, trainer/parallel/tensor.py)
+    # "tensor" (losses within 1e-5 of `against`: a tensor split, trainer/parallel/tensor.py),
+    # "expert" (losses within 1e-5 of `against`: an expert split, trainer/parallel/expert.py)
     check: str | None = None
     against: str = "single_fp32"
     exact: bool = False  # resume: bit-identical losses
@@ -41,9 +42,13 @@ class Run:
     full_disk: tuple[int, float] | None = None
 
 
-def _resume(name: str, source: str, strategy: str, against: str, at: int = RESUME_AT, **kw) -> Run:
-    """Resume from `source`'s step-`at` checkpoint and train to STEPS (checkpoint at step 8)."""
-    overrides = (f"strategy={strategy}", "run.checkpoint_every=4")
+def _resume(
+    name: str, source: str, strategy: str, against: str, at: int = RESUME_AT,
+    extra: tuple[str, ...] = (), **kw,
+) -> Run:  # fmt: skip
+    """Resume from `source`'s step-`at` checkpoint and train to STEPS (checkpoint at step 8);
+    `extra`: overrides beside the strategy (the model of the source run)."""
+    overrides = (f"strategy={strategy}", "run.checkpoint_every=4", *extra)
     if kw.get("world_size", 2) == 2:
         overrides += (f"run.resume={{work}}/{source}/checkpoints/step_{at}",)
     else:
@@ -78,6 +83,18 @@ MODELS = {  # inline HF configs as `model.config=` overrides
     "qwen3_moe": "{model_type: qwen3_moe, " + _SMALL + ", intermediate_size: 64, "
     "moe_intermediate_size: 32, num_experts: 4, num_experts_per_tok: 2}",
 }
+# expert parallel over 2 ranks (each MoE layer's 4 experts, 2 a rank; top-2 routing): Qwen3-MoE,
+# Mixtral, gpt-oss (attention sinks, biased experts, sliding and full attention layers)
+EP2 = ("strategy=fsdp", "parallel.expert=2")
+EXPERT_MODELS = {
+    "qwen3_moe": MODELS["qwen3_moe"],
+    "mixtral": "{model_type: mixtral, " + _SMALL + ", intermediate_size: 32, "
+    "num_local_experts: 4, num_experts_per_tok: 2}",
+    "gpt_oss": "{model_type: gpt_oss, " + _SMALL + ", intermediate_size: 32, "
+    "num_local_experts: 4, num_experts_per_tok: 2, sliding_window: 16, "
+    "layer_types: [sliding_attention, full_attention]}",
+}
+EVERY_4 = ("run.checkpoint_every=4",)
 # LoRA (trainer/model/finetune.py): adapters on every linear layer of the blocks, a frozen base
 LORA = ("finetune.method=lora", "finetune.lora.r=4", "finetune.lora.alpha=8")
 QLORA = ("finetune.method=qlora", "precision=bf16", "train.lr=1e-2")
@@ -164,8 +181,9 @@ RUNS: tuple[Run, ...] = (
         for name, config in MODELS.items()
         for run in (
             Run(f"single_{name}", (f"model.config={config}",), world_size=1),
-            Run(f"fsdp_{name}", ("strategy=fsdp", f"model.config={config}"), check="fp32",
-                against=f"single_{name}"),
+            Run(f"fsdp_{name}", ("strategy=fsdp", f"model.config={config}",
+                                 *(EVERY_4 if name == "qwen3_moe" else ())),
+                check="fp32", against=f"single_{name}"),
         )
     ),
     Run("zero1_fp32", ("strategy=zero1",), check="fp32"),
@@ -230,10 +248,31 @@ RUNS: tuple[Run, ...] = (
     Run("tp2_from_fsdp", (*TP2, "run.checkpoint_every=4",
                           f"run.resume={{work}}/fsdp_fp32/checkpoints/step_{RESUME_AT}"),
         check="resume", against="fsdp_fp32"),
+    # expert parallel (trainer/parallel/expert.py): each MoE layer's experts split over the 2
+    # ranks, the dense weights under FSDP over both, against one process on three architectures;
+    # its checkpoint resumed on fsdp and on one process, and fsdp's resumed under the split
+    *(
+        Run(f"single_{name}", (f"model.config={config}",), world_size=1)
+        for name, config in EXPERT_MODELS.items()
+        if name not in MODELS
+    ),
+    *(
+        Run(f"ep2_{name}", (*EP2, f"model.config={config}",
+                            *(EVERY_4 if name == "qwen3_moe" else ())),
+            check="expert", against=f"single_{name}")
+        for name, config in EXPERT_MODELS.items()
+    ),
+    _resume("fsdp_from_ep2", "ep2_qwen3_moe", "fsdp", against="ep2_qwen3_moe",
+            extra=(f"model.config={MODELS['qwen3_moe']}",)),
+    Run("ep2_from_fsdp", (*EP2, f"model.config={MODELS['qwen3_moe']}", *EVERY_4,
+                          f"run.resume={{work}}/fsdp_qwen3_moe/checkpoints/step_{RESUME_AT}"),
+        check="resume", against="fsdp_qwen3_moe"),
     # two-process checkpoints resumed on one process (a process group of one for fsdp)
     _resume("single_from_fsdp", "fsdp_fp32", "single", against="fsdp_fp32", world_size=1),
     _resume("fsdp1_from_fsdp2", "fsdp_fp32", "fsdp", against="fsdp_fp32", world_size=1),
     _resume("single_from_zero3", "zero3_fp32", "single", against="zero3_fp32", world_size=1),
+    _resume("single_from_ep2", "ep2_qwen3_moe", "single", against="ep2_qwen3_moe", world_size=1,
+            extra=(f"model.config={MODELS['qwen3_moe']}",)),
     _resume("stream_from_single", "single_fp32", "stream", against="single_fp32", world_size=1,
             exact=True),
     # last (a path where the ranks disagree would leave the process group unusable): a full

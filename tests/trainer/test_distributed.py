@@ -2,7 +2,8 @@
 up to ZeRO-Infinity's zero3_nvme) with one process, the in-process OOM back-off agreed by both
 ranks (also inside DeepSpeed's optimizer step), and checkpoints moving between strategies and
 world sizes: fsdp@2 -> single@1, fsdp@2 -> zero3_offload@2, fsdp@2 -> zero3_nvme@2,
-zero3@2 -> single@1, single@1 -> fsdp@2, fsdp@2 -> fsdp@1, with the
+zero3@2 -> single@1, single@1 -> fsdp@2, fsdp@2 -> fsdp@1, expert-split ep2@2 -> fsdp@2,
+fsdp@2 -> ep2@2, ep2@2 -> single@1, with the
 losses after the resume and the optimizer moments four steps later equal to the straight run's.
 
 One torchrun launch runs all the two-process trainings (tests/trainer/dist_worker.py); the
@@ -108,6 +109,7 @@ def runs(tmp_path_factory) -> Path:
         env=python_env(), cwd=REPO, timeout=1200,
     )  # fmt: skip
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    (work / "torchrun_stderr.txt").write_text(r.stderr)  # every two-process run's rank-0 log
     left = {p.pid for p in live_children()} - before
     assert not left, f"processes left behind: {left}"
     resumed = [run for run in one_process if run.copy_from is not None]
@@ -166,6 +168,22 @@ def test_a_tensor_split_learns_what_one_process_learns(runs, run):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (run.name, a["step"], a["loss"], b["loss"])
         assert a["tokens"] == b["tokens"]
     assert got[-1]["loss"] < got[0]["loss"]
+
+
+@pytest.mark.parametrize("run", checked("expert"), ids=lambda run: run.name)
+def test_an_expert_split_learns_what_one_process_learns(runs, run):
+    """Each MoE layer's experts split over the 2 ranks (transformers' plan for the architecture,
+    tokens dispatched to their experts by all-to-all), the dense weights under FSDP: every
+    step's loss within 1e-5 of one process's, the same tokens; the split said so at start."""
+    ref, got = _metrics(runs / run.against), _metrics(runs / run.name)
+    assert len(got) == STEPS
+    for a, b in zip(got, ref, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (run.name, a["step"], a["loss"], b["loss"])
+        assert a["tokens"] == b["tokens"]
+    assert got[-1]["loss"] < got[0]["loss"]
+    split = "expert parallel 2: 2 MoE layers' experts split, 2 per rank"
+    runs_split = [r for r in RUNS if r.world_size == 2 and "parallel.expert=2" in r.overrides]
+    assert (runs / "torchrun_stderr.txt").read_text().count(split) == len(runs_split)
 
 
 @pytest.mark.parametrize("run", checked("pretrained"), ids=lambda run: run.name)

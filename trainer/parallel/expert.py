@@ -19,12 +19,15 @@ PREMUL_SUM, which gloo refuses, so the reduction is forced to a plain sum divide
 
 from __future__ import annotations
 
+import logging
 from importlib.metadata import version
 from typing import Any
 
 from torch import nn
 
 from trainer.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 DISPATCH = "ep_dispatch_experts"  # transformers' style of an experts module that receives tokens
 IMPLEMENTATION = "all_to_all"  # in training the tokens move; `auto` picks it too, but says so
@@ -77,9 +80,15 @@ def apply_expert_parallel(model: nn.Module, expert_mesh: Any, tensor_mesh: Any) 
     named = dict(hf.named_parameters()) | dict(hf.named_modules())
     plan = {name: style for name, style in plan.items() if name in named}
     _apply_function()(hf, expert_mesh, tensor_mesh, plan, ep_implementation=IMPLEMENTATION)
-    for name, style in plan.items():
-        if style == DISPATCH:
-            named[name]._oomless_expert_split = True
+    split = [named[name] for name, style in plan.items() if style == DISPATCH]
+    for module in split:
+        module._oomless_expert_split = True
+    if split and expert_mesh.get_rank() == 0:
+        log.info(
+            "expert parallel %d: %d MoE layers' experts split, %d per rank, tokens dispatched "
+            "by all-to-all",
+            expert_mesh.size(), len(split), split[0].num_experts,
+        )  # fmt: skip
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:

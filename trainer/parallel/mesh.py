@@ -101,6 +101,7 @@ def build_mesh(dims: ParallelDims, rank: int, device_type: str = "cpu") -> Paral
         experts = init_device_mesh(
             device_type, (dims.expert_data, dims.expert), mesh_dim_names=EXPERT_DIMENSIONS
         )
+        experts._flatten("expert_tokens")  # a norm over both dimensions: one all-reduce
     return ParallelMesh(dims, rank, mesh, experts)
 
 
