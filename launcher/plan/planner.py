@@ -11,7 +11,7 @@ recomputation, sharding and offload move.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from launcher.estimate.activations import with_activations
@@ -78,6 +78,7 @@ class Plan:
     reference: str | None = None  # preference objectives: where DPO's reference comes from
     checkpointed_layers: int | None = None  # selective: how many layers (None: every other)
     checkpoint_ops: bool = False  # selective at op level: every layer, matmul outputs saved
+    expert_parallel: int = 1  # `parallel.expert` as forced (the planner does not weigh it yet)
 
     @classmethod
     def of(
@@ -124,7 +125,12 @@ class Plan:
             "selective": self.selective,
             "chunked_loss": self.levers.chunked_loss,
             "offload_activations": self.levers.offload_activations,
-            "parallel": {"data": self.world_size // (sp * tp), "sequence": sp, "tensor": tp},
+            "parallel": {
+                "data": self.world_size // (sp * tp),
+                "sequence": sp,
+                "tensor": tp,
+                "expert": self.expert_parallel,
+            },  # fmt: skip
             "sequence_parallel": sp,  # parallel.sequence's old name
             "tiled_mlp": self.long.tiled_mlp,
             "max_seq_len": self.max_seq_len,
@@ -173,9 +179,26 @@ def make_plan(
     memory_scale: float = 1.0,
 ) -> Plan:
     """The plan for this job on this hardware (raises NoFitError or ConfigError)."""
+    ep = cfg.parallel.expert if isinstance(cfg.parallel.expert, int) else 1
+    plan = _make_plan(cfg, hw, shape, exclude, memory_scale, ep)
+    if ep == 1:
+        return plan
+    why = (
+        f"expert parallel {ep}: each MoE layer's experts split over {ep} of the data x sequence "
+        "ranks (parallel.expert as the config forces it: the planner does not weigh the "
+        "degree yet, and the estimate counts every expert on each rank)"
+    )
+    return replace(plan, expert_parallel=ep, reasons=[*plan.reasons, why])
+
+
+def _make_plan(cfg, hw, shape, exclude, memory_scale, ep: int) -> Plan:
     shape = with_activations(shape or model_shape(cfg.model), cfg)
     forced = cfg.strategy if cfg.strategy != "auto" else None
-    rungs = [r for r in strategies.rows() if not forced or r.name == forced]
+    rungs = [  # an expert split runs on the rungs that take one (trainer/core/strategies.py)
+        r
+        for r in strategies.rows()
+        if (not forced or r.name == forced) and (ep == 1 or r.expert_parallel)
+    ]
     found, _, attention, climbs = climb_long(cfg, hw, shape, rungs, exclude, memory_scale)
     per_rank, ranked, rejected = found.per_rank, found.ranked, found.rejected
     if forced and not ranked:

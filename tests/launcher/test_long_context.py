@@ -127,7 +127,7 @@ def test_parallel_sequence_plans_what_its_old_name_sequence_parallel_plans(capsy
     job = (PRESET_8B, *LONG, *EIGHT_76, "hardware.host_memory=1TiB", SDPA)
     new = _plan_json(capsys, *job, "parallel.sequence=2")
     assert new == _plan_json(capsys, *job, "sequence_parallel=2")
-    assert new["parallel"] == {"data": 4, "sequence": 2, "tensor": 1}
+    assert new["parallel"] == {"data": 4, "sequence": 2, "tensor": 1, "expert": 1}
     assert new["sequence_parallel"] == 2
     cfg = load_config(PRESET_8B, [*job[1:], "parallel.sequence=2", f"run.dir={tmp_path}"])
     resolved, _ = resolve_plan(cfg)

@@ -64,8 +64,8 @@ def test_70b_at_8k_on_two_nodes_weighs_every_degree_and_a_split_fits_without_off
     assert "20 GB/s inter-node" in why and "150 GB/s intra-node" in why
     assert "fsdp" not in [alt["strategy"] for alt in plan["alternatives"] if alt["fits"]]
     split = _json_plan(capsys, PRESET_70B, *LONG, *_nodes(2, "1280GiB"), "parallel.tensor=8")
-    assert split["strategy"] == "fsdp" and split["parallel"] == {"data": 2, "sequence": 1,
-                                                                 "tensor": 8}  # fmt: skip
+    assert split["strategy"] == "fsdp"
+    assert split["parallel"] == {"data": 2, "sequence": 1, "tensor": 8, "expert": 1}
 
 
 def test_405b_at_8k_on_sixteen_nodes_splits_eight_ways(capsys, tmp_path):
@@ -76,7 +76,9 @@ def test_405b_at_8k_on_sixteen_nodes_splits_eight_ways(capsys, tmp_path):
         "train": {"global_batch_size": 128},
     }))  # fmt: skip
     plan = _json_plan(capsys, str(job), *LONG, *_nodes(16, "2TiB"))
-    assert plan["parallel"] == {"data": 16, "sequence": 1, "tensor": 8}, plan["parallel"]
+    assert plan["parallel"] == {"data": 16, "sequence": 1, "tensor": 8, "expert": 1}, plan[
+        "parallel"
+    ]
     assert "tensor parallel 8 inside each node" in _reason(plan)
 
 

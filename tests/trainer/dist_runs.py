@@ -262,6 +262,10 @@ RUNS: tuple[Run, ...] = (
             check="expert", against=f"single_{name}")
         for name, config in EXPERT_MODELS.items()
     ),
+    # ... and LoRA on the split model: adapters on the attention, the experts frozen
+    Run("single_lora_qwen3_moe", (*LORA, f"model.config={MODELS['qwen3_moe']}"), world_size=1),
+    Run("ep2_lora_qwen3_moe", (*EP2, *LORA, f"model.config={MODELS['qwen3_moe']}"),
+        check="expert", against="single_lora_qwen3_moe"),
     _resume("fsdp_from_ep2", "ep2_qwen3_moe", "fsdp", against="ep2_qwen3_moe",
             extra=(f"model.config={MODELS['qwen3_moe']}",)),
     Run("ep2_from_fsdp", (*EP2, f"model.config={MODELS['qwen3_moe']}", *EVERY_4,

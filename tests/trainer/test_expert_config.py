@@ -4,6 +4,8 @@ trainer/core/parallel_dims.py, trainer/parallel/dims.py). In process: no launch,
 
 from __future__ import annotations
 
+import json
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,37 @@ def test_every_degree_a_refusal_suggests_passes_the_check():
         for ep in expert_sizes(world, experts):
             assert ParallelDims(world, 1, 1, ep).expert_problem(experts) is None
     assert ParallelDims(8, 2, 1, 4).expert_data == 2  # 8 token ranks, 2 copies of each expert
+
+
+def test_the_plan_carries_a_forced_degree_and_its_reason(tmp_path, capsys):
+    """`oomless train --dry-run` on a forced rung (no activations traced): the plan's JSON, as
+    `plan --json` writes it, gives the degree, and a reason says the planner did not weigh it."""
+    job = str(_job(tmp_path, QWEN3_MOE))
+    argv = ["train", job, "strategy=fsdp", f"run.dir={tmp_path / 'run'}", "--dry-run"]
+    plans = []
+    for degree in ("parallel.expert=2", "parallel.expert=auto"):
+        assert main([*argv, degree]) == 0
+        out = capsys.readouterr().out
+        plans.append(json.loads(out[: out.rindex("}") + 1]))
+    assert plans[0]["parallel"] == {"data": 2, "sequence": 1, "tensor": 1, "expert": 2}
+    assert any(r.startswith("expert parallel 2: ") for r in plans[0]["reasons"])
+    assert plans[1]["parallel"]["expert"] == 1
+
+
+def test_a_transformers_without_the_expert_split_is_one_line_naming_its_version(
+    tmp_path, monkeypatch
+):
+    """Checked by every rank before a process group exists (trainer/parallel/dims.py)."""
+    from transformers import AutoConfig
+
+    from trainer.parallel import expert
+    from trainer.parallel.dims import run_dims
+
+    cfg = load_config(_job(tmp_path, QWEN3_MOE), ["parallel.expert=2"])
+    hf_config = AutoConfig.for_model(**QWEN3_MOE)
+    assert run_dims(cfg, 2, hf_config).expert == 2
+    monkeypatch.setattr(expert, "_apply_function", lambda: None)
+    with pytest.raises(ConfigError) as err:
+        run_dims(cfg, 2, hf_config)
+    assert f"which transformers {version('transformers')} lacks" in str(err.value)
+    assert "install transformers>=5.24, or use parallel.expert=1" in str(err.value)
