@@ -186,7 +186,7 @@ def make_plan(
     why = (
         f"expert parallel {ep}: each MoE layer's experts split over {ep} of the data x sequence "
         "ranks (parallel.expert as the config forces it: the planner does not weigh the "
-        "degree yet, and the estimate counts every expert on each rank)"
+        "degree yet; the estimate gathers a whole layer's experts, a split rank only its own)"
     )
     return replace(plan, expert_parallel=ep, reasons=[*plan.reasons, why])
 
