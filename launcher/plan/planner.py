@@ -45,6 +45,7 @@ from launcher.plan.no_fit import what_would_fit
 from launcher.plan.splits import tensor_reason
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
+from trainer.core.parallel_dims import ParallelDims, check_expert_parallel
 from trainer.core.step_spec import (
     NO_LEVERS,
     SHORT,
@@ -180,9 +181,14 @@ def make_plan(
 ) -> Plan:
     """The plan for this job on this hardware (raises NoFitError or ConfigError)."""
     ep = cfg.parallel.expert if isinstance(cfg.parallel.expert, int) else 1
-    plan = _make_plan(cfg, hw, shape, exclude, memory_scale, ep)
     if ep == 1:
-        return plan
+        return _make_plan(cfg, hw, shape, exclude, memory_scale, ep)
+    # a forced expert split: the degree checked on the ranks found, no tensor split beside it
+    shape = shape or model_shape(cfg.model)
+    check_expert_parallel(ParallelDims(hw.world_size, 1, 1, ep), shape.num_experts)
+    if cfg.parallel.tensor == "auto":
+        cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tensor": 1})})
+    plan = _make_plan(cfg, hw, shape, exclude, memory_scale, ep)
     why = (
         f"expert parallel {ep}: each MoE layer's experts split over {ep} of the data x sequence "
         "ranks (parallel.expert as the config forces it: the planner does not weigh the "
@@ -191,7 +197,10 @@ def make_plan(
     return replace(plan, expert_parallel=ep, reasons=[*plan.reasons, why])
 
 
-def _make_plan(cfg, hw, shape, exclude, memory_scale, ep: int) -> Plan:
+def _make_plan(
+    cfg: JobConfig, hw: Hardware, shape: ModelShape | None,
+    exclude: tuple[str, ...] | list[str], memory_scale: float, ep: int,
+) -> Plan:  # fmt: skip
     shape = with_activations(shape or model_shape(cfg.model), cfg)
     forced = cfg.strategy if cfg.strategy != "auto" else None
     rungs = [  # an expert split runs on the rungs that take one (trainer/core/strategies.py)
