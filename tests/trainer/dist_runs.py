@@ -180,7 +180,8 @@ RUNS: tuple[Run, ...] = (
         run
         for name, config in MODELS.items()
         for run in (
-            Run(f"single_{name}", (f"model.config={config}",), world_size=1),
+            Run(f"single_{name}", (f"model.config={config}",
+                                   *(EVERY_4 if name == "qwen3_moe" else ())), world_size=1),
             Run(f"fsdp_{name}", ("strategy=fsdp", f"model.config={config}",
                                  *(EVERY_4 if name == "qwen3_moe" else ())),
                 check="fp32", against=f"single_{name}"),
@@ -250,7 +251,7 @@ RUNS: tuple[Run, ...] = (
         check="resume", against="fsdp_fp32"),
     # expert parallel (trainer/parallel/expert.py): each MoE layer's experts split over the 2
     # ranks, the dense weights under FSDP over both, against one process on three architectures;
-    # its checkpoint resumed on fsdp and on one process, and fsdp's resumed under the split
+    # its checkpoint resumed on fsdp and on one process, and theirs resumed under the split
     *(
         Run(f"single_{name}", (f"model.config={config}",), world_size=1)
         for name, config in EXPERT_MODELS.items()
@@ -271,6 +272,9 @@ RUNS: tuple[Run, ...] = (
     Run("ep2_from_fsdp", (*EP2, f"model.config={MODELS['qwen3_moe']}", *EVERY_4,
                           f"run.resume={{work}}/fsdp_qwen3_moe/checkpoints/step_{RESUME_AT}"),
         check="resume", against="fsdp_qwen3_moe"),
+    Run("ep2_from_single", (*EP2, f"model.config={MODELS['qwen3_moe']}", *EVERY_4,
+                            f"run.resume={{work}}/single_qwen3_moe/checkpoints/step_{RESUME_AT}"),
+        check="resume", against="single_qwen3_moe"),
     # two-process checkpoints resumed on one process (a process group of one for fsdp)
     _resume("single_from_fsdp", "fsdp_fp32", "single", against="fsdp_fp32", world_size=1),
     _resume("fsdp1_from_fsdp2", "fsdp_fp32", "fsdp", against="fsdp_fp32", world_size=1),

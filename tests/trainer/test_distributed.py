@@ -3,7 +3,7 @@ up to ZeRO-Infinity's zero3_nvme) with one process, the in-process OOM back-off 
 ranks (also inside DeepSpeed's optimizer step), and checkpoints moving between strategies and
 world sizes: fsdp@2 -> single@1, fsdp@2 -> zero3_offload@2, fsdp@2 -> zero3_nvme@2,
 zero3@2 -> single@1, single@1 -> fsdp@2, fsdp@2 -> fsdp@1, expert-split ep2@2 -> fsdp@2,
-fsdp@2 -> ep2@2, ep2@2 -> single@1, with the
+fsdp@2 -> ep2@2, single@1 -> ep2@2, ep2@2 -> single@1, with the
 losses after the resume and the optimizer moments four steps later equal to the straight run's.
 
 One torchrun launch runs all the two-process trainings (tests/trainer/dist_worker.py); the
