@@ -192,7 +192,8 @@ def make_plan(
     why = (
         f"expert parallel {ep}: each MoE layer's experts split over {ep} of the data x sequence "
         "ranks (parallel.expert as the config forces it: the planner does not weigh the "
-        "degree yet; the estimate gathers a whole layer's experts, a split rank only its own)"
+        "degree yet; the estimate counts the experts' rows a rank computes on average, a skewed "
+        "router can send it up to the expert degree times as many)"
     )
     return replace(plan, expert_parallel=ep, reasons=[*plan.reasons, why])
 
