@@ -13,7 +13,15 @@ import pytest
 from launcher.cli import main
 from tests.conftest import write_demo_job
 from trainer.core.config import ConfigError, load_config
+from trainer.core.expert_plan import expert_plan
 from trainer.core.parallel_dims import ParallelDims, expert_sizes
+
+# the architectures' plans as the installed transformers declares them (`make test-floor` runs
+# the lowest transformers pyproject.toml allows, whose configs may declare none)
+pytestmark = pytest.mark.skipif(
+    not (expert_plan("qwen3_moe") and expert_plan("gpt_oss")),
+    reason="the installed transformers declares no base_model_ep_plan for qwen3_moe and gpt_oss",
+)
 
 _SMALL = {
     "vocab_size": 45, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -123,7 +131,8 @@ def test_a_transformers_without_the_expert_split_is_one_line_naming_its_version(
 
     cfg = load_config(_job(tmp_path, QWEN3_MOE), ["parallel.expert=2"])
     hf_config = AutoConfig.for_model(**QWEN3_MOE)
-    assert run_dims(cfg, 2, hf_config).expert == 2
+    if expert.installed():  # else the line below is the installed version's own
+        assert run_dims(cfg, 2, hf_config).expert == 2
     monkeypatch.setattr(expert, "_apply_function", lambda: None)
     with pytest.raises(ConfigError) as err:
         run_dims(cfg, 2, hf_config)
