@@ -68,7 +68,7 @@ def step_time_s(
     if not rung.streams_layers:
         return (
             compute
-            + _comm_s(shape, spec, hw, links)
+            + _comm_s(shape, spec, hw, links, compute)
             + _host_s(shape, spec, hw, links, compute, offloaded_bytes)
         )
     # `stream` (trainer/backends/stream.py): per micro-batch every layer's weights cross PCIe
@@ -137,10 +137,13 @@ def _grad_reductions(spec: StepSpec) -> int:
     return spec.grad_accum if every else 1
 
 
-def _comm_s(shape: ModelShape, spec: StepSpec, hw: Hardware, links: Links) -> float:
-    """Gradient reductions and parameter gathers over the ring of the ranks that shard (all, or
-    under a tensor split those of one tensor rank, each moving its 1/tensor of the model),
-    Ulysses' all-to-alls and the tensor split's all-reduces."""
+def _comm_s(
+    shape: ModelShape, spec: StepSpec, hw: Hardware, links: Links, compute_s: float
+) -> float:
+    """What communication adds to compute: gradient reductions and parameter gathers over the
+    ring of the ranks that shard (all, or under a tensor split those of one tensor rank, each
+    moving its 1/tensor of the model), less what compute hides; Ulysses' all-to-alls and the
+    tensor split's all-reduces in full (on the critical path)."""
     rung, ring, tp = spec.row, spec.shard_ranks, spec.tensor_parallel
     cost = method_cost(shape, spec.finetune, spec.compute_bytes)
     bandwidth = links.intra_node if hw.nodes == 1 else links.inter_node
@@ -148,7 +151,17 @@ def _comm_s(shape: ModelShape, spec: StepSpec, hw: Hardware, links: Links) -> fl
     comm_bytes = cost.trained * rung.grad_comm * _grad_reductions(spec)
     comm_bytes += cost.gathered * rung.param_comm_per_micro * gather_scale * spec.grad_accum
     sharded = (ring - 1) / ring * comm_bytes / tp / bandwidth
-    return sharded + all_to_all_s(shape, spec, links) + tensor_all_reduce_s(shape, spec, links)
+    exposed = overlapped_s(sharded, compute_s, shape.num_layers)
+    return exposed + all_to_all_s(shape, spec, links) + tensor_all_reduce_s(shape, spec, links)
+
+
+def overlapped_s(comm_s: float, compute_s: float, layers: int) -> float:
+    """The part of per-layer collectives that compute does not hide. FSDP2 and ZeRO-3 gather
+    the next layer's parameters while this one computes and reduce-scatter a layer's gradients
+    while the one before it runs backward; DDP and ZeRO-1/2 reduce gradient buckets during
+    backward. Exposed: what exceeds compute, and at least one layer's share a micro-batch
+    (the first gather, the last reduction) (docs/planner.md)."""
+    return max(comm_s / max(1, layers), comm_s - compute_s)
 
 
 def tensor_all_reduce_s(shape: ModelShape, spec: StepSpec, links: Links) -> float:

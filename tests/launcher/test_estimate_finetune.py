@@ -290,6 +290,8 @@ def test_the_cost_model_counts_adapter_matmuls_and_dequantisation():
     assert 0.65 < lora / full < 0.72  # (4N + 6A + attention) / (6N + attention)
     assert lora < qlora < 1.05 * lora
     assert seconds("qlora", micro=8) - seconds("lora", micro=8) < (qlora - lora) / 4
-    # ddp x8 all-reduces the adapters' gradients only: no slower than one device's share
-    assert seconds("lora", strategy="ddp", ranks=8) < 1.002 * lora / 8
-    assert seconds("full", strategy="ddp", ranks=8) > 1.01 * full / 8
+    # ddp x8 all-reduces the adapters' gradients only: what the backward does not hide (the
+    # last layer's share; launcher/plan/cost.py overlapped_s) is far smaller than full's
+    lora_excess = seconds("lora", strategy="ddp", ranks=8) / (lora / 8) - 1
+    full_excess = seconds("full", strategy="ddp", ranks=8) / (full / 8) - 1
+    assert 0 < 50 * lora_excess < full_excess, (lora_excess, full_excess)
