@@ -45,6 +45,12 @@ LAUNCHER_RUNS_ENGINE = {
     # one rank of a sequence group: the engine's Ulysses attention and tiled MLP
     ("launcher.estimate.trace", "trainer.parallel.sequence"),
     ("launcher.estimate.trace", "trainer.memory.tiled_mlp"),
+    # stream's traced step: its own backend, with the host on the meta device
+    ("launcher.estimate.trace_stream", "trainer.backends"),
+    ("launcher.estimate.trace_stream", "trainer.backends.stream"),
+    ("launcher.estimate.trace_stream", "trainer.memory.levers"),
+    ("launcher.estimate.trace_stream", "trainer.memory.tiled_mlp"),
+    ("launcher.estimate.trace_stream", "trainer.model.build"),
     # the activations of a block the analytic model does not know: one traced forward
     ("launcher.estimate.saved_tensors", "trainer.backends.common"),
     ("launcher.estimate.saved_tensors", "trainer.model.build"),

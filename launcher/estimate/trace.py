@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from launcher.estimate.trace_patches import moe_fake_kernels, untracked_sharding_propagation
+from launcher.estimate.trace_stream import land_gradients, traced_stream_model
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
 from trainer.backends.common import COMPUTE_DTYPES, attach, clip_and_step
 from trainer.backends.fsdp import apply_fsdp
@@ -51,7 +52,7 @@ from trainer.parallel.parallelize import ModelChanges, parallelize
 from trainer.parallel.sequence import split_sequence
 from trainer.step import accumulation_context, micro_batch_loss
 
-TRACEABLE = ("single", "fsdp")
+TRACEABLE = ("single", "fsdp", "stream")
 # `until=` for a trace of the layers' forward phases only, or of the step up to its optimizer
 FORWARD_END, BACKWARD_END = HEAD, OPTIMIZER
 _SPEC = OptimizerSpec(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, grad_clip=1.0)
@@ -68,8 +69,11 @@ def _real(spec: StepSpec) -> bool:
 def traceable(strategy: str, ft: Finetune = FULL) -> bool:
     """single and fsdp (with real tensors over a fake process group too); 8-bit AdamW on single
     only: FSDP's tracker hooks the optimizer's step, and the engine's 8-bit AdamW over FSDP2
-    shards is no torch optimizer that has such hooks."""
+    shards is no torch optimizer that has such hooks. stream: what it runs (a full fine-tune
+    in 16 bit or fp32, launcher/estimate/trace_stream.py)."""
     eight_bit = ft.optimizer in EIGHT_BIT_OPTIMIZERS
+    if strategy == "stream":
+        return ft.method == "full" and not eight_bit
     return strategy == "single" or (strategy in TRACEABLE and not eight_bit)
 
 
@@ -114,8 +118,10 @@ def trace_step(
         if dims.sequence > 1:  # rank 0's slice of every sequence, as the engine splits it
             doc_ids = (batch["position_ids"] == 0).cumsum(dim=1) - 1
             batch = split_sequence({**batch, "doc_ids": doc_ids}, dims, 0)
-        _init_optimizer_state(model, backend.optimizer)  # the traced step is a steady-state one
-        tracker = _tracker(spec.strategy, model, backend.optimizer, batch)
+        optimizer = getattr(backend, "optimizer", None)  # stream's steps on the host
+        if optimizer is not None:  # the traced step is a steady-state one
+            _init_optimizer_state(model, optimizer)
+        tracker = _tracker(spec.strategy, model, optimizer, batch)
         marks = _PhaseMarks(tracker, phase_local_peaks, until)
         with contextlib.suppress(_Stop), tracker, phase_markers(model, marks):
             _step(model, backend, [batch] * spec.grad_accum, tracker, marks)
@@ -136,6 +142,11 @@ def _traced_model(
     its backend attached to it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    if spec.row.streams_layers:
+        ctx = _backend_context(spec, torch.device("cpu"), build_mesh(ParallelDims(1), 0))
+        model, backend = traced_stream_model(hf_config, spec, ctx, attn_implementation, stack)
+        stack.enter_context(moe_fake_kernels())
+        return model, backend, ParallelDims(1)
     real = _real(spec)
     model_cfg = ModelConfig(config=dict(hf_config), attn_implementation=attn_implementation)
     factory = HFModelFactory(model_cfg, seed=0)
@@ -230,8 +241,10 @@ class _PhaseMarks:
 def _step(model: nn.Module, backend: Any, batches: list[dict], tracker: Any, mark: Any) -> None:
     """One training step through the engine's functions (trainer/step.py): the micro-batches
     in the backend's accumulation context, forward under its compute context, its backward;
-    then clipping, the optimizer step and zero_grad as the replica rungs' backends run them."""
+    then clipping, the optimizer step and zero_grad as the replica rungs' backends run them
+    (stream: on the host, once its gradients have landed there)."""
     tokens = batches[0]["input_ids"].numel()
+    streams = backend.name == "stream"
     mark(STEP)
     for i, batch in enumerate(batches):
         tracker.reset_mod_stats()  # its per-module stats allow one call per module
@@ -239,7 +252,11 @@ def _step(model: nn.Module, backend: Any, batches: list[dict], tracker: Any, mar
             loss_sum = micro_batch_loss(model, backend, batch)
             backend.backward(loss_sum / tokens)
             del loss_sum
+        if streams:
+            land_gradients(backend)
     mark(OPTIMIZER)
+    if streams:
+        return
     clip_and_step(model.parameters(), backend.optimizer, None, backend.grad_clip)
 
 
@@ -318,7 +335,7 @@ def packed_batch(vocab_size: int, micro: int, seq: int) -> dict[str, torch.Tenso
     }
 
 
-def _tracker(strategy: str, model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> Any:
+def _tracker(strategy: str, model: nn.Module, optimizer: Any, batch) -> Any:
     if strategy == "fsdp":
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -330,7 +347,8 @@ def _tracker(strategy: str, model: nn.Module, optimizer: torch.optim.Optimizer, 
 
     tracker = MemTracker()
     _skip_frozen(tracker, model)
-    tracker.track_external(model, optimizer, *batch.values())
+    optimizers = [optimizer] if optimizer is not None else []
+    tracker.track_external(model, *optimizers, *batch.values())
     return tracker
 
 

@@ -90,7 +90,8 @@ def render_traces(rows: list[Estimate], traced: dict[str, dict[str, Any]]) -> st
     for r in rows:
         t = traced.get(r.strategy)
         if t is None:
-            lines.append(f"{r.strategy:<22}  not traceable (--trace covers single and fsdp)")
+            covers = "single, fsdp and stream"
+            lines.append(f"{r.strategy:<22}  not traceable (--trace covers {covers})")
             continue
         tb, ab = t["traced_peak_tensor_bytes"], t["analytic_peak_tensor_bytes"]
         lines.append(

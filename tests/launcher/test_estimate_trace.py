@@ -183,6 +183,31 @@ def test_the_levers_keep_the_estimate_within_the_band_on_the_covering_grid(lever
     assert_within_band([(*case, 1, levers) for case in covering_grid()])
 
 
+# `stream` (launcher/estimate/trace_stream.py): the small llama peaks at its head, at sequence
+# 256 and 1024; wide layers with a 45-token vocabulary peak in a layer's backward, where its
+# gradients, their flat copy and the previous layer's flat are on the device at once
+WIDE_LAYERS = {"model_type": "llama", "vocab_size": 45, "hidden_size": 256,
+               "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "max_position_embeddings": 128,
+               "tie_word_embeddings": True}  # fmt: skip
+STREAM_CASES = [("small", 1, 256), ("small", 1, 1024), ("wide", 2, 32)]
+
+
+def stream_error(case: tuple) -> float:
+    """(analytic - traced) / traced peak tensor bytes of a stream step (bf16, accumulation 2)."""
+    size, micro, seq = case
+    config = WIDE_LAYERS if size == "wide" else hf_config("llama", size)
+    spec = StepSpec("stream", 1, micro, seq, "full", "bf16", 2, 1)
+    traced = trace_step(config, spec).peak_bytes
+    analytic = estimate(shape_of(json.dumps(config, sort_keys=True)), spec).peak_tensor_bytes
+    return (analytic - traced) / traced
+
+
+def test_the_estimate_of_stream_follows_the_trace():
+    errors = {case: stream_error(case) for case in STREAM_CASES}
+    assert max(abs(e) for e in errors.values()) <= 0.03, errors
+
+
 @pytest.mark.parametrize(
     "case",
     [

@@ -27,7 +27,7 @@ from trainer.model.build import decoder_layers
 from trainer.model.pretrained import canonical_name
 from trainer.parallel.parallelize import ModelChanges, parallelize
 from trainer.streaming.copies import Copies, Ticket
-from trainer.streaming.host_state import HostState
+from trainer.streaming.host_state import HOST, HostState
 from trainer.streaming.layers import DeviceLedger, LayerStreamer, apply_streaming, copy_in, nbytes
 
 _PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -47,15 +47,26 @@ class _HostSteps:
 
 
 class StreamBackend:
-    def __init__(self, strategy: str, ctx: BackendContext):
+    """`host`: where the fp32 state lives; `copies`: the two queues (in, out). The estimate's
+    trace (launcher/estimate/trace_stream.py) gives the meta device, whose tensors have no bytes,
+    and queues that run each copy on its own thread; the engine gives neither."""
+
+    def __init__(
+        self,
+        strategy: str,
+        ctx: BackendContext,
+        host: torch.device = HOST,
+        copies: tuple[Any, Any] | None = None,
+    ):
         self.name = strategy
         self.ctx = ctx
+        self.host_device = host
         self.dtype = _PRECISION_DTYPES[ctx.precision]
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.precision == "fp16")
         self.ledger = DeviceLedger()
         delay_s = ctx.cfg.debug.stream_copy_delay_s or 0.0
-        self.copies = (Copies(ctx.device, "copy-in", delay_s),
-                       Copies(ctx.device, "copy-out", delay_s))  # fmt: skip
+        self.copies = copies or (Copies(ctx.device, "copy-in", delay_s),
+                                 Copies(ctx.device, "copy-out", delay_s))  # fmt: skip
         self._resident_ticket: Ticket | None = None
 
     def setup(self, factory: ModelFactory, optim: OptimizerSpec) -> nn.Module:
@@ -77,12 +88,14 @@ class StreamBackend:
         for name, p in named:
             units[layer_of.get(id(p), -1) + 1].append((name, p))
         device = self.ctx.device
-        self.host = HostState(units, [n for n, _ in named], optim, pin=device.type == "cuda")
+        self.host = HostState(units, [n for n, _ in named], optim, pin=device.type == "cuda",
+                              device=self.host_device)  # fmt: skip
         self.resident = units[0]
         for name, p in self.resident:
             p.data = self.host.master(name).to(device, self.dtype, copy=True)
             self.ledger.hold(nbytes(p.data))
-        model.to(device)  # buffers (rotary frequencies); the parameters are placed already
+        if any(b.device != device for b in model.buffers()):  # the parameters are placed
+            model.to(device)  # buffers (rotary frequencies)
         self.streamer = LayerStreamer(units[1:], self.host, 1, self.dtype, self.copies,
                                       self.ledger)  # fmt: skip
         apply_streaming(layers, self.streamer)

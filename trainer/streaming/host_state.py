@@ -21,6 +21,8 @@ from torch import nn
 
 from trainer.core.step_spec import OptimizerSpec
 
+HOST = torch.device("cpu")  # where the state lives (the estimate's trace gives `meta`)
+
 
 @dataclass(frozen=True)
 class Place:
@@ -49,8 +51,10 @@ class HostState:
         order: list[str],
         optim: OptimizerSpec,
         pin: bool,
+        device: torch.device = HOST,
     ):
         self.places: dict[str, Place] = {}
+        self.device = device  # the host (meta in the estimate's trace: no bytes)
         self.masters: list[nn.Parameter] = [self._flat(u, named, pin) for u, named in
                                             enumerate(units)]  # fmt: skip
         self.order = order
@@ -73,15 +77,15 @@ class HostState:
 
     def _flat(self, unit: int, named: list[tuple[str, nn.Parameter]], pin: bool) -> nn.Parameter:
         numel = sum(p.numel() for _, p in named)
-        flat = torch.empty(numel, dtype=torch.float32, pin_memory=pin)
+        flat = torch.empty(numel, dtype=torch.float32, device=self.device, pin_memory=pin)
         offset = 0
         for name, p in named:
             flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
             self.places[name] = Place(unit, offset, p.shape)
             offset += p.numel()
-            p.data = torch.empty(0, dtype=p.dtype)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         master = nn.Parameter(flat)
-        master.grad = torch.zeros(numel, dtype=torch.float32, pin_memory=pin)
+        master.grad = torch.zeros(numel, dtype=torch.float32, device=self.device, pin_memory=pin)
         return master
 
     @property

@@ -220,6 +220,9 @@ class _StreamedLayer(torch.autograd.Function):
         streamer = ctx.streamer
         grad_in = streamer.backward(ctx.index, hidden, grad_out, ctx.call, ctx.autocast)
         streamer.ledger.release(ctx.kept, kept=True)
+        # the layer's other arguments (mask, rotary tables) let go of: a hook that outlives the
+        # graph keeps this node (a module tracker's, the profiler's phases), not them
+        ctx.call = None
         return grad_in, None, None, None, None
 
 
