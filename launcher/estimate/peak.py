@@ -121,16 +121,14 @@ def _backward_layers(
     shape: ModelShape, m: Micro, a: MicroActivations, head: int, grads: GradFlow, gather: int
 ) -> int:
     """The highest live bytes of any decoder layer's backward: what the layers below it saved,
-    its own activations (rebuilt if checkpointed) with its gradients, or those gradients once
-    the activations are freed (`after_layer`), the gradients of the layers above it."""
+    its own activations (rebuilt if checkpointed), the gradients of the layers above it."""
     num_layers, f = shape.num_layers, a.forward
     peak, below, ops_below = 0, 0, 0
-    working = max(f.per_layer + a.layer_backward + grads.in_layer, grads.after_layer)
     for k in range(num_layers):
         above = num_layers - 1 - k
         live = (
-            head - above * grads.released_per_layer + below + f.rotary + working
-            + above * grads.per_layer + gather + m.dequant
+            head - above * grads.released_per_layer + below + f.rotary + f.per_layer
+            + above * grads.per_layer + a.layer_backward + gather + grads.in_layer + m.dequant
             + m.adapter_grad * m.tokens + (grads.pending_reduce if above else 0)
         )  # fmt: skip
         peak = max(peak, live)

@@ -16,9 +16,6 @@ class GradFlow:
     head: int = 0  # ... lm_head's and the final norm's
     root_at_embedding: int = 0  # the root's gradients alive during the embedding's backward
     in_layer: int = 0  # gradients of the layer being back-propagated, at its peak
-    # gradients alive once the layer's activations are freed, where more than while they live
-    # (stream: its autograd gradients, their flat copy and the previous flat, on their way out)
-    after_layer: int = 0
     released_per_layer: int = 0  # held gradients a layer's reduce-scatter frees
     reduce_root: int = 0  # ... of the root's, after the embedding's backward
     pending_reduce: int = 0  # the previous reduce-scatter's input, freed at the next one

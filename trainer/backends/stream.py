@@ -28,7 +28,14 @@ from trainer.model.pretrained import canonical_name
 from trainer.parallel.parallelize import ModelChanges, parallelize
 from trainer.streaming.copies import Copies, Ticket
 from trainer.streaming.host_state import HOST, HostState
-from trainer.streaming.layers import DeviceLedger, LayerStreamer, apply_streaming, copy_in, nbytes
+from trainer.streaming.layers import (
+    DeviceLedger,
+    LayerStreamer,
+    apply_streaming,
+    copy_in,
+    grad_or_zeros,
+    nbytes,
+)
 
 _PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -128,11 +135,10 @@ class StreamBackend:
         """Backward through the streamed layers; the resident parts' gradients follow them to
         the host (accumulated there in fp32, like every layer's)."""
         self.scaler.scale(loss).backward()
-        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                 for _, p in self.resident]  # fmt: skip
+        pieces = [grad_or_zeros(p.grad, p) for _, p in self.resident]
         for _, p in self.resident:
             p.grad = None
-        self.streamer.send(0, torch.cat(grads))
+        self.streamer.send(0, pieces)
 
     def step(self) -> float:
         """`single`'s step on the host: unscale (fp16), the global norm, clip, then AdamW per

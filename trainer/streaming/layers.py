@@ -145,30 +145,36 @@ class LayerStreamer:
         grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
         grad_in = grads[0] if x.requires_grad else None
         param_grads = grads[1:] if x.requires_grad else grads
-        flat = torch.cat([_grad_or_zeros(g, p) for g, p in zip(param_grads, params, strict=True)])
+        pieces = [grad_or_zeros(g, p) for g, p in zip(param_grads, params, strict=True)]
         del grads, param_grads, out
         self._free[index % 2] = self.copies_in.compute_mark()
-        self.send(self.units[index], flat)
+        self.send(self.units[index], pieces)
         return grad_in
 
-    def send(self, unit: int, flat: torch.Tensor) -> None:
-        """Accumulate `flat` (a unit's gradients on the device) into the unit's fp32 host
-        gradients, on the outgoing queue."""
-        size = nbytes(flat)
+    def send(self, unit: int, pieces: list[torch.Tensor]) -> None:
+        """Accumulate `pieces` (a unit's gradients on the device, flat, in the order of its host
+        buffer) into the unit's fp32 host gradients, on the outgoing queue. Piece by piece: a
+        flat copy of them all would hold the layer's gradients twice on the device."""
+        size = sum(nbytes(g) for g in pieces)
         self.ledger.hold(size)
         grad = self.host.masters[unit].grad
         staging = self.staging_out
+        numel = sum(g.numel() for g in pieces)
 
         def copy() -> None:
             self.host.wait_updated(unit)
-            if staging is None:  # CPU processes: the "device" is this host
-                grad.add_(flat)
-            else:
-                staging[: flat.numel()].copy_(flat, non_blocking=True)
+            offset = 0
+            for g in pieces:
+                if staging is None:  # CPU processes: the "device" is this host
+                    grad[offset : offset + g.numel()].add_(g)
+                else:
+                    staging[offset : offset + g.numel()].copy_(g, non_blocking=True)
+                offset += g.numel()
 
         def then() -> None:
             if staging is not None:
-                grad.add_(staging[: flat.numel()])
+                grad[:numel].add_(staging[:numel])
+            pieces.clear()  # the device's copies freed with the copy done
             self.ledger.release(size)
 
         self.copies_out.submit(copy, after=self.copies_out.compute_mark(), then=then)
@@ -189,7 +195,7 @@ def copy_in(dst: torch.Tensor, src: torch.Tensor, staging: torch.Tensor | None) 
         torch.cuda.current_stream(dst.device).synchronize()
 
 
-def _grad_or_zeros(grad: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
+def grad_or_zeros(grad: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
     return (torch.zeros_like(p) if grad is None else grad).reshape(-1)
 
 
