@@ -71,22 +71,58 @@ def step_time_s(
             + _comm_s(shape, spec, hw, links, compute)
             + _host_s(shape, spec, hw, links, compute, offloaded_bytes)
         )
-    # `stream` (trainer/backends/stream.py): per micro-batch every layer's weights cross PCIe
-    # twice and its gradients once, in the compute dtype (`pcie_per_micro` x c/2), on copy
-    # streams beside the compute: the slower of the two sets the pace (the resident parts come in
-    # once a step, their gradients go out each micro-batch; with activation offload the kept
-    # layer inputs share the link). Host AdamW follows the global norm
-    # and overlaps the next step's first forward (a layer is fetched once it is updated): what it
-    # does not hide is added. (Inline: the walk of tests/test_architecture.py counts modules.)
-    c, root = spec.compute_bytes, shape.num_root_params
+    return stream_times(shape, spec, hw, links, offloaded_bytes, compute).step_s
+
+
+@dataclass(frozen=True)
+class StreamTimes:
+    """`stream`'s step (trainer/backends/stream.py): its copies run beside the compute, so the
+    slower of the two sets the pace; its host AdamW overlaps the next step's first forward, and
+    only what that does not hide is added."""
+
+    compute_s: float
+    copies_s: float
+    copied_bytes: float
+    host_adam_s: float
+    exposed_adam_s: float
+
+    @property
+    def step_s(self) -> float:
+        return max(self.compute_s, self.copies_s) + self.exposed_adam_s
+
+    def words(self) -> str:
+        """The plan's line on why the step takes what it takes."""
+        pace = "copies" if self.copies_s > self.compute_s else "compute"
+        return (
+            f"stream's step is the slower of compute ({self.compute_s:.3g} s) and its copies "
+            f"beside it ({self.copied_bytes / 1e9:.3g} GB over PCIe, {self.copies_s:.3g} s): "
+            f"{pace} sets the pace; {self.exposed_adam_s:.3g} s of its host AdamW "
+            f"({self.host_adam_s:.3g} s) is not hidden behind the next step's first forward "
+            "(the other offload rungs add their copies and host AdamW to the compute)"
+        )
+
+
+def stream_times(
+    shape: ModelShape, spec: StepSpec, hw: Hardware, links: Links, offloaded_bytes: int = 0,
+    compute_s: float | None = None,
+) -> StreamTimes:  # fmt: skip
+    """Per micro-batch every layer's weights cross PCIe twice and its gradients once, in the
+    compute dtype (`pcie_per_micro` x c/2); the resident parts come in once a step and their
+    gradients go out each micro-batch; with activation offload the kept layer inputs share the
+    link. A layer of the next step's first forward is fetched once it is updated. (Here, not in
+    a module of its own: the walk of tests/test_architecture.py counts modules.)"""
+    if compute_s is None:
+        compute_s = _compute_s(shape, spec, hw)
+    rung, c, root = spec.row, spec.compute_bytes, shape.num_root_params
     cost = method_cost(shape, spec.finetune, c)
     per_micro = rung.pcie_per_micro * c / 2 * (cost.gathered - root) + c * root
     if spec.offload_activations:  # the kept layer inputs out in forward and back in backward
         per_micro += 2 * offloaded_bytes
-    copies_s = (per_micro * spec.grad_accum + c * root) / links.pcie
+    copied = per_micro * spec.grad_accum + c * root
     adam_s = cost.trained / rung.host_adam_params_s
-    forward_s = compute / spec.grad_accum / 4  # of forward 1, recompute 1, backward 2
-    return max(compute, copies_s) + max(adam_s / max(1, shape.num_layers), adam_s - forward_s)
+    forward_s = compute_s / spec.grad_accum / 4  # of forward 1, recompute 1, backward 2
+    exposed = max(adam_s / max(1, shape.num_layers), adam_s - forward_s)
+    return StreamTimes(compute_s, copied / links.pcie, copied, adam_s, exposed)
 
 
 def _recomputed(shape: ModelShape, spec: StepSpec) -> float:

@@ -21,7 +21,7 @@ from launcher.estimate.shape import ModelShape, model_shape
 from launcher.estimate.stream_states import resident_reason
 from launcher.plan.alternatives import MethodAlternative, method_alternatives
 from launcher.plan.calibration import RuntimeFigures, calibration_path
-from launcher.plan.cost import Links, step_time_s
+from launcher.plan.cost import Links, step_time_s, stream_times
 from launcher.plan.hardware import Hardware
 from launcher.plan.headroom import Headroom, as_headroom, plan_headroom
 from launcher.plan.ladder import (
@@ -239,6 +239,9 @@ def _make_plan(
     reasons = _reasons(cfg, hw, ranked, memory_scale) + model_reasons(shape)
     if chosen.rung.streams_layers:
         reasons.append(resident_reason(shape, chosen.spec.compute_bytes))
+        links = Links.of(cfg.hardware, hw.device)
+        times = stream_times(shape, chosen.spec, hw, links, chosen.estimate.offloaded_bytes)
+        reasons.append(times.words())
     reasons += long_context_reasons(shape, chosen.spec, memory_scale, longest, memory_longest)
     if (why := tensor_reason(cfg, hw, found, chosen.spec.tensor_parallel)) is not None:
         reasons.append(why)
