@@ -1,4 +1,4 @@
-"""`stream` against `zero3_offload_params` and `zero3_offload` on the same job, side by side.
+"""`stream` against `zero3_offload_params` on the same job, side by side.
 
     python -m bench.stream_vs_zero3 [--cpu-smoke] [--json PATH]
 
@@ -9,7 +9,7 @@ and the host peak (the rise of the process's high-water mark, VmHWM, over its re
 the rung started). On CPU (`--cpu-smoke`): a tiny
 Llama in fp32, a few steps, and `stream`'s losses are checked against `zero3_offload_params`'s
 (1e-4: the same math, another reduction order). On a GPU: a Llama-3.2-3B-shaped model in bf16,
-2,048 tokens, against `zero3_offload_params` only, and the measured pinned host-to-device copy
+2,048 tokens, and the measured pinned host-to-device copy
 rate (what `hardware.pcie_bandwidth` and launcher/plan/cost.py's PCIE_BYTES_S stand for) and
 torch's fused AdamW rate on this host's cores (TORCH_HOST_ADAM_PARAMS_S in
 trainer/core/strategies.py).
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return _child(*args.child)
     cpu = args.cpu_smoke
-    rungs = ["stream", "zero3_offload_params"] + (["zero3_offload"] if cpu else [])
+    rungs = ["stream", "zero3_offload_params"]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         job = _job(tmp, cpu)

@@ -386,7 +386,7 @@ def test_stream_vs_zero3_runs_small_on_cpu_and_learns_what_zero3_learns(tmp_path
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = {row["strategy"]: row for row in result["rows"]}
-    assert set(rows) == {"stream", "zero3_offload_params", "zero3_offload"}
+    assert set(rows) == {"stream", "zero3_offload_params"}
     assert all(row["tokens_per_s"] > 0 and row["device_peak_bytes"] > 0 for row in rows.values())
     assert result["max_relative_loss_difference"] <= 1e-4 and result["host_adam_params_s"] > 0
     assert "| stream |" in r.stdout

@@ -59,10 +59,12 @@ class Links:
 
 
 def step_time_s(
-    shape: ModelShape, spec: StepSpec, hw: Hardware, links: Links, offloaded_bytes: int = 0
-) -> float:
+    shape: ModelShape, spec: StepSpec, hw: Hardware, links: Links, offloaded_bytes: int = 0,
+    stream: list[StreamTimes] | None = None,
+) -> float:  # fmt: skip
     """Predicted seconds per optimizer step: compute + recompute + communication + host traffic.
-    `offloaded_bytes`: what activation offload moves per micro-batch (the estimate's)."""
+    `offloaded_bytes`: what activation offload moves per micro-batch (the estimate's); `stream`:
+    where a `stream` step's parts are appended (the plan's reasons say them)."""
     compute = _compute_s(shape, spec, hw)
     rung = spec.row
     if not rung.streams_layers:
@@ -71,14 +73,33 @@ def step_time_s(
             + _comm_s(shape, spec, hw, links, compute)
             + _host_s(shape, spec, hw, links, compute, offloaded_bytes)
         )
-    return stream_times(shape, spec, hw, links, offloaded_bytes, compute).step_s
+    # `stream` (trainer/backends/stream.py): per micro-batch every layer's weights cross PCIe
+    # twice and its gradients once, in the compute dtype (`pcie_per_micro` x c/2), on copy
+    # streams beside the compute: the slower of the two sets the pace (the resident parts come in
+    # once a step, their gradients go out each micro-batch; with activation offload the kept
+    # layer inputs share the link). Host AdamW follows the global norm
+    # and overlaps the next step's first forward (a layer is fetched once it is updated): what it
+    # does not hide is added. (Inline: the walk of tests/test_architecture.py counts modules.)
+    c, root = spec.compute_bytes, shape.num_root_params
+    cost = method_cost(shape, spec.finetune, c)
+    per_micro = rung.pcie_per_micro * c / 2 * (cost.gathered - root) + c * root
+    if spec.offload_activations:  # the kept layer inputs out in forward and back in backward
+        per_micro += 2 * offloaded_bytes
+    copied = per_micro * spec.grad_accum + c * root
+    adam_s = cost.trained / rung.host_adam_params_s
+    forward_s = compute / spec.grad_accum / 4  # of forward 1, recompute 1, backward 2
+    exposed = max(adam_s / max(1, shape.num_layers), adam_s - forward_s)
+    times = StreamTimes(compute, copied / links.pcie, copied, adam_s, exposed)
+    if stream is not None:
+        stream.append(times)
+    return times.step_s
 
 
 @dataclass(frozen=True)
 class StreamTimes:
     """`stream`'s step (trainer/backends/stream.py): its copies run beside the compute, so the
-    slower of the two sets the pace; its host AdamW overlaps the next step's first forward, and
-    only what that does not hide is added."""
+    slower of the two sets the pace; of its host AdamW only what the next step's first forward
+    does not hide is added."""
 
     compute_s: float
     copies_s: float
@@ -100,29 +121,6 @@ class StreamTimes:
             f"({self.host_adam_s:.3g} s) is not hidden behind the next step's first forward "
             "(the other offload rungs add their copies and host AdamW to the compute)"
         )
-
-
-def stream_times(
-    shape: ModelShape, spec: StepSpec, hw: Hardware, links: Links, offloaded_bytes: int = 0,
-    compute_s: float | None = None,
-) -> StreamTimes:  # fmt: skip
-    """Per micro-batch every layer's weights cross PCIe twice and its gradients once, in the
-    compute dtype (`pcie_per_micro` x c/2); the resident parts come in once a step and their
-    gradients go out each micro-batch; with activation offload the kept layer inputs share the
-    link. A layer of the next step's first forward is fetched once it is updated. (Here, not in
-    a module of its own: the walk of tests/test_architecture.py counts modules.)"""
-    if compute_s is None:
-        compute_s = _compute_s(shape, spec, hw)
-    rung, c, root = spec.row, spec.compute_bytes, shape.num_root_params
-    cost = method_cost(shape, spec.finetune, c)
-    per_micro = rung.pcie_per_micro * c / 2 * (cost.gathered - root) + c * root
-    if spec.offload_activations:  # the kept layer inputs out in forward and back in backward
-        per_micro += 2 * offloaded_bytes
-    copied = per_micro * spec.grad_accum + c * root
-    adam_s = cost.trained / rung.host_adam_params_s
-    forward_s = compute_s / spec.grad_accum / 4  # of forward 1, recompute 1, backward 2
-    exposed = max(adam_s / max(1, shape.num_layers), adam_s - forward_s)
-    return StreamTimes(compute_s, copied / links.pcie, copied, adam_s, exposed)
 
 
 def _recomputed(shape: ModelShape, spec: StepSpec) -> float:

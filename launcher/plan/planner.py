@@ -21,7 +21,7 @@ from launcher.estimate.shape import ModelShape, model_shape
 from launcher.estimate.stream_states import resident_reason
 from launcher.plan.alternatives import MethodAlternative, method_alternatives
 from launcher.plan.calibration import RuntimeFigures, calibration_path
-from launcher.plan.cost import Links, step_time_s, stream_times
+from launcher.plan.cost import Links, StreamTimes, step_time_s
 from launcher.plan.hardware import Hardware
 from launcher.plan.headroom import Headroom, as_headroom, plan_headroom
 from launcher.plan.ladder import (
@@ -212,8 +212,12 @@ def _make_plan(
     found, _, attention, climbs = climb_long(cfg, hw, shape, rungs, exclude, memory_scale)
     per_rank, ranked, rejected = found.per_rank, found.ranked, found.rejected
     if forced and not ranked:
-        if rejected and " rank" in (rejected[0].why_not or ""):
-            raise ConfigError("strategy", f"{forced} {rejected[0].why_not}", "pick another rung")
+        why = (rejected[0].why_not or "") if rejected else ""
+        if " rank" in why:
+            raise ConfigError("strategy", f"{forced} {why}", "pick another rung")
+        if why.startswith("recomputes every layer"):  # stream, under a forced other level
+            raise ConfigError("memory.activation_checkpointing", f"{forced} {why}",
+                              "set it to full or auto, or pick another rung")  # fmt: skip
         if forced in exclude:
             raise NoFitError(f"strategy {forced} ran out of memory and is forced by the config")
         return _forced_plan(cfg, hw, shape, forced, per_rank, rejected, memory_scale)
@@ -239,9 +243,10 @@ def _make_plan(
     reasons = _reasons(cfg, hw, ranked, memory_scale) + model_reasons(shape)
     if chosen.rung.streams_layers:
         reasons.append(resident_reason(shape, chosen.spec.compute_bytes))
-        links = Links.of(cfg.hardware, hw.device)
-        times = stream_times(shape, chosen.spec, hw, links, chosen.estimate.offloaded_bytes)
-        reasons.append(times.words())
+        parts: list[StreamTimes] = []
+        step_time_s(shape, chosen.spec, hw, Links.of(cfg.hardware, hw.device),
+                    chosen.estimate.offloaded_bytes, stream=parts)  # fmt: skip
+        reasons.append(parts[0].words())
     reasons += long_context_reasons(shape, chosen.spec, memory_scale, longest, memory_longest)
     if (why := tensor_reason(cfg, hw, found, chosen.spec.tensor_parallel)) is not None:
         reasons.append(why)

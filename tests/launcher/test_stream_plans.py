@@ -8,7 +8,7 @@ import pytest
 
 from launcher.plan.hardware import Hardware
 from launcher.plan.planner import make_plan
-from trainer.core.config import build_config, parse_size
+from trainer.core.config import ConfigError, build_config, parse_size
 
 _LLAMA = {"model_type": "llama", "num_attention_heads": 64, "num_key_value_heads": 8,
           "vocab_size": 128256, "tie_word_embeddings": False,
@@ -65,3 +65,12 @@ def test_stream_is_predicted_half_again_faster_than_zero3_with_parameters_on_the
     stream, zero3 = rungs["stream"], rungs["zero3_offload_params"]
     assert plan.strategy == "stream" and stream.fits and zero3.fits, rungs
     assert zero3.relative_step_time / stream.relative_step_time >= 1.5, (stream, zero3)
+
+
+def test_a_forced_stream_with_checkpointing_other_than_full_is_one_line_naming_the_key():
+    with pytest.raises(ConfigError) as err:
+        _plan("qwen2.5-14b", "80GiB", "1TiB", strategy="stream",
+              memory={"activation_checkpointing": "none"})  # fmt: skip
+    line = str(err.value)
+    assert "\n" not in line and "memory.activation_checkpointing" in line, line
+    assert "stream recomputes every layer" in line and "full or auto" in line, line

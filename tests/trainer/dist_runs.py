@@ -47,7 +47,7 @@ def _resume(
     extra: tuple[str, ...] = (), **kw,
 ) -> Run:  # fmt: skip
     """Resume from `source`'s step-`at` checkpoint and train to STEPS (checkpoint at step 8);
-    `extra`: overrides beside the strategy (the model of the source run)."""
+    `extra`: overrides beside the strategy (the model of the source run; stream's checkpointing)."""
     overrides = (f"strategy={strategy}", "run.checkpoint_every=4", *extra)
     if kw.get("world_size", 2) == 2:
         overrides += (f"run.resume={{work}}/{source}/checkpoints/step_{at}",)
@@ -62,6 +62,8 @@ def _oom(name: str, strategy: str, where: str, against: str) -> Run:
 
 
 NVME = "deepspeed.nvme_path={work}/nvme_swap"
+# `stream` recomputes every layer: the base config's checkpointing `none` is refused for it
+STREAM = ("strategy=stream", "memory.activation_checkpointing=full")
 # from the model test_distributed.py saves with save_pretrained (sharded safetensors, tied
 # embeddings): one step, whose loss is the pretrained model's loss on the first batch
 PRETRAINED = ("model.name_or_path={work}/pretrained", "model.config=null", "train.steps=1")
@@ -114,14 +116,13 @@ RUNS: tuple[Run, ...] = (
         world_size=1, check="fp32"),
     Run("single_dpo_fp32", DPO, world_size=1),
     Run("single_dpo_lora_fp32", (*DPO, *LORA), world_size=1),
-    # layers streamed from host memory (trainer/backends/stream.py), with the copy threads
-    # slowed so that a missing wait would read a buffer before its copy lands
-    Run("stream_fp32", ("strategy=stream", "run.checkpoint_every=4"), world_size=1,
-        check="stream"),
-    Run("stream_delay_fp32", ("strategy=stream", "debug.stream_copy_delay_s=0.002"),
+    # layers streamed from host memory (trainer/backends/stream.py); then each layer's kept
+    # input in host memory (the activation-offload lever's hooks), with the copy threads slowed
+    # so that a missing wait would read a buffer before its copy lands
+    Run("stream_fp32", (*STREAM, "memory.offload_activations=false", "run.checkpoint_every=4"),
         world_size=1, check="stream"),
-    # ... each layer's kept input in host memory (the activation-offload lever's hooks)
-    Run("stream_offload_fp32", ("strategy=stream", "memory.offload_activations=true"),
+    Run("stream_offload_delay_fp32", (*STREAM, "memory.offload_activations=true",
+                                      "debug.stream_copy_delay_s=0.002"),
         world_size=1, check="stream"),
     # two processes: every backend against one process
     Run("ddp_fp32", ("strategy=ddp",), check="fp32"),
@@ -282,7 +283,7 @@ RUNS: tuple[Run, ...] = (
     _resume("single_from_ep2", "ep2_qwen3_moe", "single", against="ep2_qwen3_moe", world_size=1,
             extra=(f"model.config={MODELS['qwen3_moe']}",)),
     _resume("stream_from_single", "single_fp32", "stream", against="single_fp32", world_size=1,
-            exact=True),
+            exact=True, extra=STREAM[1:]),
     # last (a path where the ranks disagree would leave the process group unusable): a full
     # disk at step_4 on one rank, inside torch.save (the error DCP passes on has lost its
     # cause), that rank slowed or not; every rank must leave with the same one line
