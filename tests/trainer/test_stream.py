@@ -39,7 +39,8 @@ def test_lora_on_stream_exits_2_in_one_line(tmp_path):
 def test_what_the_backend_holds_on_the_device_stays_within_the_estimate(tmp_path):
     """Two micro-batches and a step of the stream backend in this process: its own count of
     device bytes (buffers, resident parts, kept inputs, gradients on their way out) never
-    exceeds the estimate's peak tensor bytes, and at rest it is the estimate's `params`."""
+    exceeds the estimate's peak tensor bytes nor what it keeps plus two layers' gradients, and
+    at rest it is the estimate's `params`."""
     import torch
 
     from launcher.estimate.peak import estimate
@@ -71,5 +72,10 @@ def test_what_the_backend_holds_on_the_device_stays_within_the_estimate(tmp_path
     backend.step()
     backend.host.finish_step()
     assert 0 < backend.ledger.peak <= est.peak_tensor_bytes, (backend.ledger.peak, est.phases)
+    layer_bytes = 4 * backend.streamer.numel  # fp32
+    kept = len(backend.streamer.units) * ids.numel() * model.config.hidden_size * 4
+    resident_grads = 4 * sum(p.numel() for _, p in backend.resident)
+    in_flight = max(2 * layer_bytes, layer_bytes + resident_grads)
+    assert backend.ledger.peak <= est.device_breakdown["params"] + kept + in_flight
     print(f"stream holds {backend.ledger.peak} of {est.peak_tensor_bytes} estimated")
     assert backend.ledger.held == est.device_breakdown["params"]

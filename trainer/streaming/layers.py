@@ -16,6 +16,7 @@ resident parts, the kept layer inputs and the gradients on their way out.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -93,6 +94,7 @@ class LayerStreamer:
         self._holds: list[int | None] = [None, None]
         self._tickets: list[Ticket | None] = [None, None]
         self._free: list[Any] = [None, None]  # compute events after a buffer's last reader
+        self._out: deque[Ticket] = deque()  # gradients on their way to the host
 
     def _staging(self, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(self.numel, dtype=dtype, pin_memory=True)
@@ -134,6 +136,10 @@ class LayerStreamer:
         self, index: int, hidden: torch.Tensor, grad_out: torch.Tensor, call: Callable,
         autocast: dict[str, Any],
     ) -> torch.Tensor | None:  # fmt: skip
+        # at most one layer's gradients still on their way out while this layer makes its own
+        # (what the estimate counts): where the copies out are slower, the backward waits
+        while len(self._out) > 1:
+            self._out.popleft().done()
         self._ready(index)
         if index > 0:
             self._fetch(index - 1)
@@ -177,7 +183,8 @@ class LayerStreamer:
             pieces.clear()  # the device's copies freed with the copy done
             self.ledger.release(size)
 
-        self.copies_out.submit(copy, after=self.copies_out.compute_mark(), then=then)
+        self._out.append(self.copies_out.submit(copy, after=self.copies_out.compute_mark(),
+                                                then=then))  # fmt: skip
 
 
 def copy_in(dst: torch.Tensor, src: torch.Tensor, staging: torch.Tensor | None) -> None:
