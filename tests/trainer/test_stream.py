@@ -79,3 +79,20 @@ def test_what_the_backend_holds_on_the_device_stays_within_the_estimate(tmp_path
     assert backend.ledger.peak <= est.device_breakdown["params"] + kept + in_flight
     print(f"stream holds {backend.ledger.peak} of {est.peak_tensor_bytes} estimated")
     assert backend.ledger.held == est.device_breakdown["params"]
+
+
+@pytest.mark.parametrize("staging_numel", [4, 5, 17, 100])
+def test_gradients_larger_than_the_staging_buffer_land_whole(staging_numel):
+    """The pinned staging buffer holds one layer; the resident parts' gradients (embeddings and
+    head, larger than a layer for every large vocabulary) go through it a fill at a time, and
+    every piece lands at its place in the host's fp32 gradients."""
+    import torch
+
+    from trainer.streaming.layers import copy_out
+
+    pieces = [torch.randn(n).to(torch.bfloat16) for n in (5, 3, 9)]
+    grad = torch.randn(20)
+    want = grad.clone()
+    want[:17] += torch.cat(pieces).float()
+    copy_out(list(pieces), grad, torch.empty(staging_numel, dtype=torch.bfloat16))
+    assert torch.equal(grad, want)

@@ -164,22 +164,12 @@ class LayerStreamer:
         size = sum(nbytes(g) for g in pieces)
         self.ledger.hold(size)
         grad = self.host.masters[unit].grad
-        staging = self.staging_out
-        numel = sum(g.numel() for g in pieces)
 
         def copy() -> None:
             self.host.wait_updated(unit)
-            offset = 0
-            for g in pieces:
-                if staging is None:  # CPU processes: the "device" is this host
-                    grad[offset : offset + g.numel()].add_(g)
-                else:
-                    staging[offset : offset + g.numel()].copy_(g, non_blocking=True)
-                offset += g.numel()
+            copy_out(pieces, grad, self.staging_out)
 
         def then() -> None:
-            if staging is not None:
-                grad[:numel].add_(staging[:numel])
             pieces.clear()  # the device's copies freed with the copy done
             self.ledger.release(size)
 
@@ -200,6 +190,38 @@ def copy_in(dst: torch.Tensor, src: torch.Tensor, staging: torch.Tensor | None) 
         staging[: piece.numel()].copy_(piece)
         dst[start : start + piece.numel()].copy_(staging[: piece.numel()], non_blocking=True)
         torch.cuda.current_stream(dst.device).synchronize()
+
+
+def copy_out(pieces: list[torch.Tensor], grad: torch.Tensor, staging: torch.Tensor | None) -> None:
+    """Device `pieces` (flat, in order) added into the fp32 host `grad` from its start. With
+    `staging` (a pinned buffer of one layer; the resident parts may be larger) a fill of it at a
+    time: the copy thread waits for each fill to land before it adds it and refills."""
+    if staging is None:  # CPU processes: the "device" is this host
+        offset = 0
+        for g in pieces:
+            grad[offset : offset + g.numel()].add_(g)
+            offset += g.numel()
+        return
+    step, filled, added = staging.numel(), 0, 0
+    for g in pieces:
+        done = 0
+        while done < g.numel():
+            n = min(step - filled, g.numel() - done)
+            staging[filled : filled + n].copy_(g[done : done + n], non_blocking=True)
+            filled, done = filled + n, done + n
+            if filled == step:
+                added += _land(staging, filled, grad, added, g.device)
+                filled = 0
+    if filled:
+        _land(staging, filled, grad, added, pieces[-1].device)
+
+
+def _land(staging: torch.Tensor, n: int, grad: torch.Tensor, at: int, device) -> int:
+    """The first `n` of `staging` added into `grad` at `at`, once their copy has landed."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    grad[at : at + n].add_(staging[:n])
+    return n
 
 
 def grad_or_zeros(grad: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
