@@ -175,8 +175,10 @@ def job_tree(model: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 
 
 def overrides(rung: str, ranks: int, steps: int) -> list[str]:
+    # `stream` recomputes every layer: it refuses the job's checkpointing `none`
+    full = ["memory.activation_checkpointing=full"] if rung == "stream" else []
     return [f"strategy={rung}", f"hardware.devices_per_node={ranks}",
-            f"train.global_batch_size={ranks}", f"train.steps={steps}"]  # fmt: skip
+            f"train.global_batch_size={ranks}", f"train.steps={steps}", *full]  # fmt: skip
 
 
 def train(config: Path, args: list[str], hook_dir: Path, timeout_s: float) -> dict[str, int]:
