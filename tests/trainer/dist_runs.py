@@ -250,6 +250,10 @@ RUNS: tuple[Run, ...] = (
     Run("tp2_from_fsdp", (*TP2, "run.checkpoint_every=4",
                           f"run.resume={{work}}/fsdp_fp32/checkpoints/step_{RESUME_AT}"),
         check="resume", against="fsdp_fp32"),
+    # an OOM on one rank of the tensor group: both halve the micro-batch (one data rank)
+    Run("tp2_oom_backward",
+        (*TP2, "debug.inject_oom={step: 3, rank: 1, times: 1, where: backward}"),
+        check="backoff", against="tp2_fp32"),
     # expert parallel (trainer/parallel/expert.py): each MoE layer's experts split over the 2
     # ranks, the dense weights under FSDP over both, against one process on three architectures;
     # its checkpoint resumed on fsdp and on one process, and theirs resumed under the split
