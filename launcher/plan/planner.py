@@ -373,8 +373,13 @@ def model_reasons(shape: ModelShape) -> list[str]:
             f"mixture of experts: {shape.num_experts} experts per MoE layer, top-"
             f"{shape.experts_per_token} routing; memory counts every expert's parameters and "
             f"states, activations the {shape.experts_per_token} expert rows of every token "
-            "(transformers' grouped experts keep tokens x top-k rows whatever the router picks, "
-            "so no routing is worse), compute the "
+            + (
+                "(transformers' grouped experts keep tokens x top-k rows whatever the router "
+                "picks, so no routing is worse)"
+                if shape.expert_parallel == 1
+                else "(unsplit; the split's worst case below)"
+            )
+            + ", compute the "
             f"{shape.num_compute_params / 1e6:,.1f}M parameters a token uses of "
             f"{shape.num_params / 1e6:,.1f}M"
         )
