@@ -223,10 +223,13 @@ def _plan_or_none(
     cfg: JobConfig, hw: Hardware, shape: ModelShape,
     exclude: tuple[str, ...] | list[str], memory_scale: float, ep: int,
 ) -> Plan | None:  # fmt: skip
+    """The plan at expert degree `ep`, or None where nothing fits (a forced rung's plan that
+    the estimate says will not fit included)."""
     try:
-        return _make_plan(cfg, hw, shape, exclude, memory_scale, ep)
+        plan = _make_plan(cfg, hw, shape, exclude, memory_scale, ep)
     except NoFitError:
         return None
+    return plan if shortfall(plan.estimate, hw, plan_headroom(cfg)) is None else None
 
 
 def _make_plan(
