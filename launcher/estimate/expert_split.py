@@ -15,12 +15,13 @@ all of them (launcher/estimate/model_states.py). What changes:
   which at most experts / N live on one rank). The estimate bounds the worst case: the traced
   layer's activations (the unsplit layer, tokens x top-k rows) plus the extra rows' bytes.
 
-Per received row a rank's experts keep for backward the row itself (the all-to-all's output,
-the grouped matmul's input), its sorted copy, the gate and up projections (2 I), the
-activation (I) and their product (I); in forward the expert output (h) waits for the combine,
-in backward a row's input and projection gradients (h + 2 I) are alive at once. I, the
-experts' intermediate size, is read from the routed parameter count (3 h I per expert: gate,
-up, down).
+Per received row a rank's experts keep for backward the row itself (the all-to-all's output, the
+grouped matmul's input) and their own tensors, a multiple of their intermediate size I
+(`SAVED_PER_ROW`); in forward the expert output (h) waits for the combine; in backward a row's
+gradients (2 h + 3 I) are alive at once. Both measured against a traced split rank
+(launcher/estimate/expert_trace.py; tests/launcher/test_expert_plans.py): within 1.2% of the
+trace at ep 2 for Qwen3-MoE and gpt-oss, micro-batches 1 and 4. I, the experts' intermediate
+size, is read from the routed parameter count (3 h I per expert: gate, up, down).
 """
 
 from __future__ import annotations
@@ -46,10 +47,19 @@ def received_rows_per_token(shape: ModelShape, worst: bool = True) -> int:
     return ep * min(k, shape.num_experts // ep)
 
 
+# What an expert keeps for backward per received row, in multiples of its intermediate size I
+# beside the row itself (h), measured by tracing a split rank (launcher/estimate/expert_trace.py):
+# a SwiGLU expert keeps gate and up (2 I), the activation and the product (2 I); gpt-oss's
+# clamped, biased GLU also its clamps, its sigmoid and the shifted up projection. An
+# architecture not measured takes the largest.
+SAVED_PER_ROW = {"qwen3_moe": 4, "qwen2_moe": 4, "mixtral": 4, "gpt_oss": 8}
+
+
 def row_bytes(shape: ModelShape, c: int) -> tuple[int, int, int]:
     """(saved, forward transient, backward transient) bytes of one received row."""
     h, i = shape.hidden_size, expert_intermediate_size(shape)
-    return c * (2 * h + 4 * i), c * h, c * (h + 2 * i)
+    kept = SAVED_PER_ROW.get(shape.model_type, max(SAVED_PER_ROW.values()))
+    return c * (h + kept * i), c * h, c * (2 * h + 3 * i)
 
 
 def expert_rank_shape(shape: ModelShape, c: int) -> ModelShape:
