@@ -160,7 +160,7 @@ def method_sizes(shape: Any, ft: Finetune, c: int, p: int = 4) -> MethodSizes:
                            adam_state_bytes(tensors, ft.optimizer, p), 0)  # fmt: skip
     adapters = adapter_tensors(shape, ft)
     optimizer = adam_state_bytes(layers * adapters, ft.optimizer, p)
-    frozen_layer, frozen_top = c * shape.num_layer_params, c * shape.top_layer_params
+    frozen_layer, frozen_top = c * shape.num_layer_params, c * shape.gathered_layer_params
     dequant = states = 0
     if ft.method == "qlora":
         linears = [a * b for a, b in layer_linears(shape).values()]

@@ -175,7 +175,7 @@ class Sizes:
             w=w,
             c=c,
             layer_n=shape.num_layer_params,
-            top_n=shape.top_layer_params,
+            top_n=shape.gathered_layer_params,
             root_n=shape.num_root_params,
             head_n=shape.num_head_params + shape.hidden_size,
             lm_head_n=shape.num_head_params,

@@ -35,6 +35,7 @@ from launcher.estimate.analytic_activations import (
     micro_activations,
     micro_for,
 )
+from launcher.estimate.expert_split import expert_rank_shape
 from launcher.estimate.methods import method_sizes, quantising_bytes
 from launcher.estimate.model_states import model_states
 from launcher.estimate.shape import ModelShape
@@ -331,6 +332,7 @@ def estimate(shape: ModelShape, spec: StepSpec) -> Estimate:
     launcher/estimate/methods.py says."""
     _check_modelled(shape)
     shape = tensor_rank_shape(shape, spec.tensor_parallel)
+    shape = expert_rank_shape(shape, spec.compute_bytes)
     m = micro_for(spec, shape)
     acts = micro_activations(shape, m)
     states = model_states(spec, shape)

@@ -61,6 +61,9 @@ class ModelShape:
     # one rank's share of a tensor split (launcher/estimate/tensor_split.py): the embedding's and
     # head's weights split over it; the logits (vocab_size) whole
     tensor_parallel: int = 1
+    # one rank's share of an expert split (launcher/estimate/expert_split.py): it gathers, and
+    # makes gradients for, its own experts / expert_parallel of each MoE layer
+    expert_parallel: int = 1
 
     @property
     def num_embedding_params(self) -> int:
@@ -84,6 +87,26 @@ class ModelShape:
         """The largest decoder layer: what a sharded rung gathers, and what one layer's
         backward makes gradients for, at the step's peak."""
         return self.largest_layer_params or self.num_layer_params
+
+    @property
+    def num_routed_params(self) -> int:
+        """Parameters of every routed expert of every layer, from the active count (N - A =
+        R (E - k) / E); 0 for a dense model."""
+        e, k = self.num_experts, self.experts_per_token
+        if not (e and k and self.num_active_params):
+            return 0
+        return (self.num_params - self.num_active_params) * e // (e - k)
+
+    @property
+    def gathered_layer_params(self) -> int:
+        """What a sharded rung gathers of its largest layer: all of it, or under an expert split
+        its dense part and this rank's share of its experts (the routed parameters taken as
+        spread over every layer: where some layers are dense, the share is over-counted)."""
+        ep = self.expert_parallel
+        if ep == 1:
+            return self.top_layer_params
+        per_layer = self.num_routed_params // max(1, self.num_layers)
+        return self.top_layer_params - per_layer * (ep - 1) // ep
 
     @property
     def num_compute_params(self) -> int:
@@ -137,6 +160,8 @@ def shape_record(shape: ModelShape) -> dict[str, Any]:
     record = asdict(shape)
     record.pop("activations")
     record.pop("compiled_saving")
+    if record["expert_parallel"] == 1:  # a planner's choice, never cached with the shape
+        record.pop("expert_parallel")
     for key in ("num_experts", "experts_per_token", "num_active_params", "largest_layer_params"):
         if not record[key]:
             record.pop(key)

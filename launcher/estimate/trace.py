@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from launcher.estimate.expert_trace import worst_case_dispatch
 from launcher.estimate.trace_patches import moe_fake_kernels, untracked_sharding_propagation
 from launcher.estimate.trace_stream import land_gradients, traced_stream_model
 from trainer.backends import BackendContext, OptimizerSpec, build_backend
@@ -95,6 +96,7 @@ def trace_step(
     reshard_after_forward: bool = True,
     phase_local_peaks: bool = False,
     until: str | None = None,
+    expert: int = 1,
 ) -> Trace:
     """Peak live tensor bytes on one device for a steady-state training step (the second one)
     of `spec`: `grad_accum` micro-batches, all but the last under the backend's no-sync (unless
@@ -106,13 +108,15 @@ def trace_step(
     default a phase below the step's peak so far reports the live bytes at its ends), and the
     tracker keeps no per-module peaks. With `until` (a phase label of trainer/observe/phases.py:
     FORWARD_END, BACKWARD_END) the traced step stops where that phase begins: a quicker trace of
-    the phases before it only (then `peak_bytes` is theirs)."""
+    the phases before it only (then `peak_bytes` is theirs). With `expert` > 1 (fsdp) the
+    experts are split over that many ranks and routed at the estimate's worst case
+    (launcher/estimate/expert_trace.py)."""
     if not traceable(spec.strategy, spec.finetune):
         raise ValueError(f"--trace covers {', '.join(TRACEABLE)} ({spec.finetune.words()} on "
                          f"single only), not {spec.strategy}")  # fmt: skip
     with contextlib.ExitStack() as stack:
         model, backend, dims = _traced_model(hf_config, spec, attn_implementation,
-                                             reshard_after_forward, stack)  # fmt: skip
+                                             reshard_after_forward, stack, expert)  # fmt: skip
         stack.enter_context(untracked_sharding_propagation())
         batch = packed_batch(hf_config["vocab_size"], spec.num_sequences, spec.seq_len)
         if dims.sequence > 1:  # rank 0's slice of every sequence, as the engine splits it
@@ -135,7 +139,7 @@ def trace_step(
 
 def _traced_model(
     hf_config: dict[str, Any], spec: StepSpec, attn_implementation: str,
-    reshard_after_forward: bool, stack: contextlib.ExitStack,
+    reshard_after_forward: bool, stack: contextlib.ExitStack, expert: int = 1,
 ) -> tuple[nn.Module, Any, ParallelDims]:  # fmt: skip
     """The engine's model for `spec` on fake tensors (QLoRA, 8-bit AdamW: real CPU tensors),
     sharded over a fake process group for fsdp, split over a sequence group as `spec` says, and
@@ -151,7 +155,9 @@ def _traced_model(
     model_cfg = ModelConfig(config=dict(hf_config), attn_implementation=attn_implementation)
     factory = HFModelFactory(model_cfg, seed=0)
     sharded = spec.row.engine == "fsdp"
-    mesh = _sequence_split(spec, sharded, stack)
+    mesh = _sequence_split(spec, sharded, stack, expert)
+    if expert > 1:
+        stack.enter_context(worst_case_dispatch())
 
     def build() -> nn.Module:
         model = apply_finetune(factory.build("cpu" if real else "meta"), spec.finetune,
@@ -165,7 +171,7 @@ def _traced_model(
     def wrap(model: nn.Module) -> nn.Module:
         if sharded:
             apply_fsdp(model, precision=spec.precision, reshard_after_forward=reshard_after_forward,
-                       mesh=mesh.token_mesh)  # fmt: skip
+                       mesh=mesh.token_mesh, experts=mesh if expert > 1 else None)  # fmt: skip
         return model
 
     changes = ModelChanges(
@@ -190,7 +196,9 @@ def _traced_model(
     return model, attach(backend, model, _optimizer(model, spec), _SPEC.grad_clip), mesh.dims
 
 
-def _sequence_split(spec: StepSpec, sharded: bool, stack: contextlib.ExitStack) -> ParallelMesh:
+def _sequence_split(
+    spec: StepSpec, sharded: bool, stack: contextlib.ExitStack, expert: int = 1
+) -> ParallelMesh:
     """The data x sequence x tensor world whose rank 0 is traced, over a fake process group (of
     the world for fsdp, of one sequence x tensor group for single), its model attending through
     the engine's Ulysses all-to-alls and split by transformers' tensor plan (the fake group
@@ -199,7 +207,7 @@ def _sequence_split(spec: StepSpec, sharded: bool, stack: contextlib.ExitStack) 
     world = spec.world_size if sharded else sp * tp
     if sharded or sp * tp > 1:
         stack.enter_context(fake_process_group(world))
-    return build_mesh(ParallelDims(world, sp, tp), 0)
+    return build_mesh(ParallelDims(world, sp, tp, expert), 0)
 
 
 def _backend_context(spec: StepSpec, device: torch.device, mesh: ParallelMesh) -> BackendContext:

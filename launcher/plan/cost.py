@@ -176,17 +176,27 @@ def _comm_s(
 ) -> float:
     """What communication adds to compute: gradient reductions and parameter gathers over the
     ring of the ranks that shard (all, or under a tensor split those of one tensor rank, each
-    moving its 1/tensor of the model), less what compute hides; Ulysses' all-to-alls and the
-    tensor split's all-reduces in full (on the critical path)."""
-    rung, ring, tp = spec.row, spec.shard_ranks, spec.tensor_parallel
+    moving its 1/tensor of the model; under an expert split of N each rank's experts / N over
+    the ring of their copies), less what compute hides; Ulysses' all-to-alls, the tensor
+    split's all-reduces and the expert split's dispatch and combine in full (on the critical
+    path)."""
+    rung, ring, tp, ep = spec.row, spec.shard_ranks, spec.tensor_parallel, shape.expert_parallel
     cost = method_cost(shape, spec.finetune, spec.compute_bytes)
     bandwidth = links.intra_node if hw.nodes == 1 else links.inter_node
     gather_scale = spec.compute_bytes / 2 if rung.engine == "fsdp" else 1.0
-    comm_bytes = cost.trained * rung.grad_comm * _grad_reductions(spec)
-    comm_bytes += cost.gathered * rung.param_comm_per_micro * gather_scale * spec.grad_accum
-    sharded = (ring - 1) / ring * comm_bytes / tp / bandwidth
-    exposed = overlapped_s(sharded, compute_s, shape.num_layers)
-    return exposed + all_to_all_s(shape, spec, links) + tensor_all_reduce_s(shape, spec, links)
+    reduced = rung.grad_comm * _grad_reductions(spec)
+    gathered = rung.param_comm_per_micro * gather_scale * spec.grad_accum
+    routed = shape.num_routed_params if ep > 1 else 0  # LoRA leaves the experts frozen
+    routed_trained = 0 if spec.finetune.adapters else routed
+    dense = (cost.trained - routed_trained) * reduced + (cost.gathered - routed) * gathered
+    experts = (routed_trained * reduced + routed * gathered) / ep
+    copies = max(1, ring // ep)
+    moved = (ring - 1) / ring * dense + (copies - 1) / copies * experts
+    exposed = overlapped_s(moved / tp / bandwidth, compute_s, shape.num_layers)
+    return (
+        exposed + all_to_all_s(shape, spec, links) + tensor_all_reduce_s(shape, spec, links)
+        + expert_all_to_all_s(shape, spec, links)
+    )  # fmt: skip
 
 
 def overlapped_s(comm_s: float, compute_s: float, layers: int) -> float:
@@ -229,6 +239,21 @@ def all_to_all_s(shape: ModelShape, spec: StepSpec, links: Links) -> float:
     passes = (2 + recomputed) * spec.grad_accum
     bandwidth = links.intra_node if sp <= spec.ranks_per_node else links.inter_node
     return (sp - 1) / sp * per_layer * shape.num_layers * passes / bandwidth
+
+
+def expert_all_to_all_s(shape: ModelShape, spec: StepSpec, links: Links) -> float:
+    """The expert split's all-to-alls (trainer/parallel/expert.py): per MoE layer and pass
+    (forward, backward, a checkpoint's recompute) the dispatch and the combine, each moving a
+    rank's tokens x top-k rows of the hidden size, (N-1)/N of them to other ranks on average
+    (every layer counted as an MoE one); within a node while the expert group fits in one."""
+    ep = shape.expert_parallel
+    if ep == 1:
+        return 0.0
+    rows = spec.num_sequences * spec.local_seq_len * shape.experts_per_token
+    per_layer = 2 * spec.compute_bytes * rows * shape.hidden_size
+    passes = (2 + _recomputed(shape, spec)) * spec.grad_accum
+    bandwidth = links.intra_node if ep <= spec.ranks_per_node else links.inter_node
+    return (ep - 1) / ep * per_layer * shape.num_layers * passes / bandwidth
 
 
 def _host_s(

@@ -16,6 +16,7 @@ from typing import Any
 
 from launcher.estimate.activations import with_activations
 from launcher.estimate.compiled_layers import compiled_reason
+from launcher.estimate.expert_split import dispatch_reason
 from launcher.estimate.peak import Estimate
 from launcher.estimate.shape import ModelShape, model_shape
 from launcher.estimate.stream_states import resident_reason
@@ -42,7 +43,7 @@ from launcher.plan.long_context import (
     max_seq_len_memory,
 )
 from launcher.plan.no_fit import what_would_fit
-from launcher.plan.splits import tensor_reason
+from launcher.plan.splits import expert_parallel_sizes, expert_reason, tensor_reason
 from trainer.core import strategies
 from trainer.core.config import ConfigError, JobConfig
 from trainer.core.parallel_dims import ParallelDims, check_expert_parallel
@@ -79,7 +80,7 @@ class Plan:
     reference: str | None = None  # preference objectives: where DPO's reference comes from
     checkpointed_layers: int | None = None  # selective: how many layers (None: every other)
     checkpoint_ops: bool = False  # selective at op level: every layer, matmul outputs saved
-    expert_parallel: int = 1  # `parallel.expert` as forced (the planner does not weigh it yet)
+    expert_parallel: int = 1  # `parallel.expert`: forced, or the planner's degree
 
     @classmethod
     def of(
@@ -180,29 +181,62 @@ def make_plan(
     memory_scale: float = 1.0,
 ) -> Plan:
     """The plan for this job on this hardware (raises NoFitError or ConfigError)."""
-    ep = cfg.parallel.expert if isinstance(cfg.parallel.expert, int) else 1
-    if ep == 1:
-        return _make_plan(cfg, hw, shape, exclude, memory_scale, ep)
-    # a forced expert split: the degree checked on the ranks found, no tensor split beside it
     shape = shape or model_shape(cfg.model)
-    check_expert_parallel(ParallelDims(hw.world_size, 1, 1, ep), shape.num_experts)
+    if not shape.num_experts and cfg.parallel.expert in ("auto", 1):  # nothing to split
+        return _make_plan(cfg, hw, shape, exclude, memory_scale, 1)
+    degrees = expert_parallel_sizes(cfg, hw, shape)
+    if degrees == [1]:
+        return _make_plan(cfg, hw, shape, exclude, memory_scale, 1)
+    untensored = cfg  # no tensor split beside an expert split
     if cfg.parallel.tensor == "auto":
-        cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tensor": 1})})
-    plan = _make_plan(cfg, hw, shape, exclude, memory_scale, ep)
-    why = (
-        f"expert parallel {ep}: each MoE layer's experts split over {ep} of the data x sequence "
-        "ranks (parallel.expert as the config forces it: the planner does not weigh the "
-        "degree yet; the estimate counts the experts' rows a rank computes on average, a skewed "
-        "router can send it up to the expert degree times as many)"
-    )
-    return replace(plan, expert_parallel=ep, reasons=[*plan.reasons, why])
+        untensored = cfg.model_copy(
+            update={"parallel": cfg.parallel.model_copy(update={"tensor": 1})}
+        )
+    if len(degrees) == 1:  # a forced split: the degree checked on the ranks found
+        (ep,) = degrees
+        check_expert_parallel(ParallelDims(hw.world_size, 1, 1, ep), shape.num_experts)
+        plan = _make_plan(untensored, hw, shape, exclude, memory_scale, ep)
+        why = (
+            f"expert parallel {ep}: each MoE layer's experts split over {ep} of the data x "
+            "sequence ranks (parallel.expert as the config forces it)"
+        )
+        return replace(plan, reasons=[*plan.reasons, why])
+    plans: dict[int, Plan | None] = {1: _plan_or_none(cfg, hw, shape, exclude, memory_scale, 1)}
+    for ep in degrees[1:]:
+        plans[ep] = _plan_or_none(untensored, hw, shape, exclude, memory_scale, ep)
+    times = [(ep, None if p is None else p.step_time_s) for ep, p in plans.items()]
+    base = plans[1]
+    split = min((p for p in plans.values() if p is not None and p.expert_parallel > 1),
+                key=lambda p: p.step_time_s, default=None)  # fmt: skip
+    chosen = base
+    if split is not None and (
+        base is None or split.step_time_s < base.step_time_s * (1 - SIMPLER_RUNG_MARGIN)
+    ):
+        chosen = split
+    if chosen is None:  # nothing fits at any degree: the unsplit job's message
+        return _make_plan(cfg, hw, shape, exclude, memory_scale, 1)
+    why = expert_reason(cfg, hw, times, chosen.expert_parallel)
+    return replace(chosen, reasons=[*chosen.reasons, why])
+
+
+def _plan_or_none(
+    cfg: JobConfig, hw: Hardware, shape: ModelShape,
+    exclude: tuple[str, ...] | list[str], memory_scale: float, ep: int,
+) -> Plan | None:  # fmt: skip
+    """The plan at expert degree `ep`, or None where nothing fits (a forced rung's plan that
+    the estimate says will not fit included)."""
+    try:
+        plan = _make_plan(cfg, hw, shape, exclude, memory_scale, ep)
+    except NoFitError:
+        return None
+    return plan if shortfall(plan.estimate, hw, plan_headroom(cfg)) is None else None
 
 
 def _make_plan(
-    cfg: JobConfig, hw: Hardware, shape: ModelShape | None,
+    cfg: JobConfig, hw: Hardware, shape: ModelShape,
     exclude: tuple[str, ...] | list[str], memory_scale: float, ep: int,
 ) -> Plan:  # fmt: skip
-    shape = with_activations(shape or model_shape(cfg.model), cfg)
+    shape = with_activations(replace(shape, expert_parallel=ep), cfg)
     forced = cfg.strategy if cfg.strategy != "auto" else None
     rungs = [  # an expert split runs on the rungs that take one (trainer/core/strategies.py)
         r
@@ -254,8 +288,11 @@ def _make_plan(
         reasons.append(attention_reason(cfg, chosen, attention, climbs["sdpa"]))
     if chosen.spec.compiled_layers:
         reasons.append(compiled_reason(chosen.spec, shape))
-    return Plan.of(chosen.spec, hw, chosen.estimate, chosen.time_s, reasons, alternatives,
+    if ep > 1:
+        reasons.append(dispatch_reason(shape))
+    plan = Plan.of(chosen.spec, hw, chosen.estimate, chosen.time_s, reasons, alternatives,
                    chosen.reduce_every_micro, longest, memory_longest, attention)  # fmt: skip
+    return replace(plan, expert_parallel=ep)
 
 
 def _reasons(cfg: JobConfig, hw: Hardware, ranked: list[Candidate], memory_scale: float):
@@ -339,8 +376,13 @@ def model_reasons(shape: ModelShape) -> list[str]:
             f"mixture of experts: {shape.num_experts} experts per MoE layer, top-"
             f"{shape.experts_per_token} routing; memory counts every expert's parameters and "
             f"states, activations the {shape.experts_per_token} expert rows of every token "
-            "(transformers' grouped experts keep tokens x top-k rows whatever the router picks, "
-            "so no routing is worse), compute the "
+            + (
+                "(transformers' grouped experts keep tokens x top-k rows whatever the router "
+                "picks, so no routing is worse)"
+                if shape.expert_parallel == 1
+                else "(unsplit; the split's worst case below)"
+            )
+            + ", compute the "
             f"{shape.num_compute_params / 1e6:,.1f}M parameters a token uses of "
             f"{shape.num_params / 1e6:,.1f}M"
         )
@@ -427,6 +469,7 @@ def apply_plan(cfg: JobConfig, plan: Plan, hw: Hardware) -> JobConfig:
                 update={
                     "sequence": plan.long.sequence_parallel,
                     "tensor": plan.long.tensor_parallel,
+                    "expert": plan.expert_parallel,
                 }
             ),
             "sequence_parallel": plan.long.sequence_parallel,

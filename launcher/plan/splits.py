@@ -1,8 +1,9 @@
 """The search over the degree of every dimension of parallelism (the sequence group of Ulysses,
-trainer/parallel/sequence.py; the tensor group, trainer/parallel/tensor.py; expert parallel joins
-here), made with the rung: at each tensor degree the ladder is climbed at each sequence split in
-turn, the first with which some rung fits is that degree's; the fastest degree is the plan's
-(tensor 1 unless a split is predicted faster by more than SIMPLER_RUNG_MARGIN).
+trainer/parallel/sequence.py; the tensor group, trainer/parallel/tensor.py; the expert group,
+trainer/parallel/expert.py, whose degrees `expert_parallel_sizes` lists and the planner weighs
+plan by plan), made with the rung: at each tensor degree the ladder is climbed at each sequence
+split in turn, the first with which some rung fits is that degree's; the fastest degree is the
+plan's (tensor 1 unless a split is predicted faster by more than SIMPLER_RUNG_MARGIN).
 
 The splits come smallest first: each sequence not split and the MLP whole first; then with the
 MLP tiled (trainer/memory/tiled_mlp.py); then split over the smallest number of ranks that
@@ -21,12 +22,14 @@ from launcher.plan.hardware import Hardware
 from launcher.plan.ladder import Climb, climb, uneven_batch
 from trainer.core import strategies
 from trainer.core.config import JobConfig
+from trainer.core.expert_plan import expert_param_names, expert_plan
 from trainer.core.parallel_dims import (
     AttentionShape,
     Batch,
     ParallelDims,
     check_sequence_parallel,
     check_tensor_parallel,
+    expert_sizes,
     sequence_sizes,
     tensor_sizes,
 )
@@ -63,6 +66,30 @@ def tensor_parallel_sizes(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> li
         if ParallelDims(hw.world_size, sp, tp).problem(attention, cfg.data.seq_len, batch) is None
     ]
     return [1, *splits]
+
+
+def expert_parallel_sizes(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[int]:
+    """The expert degrees the planner may use, smallest first: the config's own, or 1 and, on
+    GPUs, every degree that divides the model's experts and the ranks, where transformers
+    declares a plan for the architecture and the job can take a split (full fine-tunes and LoRA
+    leaving the experts frozen, on a rung that takes one, without a tensor split, compile,
+    hybrid sharding or fp16: trainer/core/config/expert_checks.py)."""
+    forced = cfg.parallel.expert
+    if isinstance(forced, int):
+        return [forced]
+    plan = expert_plan(shape.model_type) if shape.num_experts else ()
+    targets = cfg.finetune.lora.target_modules
+    names_experts = isinstance(targets, list) and bool(set(targets) & expert_param_names(plan))
+    takes = (
+        hw.device == "cuda"
+        and bool(plan)
+        and cfg.finetune.method in ("full", "lora")
+        and not (cfg.finetune.method == "lora" and names_experts)
+        and not (cfg.train.compile or cfg.fsdp.hybrid or cfg.precision == "fp16")
+        and (cfg.strategy == "auto" or strategies.row(cfg.strategy).expert_parallel)
+        and cfg.parallel.tensor in ("auto", 1)
+    )
+    return expert_sizes(hw.world_size, shape.num_experts) if takes else [1]
 
 
 def sequence_parallel_sizes(
@@ -164,6 +191,30 @@ def faster(found: Climb, than: Climb) -> bool:
     if not than.ranked:
         return True
     return found.ranked[0].time_s < than.ranked[0].time_s * (1 - SIMPLER_RUNG_MARGIN)
+
+
+def expert_reason(
+    cfg: JobConfig, hw: Hardware, times: list[tuple[int, float | None]], expert: int
+) -> str:
+    """Why this expert degree, in words: each degree's predicted step time and the bandwidths
+    the cost model used."""
+    links = Links.of(cfg.hardware, hw.device)
+    between = "inter-node" if hw.nodes > 1 else "intra-node"
+    fsdp_bw = links.inter_node if hw.nodes > 1 else links.intra_node
+    node = hw.devices_per_node or hw.world_size
+    a2a = ", ".join(
+        f"{ep}: {(links.intra_node if ep <= node else links.inter_node) / 1e9:g} GB/s"
+        for ep, _ in times[1:]
+    )
+    listed = ", ".join(f"{ep}: {'does not fit' if t is None else f'{t:.3g} s'}" for ep, t in times)
+    what = f"expert parallel {expert}" if expert > 1 else "no expert split (expert parallel 1)"
+    return (
+        f"{what}: predicted step time by expert degree {listed} (a split of N cuts FSDP's "
+        f"gathers and reductions of the experts to each rank's 1/N, over its copies, at "
+        f"{fsdp_bw / 1e9:g} GB/s {between}, overlapped with compute; and adds a dispatch and a "
+        f"combine all-to-all of the tokens x top-k rows per MoE layer and pass, on the critical "
+        f"path, at {a2a}; a split must be {SIMPLER_RUNG_MARGIN:.0%} faster to be chosen)"
+    )
 
 
 def tensor_reason(cfg: JobConfig, hw: Hardware, found: Climb, tensor: int) -> str | None:
