@@ -15,9 +15,11 @@ setup: $(BIN)/oomless
 demo: setup
 	$(BIN)/oomless train configs/demo.yaml
 
-# two workers (pytest-xdist), a module to a worker at a time: a worker's single-process tests
-# and imports fill the core the other's multi-rank runs leave idle (tests/conftest.py orders them)
-XDIST := -n 2 --dist loadfile
+# opt-in: XDIST="-n 2 --dist loadfile" runs two pytest-xdist workers, a module to a worker
+# (tests/conftest.py orders them). Off by default: on a fresh venv DeepSpeed's ops build
+# (~11 CPU-minutes) and two busy workers leave the background build no idle core (a 2-core
+# rehearsal ran 38 minutes and timed out the multi-rank launch behind it)
+XDIST ?=
 test: setup
 	$(BIN)/python -m pytest -q $(XDIST) --durations=15 tests
 
