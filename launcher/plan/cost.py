@@ -158,12 +158,33 @@ def _compute_s(shape: ModelShape, spec: StepSpec, hw: Hardware) -> float:
     off = spec.reference == "adapters_off"
     reference = 2 * shape.num_compute_params + attention / 3 if off else 0
     flops = tokens * (cost.flops_per_token + attention + recompute + reference)
+    # MoE: the routed experts' matmuls are as tall as the rows each expert gets, not the tokens
+    passes_per_weight = (4.0 if spec.finetune.adapters else 6.0) + 2 * recomputed + 2 * off
+    routed = tokens * passes_per_weight * shape.num_routed_params * shape.experts_per_token
+    routed /= max(1, shape.num_experts)
     peak = hw.peak_flops or (CPU_PEAK_FLOPS if hw.device == "cpu" else UNKNOWN_GPU_PEAK_FLOPS)
     micro_tokens = micro * spec.local_seq_len
-    utilization = BASE_UTILIZATION * micro_tokens / (micro_tokens + SATURATION_TOKENS)
     passes = spec.grad_accum * (2 + recomputed)  # forward, backward, recompute per micro-batch
     dequant = cost.dequant_bytes * passes / DEVICE_MEMORY_BYTES_S[hw.device]
-    return flops / (world * peak * utilization) + dequant
+    seconds = (flops - routed) / (world * peak * utilization(micro_tokens)) + dequant
+    if routed:
+        seconds += routed / (world * peak * utilization(expert_rows(shape, micro_tokens)))
+    return seconds
+
+
+def utilization(rows: float) -> float:
+    """The fraction of peak FLOP/s a step's matmuls reach when `rows` tall: a micro-batch's
+    tokens for the dense layers, the rows each expert gets for the routed experts."""
+    return BASE_UTILIZATION * rows / (rows + SATURATION_TOKENS)
+
+
+def expert_rows(shape: ModelShape, micro_tokens: int) -> float:
+    """The rows each of a rank's experts multiplies per micro-batch, on average: the tokens x
+    top-k spread over every expert; under a split of N, the N ranks' tokens over the rank's
+    experts / N, so each expert's matmul is N times taller (the grouped GEMM of few rows an
+    expert is memory-bound: docs/planner.md)."""
+    e, k = max(1, shape.num_experts), shape.experts_per_token
+    return micro_tokens * k * shape.expert_parallel / e
 
 
 def _grad_reductions(spec: StepSpec) -> int:
