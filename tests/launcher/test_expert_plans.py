@@ -189,11 +189,7 @@ def test_the_estimate_of_a_split_rank_is_within_3_percent_of_its_trace(monkeypat
         assert abs(est.peak_tensor_bytes - traced) / traced <= 0.03, (micro, est, traced)
 
 
-def test_estimate_with_a_forced_degree_estimates_the_split_rank(capsys, tmp_path):
-    """`oomless estimate parallel.expert=2` prints one rank of the split and says the degree: the
-    worst-case routing rows raise its activations and peak (the 24 KiB less of experts a rank
-    gathers is not held at this step's peak); the number is the estimate of the split shape,
-    computed here directly."""
+def _tiny_job(tmp_path) -> str:
     job = tmp_path / "moe.yaml"
     job.write_text(yaml.safe_dump({
         "model": {"config": TINY_MOE},
@@ -201,7 +197,19 @@ def test_estimate_with_a_forced_degree_estimates_the_split_rank(capsys, tmp_path
         "train": {"global_batch_size": 8, "micro_batch_size": 4},
         "memory": {"activation_checkpointing": "none"},
     }))  # fmt: skip
-    args = [str(job), "hardware.device=cpu", "hardware.devices_per_node=2", "strategy=fsdp"]
+    return str(job)
+
+
+CPU_FSDP = ("hardware.device=cpu", "hardware.devices_per_node=2", "strategy=fsdp")
+
+
+def test_estimate_with_a_forced_degree_estimates_the_split_rank(capsys, tmp_path):
+    """`oomless estimate parallel.expert=2` prints one rank of the split and says the degree: the
+    worst-case routing rows raise its activations and peak (the 24 KiB less of experts a rank
+    gathers is not held at this step's peak); the number is the estimate of the split shape,
+    computed here directly."""
+    job = _tiny_job(tmp_path)
+    args = [job, *CPU_FSDP]
     printed = {}
     for ep in (1, 2):
         assert main(["estimate", *args, f"parallel.expert={ep}", "--json"]) == 0
@@ -213,7 +221,7 @@ def test_estimate_with_a_forced_degree_estimates_the_split_rank(capsys, tmp_path
     )
     (whole,), (split,) = printed[1]["strategies"], printed[2]["strategies"]
     # 2 layers x 4 x 128 tokens x 2 rows beyond top-2 (2 ranks x min(2, 4) = 4 at worst)
-    cfg = load_config(str(job), [*args[1:], "parallel.expert=2"])
+    cfg = load_config(job, [*CPU_FSDP, "parallel.expert=2"])
     shape = replace(with_activations(model_shape(cfg.model), cfg), expert_parallel=2)
     saved, _, _ = row_bytes(shape, 2)
     rows = 2 * 4 * 128 * (received_rows_per_token(shape) - 2)
@@ -224,3 +232,19 @@ def test_estimate_with_a_forced_degree_estimates_the_split_rank(capsys, tmp_path
     assert split["device"]["peak_tensor_bytes"] == estimate(shape, spec).peak_tensor_bytes
     assert main(["estimate", *args, "parallel.expert=2"]) == 0
     assert "bf16; expert parallel 2; 1 node(s) x 2 cpu" in capsys.readouterr().out
+
+
+def test_the_emitters_carry_the_expert_degree(capsys, tmp_path):
+    """accelerate's config has no key for it: the emitted file says so in a comment; the
+    TrainJob's resolved config keeps it."""
+    job = [_tiny_job(tmp_path), *CPU_FSDP, "parallel.expert=2"]
+    assert main(["plan", *job, "--emit", "accelerate"]) == 0
+    out = capsys.readouterr().out
+    assert "# The plan splits each MoE layer's experts over 2 ranks (parallel.expert=2)." in out
+    assert "oomless train CONFIG parallel.expert=2" in out
+    assert yaml.safe_load(out)["distributed_type"] == "FSDP"
+    assert main(["plan", *job[:-1], "parallel.expert=1", "--emit", "accelerate"]) == 0
+    assert "#" not in capsys.readouterr().out
+    assert main(["plan", *job, "k8s.image=r/i:1", "k8s.pvc=runs", "--emit", "trainjob"]) == 0
+    config_map = next(yaml.safe_load_all(capsys.readouterr().out))
+    assert yaml.safe_load(config_map["data"]["config.yaml"])["parallel"]["expert"] == 2
