@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine
+from bench.expert_parallel import words as expert_words
 from trainer.core.units import GIB
 
 LABELS = {
@@ -26,6 +27,7 @@ LABELS = {
     "levers": "chunked loss, activation offload vs off",
     "long_context": "long context: 8B layers, peak vs estimate",
     "stream": "`stream` vs `zero3_offload_params` (optional)",
+    "expert": "`parallel.expert=2` vs `fsdp` (optional, 2+ GPUs)",
 }
 EXIT_MEANINGS = {"124": "timed out", "137": "killed (timeout)", "missing": "missing"}
 
@@ -59,6 +61,8 @@ def describe(name: str, out: Path) -> str:
             return _long_context(result)
         if name == "stream":
             return f"{result['speedup_vs_zero3_offload_params']:.2f}x the tokens/s"
+        if name == "expert":
+            return expert_words(result)
     if name == "estimate" and (out / "estimate_gpu.json").exists():
         return _estimate(json.loads((out / "estimate_gpu.json").read_text())["runs"])
     if name == "estimate" and not (out / "estimate.log").exists():

@@ -26,6 +26,9 @@
 #                  `zero3_offload_params` on a 3B-shaped bf16 2,048-token job, tokens/s, device
 #                  and host peaks, the pinned host-to-device rate and host AdamW's
 #                  (`python -m bench.stream_vs_zero3`)
+#   expert         optional, only with GPU_VALIDATE_ONLY naming it, and on 2 or more GPUs:
+#                  `parallel.expert=2` vs plain `fsdp` on a 16-expert top-4 Qwen3-MoE in bf16,
+#                  s/step and the losses' largest difference (`python -m bench.expert_parallel`)
 #
 # CPU smoke of the same code paths (a 0.6M-parameter shape, a few steps; tests/test_bench.py):
 #     GPU_VALIDATE_CPU_SMOKE=1 OUT=/tmp/smoke bash bench/gpu_validate.sh
@@ -98,7 +101,7 @@ part() { # part NAME CAP_S COMMAND...: run under `timeout` within the deadline; 
 # In order of what a CPU can least stand in for; each part alone on the GPU (the estimate reads
 # the device's used memory, the others time steps). The CPU smoke times nothing: two parts at a
 # time there, the table in this order all the same.
-ORDER=(estimate escalation levers single fsdp zero3_offload long_context stream)
+ORDER=(estimate escalation levers single fsdp zero3_offload long_context stream expert)
 run_part() {
     if [ "$DEVICE" != cpu ]; then
         part "$@"
@@ -144,6 +147,11 @@ run_part long_context 120 "$PY" -m bench.long_context_gpu "${LONG[@]}" --json "$
 if [[ ",${GPU_VALIDATE_ONLY:-}," == *",stream,"* ]]; then # optional: only when asked for
     if [ "$DEVICE" = cpu ]; then STREAM=(--cpu-smoke); else STREAM=(); fi
     run_part stream 240 "$PY" -m bench.stream_vs_zero3 "${STREAM[@]}" --json "$OUT/stream.json"
+fi
+
+if [[ ",${GPU_VALIDATE_ONLY:-}," == *",expert,"* ]]; then # optional: only when asked for
+    if [ "$DEVICE" = cpu ]; then EXPERT=(--cpu-smoke --rounds 1); else EXPERT=(--rounds 1); fi
+    run_part expert 180 "$PY" -m bench.expert_parallel "${EXPERT[@]}" --json "$OUT/expert.json"
 fi
 
 wait

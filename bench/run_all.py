@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine, paired_ratio, ratio_interval
+from bench.expert_parallel import words as expert_words
 
 TARGET = 1.05  # oomless step time at most 5% above its peer's
 
@@ -31,7 +32,9 @@ def _run(argv: list[str], env: dict[str, str]) -> None:
 
 
 def run_benchmarks(quick: bool, precision: str, work: Path) -> dict[str, Any]:
-    rounds = {"single": 2, "lora": 2, "fsdp": 2, "zero3": 2, "plan": 1} if quick else {}
+    rounds = (
+        {"single": 2, "lora": 2, "fsdp": 2, "zero3": 2, "plan": 1, "expert": 1} if quick else {}
+    )
     # Fresh processes for every contender in each session: one process's speed is a draw of
     # its own (+-1.5% here), so a median over one process per side carries that draw.
     sessions = {"single": 6, "lora": 8} if not quick else {}
@@ -55,12 +58,15 @@ def run_benchmarks(quick: bool, precision: str, work: Path) -> dict[str, Any]:
         "zero3_offload": torchrun
         + ["bench.zero3_vs_deepspeed", "--rounds", str(rounds.get("zero3", 12)), *same],
         "plan": py + ["bench.plan_time", "--repeats", str(rounds.get("plan", 5))],
+        # it launches its 2 CPU ranks itself, through `oomless train`
+        "expert": py
+        + ["bench.expert_parallel", "--cpu-smoke", "--rounds", str(rounds.get("expert", 3))],
     }
     results: dict[str, Any] = {}
     for name, argv in steps.items():
         out = work / f"{name}.json"
         start = time.perf_counter()
-        one_process = name in ("single", "lora", "plan")
+        one_process = name in ("single", "lora", "plan", "expert")
         _run(argv + ["--json", str(out)], quiet if one_process else two_ranks)
         results[name] = json.loads(out.read_text())
         results[name]["wall_s"] = round(time.perf_counter() - start, 1)
@@ -117,6 +123,12 @@ def markdown(results: dict[str, Any]) -> str:
         )
         + ".",
     ]
+    if "expert" in results:  # bench/expert_parallel.py: no peer, the split against no split
+        lines.append(
+            "Expert parallel, a Qwen3-MoE of 8 experts (top-2) on `fsdp` x2: "
+            + expert_words(results["expert"])
+            + "."
+        )
     if "traced_cold_cli_median_s" in plan:  # bench/plan_time.py's cold starts (empty caches)
         lines.append(
             f"Planner cold start: a 70B-like config never seen {plan['cold_cli_median_s']:.2f} s; "

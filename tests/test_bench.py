@@ -130,6 +130,7 @@ def test_make_bench_table_gives_medians_and_per_round_ratios(tmp_path):
             "make_plan_calls": 50, "strategy": "fsdp_offload", "micro_batch_size": 2,
             "activation_checkpointing": "full",
         },
+        "expert": summary_of({1: [0.4, 0.4], 2: [0.3, 0.3]}, last_loss_of_ep2=2.0 + 3e-7),
     }  # fmt: skip
     path = tmp_path / "results.json"
     path.write_text(json.dumps(results))
@@ -163,6 +164,30 @@ def test_make_bench_table_gives_medians_and_per_round_ratios(tmp_path):
         in rows["`single` LoRA vs itself (A/A control)"]
     )
     assert "plan: fsdp_offload, micro-batch 2, checkpointing full" in r.stdout
+    # the median over both rounds' steps after the first 2 (the 1 s warm-ups left out)
+    assert (
+        "on `fsdp` x2: expert 2 0.300 s/step against expert 1 0.400 (x0.75), largest loss "
+        "difference 3.0e-07 (cpu, 2 rounds)." in r.stdout
+    )
+
+
+def summary_of(step_s: dict[int, list[float]], last_loss_of_ep2: float) -> dict:
+    """bench/expert_parallel.py's result, as its `--json` writes it, of two rounds of each
+    degree: 2 warm-up steps of 1 s, then steps of `step_s` at a loss of 2.0 (expert 2's last
+    one `last_loss_of_ep2`)."""
+    from bench.expert_parallel import summarize
+
+    def records(ep: int) -> list[dict]:
+        times = [1.0, 1.0, *step_s[ep]]
+        out = [{"step": i + 1, "loss": 2.0, "step_time_s": t} for i, t in enumerate(times)]
+        out[-1]["loss"] = last_loss_of_ep2 if ep == 2 else 2.0
+        return out
+
+    return {
+        "device": "cpu",
+        "rounds": 2,
+        "rows": summarize({ep: [records(ep)] * 2 for ep in (1, 2)}),
+    }
 
 
 def test_escalation_cap_lies_between_the_offload_and_the_on_device_rungs(tmp_path):

@@ -3,6 +3,9 @@
 `--trace` (calibration) also runs one real step of the engine under FakeTensorMode for the rows it
 can trace (`launcher/estimate/trace.py`: single, fsdp) and prints traced and analytic peaks side by
 side.
+
+A forced `parallel.expert` above 1 is estimated as one rank of that split holds it
+(launcher/estimate/expert_split.py), on the rungs that take one, as the planner would run it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from launcher.estimate.activations import with_activations
+from launcher.estimate.expert_split import dispatch_reason
 from launcher.estimate.methods import why_not_on
 from launcher.estimate.peak import Estimate, estimate
 from launcher.estimate.shape import ModelShape, model_shape
@@ -24,6 +28,7 @@ from launcher.plan.splits import sequence_parallel_sizes
 from trainer.core import strategies
 from trainer.core.config import JobConfig
 from trainer.core.hf_config import hf_config_dict
+from trainer.core.parallel_dims import ParallelDims, check_expert_parallel
 from trainer.core.step_spec import Finetune, Levers, smallest_levers
 from trainer.core.units import GIB, MIB
 
@@ -31,10 +36,10 @@ from trainer.core.units import GIB, MIB
 def estimate_command(cfg: JobConfig, as_json: bool, trace: bool) -> int:
     hw = detect_hardware(cfg.hardware)
     check_device_features(cfg, hw)
-    shape = with_activations(model_shape(cfg.model), cfg)
+    shape = with_activations(forced_expert_split(cfg, hw, model_shape(cfg.model)), cfg)
     sequence_parallel_sizes(cfg, hw, shape)  # a forced split that cannot run: exit 2 here
     rows = estimates_for(cfg, hw, shape)
-    traced = traces_for(cfg, hw, rows) if trace else {}
+    traced = traces_for(cfg, hw, rows, shape) if trace else {}
     if as_json:
         out = to_json(shape, hw, rows, plan_headroom(cfg))
         for entry, row in zip(out["strategies"], rows, strict=True):
@@ -48,13 +53,25 @@ def estimate_command(cfg: JobConfig, as_json: bool, trace: bool) -> int:
     return 0
 
 
-def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, dict[str, Any]]:
-    """Trace one step of every traceable row at its micro-batch and checkpointing; the analytic
-    peak next to it is recomputed for the same accumulation (1, or 2 standing for any more)."""
+def forced_expert_split(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> ModelShape:
+    """`shape` split over the config's forced expert degree (checked on the ranks found: exit 2
+    naming the degrees that run); unchanged under `auto` or 1, which the estimate keeps whole."""
+    ep = cfg.parallel.expert
+    if not isinstance(ep, int) or ep == 1:
+        return shape
+    check_expert_parallel(ParallelDims(hw.world_size, 1, 1, ep), shape.num_experts)
+    return replace(shape, expert_parallel=ep)
+
+
+def traces_for(
+    cfg: JobConfig, hw: Hardware, rows: list[Estimate], shape: ModelShape
+) -> dict[str, dict[str, Any]]:
+    """Trace one step of every traceable row at its micro-batch and checkpointing, under the
+    shape's expert split; the analytic peak next to it is recomputed for the same accumulation
+    (1, or 2 standing for any more)."""
     from launcher.estimate.trace import trace_step, traceable
 
     hf_config = hf_config_dict(cfg.model.config, cfg.model.name_or_path)
-    shape = with_activations(model_shape(cfg.model), cfg)
     per_rank = max(1, cfg.train.global_batch_size // hw.world_size)
     finetune = Finetune.of(cfg)
     out = {}
@@ -69,7 +86,8 @@ def traces_for(cfg: JobConfig, hw: Hardware, rows: list[Estimate]) -> dict[str, 
         # torch.compile does not run under the tracker: the layers are traced, and compared,
         # eager (what compile saves less is checked against torch's partitioner in the tests)
         spec = replace(step, grad_accum=grad_accum, compiled_layers=False)
-        traced = trace_step(hf_config, spec, attn_implementation=cfg.model.attn_implementation)
+        traced = trace_step(hf_config, spec, attn_implementation=cfg.model.attn_implementation,
+                            expert=shape.expert_parallel)  # fmt: skip
         analytic = estimate(shape, spec)
         out[row.strategy] = {
             "grad_accum": grad_accum,
@@ -104,12 +122,14 @@ def render_traces(rows: list[Estimate], traced: dict[str, dict[str, Any]]) -> st
 def estimates_for(cfg: JobConfig, hw: Hardware, shape: ModelShape) -> list[Estimate]:
     """One estimate per strategy runnable on this world size: the config's micro-batch and
     checkpointing where concrete, else what the planner would choose (or its smallest footprint
-    when nothing fits)."""
+    when nothing fits). Under an expert split, only the rungs that run one."""
     per_rank = max(1, cfg.train.global_batch_size // hw.world_size)
     out = []
     for rung in strategies.rows():
         forced_other = cfg.strategy not in ("auto", rung.name)
         if forced_other or rung_world(rung, hw) is None:
+            continue
+        if shape.expert_parallel > 1 and not rung.expert_parallel:
             continue
         if why_not_on(rung, Finetune.of(cfg), cfg.precision) is not None:  # cannot run the method
             continue
@@ -155,6 +175,7 @@ def render(shape: ModelShape, hw: Hardware, rows: list[Estimate], cfg: JobConfig
     head = (
         f"{shape.model_type}, {shape.num_params / 1e9:.2f}B params, {shape.num_layers} layers; "
         f"seq {cfg.data.seq_len}, {cfg.precision}; "
+        + (f"expert parallel {shape.expert_parallel}; " if shape.expert_parallel > 1 else "")
         + (
             f"{cfg.objective.type}: micro counts pairs (2 sequences); "
             if cfg.objective.preference
@@ -181,7 +202,8 @@ def render(shape: ModelShape, hw: Hardware, rows: list[Estimate], cfg: JobConfig
 
 def model_notes(shape: ModelShape) -> dict[str, Any]:
     """How this model's activations and compute are counted, where not by the analytic block:
-    the activations' source (traced / bound) and, for MoE models, experts and active params."""
+    the activations' source (traced / bound) and, for MoE models, experts, active params and
+    the expert degree estimated (a forced split's bound in the notes)."""
     out: dict[str, Any] = {}
     if shape.activations is not None:
         out["activations"] = shape.activations.source
@@ -190,8 +212,12 @@ def model_notes(shape: ModelShape) -> dict[str, Any]:
             "experts": shape.num_experts,
             "experts_per_token": shape.experts_per_token,
             "active_params": shape.num_compute_params,
+            "expert_parallel": shape.expert_parallel,
         }
-    if notes := model_reasons(shape):
+    notes = model_reasons(shape)
+    if shape.expert_parallel > 1:
+        notes.append(dispatch_reason(shape))
+    if notes:
         out["notes"] = notes
     return out
 

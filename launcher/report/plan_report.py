@@ -163,4 +163,19 @@ def accelerate_config(plan: Plan, cfg: JobConfig) -> str:
             "parallelism_config_tp_size": tp,
             "parallelism_config_cp_size": 1,
         }
-    return yaml.safe_dump(out, sort_keys=False)
+    return _expert_comment(plan.expert_parallel) + yaml.safe_dump(out, sort_keys=False)
+
+
+def _expert_comment(ep: int) -> str:
+    """The plan's expert degree, as comment lines: accelerate's config has no key for it (its
+    `parallelism_config` sizes data, tensor, context and sequence groups; a key it does not know
+    fails the launch), so the file says what it leaves out and how to keep it."""
+    if ep == 1:
+        return ""
+    return (
+        f"# The plan splits each MoE layer's experts over {ep} ranks (parallel.expert={ep}).\n"
+        "# accelerate's config has no key for an expert split: launched with this file alone the\n"
+        "# experts run whole on every rank. Apply the model's expert-parallel plan in your\n"
+        "# script (transformers' base_model_ep_plan), or keep the degree with oomless:\n"
+        f"# `oomless train CONFIG parallel.expert={ep}`.\n"
+    )

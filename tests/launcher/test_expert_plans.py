@@ -2,8 +2,9 @@
 estimate (launcher/estimate/expert_split.py): the degree weighed from defaults for Qwen3-30B-A3B,
 Qwen3-235B-A22B and gpt-oss-120b, each with its reason; a dense model never split; what one rank
 of an expert group gathers and the routing's worst case it is bounded at, against a traced split
-rank. Pure planning through the command line (the MoE layers' activations traced once, cached)
-and fake-tensor traces: no GPU, no launch.
+rank; `oomless estimate` with a forced degree printing that split rank. Pure planning through the
+command line (the MoE layers' activations traced once, cached) and fake-tensor traces: no GPU, no
+launch.
 
 On one node of 8 x 80 GiB FSDP's gathers of the experts run at NVLink bandwidth and hide behind
 compute, while the split's dispatch and combine all-to-alls (tokens x top-k rows of the hidden
@@ -24,10 +25,16 @@ import pytest
 import yaml
 
 from launcher.cli import main
-from launcher.estimate.expert_split import expert_rank_shape, received_rows_per_token
+from launcher.estimate.activations import with_activations
+from launcher.estimate.expert_split import expert_rank_shape, received_rows_per_token, row_bytes
 from launcher.estimate.layer_fits import Fit, LayerActivations
-from launcher.estimate.shape import shape_of
+from launcher.estimate.peak import estimate
+from launcher.estimate.shape import model_shape, shape_of
+from launcher.plan.hardware import detect_hardware
+from launcher.plan.ladder import job_step
 from tests.launcher.test_lowbit_plans import PRESET_8B, _gpus
+from trainer.core import strategies
+from trainer.core.config import load_config
 from trainer.core.expert_plan import expert_plan
 
 pytestmark = pytest.mark.skipif(
@@ -171,7 +178,6 @@ def test_the_estimate_of_a_split_rank_is_within_3_percent_of_its_trace(monkeypat
     """ep 2 on fsdp over 2 ranks, routed at the estimate's worst case by the trace's stand-in
     for transformers' dispatch (launcher/estimate/expert_trace.py), two micro-batch sizes."""
     from bench.models_trace import SEQ_LEN, measured_shape, sized_config
-    from launcher.estimate.peak import estimate
     from launcher.estimate.trace import trace_step
     from trainer.core.step_spec import StepSpec
 
@@ -186,3 +192,64 @@ def test_the_estimate_of_a_split_rank_is_within_3_percent_of_its_trace(monkeypat
         assert traced > unsplit * 1.05  # the bound's extra rows are there
         est = estimate(shape, StepSpec(**common, devices_per_node=2, grad_accum=1))
         assert abs(est.peak_tensor_bytes - traced) / traced <= 0.03, (micro, est, traced)
+
+
+def _tiny_job(tmp_path) -> str:
+    job = tmp_path / "moe.yaml"
+    job.write_text(yaml.safe_dump({
+        "model": {"config": TINY_MOE},
+        "data": {"path": "HuggingFaceH4/no_robots", "format": "chat", "seq_len": 128},
+        "train": {"global_batch_size": 8, "micro_batch_size": 4},
+        "memory": {"activation_checkpointing": "none"},
+    }))  # fmt: skip
+    return str(job)
+
+
+CPU_FSDP = ("hardware.device=cpu", "hardware.devices_per_node=2", "strategy=fsdp")
+
+
+def test_estimate_with_a_forced_degree_estimates_the_split_rank(capsys, tmp_path):
+    """`oomless estimate parallel.expert=2` prints one rank of the split and says the degree: the
+    worst-case routing rows raise its activations and peak (the 24 KiB less of experts a rank
+    gathers is not held at this step's peak); the number is the estimate of the split shape,
+    computed here directly."""
+    job = _tiny_job(tmp_path)
+    args = [job, *CPU_FSDP]
+    printed = {}
+    for ep in (1, 2):
+        assert main(["estimate", *args, f"parallel.expert={ep}", "--json"]) == 0
+        printed[ep] = json.loads(capsys.readouterr().out)
+    assert printed[1]["model"]["expert_parallel"] == 1
+    assert printed[2]["model"]["expert_parallel"] == 2
+    assert any(
+        "expert parallel 2: a rank gathers its 4 of 8" in n for n in printed[2]["model"]["notes"]
+    )
+    (whole,), (split,) = printed[1]["strategies"], printed[2]["strategies"]
+    # 2 layers x 4 x 128 tokens x 2 rows beyond top-2 (2 ranks x min(2, 4) = 4 at worst)
+    cfg = load_config(job, [*CPU_FSDP, "parallel.expert=2"])
+    shape = replace(with_activations(model_shape(cfg.model), cfg), expert_parallel=2)
+    saved, _, _ = row_bytes(shape, 2)
+    rows = 2 * 4 * 128 * (received_rows_per_token(shape) - 2)
+    acts = split["device"]["breakdown"]["activations"] - whole["device"]["breakdown"]["activations"]
+    assert acts == rows * saved == 2 * 4 * 128 * 2 * 2 * (32 + 4 * 16)
+    assert split["device"]["peak_tensor_bytes"] - whole["device"]["peak_tensor_bytes"] == acts
+    spec = job_step(cfg, detect_hardware(cfg.hardware), strategies.row("fsdp"), 4, "none")
+    assert split["device"]["peak_tensor_bytes"] == estimate(shape, spec).peak_tensor_bytes
+    assert main(["estimate", *args, "parallel.expert=2"]) == 0
+    assert "bf16; expert parallel 2; 1 node(s) x 2 cpu" in capsys.readouterr().out
+
+
+def test_the_emitters_carry_the_expert_degree(capsys, tmp_path):
+    """accelerate's config has no key for it: the emitted file says so in a comment; the
+    TrainJob's resolved config keeps it."""
+    job = [_tiny_job(tmp_path), *CPU_FSDP, "parallel.expert=2"]
+    assert main(["plan", *job, "--emit", "accelerate"]) == 0
+    out = capsys.readouterr().out
+    assert "# The plan splits each MoE layer's experts over 2 ranks (parallel.expert=2)." in out
+    assert "oomless train CONFIG parallel.expert=2" in out
+    assert yaml.safe_load(out)["distributed_type"] == "FSDP"
+    assert main(["plan", *job[:-1], "parallel.expert=1", "--emit", "accelerate"]) == 0
+    assert "#" not in capsys.readouterr().out
+    assert main(["plan", *job, "k8s.image=r/i:1", "k8s.pvc=runs", "--emit", "trainjob"]) == 0
+    config_map = next(yaml.safe_load_all(capsys.readouterr().out))
+    assert yaml.safe_load(config_map["data"]["config.yaml"])["parallel"]["expert"] == 2
