@@ -36,11 +36,13 @@ def test_lora_on_stream_exits_2_in_one_line(tmp_path):
     assert "stream cannot run lora" in r.stderr and "use one of single" in r.stderr, r.stderr
 
 
-def test_what_the_backend_holds_on_the_device_stays_within_the_estimate(tmp_path):
+@pytest.mark.parametrize("delay", [None, 0.02])
+def test_what_the_backend_holds_on_the_device_stays_within_the_estimate(tmp_path, delay):
     """Two micro-batches and a step of the stream backend in this process: its own count of
     device bytes (buffers, resident parts, kept inputs, gradients on their way out) never
     exceeds the estimate's peak tensor bytes nor what it keeps plus two layers' gradients, and
-    at rest it is the estimate's `params`."""
+    at rest it is the estimate's `params`; also with every copy slowed (`delay`), as on a loaded
+    machine, where the resident parts' gradients once left after two layers' still leaving."""
     import torch
 
     from launcher.estimate.peak import estimate
@@ -54,7 +56,8 @@ def test_what_the_backend_holds_on_the_device_stays_within_the_estimate(tmp_path
 
     train = {"global_batch_size": 8, "micro_batch_size": 4}
     job = write_demo_job(tmp_path / "job.yaml", train=train)
-    cfg = load_config(job, ["strategy=stream"])
+    cfg = load_config(job, ["strategy=stream", f"debug.stream_copy_delay_s={delay}"] if delay
+                      else ["strategy=stream"])  # fmt: skip
     micro, seq = 4, cfg.data.seq_len
     spec = job_step(cfg, detect_hardware(cfg.hardware), strategies.row("stream"), micro, "full")
     est = estimate(model_shape(cfg.model), spec)

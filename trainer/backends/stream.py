@@ -138,6 +138,7 @@ class StreamBackend:
         pieces = [grad_or_zeros(p.grad, p) for _, p in self.resident]
         for _, p in self.resident:
             p.grad = None
+        self.streamer.make_room()  # the last layers' may still be leaving under slow copies
         self.streamer.send(0, pieces)
 
     def step(self) -> float:

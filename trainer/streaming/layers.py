@@ -136,10 +136,7 @@ class LayerStreamer:
         self, index: int, hidden: torch.Tensor, grad_out: torch.Tensor, call: Callable,
         autocast: dict[str, Any],
     ) -> torch.Tensor | None:  # fmt: skip
-        # at most one layer's gradients still on their way out while this layer makes its own
-        # (what the estimate counts): where the copies out are slower, the backward waits
-        while len(self._out) > 1:
-            self._out.popleft().done()
+        self.make_room()
         self._ready(index)
         if index > 0:
             self._fetch(index - 1)
@@ -156,6 +153,12 @@ class LayerStreamer:
         self._free[index % 2] = self.copies_in.compute_mark()
         self.send(self.units[index], pieces)
         return grad_in
+
+    def make_room(self) -> None:
+        """At most one unit's gradients still on their way out while more are made (what the
+        estimate counts): where the copies out are slower, the caller waits."""
+        while len(self._out) > 1:
+            self._out.popleft().done()
 
     def send(self, unit: int, pieces: list[torch.Tensor]) -> None:
         """Accumulate `pieces` (a unit's gradients on the device, flat, in the order of its host
