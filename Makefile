@@ -15,18 +15,15 @@ setup: $(BIN)/oomless
 demo: setup
 	$(BIN)/oomless train configs/demo.yaml
 
-# opt-in: XDIST="-n 2 --dist loadfile" runs two pytest-xdist workers, a module to a worker
-# (tests/conftest.py orders them). Off by default: on a fresh venv DeepSpeed's ops build
-# (~11 CPU-minutes) and two busy workers leave the background build no idle core (a 2-core
-# rehearsal ran 38 minutes and timed out the multi-rank launch behind it)
-XDIST ?=
+# the fast tier and the slow tier as two pytest sessions at once (tests/tiers.py): the
+# single-process tests fill the core the launches leave idle
 test: setup
-	$(BIN)/python -m pytest -q $(XDIST) --durations=15 tests
+	$(BIN)/python tests/tiers.py
 
 # the inner loop: units, in-process engine steps, planner, estimate, docs, architecture, the
 # in-process hostile cases and one 2-rank smoke; `make test` (CI) runs these and the slow tier
 test-fast: setup
-	$(BIN)/python -m pytest -q $(XDIST) --durations=15 -m "not slow" tests
+	$(BIN)/python -m pytest -q --durations=15 -m "not slow" tests
 
 # the fast tier again on the lowest transformers pyproject.toml allows (the GPU machines run it),
 # in a venv of its own; not part of CI

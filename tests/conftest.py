@@ -280,39 +280,25 @@ def _describe(proc: psutil.Process) -> str:
 _PREBUILD: dict[str, object] = {}
 
 
-def _xdist_worker(config) -> str | None:
-    """This process's pytest-xdist worker id (gw0, gw1, ...), or None when not a worker."""
-    return getattr(config, "workerinput", {}).get("workerid")
-
-
 def pytest_collection_modifyitems(session: pytest.Session, config, items: list) -> None:
-    """Order: in one process, modules without slow tests first, then the modules with slow
-    tests, so that the background op build below takes the core the single-process tests leave
-    idle. Under pytest-xdist (`make test`: two workers, one module to a worker at a time), the
-    modules with the most slow tests first, so that the long ones do not start last. A module
-    stays whole either way (its module fixtures are built once).
+    """Order: modules without slow tests first, then the modules with slow tests, so that the
+    background op build below takes the core the single-process tests leave idle. A module stays
+    whole (its module fixtures are built once).
 
     When slow tests are in the session, DeepSpeed's ops start building in the background at the
-    lowest priority (one build, started by the first worker); each process's first slow test
-    waits for them (a stage file every worker of the run knows)."""
-    slow: dict[Path, int] = {}
-    for item in items:
-        if item.get_closest_marker("slow"):
-            slow[item.path] = slow.get(item.path, 0) + 1
-    worker = _xdist_worker(config)
-    if worker is None:
-        items.sort(key=lambda item: item.path in slow)  # stable
-    else:
-        items.sort(key=lambda item: -slow.get(item.path, 0))
+    lowest priority; the first slow test waits for them: for every op but async_io where the
+    session has fast tests too (the build has ended by then), for all of them in a session of
+    slow tests only (`make test`'s slow tier, tests/tiers.py: its tests keep both cores busy
+    beside the fast tier's, so an op left to build behind them would starve while a launch
+    waits on its lock)."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path in slow)  # stable
     if not slow or config.option.collectonly or os.environ.get("OOMLESS_TEST_PREBUILD") == "0":
         return
-    run_id = config.workerinput["testrunuid"] if worker else f"{os.getpid()}-{time.time_ns()}"
-    stage = Path(tempfile.gettempdir()) / f"oomless-prebuild-{VENV_KEY}-{run_id}.stage"
-    _PREBUILD.update(
-        stage=stage, start=time.monotonic(), log=TEST_CACHE / f"prebuild-{VENV_KEY}.log"
-    )
-    if worker not in (None, "gw0"):
-        return
+    stage = Path(tempfile.gettempdir()) / f"oomless-prebuild-{VENV_KEY}-{os.getpid()}.stage"
+    only_slow = all(item.get_closest_marker("slow") for item in items)
+    _PREBUILD.update(stage=stage, start=time.monotonic(), whole=only_slow,
+                     log=TEST_CACHE / f"prebuild-{VENV_KEY}.log")  # fmt: skip
     stage.write_text("")
     _PREBUILD["log"].parent.mkdir(parents=True, exist_ok=True)
     with _PREBUILD["log"].open("w") as out:
@@ -334,16 +320,13 @@ def _prebuild_pids() -> set[int]:
 
 
 def _ops_ready(stage: Path) -> bool:
-    """The build has every op but async_io, or has ended (tests/prebuild_ops.py's lines; a
-    failed build leaves the tests to build inline)."""
+    """The build has every op but async_io (or every op, in a session of slow tests only), or
+    has ended (tests/prebuild_ops.py's lines; a failed build leaves the tests to build inline)."""
     proc = _PREBUILD.get("proc")
     if proc is not None and proc.poll() is not None:
         return True
-    try:
-        lines = stage.read_text().split()
-    except OSError:  # not written yet by the first worker, or removed when it ended
-        return time.monotonic() - _PREBUILD["start"] > 60
-    return "common" in lines or "ended" in lines
+    lines = stage.read_text().split()
+    return "ended" in lines or ("common" in lines and not _PREBUILD["whole"])
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -376,13 +359,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     Waits a few seconds for processes that are already shutting down, then kills the rest so
     that nothing lingers on the machine, and sets the exit status. (The local Slurm daemons are
     not children of pytest and are not looked at.) The session's tests/cli_worker.py ends first.
-    Under pytest-xdist each worker looks at its own; the controller's children are the workers.
     """
-    if (
-        _xdist_worker(session.config) is None
-        and getattr(session.config.option, "dist", "no") != "no"
-    ):
-        return
     close_cli_worker()
     deadline = time.monotonic() + 10
     left = live_children()
@@ -390,7 +367,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         time.sleep(0.5)
         left = live_children()
     stage = _PREBUILD.get("stage")
-    if stage is not None and _PREBUILD.get("proc") is not None:  # the worker that started it
+    if stage is not None:
         stage.unlink(missing_ok=True)
     if not left:
         return
