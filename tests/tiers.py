@@ -9,6 +9,10 @@ is one Python thread). The slow tier prints as it goes; the fast tier's output f
 Arguments go to both sessions. Exit status: the first failing session's (a tier that selects
 no test counts as passed when the other ran some). tests/conftest.py orders each session and
 builds DeepSpeed's ops for the slow one.
+
+Both run torch on one thread a process (OMP_NUM_THREADS=1 unless set): with two sessions and
+their ranks on two cores, OpenMP's spinning threads cost more than they bring (a 60-step run
+of the demo model took 125 s beside the fast tier with a thread per core, 13 s alone).
 """
 
 from __future__ import annotations
@@ -25,14 +29,15 @@ NO_TESTS = 5  # pytest's exit status when nothing was selected
 
 def main(args: list[str]) -> int:
     pytest = [sys.executable, "-m", "pytest", "-q"]
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
     with tempfile.TemporaryFile("w+") as log:
         fast = subprocess.Popen(
             [*pytest, "--durations=10", "-m", "not slow", *args, "tests"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True,
         )  # fmt: skip
         try:
             slow = subprocess.run([*pytest, "--durations=15", "-m", "slow", *args, "tests"],
-                                  cwd=REPO).returncode  # fmt: skip
+                                  cwd=REPO, env=env).returncode  # fmt: skip
             fast_rc = fast.wait()
         finally:
             if fast.poll() is None:  # interrupted: the fast tier does not outlive the command
