@@ -133,6 +133,29 @@ def make_batches(model: str, num_micro: int, micro: int, seq: int) -> list[dict[
     return out
 
 
+def demo_job_file(
+    tmp: Path, model_config: dict, seq_len: int, train: dict, **sections: Any
+) -> Path:
+    """tmp/job.yaml: `model_config` on the demo tokenizer and data (configs/demo/), the data's
+    cache in tmp, no final save, no checkpoints, no escalation (a comparison measures the rungs
+    it names); `sections` beside them (precision, memory, hardware)."""
+    import yaml
+
+    demo = Path(__file__).resolve().parent.parent / "configs" / "demo"
+    job = {
+        "model": {"config": model_config, "tokenizer": str(demo / "tokenizer")},
+        "data": {"path": str(demo / "train.jsonl"), "format": "prompt_completion",
+                 "seq_len": seq_len, "cache_dir": str(tmp / "cache")},
+        "train": train,
+        "run": {"save_final": False, "checkpoint_every": 0},
+        "escalation": {"enabled": False},
+        **sections,
+    }  # fmt: skip
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
 def job_config(
     tmp: Path,
     model: str,

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import yaml
+from bench.common import demo_job_file
 
 REPO = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 2
@@ -45,21 +45,10 @@ GPU_MOE = {**TINY_MOE, "hidden_size": 1024, "intermediate_size": 2048,
 
 def _job(tmp: Path, cpu: bool, num_ranks: int) -> Path:
     """The job: 12 steps of a micro-batch of 8 sequences a rank, no accumulation."""
-    demo = REPO / "configs" / "demo"
-    job = {
-        "model": {"config": TINY_MOE if cpu else GPU_MOE, "tokenizer": str(demo / "tokenizer")},
-        "data": {"path": str(demo / "train.jsonl"), "format": "prompt_completion",
-                 "seq_len": 64 if cpu else 512, "cache_dir": str(tmp / "cache")},
-        "train": {"steps": 12, "global_batch_size": 8 * num_ranks, "micro_batch_size": 8,
-                  "lr": 1e-3},
-        "precision": "fp32" if cpu else "bf16",
-        "memory": {"activation_checkpointing": "none"},
-        "run": {"save_final": False, "checkpoint_every": 0},
-        "escalation": {"enabled": False},
-    }  # fmt: skip
-    path = tmp / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return path
+    train = {"steps": 12, "global_batch_size": 8 * num_ranks, "micro_batch_size": 8, "lr": 1e-3}
+    return demo_job_file(tmp, TINY_MOE if cpu else GPU_MOE, 64 if cpu else 512, train,
+                         precision="fp32" if cpu else "bf16",
+                         memory={"activation_checkpointing": "none"})  # fmt: skip
 
 
 def num_ranks(cpu: bool) -> int:

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
+from bench.common import demo_job_file
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = {"model_type": "llama", "vocab_size": 45, "hidden_size": 64, "intermediate_size": 128,
@@ -39,22 +39,12 @@ LLAMA_3B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072,
 
 
 def _job(tmp: Path, cpu: bool) -> Path:
-    demo = REPO / "configs" / "demo"
-    job = {
-        "model": {"config": TINY if cpu else LLAMA_3B, "tokenizer": str(demo / "tokenizer")},
-        "data": {"path": str(demo / "train.jsonl"), "format": "prompt_completion",
-                 "seq_len": 32 if cpu else 2048, "cache_dir": str(tmp / "cache")},
-        "train": {"steps": 2 if cpu else 6, "global_batch_size": 8 if cpu else 16,
-                  "micro_batch_size": 4 if cpu else 8, "lr": 1e-3},
-        "precision": "fp32" if cpu else "bf16",
-        "memory": {"activation_checkpointing": "full"},
-        "hardware": {"device": "cpu" if cpu else "cuda", "devices_per_node": 1},
-        "run": {"save_final": False, "checkpoint_every": 0},
-        "escalation": {"enabled": False},
-    }  # fmt: skip
-    path = tmp / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return path
+    train = {"steps": 2 if cpu else 6, "global_batch_size": 8 if cpu else 16,
+             "micro_batch_size": 4 if cpu else 8, "lr": 1e-3}  # fmt: skip
+    hardware = {"device": "cpu" if cpu else "cuda", "devices_per_node": 1}
+    return demo_job_file(tmp, TINY if cpu else LLAMA_3B, 32 if cpu else 2048, train,
+                         precision="fp32" if cpu else "bf16", hardware=hardware,
+                         memory={"activation_checkpointing": "full"})  # fmt: skip
 
 
 def run_rungs(job: Path, rungs: list[str], tmp: Path) -> list[dict]:
