@@ -136,9 +136,9 @@ def make_batches(model: str, num_micro: int, micro: int, seq: int) -> list[dict[
 def demo_job_file(
     tmp: Path, model_config: dict, seq_len: int, train: dict, **sections: Any
 ) -> Path:
-    """tmp/job.yaml: `model_config` on the demo tokenizer and data (configs/demo/), the data's
-    cache in tmp, no final save, no checkpoints, no escalation (a comparison measures the rungs
-    it names); `sections` beside them (precision, memory, hardware)."""
+    """A job file in `tmp`: `model_config` on the demo tokenizer and data (configs/demo/), the
+    data's cache in tmp, no final save, no checkpoints, no escalation (a comparison measures the
+    rungs it names); `sections` beside them (precision, memory, hardware)."""
     import yaml
 
     demo = Path(__file__).resolve().parent.parent / "configs" / "demo"
