@@ -18,6 +18,7 @@ of the demo model took 125 s beside the fast tier with a thread per core, 13 s a
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,7 +42,7 @@ def main(args: list[str]) -> int:
             fast_rc = fast.wait()
         finally:
             if fast.poll() is None:  # interrupted: the fast tier does not outlive the command
-                os.killpg(fast.pid, 9)
+                os.killpg(fast.pid, signal.SIGKILL)
                 fast.wait()
         log.seek(0)
         print(f"\n{'=' * 30} the fast tier {'=' * 30}", flush=True)
